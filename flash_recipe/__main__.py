@@ -1,0 +1,7 @@
+"""``python -m flash_recipe`` is the ``flash-recipe`` command."""
+
+import sys
+
+from flash_recipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,73 @@
+"""The ``flash-recipe`` command line: ``verify | doctor | recipe | bench | warmup``.
+
+Each subcommand lives in its own module, which exposes two functions:
+
+- ``add_arguments(parser)``: declares the subcommand's options;
+- ``run(args) -> int``: does the work and returns the exit status.
+
+The module is imported only when its subcommand runs, so ``flash-recipe --help`` stays fast and
+works without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS = {
+    "verify": ("flash_recipe.verify", "check every backend against the fp32 reference and print a fingerprint"),
+    "doctor": ("flash_recipe.env.doctor", "diagnose this environment's FlashAttention install and print the fix"),
+    "recipe": ("flash_recipe.env.recipe", "print the recommended install recipe for this environment"),
+    "bench": ("flash_recipe.bench", "measure attention throughput against torch SDPA and other peers"),
+    "warmup": ("flash_recipe.warmup", "compile the Triton kernels for the local GPU ahead of time"),
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flash-recipe")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flash-recipe",
+        description="FlashAttention in Triton: verify, diagnose, install, benchmark.",
+    )
+    parser.add_argument("--version", action="version", version=f"flash-recipe {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, description=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        args = parser.parse_args(argv)  # prints help/version or a usage error
+        parser.print_help()
+        return 2
+    name = argv[0]
+    module_name, help_text = SUBCOMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("flash_recipe"):
+            print(f"flash-recipe {name}: not available in this version ({exc})", file=sys.stderr)
+            return 2
+        raise
+    sub_parser = argparse.ArgumentParser(prog=f"flash-recipe {name}", description=help_text)
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Facts about the machine (probes), upstream wheel naming, and the doctor's rules."""
