@@ -10,16 +10,18 @@ Public names::
 """
 
 from flash_recipe.api import (
+    explain,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     scaled_dot_product_attention,
 )
-from flash_recipe.dispatch import available_backends, explain, use_backend
+from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackendUnavailableError",
     "__version__",
     "available_backends",
     "explain",

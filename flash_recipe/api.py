@@ -1,0 +1,327 @@
+"""Public attention functions: flash-attn 2's ``flash_attn_*`` family and torch's SDPA signature.
+
+This is the only layer that validates input and fills in defaults; it builds an
+``AttentionCall`` and hands it to ``flash_recipe.dispatch``, which picks the backend.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+
+from flash_recipe import dispatch
+from flash_recipe.dispatch import AttentionCall
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True) -> None:
+    """Shapes ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)``; raise on mismatch."""
+    qn, kn, vn = names
+    for name, t in zip(names, (q, k, v)):
+        _check_tensor(name, t, 4, "(batch, seqlen, nheads, headdim)")
+    for name, t in ((kn, k), (vn, v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the same dtype as {qn} ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the same device as {qn} ({q.device}), got {t.device}")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} must have the same batch size as {qn} ({q.shape[0]}), got {t.shape[0]}")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"{vn} must have the same seqlen and nheads as {kn} {tuple(k.shape[1:3])}, got {tuple(v.shape[1:3])}"
+        )
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"{kn} must have the same head dim as {qn} ({q.shape[3]}), got {k.shape[3]}")
+    if same_v_dim and v.shape[3] != q.shape[3]:
+        raise ValueError(f"{vn} must have the same head dim as {qn} ({q.shape[3]}), got {v.shape[3]}")
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(
+            f"the number of query heads ({nheads}) must be a multiple of the number of key/value heads, "
+            f"got {nheads_k}"
+        )
+    head_dim = q.shape[3]
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def _check_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
+    if softmax_scale is None:
+        return head_dim**-0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
+    return float(softmax_scale)
+
+
+def _check_dropout(dropout_p, name: str = "dropout_p") -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def _build_flash_call(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+    return_lse, names=("q", "k", "v"),
+) -> AttentionCall:
+    """Validate flash-attn style arguments; the features of later releases raise NotImplementedError."""
+    _check_qkv(q, k, v, names)
+    for name, t in zip(names, (q, k, v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+    dropout_p = _check_dropout(dropout_p)
+    if dropout_p > 0.0:
+        raise NotImplementedError(f"dropout_p > 0 is not supported yet (only 0.0), got {dropout_p}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be -1 (unbounded) or >= 0, got {tuple(window_size)}")
+    if not (left == -1 and (right == -1 or (causal and right == 0))):
+        raise NotImplementedError(
+            f"window_size other than (-1, -1) is not supported yet (sliding windows come later), got {tuple(window_size)}"
+        )
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if softcap != 0.0:
+        raise NotImplementedError(f"softcap other than 0.0 is not supported yet, got {softcap}")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not supported yet (only None)")
+    return AttentionCall(
+        q=q, k=k, v=v,
+        softmax_scale=_check_scale(softmax_scale, q.shape[-1]),
+        causal=causal,
+        diag_offset=k.shape[1] - q.shape[1],
+        return_lse=bool(return_lse),
+    )
+
+
+def _finish(out, lse, return_attn_probs):
+    if return_attn_probs:
+        # flash-attn returns (out, softmax_lse, S_dmask); S_dmask exists only with dropout.
+        return out, lse, None
+    return out
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Attention with flash-attn 2's signature and semantics.
+
+    Arguments:
+        q: ``(batch_size, seqlen_q, nheads, headdim)``
+        k, v: ``(batch_size, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (MQA/GQA):
+            query heads map to kv heads in contiguous groups, e.g. with 6 query heads and 2 kv
+            heads, query heads 0, 1, 2 use kv head 0 and 3, 4, 5 use kv head 1.
+        dropout_p: must be 0.0 (dropout is not supported yet).
+        softmax_scale: scaling of ``q @ k^T`` before the softmax; default ``1 / sqrt(headdim)``.
+        causal: causal mask aligned to the bottom-right corner. With seqlen_q = 2 and seqlen_k = 5::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            and with seqlen_q = 5, seqlen_k = 2::
+
+                0 0
+                0 0
+                0 0
+                1 0
+                1 1
+
+            A row that sees no key outputs 0 (and gets zero gradients).
+        window_size: must be (-1, -1) (sliding windows are not supported yet).
+        softcap, alibi_slopes: must be 0.0 and None (not supported yet).
+        deterministic: accepted; the backward of the Triton kernels is always deterministic.
+        return_attn_probs: also return the log-sum-exp (testing only).
+
+    Dtypes: float16, bfloat16 and float32 (fp32 is computed in full fp32, never TF32). The last
+    dim of q, k, v must be contiguous; other strides are free, so views of packed tensors work.
+
+    Returns:
+        out: ``(batch_size, seqlen_q, nheads, headdim)``.
+        With ``return_attn_probs``: ``(out, softmax_lse, None)`` where ``softmax_lse`` is
+        ``(batch_size, nheads, seqlen_q)`` float32, the natural-log log-sum-exp of each row of
+        ``q @ k^T * softmax_scale`` (``+inf`` for a row that sees no key).
+    """
+    call = _build_flash_call(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )
+    out, lse = dispatch.run(call)
+    return _finish(out, lse, return_attn_probs)
+
+
+def _check_packed(name: str, t, count: int, layout: str) -> None:
+    _check_tensor(name, t, 5, layout)
+    if t.shape[2] != count:
+        raise ValueError(f"{name} must have size {count} in dimension 2 {layout}, got shape {tuple(t.shape)}")
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """``flash_attn_func`` on a packed ``qkv (batch_size, seqlen, 3, nheads, headdim)``.
+
+    q, k and v are strided views of ``qkv`` (no copy); the gradient flows back into ``qkv``.
+    Returns ``out (batch_size, seqlen, nheads, headdim)``, or ``(out, softmax_lse, None)``.
+    """
+    _check_packed("qkv", qkv, 3, "(batch_size, seqlen, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(dim=2)
+    call = _build_flash_call(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
+    )
+    out, lse = dispatch.run(call)
+    return _finish(out, lse, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """``flash_attn_func`` with ``q (batch_size, seqlen_q, nheads, headdim)`` and a packed
+    ``kv (batch_size, seqlen_k, 2, nheads_k, headdim)``; ``nheads % nheads_k == 0``.
+
+    Returns ``out (batch_size, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse, None)``.
+    """
+    _check_packed("kv", kv, 2, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(dim=2)
+    call = _build_flash_call(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+    )
+    out, lse = dispatch.run(call)
+    return _finish(out, lse, return_attn_probs)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Arguments:
+        query: ``(batch, nheads, seqlen_q, headdim)`` (or without the batch dim).
+        key: ``(batch, nheads_k, seqlen_k, headdim)``; value: ``(batch, nheads_k, seqlen_k, headdim_v)``.
+            ``nheads_k`` must equal ``nheads`` unless ``enable_gqa``, which allows any divisor.
+        attn_mask: bool (True = attend) or additive float mask broadcastable to
+            ``(batch, nheads, seqlen_q, seqlen_k)``; cannot be combined with ``is_causal``.
+        dropout_p: dropout probability, applied as torch applies it (always, not only in training).
+        is_causal: causal mask aligned to the top-left corner, as torch defines it: query ``i``
+            sees keys ``0..i``.
+        scale: defaults to ``1 / sqrt(headdim)``.
+
+    Returns:
+        ``(batch, nheads, seqlen_q, headdim_v)``, a view in torch's layout. Calls that the Triton
+        kernels support (no attn_mask, no dropout) run there on a GPU; the rest go to torch.
+    """
+    names = ("query", "key", "value")
+    tensors = (query, key, value)
+    for name, t in zip(names, tensors):
+        if isinstance(t, torch.Tensor) and t.dim() == 3:
+            continue
+        _check_tensor(name, t, 4, "(batch, nheads, seqlen, headdim)")
+    unbatched = all(t.dim() == 3 for t in tensors)
+    if unbatched:
+        query, key, value = (t.unsqueeze(0) for t in tensors)
+    # flash layout views; a non-contiguous last dim is copied, as torch itself would.
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    _check_qkv(q, k, v, names, same_v_dim=False)
+    if not enable_gqa and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"key must have as many heads as query ({q.shape[2]}) unless enable_gqa=True, got {k.shape[2]}"
+        )
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot be used together")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            raise TypeError(f"attn_mask must be bool or have the query's dtype ({q.dtype}), got {attn_mask.dtype}")
+    call = AttentionCall(
+        q=q, k=k, v=v,
+        softmax_scale=_check_scale(scale, q.shape[-1], name="scale"),
+        causal=bool(is_causal),
+        diag_offset=0,
+        attn_mask=attn_mask,
+        dropout_p=_check_dropout(dropout_p),
+    )
+    out, _ = dispatch.run(call)
+    out = out.transpose(1, 2)
+    return out.squeeze(0) if unbatched else out
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> dict[str, Optional[str]]:
+    """Which backends can run ``flash_attn_func(q, k, v, **kwargs)``, and why the others cannot.
+
+    Returns a dict in priority order: backend name -> None (it can run the call) or the reason.
+    The backend that would run is the first with None, unless one is chosen explicitly.
+    """
+    options = dict(
+        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+        alibi_slopes=None, deterministic=False, return_attn_probs=False,
+    )
+    unknown = set(kwargs) - set(options)
+    if unknown:
+        raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}; allowed: {sorted(options)}")
+    options.update(kwargs)
+    call = _build_flash_call(
+        q, k, v, options["dropout_p"], options["softmax_scale"], options["causal"], options["window_size"],
+        options["softcap"], options["alibi_slopes"], options["deterministic"], options["return_attn_probs"],
+    )
+    return dispatch.explain_call(call)

@@ -1,0 +1,308 @@
+"""Backend registry and selection.
+
+A backend answers two questions: ``is_available()`` (can it run on this machine at all?) and
+``supports(call)`` (can it run this call?); each returns ``None`` for yes or a short reason for
+no. Automatic selection walks ``BACKENDS`` in priority order and takes the first that can run.
+An explicit choice (``use_backend("triton")`` or ``FLASH_RECIPE_BACKEND=triton``) that cannot run
+raises ``BackendUnavailableError`` listing the reason. The same reasons feed ``explain()`` and
+``flash-recipe doctor``.
+
+Nothing here imports Triton or flash-attn, compiles or probes anything until a call needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from flash_recipe.ops.configs import interpreter_enabled
+
+ENV_VAR = "FLASH_RECIPE_BACKEND"
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class BackendUnavailableError(NotImplementedError):
+    """The backend chosen explicitly cannot run this call (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One attention call in flash-attn's layout, validated by ``flash_recipe.api``.
+
+    ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)``; with ``causal``, query ``i``
+    sees key ``j`` iff ``j <= i + diag_offset``. ``attn_mask`` (broadcastable to ``(B, H, Sq, Sk)``)
+    and ``dropout_p`` come from the SDPA API only. ``return_lse`` asks for the log-sum-exp.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    softmax_scale: float
+    causal: bool = False
+    diag_offset: int = 0
+    attn_mask: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    return_lse: bool = False
+
+
+class Backend:
+    """Base class: subclasses set ``name`` and implement the three methods."""
+
+    name = ""
+
+    def is_available(self) -> Optional[str]:
+        return None
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        raise NotImplementedError
+
+    def run(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Return ``out (B, Sq, H, Dv)`` in q's dtype and, if asked, ``lse (B, H, Sq)`` float32."""
+        raise NotImplementedError
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error(module: str) -> Optional[str]:
+    """None if ``module`` imports, else the error as text (cached: imports are costly)."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # a broken install raises anything from ImportError to OSError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class TritonBackend(Backend):
+    """This package's Triton kernels (``flash_recipe.ops``)."""
+
+    name = "triton"
+
+    def is_available(self) -> Optional[str]:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (Triton publishes wheels for Linux x86_64 and aarch64 only)"
+        error = _import_error("triton")
+        return None if error is None else f"triton fails to import: {error}"
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        q, k, v = call.q, call.k, call.v
+        if q.device.type == "cpu":
+            if not interpreter_enabled():
+                return "tensors are on the CPU; Triton runs there only through its interpreter (TRITON_INTERPRET=1)"
+            if q.dtype == torch.bfloat16:
+                return "the Triton interpreter computes bfloat16 dot products incorrectly; use float16 or float32 on the CPU"
+        elif q.device.type == "cuda":
+            if torch.version.hip is None:
+                major, minor = _device_capability(q.device)
+                if major < 8:
+                    return f"GPU compute capability {major}.{minor} is below 8.0 (Ampere); these kernels need sm80 or newer"
+        else:
+            return f"device type {q.device.type!r} is not supported (cuda or, with the interpreter, cpu)"
+        if v.shape[-1] != q.shape[-1]:
+            return f"value head dim {v.shape[-1]} differs from query head dim {q.shape[-1]}"
+        if q.shape[-1] > 256:
+            return f"head dim {q.shape[-1]} is above 256"
+        if call.attn_mask is not None:
+            return "an explicit attn_mask is not supported (causal masking is)"
+        if call.dropout_p > 0.0:
+            return f"dropout_p={call.dropout_p} is not supported yet (only 0.0)"
+        if any(t.stride(-1) != 1 for t in (q, k, v)):
+            return "the last dimension of q, k and v must be contiguous"
+        return None
+
+    def run(self, call: AttentionCall):
+        from flash_recipe.ops.attention import attention
+
+        out, lse = attention(call.q, call.k, call.v, call.softmax_scale, call.causal, call.diag_offset)
+        return out, lse
+
+
+class FlashAttnBackend(Backend):
+    """The upstream flash-attn 2 package, when installed and its compiled kernels load."""
+
+    name = "flash_attn"
+
+    def is_available(self) -> Optional[str]:
+        if importlib.util.find_spec("flash_attn") is None:
+            return "flash_attn is not installed"
+        error = _import_error("flash_attn_2_cuda")
+        if error is not None:
+            return f"flash_attn is installed but its compiled module does not load ({error})"
+        return None
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        q, k, v = call.q, call.k, call.v
+        if q.device.type != "cuda" or torch.version.hip is not None:
+            return "flash_attn runs on NVIDIA GPUs only"
+        if q.dtype not in HALF_DTYPES:
+            return f"flash_attn supports float16 and bfloat16 only, got {q.dtype}"
+        major, minor = _device_capability(q.device)
+        if major < 8:
+            return f"flash_attn 2 needs compute capability 8.0 or newer, this GPU has {major}.{minor}"
+        if v.shape[-1] != q.shape[-1] or q.shape[-1] > 256:
+            return "flash_attn needs equal query and value head dims of at most 256"
+        if call.causal and call.diag_offset != k.shape[1] - q.shape[1]:
+            return "flash_attn aligns the causal mask bottom-right only"
+        if call.attn_mask is not None:
+            return "flash_attn takes no explicit attn_mask"
+        if any(t.stride(-1) != 1 for t in (q, k, v)):
+            return "the last dimension of q, k and v must be contiguous"
+        return None
+
+    def run(self, call: AttentionCall):
+        import flash_attn
+
+        result = flash_attn.flash_attn_func(
+            call.q, call.k, call.v, dropout_p=call.dropout_p, softmax_scale=call.softmax_scale,
+            causal=call.causal, return_attn_probs=call.return_lse,
+        )
+        if call.return_lse:
+            return result[0], result[1]
+        return result, None
+
+
+class SdpaBackend(Backend):
+    """``torch.nn.functional.scaled_dot_product_attention`` (torch picks its own kernel)."""
+
+    name = "sdpa"
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        if call.return_lse:
+            return "torch SDPA does not return the log-sum-exp"
+        return None
+
+    def run(self, call: AttentionCall):
+        q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # (B, H, S, D) views
+        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+        mask, is_causal = call.attn_mask, False
+        if call.causal:
+            if call.diag_offset == 0 and mask is None:
+                is_causal = True
+            else:
+                visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(call.diag_offset)
+                mask = visible if mask is None else _combine_masks(visible, mask)
+        if q.shape[1] != k.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.softmax_scale
+        ).transpose(1, 2)
+        if call.causal and call.diag_offset < 0:
+            # Rows that see no key: some torch kernels give NaN there, flash-attn gives 0.
+            empty = min(-call.diag_offset, seqlen_q)
+            out = torch.cat([out.new_zeros(out[:, :empty].shape), out[:, empty:]], dim=1)
+        return out, None
+
+
+def _combine_masks(visible: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask & visible
+    return mask.masked_fill(~visible, float("-inf"))
+
+
+class ReferenceBackend(Backend):
+    """``flash_recipe.reference`` in fp32 (fp64 for fp32 inputs): slow, always correct."""
+
+    name = "reference"
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        return None
+
+    def run(self, call: AttentionCall):
+        from flash_recipe.reference import attention_reference
+
+        out, lse = attention_reference(
+            call.q, call.k, call.v, call.softmax_scale, call.causal, call.diag_offset,
+            attn_mask=call.attn_mask, dropout_p=call.dropout_p,
+        )
+        return out.to(call.q.dtype), (lse if call.return_lse else None)
+
+
+# Priority order for automatic selection.
+BACKENDS: list[Backend] = [FlashAttnBackend(), TritonBackend(), SdpaBackend(), ReferenceBackend()]
+_BY_NAME = {backend.name: backend for backend in BACKENDS}
+_forced: list[Optional[str]] = []
+
+
+def backend_names() -> list[str]:
+    return [backend.name for backend in BACKENDS]
+
+
+def _check_name(name: str) -> str:
+    if name not in _BY_NAME:
+        raise ValueError(f"backend must be one of {backend_names()} or 'auto', got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: Optional[str]) -> Iterator[None]:
+    """Run the calls inside the ``with`` block on backend ``name`` (``None`` or ``"auto"``: automatic).
+
+    Takes precedence over the ``FLASH_RECIPE_BACKEND`` environment variable. A call that the
+    chosen backend cannot run raises ``BackendUnavailableError`` with the reason.
+    """
+    _forced.append(None if name in (None, "auto") else _check_name(name))
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def forced_backend() -> Optional[str]:
+    """The explicitly chosen backend, from ``use_backend`` or ``FLASH_RECIPE_BACKEND``, or None."""
+    if _forced:
+        return _forced[-1]
+    name = os.environ.get(ENV_VAR, "").strip()
+    if name in ("", "auto"):
+        return None
+    if name not in _BY_NAME:
+        raise ValueError(f"{ENV_VAR} must be one of {backend_names()} or 'auto', got {name!r}")
+    return name
+
+
+def reason(backend: Backend, call: AttentionCall) -> Optional[str]:
+    """Why ``backend`` cannot run ``call`` (None if it can)."""
+    return backend.is_available() or backend.supports(call)
+
+
+def explain_call(call: AttentionCall) -> dict[str, Optional[str]]:
+    """Per backend, in priority order: None if it can run ``call``, else the reason."""
+    return {backend.name: reason(backend, call) for backend in BACKENDS}
+
+
+def select(call: AttentionCall) -> Backend:
+    """The backend that runs ``call``: the forced one (or an error), else the first that can."""
+    name = forced_backend()
+    if name is not None:
+        backend = _BY_NAME[name]
+        why = reason(backend, call)
+        if why is not None:
+            raise BackendUnavailableError(f"backend {name!r} cannot run this call: {why}")
+        return backend
+    for backend in BACKENDS:
+        if reason(backend, call) is None:
+            return backend
+    raise BackendUnavailableError(f"no backend can run this call: {explain_call(call)}")  # reference always can
+
+
+def run(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    return select(call).run(call)
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run on this machine (for some call), in priority order."""
+    return [backend.name for backend in BACKENDS if backend.is_available() is None]

@@ -1,0 +1,401 @@
+"""Facts about this machine, each read by its own probe.
+
+Every probe is a function returning a dict of facts. :func:`collect` runs them one by one and
+catches anything a probe raises, recording ``{"error": "..."}`` for it, so one failing probe
+(no torch, no driver, a broken flash-attn) never stops the others. Nothing here imports torch at
+module level; probes that need it import it inside and report when it is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from typing import Any, Callable, Optional
+
+from flash_recipe.env.distinfo import distribution_info
+
+# Environment variables that change how flash-attn's setup.py or torch's extension builder behave.
+BUILD_ENV_VARS = (
+    "FLASH_ATTENTION_FORCE_BUILD",
+    "FLASH_ATTENTION_SKIP_CUDA_BUILD",
+    "FLASH_ATTENTION_FORCE_CXX11_ABI",
+    "FLASH_ATTN_CUDA_ARCHS",
+    "MAX_JOBS",
+    "NVCC_THREADS",
+    "CUDA_HOME",
+    "CUDA_PATH",
+    "TORCH_CUDA_ARCH_LIST",
+    "PIP_NO_BUILD_ISOLATION",
+    "UV_NO_BUILD_ISOLATION",
+)
+
+# Packages flash-attn's setup.py imports once build isolation is off (facts: #453, #520, #1761).
+BUILD_TOOLS = ("packaging", "wheel", "setuptools", "psutil", "ninja")
+
+_SUBPROCESS_TIMEOUT = 60.0
+
+
+def _run(cmd: list[str], timeout: float = 20.0, env: Optional[dict[str, str]] = None) -> tuple[int, str]:
+    """Run ``cmd`` and return (exit status, stdout+stderr); (127, reason) when it cannot start."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return 127, f"{type(exc).__name__}: {exc}"
+    return proc.returncode, (proc.stdout or "") + (proc.stderr or "")
+
+
+def probe_platform() -> dict[str, Any]:
+    """OS, architecture, C library, Python version and ABI tag, interpreter and environment."""
+    libc, libc_version = platform.libc_ver()
+    abi = sysconfig.get_config_var("SOABI") or ""
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        tag += "t"
+    machine = platform.machine()
+    system = sys.platform
+    if system.startswith("linux"):
+        wheel_platform = f"linux_{machine}"
+    elif system == "win32":
+        wheel_platform = "win_amd64"
+    elif system == "darwin":
+        wheel_platform = f"macosx_{machine}"
+    else:
+        wheel_platform = system
+    return {
+        "os": platform.system(),
+        "machine": machine,
+        "libc": libc or None,
+        "libc_version": libc_version or None,
+        "python": platform.python_version(),
+        "python_tag": tag,
+        "soabi": abi or None,
+        "implementation": sys.implementation.name,
+        "executable": sys.executable,
+        "virtualenv": sys.prefix != getattr(sys, "base_prefix", sys.prefix),
+        "wheel_platform": wheel_platform,
+        "cpu_count": os.cpu_count(),
+        "mem_available_gib": _mem_available_gib(),
+    }
+
+
+def _mem_available_gib() -> Optional[float]:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return round(int(line.split()[1]) / (1024 * 1024), 1)
+    except OSError:
+        return None
+    return None
+
+
+def probe_torch() -> dict[str, Any]:
+    """torch's version, CUDA / HIP build, C++11 ABI flag, and whether a GPU is usable."""
+    dist = distribution_info("torch")
+    out: dict[str, Any] = {"installed": dist["installed"], "version": dist.get("version")}
+    if not dist["installed"]:
+        return out
+    try:
+        import torch
+    except Exception as exc:  # a torch that is installed but cannot import is a fact, not a crash
+        out["import_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    out["version"] = torch.__version__
+    out["cuda"] = getattr(torch.version, "cuda", None)
+    out["hip"] = getattr(torch.version, "hip", None)
+    out["cxx11abi"] = bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+    out["build"] = "cuda" if out["cuda"] else ("rocm" if out["hip"] else "cpu")
+    try:
+        out["cuda_available"] = bool(torch.cuda.is_available())
+        out["device_count"] = torch.cuda.device_count() if out["cuda_available"] else 0
+    except Exception as exc:
+        out["cuda_available"] = False
+        out["device_count"] = 0
+        out["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def probe_gpus() -> dict[str, Any]:
+    """Each GPU's name, compute capability, shared memory per block; the driver version.
+
+    Read through torch when it has a usable GPU; otherwise through ``nvidia-smi`` (which knows the
+    driver even when torch is missing or CPU-only).
+    """
+    out: dict[str, Any] = {"devices": [], "driver": None, "driver_cuda": None, "source": None}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        code, text = _run([smi])
+        match = re.search(r"Driver Version:\s*([\d.]+)", text)
+        if match:
+            out["driver"] = match.group(1)
+        match = re.search(r"CUDA Version:\s*([\d.]+)", text)
+        if match:
+            out["driver_cuda"] = match.group(1)
+        code, text = _run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"])
+        if code == 0:
+            for line in text.strip().splitlines():
+                name, _, cap = line.rpartition(",")
+                try:
+                    major, minor = (int(x) for x in cap.strip().split("."))
+                except ValueError:
+                    continue
+                out["devices"].append({"name": name.strip(), "capability": [major, minor], "shared_memory_per_block": None})
+            out["source"] = "nvidia-smi"
+    elif os.path.exists("/proc/driver/nvidia/version"):
+        with open("/proc/driver/nvidia/version", encoding="utf-8", errors="replace") as handle:
+            match = re.search(r"Kernel Module\s+([\d.]+)", handle.read())
+        if match:
+            out["driver"] = match.group(1)
+    if not distribution_info("torch")["installed"]:
+        return out
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return out
+        devices = []
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            devices.append(
+                {
+                    "name": props.name,
+                    "capability": [props.major, props.minor],
+                    "shared_memory_per_block": getattr(props, "shared_memory_per_block_optin", None)
+                    or getattr(props, "shared_memory_per_block", None),
+                    "total_memory_gib": round(props.total_memory / 2**30, 1),
+                }
+            )
+        out["devices"] = devices
+        out["source"] = "torch"
+    except Exception as exc:
+        out["torch_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def probe_nvcc() -> dict[str, Any]:
+    """Where nvcc is and which CUDA release it is; CUDA_HOME as torch's extension builder sees it."""
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = []
+    if cuda_home:
+        candidates.append(os.path.join(cuda_home, "bin", "nvcc"))
+    found = shutil.which("nvcc")
+    if found:
+        candidates.append(found)
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    path = next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
+    out: dict[str, Any] = {"path": path, "version": None, "cuda_home": cuda_home, "on_path": found is not None}
+    if path:
+        code, text = _run([path, "--version"])
+        match = re.search(r"release (\d+\.\d+)", text)
+        out["version"] = match.group(1) if match else None
+        if not match:
+            out["error"] = text.strip().splitlines()[-1] if text.strip() else f"exit status {code}"
+    return out
+
+
+def probe_triton() -> dict[str, Any]:
+    """Triton's version and the GPU target it would compile for (none without a GPU)."""
+    dist = distribution_info("triton")
+    out: dict[str, Any] = {"installed": dist["installed"], "version": dist.get("version"), "target": None}
+    if not dist["installed"]:
+        return out
+    try:
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+        out["target"] = f"{target.backend}:{target.arch}"
+    except Exception as exc:
+        out["target_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return out
+
+
+def probe_build_tools() -> dict[str, Any]:
+    """ninja on PATH and the Python build tools a non-isolated flash-attn build imports."""
+    ninja = shutil.which("ninja")
+    version = None
+    if ninja:
+        code, text = _run([ninja, "--version"])
+        version = text.strip() if code == 0 else None
+    packages = {name: distribution_info(name).get("version") for name in BUILD_TOOLS}
+    return {
+        "ninja": ninja,
+        "ninja_version": version,
+        "packages": packages,
+        "missing": [name for name, ver in packages.items() if ver is None],
+    }
+
+
+def probe_env_vars() -> dict[str, Any]:
+    """The build-related environment variables that are set, verbatim."""
+    return {name: os.environ[name] for name in BUILD_ENV_VARS if name in os.environ}
+
+
+# Run in a child process so that a compiled module that crashes on import cannot take the doctor
+# down with it. torch is imported first, as flash_attn itself does, so that c10's symbols resolve.
+_LOAD_SCRIPT = r"""
+import json, sys
+out = {}
+try:
+    import torch  # noqa: F401
+except Exception as exc:
+    out["torch"] = f"{type(exc).__name__}: {exc}"
+for name in ("flash_attn_2_cuda", "flash_attn"):
+    try:
+        __import__(name)
+        out[name] = None
+    except BaseException as exc:
+        out[name] = f"{type(exc).__name__}: {exc}"
+print("\n" + json.dumps(out))
+"""
+
+
+def probe_flash_attn(load: bool = True) -> dict[str, Any]:
+    """Upstream flash-attn: installed or not, versions, wheel tags, compiled module, installer."""
+    dist = distribution_info("flash-attn")
+    out: dict[str, Any] = dict(dist)
+    if not dist["installed"]:
+        return out
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("flash-attn").files or []
+        d = metadata.distribution("flash-attn")
+        wheel_meta = d.read_text("WHEEL") or ""
+    except Exception:  # pragma: no cover - the distribution vanished between two reads
+        files, wheel_meta = [], ""
+    out["wheel_tags"] = re.findall(r"^Tag:\s*(\S+)", wheel_meta, re.MULTILINE)
+    out["extension_files"] = sorted(str(f) for f in files if re.match(r"^flash_attn_2_cuda.*\.(so|pyd)$", str(f)))
+    url = dist.get("direct_url") or ""
+    name = url.rstrip("/").rsplit("/", 1)[-1].replace("%2B", "+") if url.endswith(".whl") else None
+    out["wheel_filename"] = name
+    if name:
+        from flash_recipe.env.wheels import parse_wheel_filename
+
+        try:
+            out["wheel_name_parts"] = parse_wheel_filename(name)
+        except ValueError:
+            out["wheel_name_parts"] = None
+    if load:
+        env = dict(os.environ)
+        code, text = _run([sys.executable, "-c", _LOAD_SCRIPT], timeout=_SUBPROCESS_TIMEOUT, env=env)
+        tail = text.strip().splitlines()[-1] if text.strip() else ""
+        try:
+            import json
+
+            result = json.loads(tail)
+        except ValueError:
+            result = {"flash_attn_2_cuda": f"the import check exited with status {code}: {text.strip()[-300:]}"}
+        out["module_error"] = result.get("flash_attn_2_cuda")
+        out["package_error"] = result.get("flash_attn")
+        out["loads"] = result.get("flash_attn_2_cuda") is None
+    return out
+
+
+def probe_flex() -> dict[str, Any]:
+    """What FlexAttention needs: torch >= 2.5 (the module), a CUDA device; it has no build step."""
+    out: dict[str, Any] = {"module": False, "torch_ok": False, "device": False}
+    dist = distribution_info("torch")
+    if not dist["installed"]:
+        out["reason"] = "torch is not installed"
+        return out
+    match = re.match(r"^(\d+)\.(\d+)", dist["version"])
+    out["torch_ok"] = bool(match) and (int(match.group(1)), int(match.group(2))) >= (2, 5)
+    try:
+        import importlib
+
+        importlib.import_module("torch.nn.attention.flex_attention")
+        out["module"] = True
+    except Exception as exc:
+        out["module_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        import torch
+
+        out["device"] = bool(torch.cuda.is_available())
+    except Exception as exc:
+        out["device_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def probe_backends() -> dict[str, Any]:
+    """Which flash_recipe backends can run here, and why not, for a small fp16 causal call."""
+    from flash_recipe.dispatch import BACKENDS
+
+    availability = {}
+    for backend in BACKENDS:
+        try:
+            availability[backend.name] = backend.is_available()
+        except Exception as exc:
+            availability[backend.name] = f"is_available() raised {type(exc).__name__}: {exc}"
+    out: dict[str, Any] = {"available": availability}
+    import torch
+
+    from flash_recipe import explain
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.zeros(1, 16, 2, 64, dtype=torch.float16, device=device)
+    out["call"] = f"q, k, v of shape (1, 16, 2, 64), float16, on {device}, causal=True"
+    out["explain"] = explain(q, q, q, causal=True)
+    return out
+
+
+def probe_network(url: Optional[str] = None, timeout: float = 5.0) -> dict[str, Any]:
+    """Whether the upstream release download host answers (only run when asked: it goes online)."""
+    import urllib.error
+    import urllib.request
+
+    target = url or "https://github.com/Dao-AILab/flash-attention/releases"
+    start = time.monotonic()
+    try:
+        request = urllib.request.Request(target, method="HEAD")
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - fixed https/http URL
+            status = response.status
+        return {"url": target, "reachable": True, "status": status, "seconds": round(time.monotonic() - start, 2)}
+    except urllib.error.HTTPError as exc:
+        # the host answered: the network path works even if this file does not exist
+        return {"url": target, "reachable": True, "status": exc.code, "seconds": round(time.monotonic() - start, 2)}
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return {"url": target, "reachable": False, "error": f"{type(exc).__name__}: {reason}"}
+
+
+PROBES: dict[str, Callable[[], dict[str, Any]]] = {
+    "platform": probe_platform,
+    "torch": probe_torch,
+    "gpus": probe_gpus,
+    "nvcc": probe_nvcc,
+    "triton": probe_triton,
+    "build": probe_build_tools,
+    "env": probe_env_vars,
+    "flash_attn": probe_flash_attn,
+    "flex": probe_flex,
+    "backends": probe_backends,
+}
+
+
+def run_probe(name: str, probe: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one probe; whatever it raises becomes ``{"error": ...}`` instead of propagating."""
+    try:
+        return probe()
+    except BaseException as exc:  # noqa: BLE001 - isolation is the point; KeyboardInterrupt still ends the run
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return {"error": f"{type(exc).__name__}: {exc}".strip()[:500]}
+
+
+def collect(names: Optional[list[str]] = None, extra: Optional[dict[str, Callable[[], dict[str, Any]]]] = None) -> dict[str, Any]:
+    """Run the probes named in ``names`` (all by default) plus ``extra``; returns name -> facts."""
+    probes = dict(PROBES)
+    if extra:
+        probes.update(extra)
+    if names is not None:
+        unknown = sorted(set(names) - set(probes))
+        if unknown:
+            raise ValueError(f"names must be among {sorted(probes)}, got unknown {unknown}")
+        probes = {name: probes[name] for name in names}
+    return {name: run_probe(name, probe) for name, probe in probes.items()}

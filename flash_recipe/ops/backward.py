@@ -1,0 +1,314 @@
+"""FlashAttention-2 backward by recomputation.
+
+Shapes (legend as in ``forward``)::
+
+    dout, q, out (B, Sq, H, D)   k, v (B, Sk, Hk, D)   lse (B, H, Sq) float32
+        ->   dq (B, Sq, H, D)   dk, dv (B, Sk, Hk, D)
+
+Three kernels, none of which uses atomics, so gradients are bit-identical from run to run:
+
+1. ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dout * out)``, ``(B, H, Sq)`` float32.
+2. ``attn_bwd_dkdv_kernel``: one program per ``BLOCK_N`` keys of one kv head; it walks the query
+   blocks of every query head in that head's group, recomputing ``P = exp(S - lse)``, and
+   accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``.
+3. ``attn_bwd_dq_kernel``: one program per ``BLOCK_M`` queries of one head; ``dQ += dS K``.
+
+Probabilities are recomputed as ``exp2(S * scale * log2(e) - lse * log2(e))``; a row whose lse
+is +inf (it saw no key) gets P = 0 and so zero gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from flash_recipe.ops import configs
+from flash_recipe.ops.forward import LOG2E, dot_precision
+from flash_recipe.ops.tiles import key_range, load_tile, store_tile
+
+
+@triton.heuristics({"EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    nheads, seqlen_q, head_dim,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+):
+    """Grid ``(cdiv(Sq, BLOCK_M), H, B)``: ``DELTA[b, h, i] = sum_d O[b, i, h, d] * DO[b, i, h, d]``."""
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    q_start = i_m * BLOCK_M
+    o_r = tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_base = O + i_b * stride_ob + i_h.to(tl.int64) * stride_oh
+    do_base = DO + i_b * stride_dob + i_h.to(tl.int64) * stride_doh
+    b_o = load_tile(o_base, q_start, stride_om, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D).to(tl.float32)
+    b_do = load_tile(do_base, q_start, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D).to(tl.float32)
+    b_delta = tl.sum(b_o * b_do, 1)  # [BLOCK_M]
+    p_delta = DELTA + (i_b * nheads + i_h) * seqlen_q + q_start + o_r
+    if EVEN_M:
+        tl.store(p_delta, b_delta)
+    else:
+        tl.store(p_delta, b_delta, mask=q_start + o_r < seqlen_q)
+
+
+@triton.jit
+def _dkdv_inner(
+    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+    seqlen_q, head_dim, diag_offset, qk_scale, o_n, o_r, o_d, start, end,
+    MASKED: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate one head's contribution from query rows ``[start, end)``; ``MASKED``: causal mask."""
+    for start_m in range(start, end, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        o_m = start_m + o_r  # query rows [BLOCK_M]
+        b_q = load_tile(q_base, start_m, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
+        b_do = load_tile(do_base, start_m, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
+        # Rows past seqlen_q load q = dO = 0, lse = delta = 0: their P is 1 but dV and dK get 0 from them.
+        if EVEN_M:
+            b_lse = tl.load(lse_base + o_m) * 1.4426950408889634  # [BLOCK_M], base 2
+            b_delta = tl.load(delta_base + o_m)  # [BLOCK_M]
+        else:
+            b_lse = tl.load(lse_base + o_m, mask=o_m < seqlen_q, other=0.0) * 1.4426950408889634
+            b_delta = tl.load(delta_base + o_m, mask=o_m < seqlen_q, other=0.0)
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        b_pt = tl.math.exp2(b_st - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED:
+            b_pt = tl.where(o_n[:, None] <= o_m[None, :] + diag_offset, b_pt, 0.0)
+        b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PRECISION)
+        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
+        b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PRECISION)
+    return b_dk, b_dv
+
+
+@triton.heuristics(
+    {
+        "EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0,
+        "EVEN_N": lambda a: a["seqlen_k"] % a["BLOCK_N"] == 0,
+        "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
+    }
+)
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
+    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head."""
+    i_n = tl.program_id(0)
+    i_hk = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    k_start = i_n * BLOCK_N
+    o_n = k_start + tl.arange(0, BLOCK_N)  # key rows [BLOCK_N]
+    o_c = tl.arange(0, BLOCK_N)
+    o_r = tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+
+    k_base = K + i_b * stride_kb + i_hk.to(tl.int64) * stride_kh
+    v_base = V + i_b * stride_vb + i_hk.to(tl.int64) * stride_vh
+    b_k = load_tile(k_base, k_start, stride_kn, seqlen_k, head_dim, o_c, o_d, not EVEN_N, MASK_D)  # [BLOCK_N, BLOCK_D]
+    b_v = load_tile(v_base, k_start, stride_vn, seqlen_k, head_dim, o_c, o_d, not EVEN_N, MASK_D)  # [BLOCK_N, BLOCK_D]
+    b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    m_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        # Query i sees key j iff i >= j - diag_offset: the first row that sees this block's first
+        # key, and the first row from which every row sees all of its keys.
+        first = tl.minimum(tl.maximum(k_start - diag_offset, 0), m_end)
+        first = (first // BLOCK_M) * BLOCK_M
+        full = tl.minimum(tl.maximum(k_start + BLOCK_N - 1 - diag_offset, 0), m_end)
+        full = tl.cdiv(full, BLOCK_M) * BLOCK_M
+    else:
+        first = 0
+        full = 0
+
+    for g in range(0, group_size):
+        i_h = (i_hk * group_size + g).to(tl.int64)
+        q_base = Q + i_b * stride_qb + i_h * stride_qh
+        do_base = DO + i_b * stride_dob + i_h * stride_doh
+        lse_base = LSE + (i_b * nheads + i_h) * seqlen_q
+        delta_base = DELTA + (i_b * nheads + i_h) * seqlen_q
+        # The diagonal blocks, masked; then the blocks below the diagonal, unmasked.
+        b_dk, b_dv = _dkdv_inner(
+            b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+            seqlen_q, head_dim, diag_offset, qk_scale, o_n, o_r, o_d, first, full,
+            True, EVEN_M, MASK_D, BLOCK_M, DOT_PRECISION,
+        )
+        b_dk, b_dv = _dkdv_inner(
+            b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+            seqlen_q, head_dim, diag_offset, qk_scale, o_n, o_r, o_d, full, m_end,
+            False, EVEN_M, MASK_D, BLOCK_M, DOT_PRECISION,
+        )
+
+    dk_base = DK + i_b * stride_dkb + i_hk.to(tl.int64) * stride_dkh
+    dv_base = DV + i_b * stride_dvb + i_hk.to(tl.int64) * stride_dvh
+    store_tile(dk_base, k_start, stride_dkn, seqlen_k, head_dim, o_c, o_d, b_dk * softmax_scale, not EVEN_N, MASK_D)
+    store_tile(dv_base, k_start, stride_dvn, seqlen_k, head_dim, o_c, o_d, b_dv, not EVEN_N, MASK_D)
+
+
+@triton.jit
+def _dq_inner(
+    b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
+    qk_scale, o_m, o_n, o_d, start, end,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the seqlen and causal masks."""
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_p = tl.math.exp2(b_s - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            m_valid = (start_n + o_n)[None, :] < seqlen_k
+            if IS_CAUSAL:
+                m_valid = m_valid & ((start_n + o_n)[None, :] <= o_m[:, None] + diag_offset)
+            b_p = tl.where(m_valid, b_p, 0.0)
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
+        b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=DOT_PRECISION)
+    return b_dq
+
+
+@triton.heuristics({"EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
+    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, MASK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(cdiv(Sq, BLOCK_M), H, B)``."""
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    i_hk = i_h // group_size
+    q_start = i_m * BLOCK_M
+    o_m = q_start + tl.arange(0, BLOCK_M)  # query rows [BLOCK_M]
+    o_r = tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+
+    q_base = Q + i_b * stride_qb + i_h.to(tl.int64) * stride_qh
+    do_base = DO + i_b * stride_dob + i_h.to(tl.int64) * stride_doh
+    k_base = K + i_b * stride_kb + i_hk.to(tl.int64) * stride_kh
+    v_base = V + i_b * stride_vb + i_hk.to(tl.int64) * stride_vh
+    b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
+    b_do = load_tile(do_base, q_start, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
+    row_base = (i_b * nheads + i_h) * seqlen_q
+    if EVEN_M:
+        b_lse = tl.load(LSE + row_base + o_m) * 1.4426950408889634  # [BLOCK_M], base 2
+        b_delta = tl.load(DELTA + row_base + o_m)  # [BLOCK_M]
+    else:
+        b_lse = tl.load(LSE + row_base + o_m, mask=o_m < seqlen_q, other=0.0) * 1.4426950408889634
+        b_delta = tl.load(DELTA + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
+    b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    full_end, end = key_range(q_start, seqlen_k, diag_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    b_dq = _dq_inner(
+        b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
+        qk_scale, o_m, o_n, o_d, 0, full_end,
+        False, IS_CAUSAL, MASK_D, BLOCK_N, DOT_PRECISION,
+    )
+    b_dq = _dq_inner(
+        b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
+        qk_scale, o_m, o_n, o_d, full_end, end,
+        True, IS_CAUSAL, MASK_D, BLOCK_N, DOT_PRECISION,
+    )
+    dq_base = DQ + i_b * stride_dqb + i_h.to(tl.int64) * stride_dqh
+    store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * softmax_scale, not EVEN_M, MASK_D)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    diag_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the three backward kernels.
+
+    Args:
+        dout, q, out: ``(B, Sq, H, D)``; k, v: ``(B, Sk, Hk, D)``; lse: ``(B, H, Sq)`` float32 as
+            returned by ``attention_forward`` with the same ``softmax_scale``, ``causal`` and
+            ``diag_offset``. ``dout`` may have any strides.
+
+    Returns:
+        ``dq (B, Sq, H, D)``, ``dk (B, Sk, Hk, D)``, ``dv (B, Sk, Hk, D)``, contiguous, in q's dtype.
+    """
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    target = configs.target_of(q.device)
+    block_d = configs.head_dim_bucket(head_dim)
+    precision = dot_precision(q.dtype)
+    group_size = nheads // nheads_k
+    qk_scale = softmax_scale * LOG2E
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        pre_m = 64
+        attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_m), nheads, batch)](
+            out, dout, delta,
+            out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            nheads, seqlen_q, head_dim,
+            BLOCK_M=pre_m, BLOCK_D=block_d,
+        )
+        cfg = configs.get_config(target, "bwd_dkdv", head_dim, q.element_size())
+        attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_k, batch)](
+            q, k, v, dout, lse, delta, dk, dv,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
+            IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        cfg = configs.get_config(target, "bwd_dq", head_dim, q.element_size())
+        attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
+            q, k, v, dout, lse, delta, dq,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
+            IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return dq, dk, dv

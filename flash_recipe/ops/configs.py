@@ -1,0 +1,201 @@
+"""Launch configurations (block sizes, warps, pipeline stages) per architecture, as data.
+
+A configuration is chosen by ``(arch, kernel, head-dim bucket, element size)``:
+
+- ``arch``: ``"sm80"`` (A100: 163 KiB shared memory per block), ``"sm86"`` (consumer Ampere and
+  Ada, sm86/sm89: 99 KiB), ``"sm90"`` (Hopper and newer: 227 KiB), ``"amd"`` (CDNA gfx90a/gfx942:
+  64 KiB LDS) or ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU, where bigger blocks mean
+  fewer programs and so less Python overhead).
+- ``kernel``: ``"fwd"`` (forward), ``"bwd_dkdv"``, ``"bwd_dq"``.
+- head-dim bucket: the padded head dim, a power of two from 16 to 256.
+- element size: 2 for fp16/bf16, 4 for fp32 (fp32 tiles need twice the shared memory).
+
+Every entry is compiled for its architecture by the test suite, which checks that it fits the
+shared-memory limit below (tests/test_compile.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+# Shared memory available to one block, in bytes (opt-in maximum).
+SHARED_MEMORY_LIMIT = {
+    "sm80": 166912,
+    "sm86": 101376,
+    "sm89": 101376,
+    "sm90": 232448,
+    "gfx90a": 65536,
+    "gfx942": 65536,
+}
+
+
+class Config(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# (arch, kernel) -> list of (max head-dim bucket, max element size, Config); first match wins.
+_TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
+    ("sm90", "fwd"): [
+        (64, 2, Config(128, 64, 4, 3)),
+        (128, 2, Config(128, 64, 8, 3)),
+        (256, 2, Config(64, 64, 4, 2)),
+        (64, 4, Config(64, 64, 4, 2)),
+        (128, 4, Config(64, 32, 4, 2)),
+        (256, 4, Config(32, 32, 4, 1)),
+    ],
+    ("sm80", "fwd"): [
+        (64, 2, Config(128, 64, 4, 3)),
+        (128, 2, Config(128, 64, 8, 2)),
+        (256, 2, Config(64, 64, 4, 2)),
+        (64, 4, Config(64, 64, 4, 2)),
+        (128, 4, Config(64, 32, 4, 2)),
+        (256, 4, Config(32, 32, 4, 1)),
+    ],
+    ("sm86", "fwd"): [
+        (64, 2, Config(128, 64, 4, 2)),
+        (128, 2, Config(64, 64, 4, 2)),
+        (256, 2, Config(64, 32, 4, 1)),
+        (64, 4, Config(64, 32, 4, 2)),
+        (128, 4, Config(32, 32, 4, 2)),
+        (256, 4, Config(32, 16, 4, 1)),
+    ],
+    ("sm90", "bwd_dkdv"): [
+        (64, 2, Config(64, 128, 8, 2)),
+        (128, 2, Config(64, 128, 8, 2)),
+        (256, 2, Config(32, 64, 4, 1)),
+        (128, 4, Config(32, 64, 4, 1)),
+        (256, 4, Config(16, 32, 4, 1)),
+    ],
+    ("sm80", "bwd_dkdv"): [
+        (64, 2, Config(64, 128, 8, 2)),
+        (128, 2, Config(32, 128, 8, 2)),
+        (256, 2, Config(32, 64, 4, 1)),
+        (128, 4, Config(32, 64, 4, 1)),
+        (256, 4, Config(16, 32, 4, 1)),
+    ],
+    ("sm86", "bwd_dkdv"): [
+        (64, 2, Config(32, 64, 4, 2)),
+        (128, 2, Config(32, 64, 4, 1)),
+        (256, 2, Config(16, 32, 4, 1)),
+        (64, 4, Config(32, 32, 4, 1)),
+        (256, 4, Config(16, 16, 4, 1)),
+    ],
+    ("sm90", "bwd_dq"): [
+        (64, 2, Config(128, 64, 8, 2)),
+        (128, 2, Config(128, 64, 8, 2)),
+        (256, 2, Config(64, 32, 4, 1)),
+        (128, 4, Config(64, 32, 4, 1)),
+        (256, 4, Config(32, 16, 4, 1)),
+    ],
+    ("sm80", "bwd_dq"): [
+        (64, 2, Config(128, 64, 8, 2)),
+        (128, 2, Config(128, 32, 8, 2)),
+        (256, 2, Config(64, 32, 4, 1)),
+        (128, 4, Config(64, 32, 4, 1)),
+        (256, 4, Config(32, 16, 4, 1)),
+    ],
+    ("sm86", "bwd_dq"): [
+        (64, 2, Config(64, 64, 4, 2)),
+        (128, 2, Config(64, 32, 4, 1)),
+        (256, 2, Config(32, 32, 4, 1)),
+        (64, 4, Config(32, 32, 4, 1)),
+        (256, 4, Config(16, 16, 4, 1)),
+    ],
+    # CDNA: 64-wide wavefronts, 64 KiB LDS, no multi-stage software pipelining needed.
+    ("amd", "fwd"): [
+        (128, 2, Config(64, 64, 4, 1)),
+        (256, 2, Config(64, 32, 4, 1)),
+        (64, 4, Config(64, 32, 4, 1)),
+        (256, 4, Config(32, 16, 4, 1)),
+    ],
+    ("amd", "bwd_dkdv"): [
+        (64, 2, Config(32, 64, 4, 1)),
+        (128, 2, Config(32, 32, 4, 1)),
+        (256, 2, Config(16, 32, 4, 1)),
+        (64, 4, Config(32, 32, 4, 1)),
+        (256, 4, Config(16, 16, 4, 1)),
+    ],
+    ("amd", "bwd_dq"): [
+        (64, 2, Config(64, 32, 4, 1)),
+        (128, 2, Config(32, 32, 4, 1)),
+        (256, 2, Config(32, 16, 4, 1)),
+        (64, 4, Config(32, 32, 4, 1)),
+        (256, 4, Config(16, 16, 4, 1)),
+    ],
+    # The interpreter: large blocks keep the number of (slow, Python-level) programs low.
+    ("interpreter", "fwd"): [(256, 4, Config(32, 32, 1, 1))],
+    ("interpreter", "bwd_dkdv"): [(256, 4, Config(32, 32, 1, 1))],
+    ("interpreter", "bwd_dq"): [(256, 4, Config(32, 32, 1, 1))],
+}
+
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+ARCHS = ("sm80", "sm86", "sm90", "amd", "interpreter")
+
+
+def arch_family(target: str) -> str:
+    """Map a concrete target (``"sm89"``, ``"sm100"``, ``"gfx942"``, ``"interpreter"``) to a table key."""
+    if target == "interpreter":
+        return "interpreter"
+    if target.startswith("gfx"):
+        return "amd"
+    if not target.startswith("sm") or not target[2:].isdigit():
+        raise ValueError(f"target must look like 'sm80', 'gfx942' or 'interpreter', got {target!r}")
+    cc = int(target[2:])
+    if cc >= 90:
+        return "sm90"
+    if cc >= 86:
+        return "sm86"
+    return "sm80"
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The padded head dim a kernel is compiled for: the next power of two, at least 16."""
+    bucket = 16
+    while bucket < head_dim:
+        bucket *= 2
+    return bucket
+
+
+def get_config(target: str, kernel: str, head_dim: int, element_size: int) -> Config:
+    """Look up the launch configuration; ``head_dim`` may be unpadded (59 uses the 64 bucket)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    bucket = head_dim_bucket(head_dim)
+    for max_bucket, max_size, config in _TABLE[(arch_family(target), kernel)]:
+        if bucket <= max_bucket and element_size <= max_size:
+            return config
+    raise ValueError(
+        f"no launch configuration for head dim {head_dim} with {element_size}-byte elements on {target}"
+    )
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target(index: int) -> str:
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    if getattr(torch.version, "hip", None):
+        return props.gcnArchName.split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
+def target_of(device) -> str:
+    """The compile target for tensors on ``device``: ``"sm90"``, ``"gfx942"`` or ``"interpreter"``."""
+    if interpreter_enabled() or device.type == "cpu":
+        return "interpreter"
+    index = device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return _cuda_target(index)

@@ -1,0 +1,82 @@
+"""Plain-torch attention: the definition every backend is tested against.
+
+Shapes (legend: B batch, Sq/Sk query/key length, H query heads, Hk key/value heads, D head dim,
+Dv value head dim)::
+
+    q (B, Sq, H, D)   k (B, Sk, Hk, D)   v (B, Sk, Hk, Dv)   ->   out (B, Sq, H, Dv), lse (B, H, Sq)
+
+Semantics (flash-attn 2.1+): query head ``h`` uses kv head ``h // (H // Hk)``; with ``causal``,
+query ``i`` sees key ``j`` iff ``j <= i + diag_offset``. ``diag_offset = Sk - Sq`` (the default)
+aligns the mask bottom-right; for Sq=2, Sk=5::
+
+    1 1 1 1 0
+    1 1 1 1 1
+
+``diag_offset = 0`` aligns it top-left, as torch SDPA's ``is_causal``. A row that sees no key
+outputs 0 and has ``lse = +inf``, as flash-attn reports it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
+    """The precision of the reference: fp32 for fp16/bf16 (fp64 for fp32) when ``upcast``."""
+    if not upcast:
+        return dtype
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    diag_offset: int | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention by the textbook formula ``softmax(q k^T * scale + mask) v``.
+
+    Args:
+        q, k, v: see the module docstring; any floating dtype.
+        softmax_scale: defaults to ``D ** -0.5``.
+        causal: apply the causal mask with ``diag_offset`` (default ``Sk - Sq``).
+        attn_mask: optional, broadcastable to ``(B, H, Sq, Sk)``; bool (True = attend) or additive.
+        dropout_p: dropout on the probabilities (torch's RNG), as torch SDPA applies it.
+        upcast: compute in fp32 (fp64 for fp32 inputs), the accuracy rule's ground truth; with
+            ``upcast=False`` compute in the input dtype, the rule's "PyTorch in the same precision".
+
+    Returns:
+        ``out`` in the compute dtype and ``lse (B, H, Sq)`` float32.
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    dtype = compute_dtype(q.dtype, upcast)
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    group = nheads // nheads_k
+    qc = q.to(dtype).transpose(1, 2)  # (B, H, Sq, D)
+    kc = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, D)
+    vc = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, Dv)
+    scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
+    if causal:
+        offset = seqlen_k - seqlen_q if diag_offset is None else diag_offset
+        visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(dtype)
+    # Rows that see no key get lse = +inf and probabilities 0, with finite gradients throughout.
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, Sq, 1)
+    lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1, keepdim=True)  # (B, H, Sq, 1)
+    lse = lse.masked_fill(empty, float("inf"))
+    probs = torch.exp(scores - lse)  # (B, H, Sq, Sk)
+    if dropout_p > 0.0:
+        probs = torch.nn.functional.dropout(probs, p=dropout_p)
+    out = torch.matmul(probs, vc).transpose(1, 2)  # (B, Sq, H, Dv)
+    return out, lse.squeeze(-1).float()
