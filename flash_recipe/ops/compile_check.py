@@ -1,0 +1,162 @@
+"""Compile every kernel variant for a GPU architecture without a GPU, and check its resources.
+
+``triton.compile`` builds real PTX/cubin (NVIDIA) or code objects (AMD) on any machine, so this
+proves that each variant the dispatcher can launch compiles for an architecture, fits its
+shared-memory limit and uses the matrix units. Run it as::
+
+    python -m flash_recipe.ops.compile_check --target sm80 --target sm90 [--json]
+
+It must run with ``TRITON_INTERPRET`` unset (the interpreter replaces the compiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from typing import Iterator
+
+from flash_recipe.ops import configs
+
+DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
+TARGETS = ("sm80", "sm86", "sm89", "sm90", "gfx90a", "gfx942")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    kernel: str
+    dtype: str
+    head_dim: int  # the padded bucket
+    causal: bool
+    even: bool  # sequence lengths multiples of the blocks and head dim == bucket
+
+    @property
+    def id(self) -> str:
+        return f"{self.kernel}-{self.dtype}-d{self.head_dim}-{'causal' if self.causal else 'full'}-{'even' if self.even else 'ragged'}"
+
+
+def variants(kernels=KERNELS, dtypes=tuple(DTYPES), buckets=HEAD_DIM_BUCKETS) -> Iterator[Variant]:
+    """Every (kernel, dtype, head-dim bucket, causal, even) combination the launchers can produce."""
+    for kernel, dtype, head_dim, causal, even in itertools.product(kernels, dtypes, buckets, (False, True), (False, True)):
+        if kernel == "bwd_preprocess" and causal:
+            continue  # the preprocess has no causal variant
+        yield Variant(kernel, dtype, head_dim, causal, even)
+
+
+def _source(variant: Variant, target: str):
+    from triton.compiler import ASTSource
+
+    from flash_recipe.ops import backward, forward
+
+    ptr = f"*{DTYPES[variant.dtype]}"
+    f32 = "*fp32"
+    element_size = 4 if variant.dtype == "float32" else 2
+    precision = "ieee" if variant.dtype == "float32" else "tf32"
+    even = variant.even
+    if variant.kernel == "bwd_preprocess":
+        fn = backward.attn_bwd_preprocess_kernel.fn
+        sig = {"O": ptr, "DO": ptr, "DELTA": f32}
+        sig.update({n: "i32" for n in ("stride_ob", "stride_om", "stride_oh", "stride_dob", "stride_dom", "stride_doh", "nheads", "seqlen_q", "head_dim")})
+        constexprs = {"BLOCK_M": 64, "BLOCK_D": variant.head_dim, "EVEN_M": even, "MASK_D": not even}
+        return fn, sig, constexprs, None
+    cfg = configs.get_config(target, variant.kernel, variant.head_dim, element_size)
+    common = {"IS_CAUSAL": variant.causal, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+              "BLOCK_D": variant.head_dim, "MASK_D": not even, "DOT_PRECISION": precision}
+    if variant.kernel == "fwd":
+        fn = forward.attn_fwd_kernel.fn
+        sig = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": f32}
+        strides = [f"stride_{t}{s}" for t in ("q", "k", "v", "o") for s in ("b", "m" if t in "qo" else "n", "h")]
+        scalars = {"nheads": "i32", "group_size": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
+                   "qk_scale": "fp32", "diag_offset": "i32"}
+        constexprs = dict(common, EVEN_M=even)
+    elif variant.kernel == "bwd_dkdv":
+        fn = backward.attn_bwd_dkdv_kernel.fn
+        sig = {"Q": ptr, "K": ptr, "V": ptr, "DO": ptr, "LSE": f32, "DELTA": f32, "DK": ptr, "DV": ptr}
+        strides = [f"stride_{t}{s}" for t in ("q", "k", "v", "do", "dk", "dv") for s in ("b", "m" if t in ("q", "do") else "n", "h")]
+        scalars = {"nheads": "i32", "group_size": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
+                   "softmax_scale": "fp32", "qk_scale": "fp32", "diag_offset": "i32"}
+        constexprs = dict(common, EVEN_M=even, EVEN_N=even)
+    else:
+        fn = backward.attn_bwd_dq_kernel.fn
+        sig = {"Q": ptr, "K": ptr, "V": ptr, "DO": ptr, "LSE": f32, "DELTA": f32, "DQ": ptr}
+        strides = [f"stride_{t}{s}" for t in ("q", "k", "v", "do", "dq") for s in ("b", "m" if t in ("q", "do", "dq") else "n", "h")]
+        scalars = {"nheads": "i32", "group_size": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
+                   "softmax_scale": "fp32", "qk_scale": "fp32", "diag_offset": "i32"}
+        constexprs = dict(common, EVEN_M=even)
+    sig.update({name: "i32" for name in strides})
+    sig.update(scalars)
+    return fn, sig, constexprs, cfg
+
+
+def compile_variant(variant: Variant, target: str) -> dict:
+    """Compile one variant for ``target`` (``"sm80"``, ``"gfx942"``, ...) and report its resources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, sig, constexprs, cfg = _source(variant, target)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    if target.startswith("gfx"):
+        gpu, limit_key = GPUTarget("hip", target, 64), target
+    else:
+        gpu, limit_key = GPUTarget("cuda", int(target[2:]), 32), target
+    options = {}
+    if cfg is not None:
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    start = time.perf_counter()
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=gpu, options=options)
+    seconds = time.perf_counter() - start
+    shared = compiled.metadata.shared
+    if target.startswith("gfx"):
+        asm = compiled.asm.get("amdgcn", "")
+        uses_matrix = "mfma" in asm
+    else:
+        asm = compiled.asm.get("ptx", "")
+        uses_matrix = "mma" in asm  # mma.sync (sm80-89) or wgmma (sm90)
+    limit = configs.SHARED_MEMORY_LIMIT[limit_key]
+    return {
+        "variant": variant.id,
+        "target": target,
+        "shared_bytes": shared,
+        "shared_limit": limit,
+        "fits": shared <= limit,
+        "matrix_instructions": uses_matrix,
+        "seconds": round(seconds, 2),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flash_recipe.ops.compile_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", action="append", choices=TARGETS, help="architecture (repeatable); default: all")
+    parser.add_argument("--kernel", action="append", choices=KERNELS, help="kernel (repeatable); default: all")
+    parser.add_argument("--dtype", action="append", choices=tuple(DTYPES), help="dtype (repeatable); default: all")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per line")
+    args = parser.parse_args(argv)
+    if configs.interpreter_enabled():
+        print("unset TRITON_INTERPRET: the compile check needs Triton's compiler", file=sys.stderr)
+        return 2
+    failures = 0
+    for target in args.target or TARGETS:
+        for variant in variants(kernels=args.kernel or KERNELS, dtypes=args.dtype or tuple(DTYPES)):
+            try:
+                row = compile_variant(variant, target)
+            except Exception as exc:  # report and go on: one failure must not hide the others
+                row = {"variant": variant.id, "target": target, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            ok = "error" not in row and row["fits"] and (row["matrix_instructions"] or variant.kernel == "bwd_preprocess")
+            failures += not ok
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                detail = row.get("error") or f"{row['shared_bytes']:>6} / {row['shared_limit']} B shared, {row['seconds']} s"
+                print(f"{'ok ' if ok else 'BAD'} {target:<7} {variant.id:<40} {detail}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""``flash-recipe verify``: every backend against the fp32 reference, with a reproducible fingerprint.
+
+For a fixed-seed grid of shapes, in every dtype the device supports, each backend that can run
+computes the forward and backward of ``flash_attn_func``; both are compared with
+``flash_recipe.reference`` by the accuracy rule:
+
+    max |out - truth|   <= 2 * max |out_torch - truth| + 1e-5
+    max |grad - truth|  <= 3 * max |grad_torch - truth| + 1e-5   (for dq, dk and dv)
+
+where ``truth`` is the reference in fp32 (fp64 for fp32 inputs) and ``*_torch`` is the same plain
+torch computation in the input dtype. The fingerprint is the sha256 of the output and gradient
+bytes of the deterministic backends (``triton`` and ``reference``): the same package with the
+same torch and Triton on the same device gives the same fingerprint, whatever installed it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import platform
+import sys
+from importlib import metadata
+from typing import Optional
+
+FINGERPRINT_BACKENDS = ("triton", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def id(self) -> str:
+        return (
+            f"B{self.batch}-Sq{self.seqlen_q}-Sk{self.seqlen_k}-H{self.nheads}-Hk{self.nheads_k}"
+            f"-D{self.head_dim}-{'causal' if self.causal else 'full'}"
+        )
+
+
+# Small enough for the Triton interpreter on a CPU: odd lengths and head dims, a single query,
+# Sq > Sk with causal (rows that see no key), MQA and GQA.
+SMALL_GRID = (
+    Case(1, 1, 33, 2, 1, 32, False),
+    Case(2, 47, 47, 4, 2, 59, True),
+    Case(1, 65, 33, 2, 2, 64, True),
+    Case(1, 33, 65, 3, 1, 16, True),
+    Case(1, 40, 24, 2, 2, 128, False),
+)
+
+# On a GPU: flash-attn's own test lengths, every head-dim bucket, both causal settings.
+FULL_GRID = tuple(
+    Case(b, sq, sk, h, hk, d, causal)
+    for (b, sq, sk, h, hk, d) in (
+        (2, 113, 203, 8, 2, 64),
+        (2, 128, 217, 8, 8, 128),
+        (2, 108, 256, 4, 1, 96),
+        (1, 1023, 1024, 8, 2, 128),
+        (4, 1, 147, 8, 8, 256),
+        (2, 256, 512, 6, 2, 40),
+        (1, 2048, 2048, 16, 4, 59),
+        (2, 333, 111, 4, 4, 160),
+        (1, 4096, 4096, 8, 8, 256),
+    )
+    for causal in (False, True)
+)
+
+
+def _versions() -> dict:
+    import torch
+
+    import flash_recipe
+
+    def dist_version(name: str) -> Optional[str]:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "flash_recipe": flash_recipe.__version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_hip": getattr(torch.version, "hip", None),
+        "triton": dist_version("triton") or dist_version("pytorch-triton") or dist_version("pytorch-triton-rocm"),
+        "flash_attn": dist_version("flash-attn"),
+        "python": platform.python_version(),
+    }
+
+
+def _device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()})"
+
+
+def _dtypes(device, names: Optional[list]) -> list:
+    import torch
+
+    if names:
+        return [getattr(torch, name) for name in names]
+    dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        dtypes.remove(torch.bfloat16)
+    return dtypes
+
+
+def _inputs(case: Case, dtype, device, seed: int):
+    """Deterministic inputs: drawn on the CPU in fp32 from ``seed``, then cast and moved."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    shape_q = (case.batch, case.seqlen_q, case.nheads, case.head_dim)
+    shape_k = (case.batch, case.seqlen_k, case.nheads_k, case.head_dim)
+    q, k, v, dout = (torch.randn(s, generator=gen) for s in (shape_q, shape_k, shape_k, shape_q))
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
+
+
+def _forward_backward(fn, q, k, v, dout):
+    """Run ``fn(q, k, v)`` and its backward on fresh leaf copies; returns (out, dq, dk, dv)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout.to(out.dtype))
+    return (out.detach(), *(t.grad.detach() for t in leaves))
+
+
+def _max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
+    """Verify one backend on one case; returns the errors, bounds, verdict and fingerprint."""
+    import torch
+
+    import flash_recipe
+    from flash_recipe.reference import attention_reference, compute_dtype
+
+    q, k, v, dout = _inputs(case, dtype, device, seed)
+    scale = case.head_dim**-0.5
+
+    def reference(upcast):
+        return lambda q_, k_, v_: attention_reference(q_, k_, v_, scale, case.causal, upcast=upcast)[0]
+
+    # The truth gets high-precision leaves too, so its gradients are not rounded to the input dtype.
+    high = compute_dtype(dtype, upcast=True)
+    truth = _forward_backward(reference(True), *(t.to(high) for t in (q, k, v, dout)))
+    torch_same = _forward_backward(reference(False), q, k, v, dout)
+    with flash_recipe.use_backend(backend):
+        got = _forward_backward(lambda q_, k_, v_: flash_recipe.flash_attn_func(q_, k_, v_, causal=case.causal), q, k, v, dout)
+    names = ("out", "dq", "dk", "dv")
+    factors = (2.0, 3.0, 3.0, 3.0)
+    errors, bounds = {}, {}
+    for name, factor, g, t, s in zip(names, factors, got, truth, torch_same):
+        errors[name] = _max_err(g, t)
+        bounds[name] = factor * _max_err(s, t) + 1e-5
+    finite = all(bool(g.isfinite().all()) for g in got)
+    digest = hashlib.sha256()
+    for g in got:
+        digest.update(g.contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    return {
+        "case": case.id,
+        "dtype": str(dtype).replace("torch.", ""),
+        "backend": backend,
+        "errors": errors,
+        "bounds": bounds,
+        "passed": finite and all(errors[n] <= bounds[n] for n in names),
+        "fingerprint": digest.hexdigest(),
+    }
+
+
+def verify(backends: Optional[list] = None, grid: str = "auto", dtypes: Optional[list] = None,
+           device: Optional[str] = None, seed: int = 0, progress=None) -> dict:
+    """Run the verification and return the report (see ``flash-recipe verify --json``)."""
+    import torch
+
+    import flash_recipe
+    from flash_recipe import dispatch
+    from flash_recipe.env.distinfo import distribution_info
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cases = {"small": SMALL_GRID, "full": FULL_GRID}.get(grid) or (FULL_GRID if dev.type == "cuda" else SMALL_GRID)
+    names = backends or dispatch.backend_names()
+    rows, skipped = [], {}
+    for index, case in enumerate(cases):
+        for dtype in _dtypes(dev, dtypes):
+            q, k, v, _ = _inputs(case, dtype, dev, seed + index)
+            reasons = flash_recipe.explain(q, k, v, causal=case.causal)
+            for name in names:
+                if reasons[name] is not None:
+                    skipped.setdefault(name, set()).add(reasons[name])
+                    continue
+                row = check_case(case, dtype, dev, name, seed + index)
+                rows.append(row)
+                if progress:
+                    progress(row)
+    fingerprint = hashlib.sha256()
+    for row in rows:
+        if row["backend"] in FINGERPRINT_BACKENDS:
+            fingerprint.update(f"{row['case']}|{row['dtype']}|{row['backend']}|{row['fingerprint']}\n".encode())
+    verified = sorted({row["backend"] for row in rows}, key=dispatch.backend_names().index)
+    missing = [name for name in (backends or []) if name not in verified]
+    return {
+        "passed": bool(rows) and all(row["passed"] for row in rows) and not missing,
+        "fingerprint": fingerprint.hexdigest(),
+        "backends": verified,
+        "skipped": {name: sorted(why) for name, why in skipped.items() if name not in verified or name in missing},
+        "device": _device_name(dev),
+        "versions": _versions(),
+        "install": distribution_info("flash-recipe"),
+        "seed": seed,
+        "cases": rows,
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'case':<38} {'dtype':<9} {'backend':<10} {'out err / bound':>22} {'worst grad err / bound':>24}  result"]
+    for row in report["cases"]:
+        e, b = row["errors"], row["bounds"]
+        grad = max(("dq", "dk", "dv"), key=lambda n: e[n] / b[n])
+        lines.append(
+            f"{row['case']:<38} {row['dtype']:<9} {row['backend']:<10} "
+            f"{e['out']:>10.2e} / {b['out']:<9.2e} {e[grad]:>10.2e} / {b[grad]:<9.2e}  "
+            f"{'ok' if row['passed'] else 'MISMATCH'}"
+        )
+    for name, why in report["skipped"].items():
+        lines.append(f"skipped {name}: {'; '.join(why)}")
+    v = report["versions"]
+    lines.append(
+        f"device {report['device']} | flash_recipe {v['flash_recipe']} torch {v['torch']} triton {v['triton']} | "
+        f"backends {', '.join(report['backends']) or 'none'}"
+    )
+    lines.append(f"fingerprint {report['fingerprint']}")
+    lines.append("PASSED" if report["passed"] else "FAILED")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from flash_recipe.dispatch import backend_names
+
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    parser.add_argument("--backend", action="append", choices=backend_names(),
+                        help="verify only this backend (repeatable); it must be able to run")
+    parser.add_argument("--grid", choices=("auto", "small", "full"), default="auto",
+                        help="shape grid: small (CPU-sized), full (GPU-sized); auto picks by device")
+    parser.add_argument("--dtype", action="append", choices=("float16", "bfloat16", "float32"),
+                        help="dtype (repeatable); default: every dtype the device supports")
+    parser.add_argument("--device", help="torch device, default cuda if available else cpu")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    progress = None
+    if not args.json:
+        progress = lambda row: print(f"  {row['case']} {row['dtype']} {row['backend']}: {'ok' if row['passed'] else 'MISMATCH'}", file=sys.stderr, flush=True)  # noqa: E731
+    report = verify(args.backend, args.grid, args.dtype, args.device, args.seed, progress)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0 if report["passed"] else 1
