@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from flash_recipe.ops.configs import interpreter_enabled
+from flash_recipe.ops.configs import interpreter_enabled, interpreter_imported_late
 
 ENV_VAR = "FLASH_RECIPE_BACKEND"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -68,9 +68,27 @@ class Backend:
         raise NotImplementedError
 
 
+
+def _constant_under_compile(fn):
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does.
+
+    The probes below are facts about the process, not about a call: torch.compile runs them while
+    tracing and keeps their results as constants instead of tracing into imports. The mark is set
+    directly because ``torch.compiler.assume_constant_result`` imports torch._dynamo (and with it
+    Triton, over a second), which importing flash_recipe must not do. tests/test_torch_compile.py
+    fails if torch stops honouring the mark.
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+
 @functools.lru_cache(maxsize=None)
+@_constant_under_compile
 def _import_error(module: str) -> Optional[str]:
-    """None if ``module`` imports, else the error as text (cached: imports are costly)."""
+    """None if ``module`` imports, else the reason as text (cached: imports are costly)."""
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed"
     try:
         importlib.import_module(module)
     except Exception as exc:  # a broken install raises anything from ImportError to OSError
@@ -79,8 +97,19 @@ def _import_error(module: str) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=None)
+@_constant_under_compile
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+@_constant_under_compile
+def _interpreter_problem() -> Optional[str]:
+    """Why the Triton interpreter cannot run CPU tensors now, or None if it can."""
+    if not interpreter_enabled():
+        return "tensors are on the CPU; Triton runs there only through its interpreter (TRITON_INTERPRET=1)"
+    if interpreter_imported_late():
+        return "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import of triton"
+    return None
 
 
 def _device_capability(device: torch.device) -> tuple[int, int]:
@@ -93,16 +122,17 @@ class TritonBackend(Backend):
     name = "triton"
 
     def is_available(self) -> Optional[str]:
-        if importlib.util.find_spec("triton") is None:
-            return "triton is not installed (Triton publishes wheels for Linux x86_64 and aarch64 only)"
         error = _import_error("triton")
+        if error == "triton is not installed":
+            return f"{error} (Triton publishes wheels for Linux x86_64 and aarch64 only)"
         return None if error is None else f"triton fails to import: {error}"
 
     def supports(self, call: AttentionCall) -> Optional[str]:
         q, k, v = call.q, call.k, call.v
         if q.device.type == "cpu":
-            if not interpreter_enabled():
-                return "tensors are on the CPU; Triton runs there only through its interpreter (TRITON_INTERPRET=1)"
+            problem = _interpreter_problem()
+            if problem is not None:
+                return problem
             if q.dtype == torch.bfloat16:
                 return "the Triton interpreter computes bfloat16 dot products incorrectly; use float16 or float32 on the CPU"
         elif q.device.type == "cuda":
@@ -137,7 +167,7 @@ class FlashAttnBackend(Backend):
     name = "flash_attn"
 
     def is_available(self) -> Optional[str]:
-        if importlib.util.find_spec("flash_attn") is None:
+        if _import_error("flash_attn") == "flash_attn is not installed":
             return "flash_attn is not installed"
         error = _import_error("flash_attn_2_cuda")
         if error is not None:

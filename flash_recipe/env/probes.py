@@ -227,7 +227,8 @@ def probe_build_tools() -> dict[str, Any]:
         "ninja": ninja,
         "ninja_version": version,
         "packages": packages,
-        "missing": [name for name, ver in packages.items() if ver is None],
+        # the ninja binary on PATH serves as well as the ninja Python package
+        "missing": [name for name, ver in packages.items() if ver is None and not (name == "ninja" and ninja)],
     }
 
 
@@ -251,8 +252,9 @@ for name in ("flash_attn_2_cuda", "flash_attn"):
         out[name] = None
     except BaseException as exc:
         out[name] = f"{type(exc).__name__}: {exc}"
-print("\n" + json.dumps(out))
+print("\n" + MARKER + json.dumps(out))
 """
+_LOAD_MARKER = "flash-recipe-probe: "
 
 
 def probe_flash_attn(load: bool = True) -> dict[str, Any]:
@@ -283,12 +285,13 @@ def probe_flash_attn(load: bool = True) -> dict[str, Any]:
             out["wheel_name_parts"] = None
     if load:
         env = dict(os.environ)
-        code, text = _run([sys.executable, "-c", _LOAD_SCRIPT], timeout=_SUBPROCESS_TIMEOUT, env=env)
-        tail = text.strip().splitlines()[-1] if text.strip() else ""
+        script = _LOAD_SCRIPT.replace("MARKER", repr(_LOAD_MARKER))
+        code, text = _run([sys.executable, "-c", script], timeout=_SUBPROCESS_TIMEOUT, env=env)
+        line = next((ln for ln in text.splitlines() if ln.startswith(_LOAD_MARKER)), "")
         try:
             import json
 
-            result = json.loads(tail)
+            result = json.loads(line[len(_LOAD_MARKER):])
         except ValueError:
             result = {"flash_attn_2_cuda": f"the import check exited with status {code}: {text.strip()[-300:]}"}
         out["module_error"] = result.get("flash_attn_2_cuda")
@@ -399,3 +402,66 @@ def collect(names: Optional[list[str]] = None, extra: Optional[dict[str, Callabl
             raise ValueError(f"names must be among {sorted(probes)}, got unknown {unknown}")
         probes = {name: probes[name] for name in names}
     return {name: run_probe(name, probe) for name, probe in probes.items()}
+
+
+def probe_project(directory: Optional[str] = None) -> dict[str, Any]:
+    """The project in ``directory`` (default: the current one): which installer manages it and
+    whether it declares flash-attn (and, for uv, a build setting for it)."""
+    root = os.path.abspath(directory or os.getcwd())
+    path = os.path.join(root, "pyproject.toml")
+    text = ""
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    exists = lambda name: os.path.exists(os.path.join(root, name))  # noqa: E731
+    if exists("poetry.lock") or "[tool.poetry" in text or "poetry.core.masonry" in text:
+        installer, why = "poetry", "poetry.lock or [tool.poetry] in pyproject.toml"
+    elif exists("uv.lock") or "[tool.uv" in text:
+        installer, why = "uv", "uv.lock or [tool.uv] in pyproject.toml"
+    elif os.environ.get("UV") or (os.environ.get("VIRTUAL_ENV") and exists(".venv") and exists("uv.lock")):
+        installer, why = "uv", "running under uv"
+    else:
+        installer, why = "pip", "no Poetry or uv project files here"
+    declares = _declares_flash_attn(text)
+    uv_config = bool(re.search(r"no-build-isolation-package\s*=\s*\[[^\]]*flash[-_]attn", text)) or bool(
+        re.search(r"extra-build-dependencies\][^\[]*flash[-_]attn", text, re.DOTALL)
+    )
+    return {
+        "directory": root,
+        "pyproject": os.path.isfile(path),
+        "installer": installer,
+        "installer_reason": why,
+        "declares_flash_attn": declares,
+        "uv_flash_attn_build_config": uv_config,
+    }
+
+
+_REQ_NAME = re.compile(r"^\s*flash[-_]attn\s*($|[\[<>=!~;@ (])", re.IGNORECASE)
+
+
+def _declares_flash_attn(text: str) -> bool:
+    """Does this pyproject.toml list flash-attn as a dependency (any table Poetry, uv or PEP 621 use)?"""
+    if not text:
+        return False
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:
+        tomllib = None
+    if tomllib is None:
+        # no TOML parser: a requirement string or a Poetry key that starts with the name
+        return bool(re.search(r"""^\s*(["']flash[-_]attn\b|flash[-_]attn\s*=)""", text, re.MULTILINE | re.IGNORECASE))
+    try:
+        data = tomllib.loads(text)
+    except ValueError:
+        return False
+    project = data.get("project", {})
+    requirements = list(project.get("dependencies", []))
+    for group in project.get("optional-dependencies", {}).values():
+        requirements += group
+    for group in data.get("dependency-groups", {}).values():
+        requirements += [r for r in group if isinstance(r, str)]
+    poetry = data.get("tool", {}).get("poetry", {})
+    keys = list(poetry.get("dependencies", {}))
+    for group in poetry.get("group", {}).values():
+        keys += list(group.get("dependencies", {}))
+    return any(_REQ_NAME.match(r) for r in requirements) or any(re.fullmatch(r"flash[-_]attn", k, re.I) for k in keys)

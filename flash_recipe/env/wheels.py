@@ -52,7 +52,10 @@ def cuda_label(flash_version: str, cuda: str) -> str:
     ('cu12', 'cu123', 'cu118')
     """
     release = _release_tuple(flash_version)
-    major, _ = _major_minor(cuda, "CUDA version")
+    match = re.match(r"^(\d+)(?:\.\d+)*$", str(cuda).split("+")[0])
+    if not match:
+        raise ValueError(f"cuda must be a CUDA version such as 12.8 or 12, got {cuda!r}")
+    major = int(match.group(1))
     if release >= (2, 7, 0):
         return f"cu{major}"
     if release >= (2, 6, 0):
@@ -155,9 +158,11 @@ def _distance(want: dict[str, Any], have: dict[str, Any]) -> tuple:
     w_torch = _major_minor(want["torch"], "torch version")
     h_torch = _major_minor(have["torch"], "torch version")
     gap = abs((w_torch[0] - h_torch[0]) * 100 + (w_torch[1] - h_torch[1]))
+    w_py = _major_minor(want["python"], "python version")
+    h_py = _major_minor(have["python"], "python version")
     return (
         have["platform"] != want["platform"],
-        have["python"] != want["python"],
+        abs((w_py[0] - h_py[0]) * 100 + (w_py[1] - h_py[1])),
         have["cxx11abi"] != want["cxx11abi"],
         gap,
         -(h_torch[0] * 100 + h_torch[1]),  # on a tie, the newer torch
@@ -232,3 +237,42 @@ def resolve(
         have = parse_wheel_filename(best)
         out["nearest"] = {"filename": best, "url": wheel_url(version, best), "differs": _differences(want, have), **have}
     return out
+
+
+def inspect_wheel_file(path: str) -> dict[str, Any]:
+    """Read a wheel file's name and its ``*.dist-info/METADATA`` version (for renamed files).
+
+    Returns ``filename``, ``name_version`` (the version part of the file name, local label
+    included), ``metadata_version``, ``tags`` (from the WHEEL file) and ``name_parts`` (the
+    upstream coupling parsed from the name, or None). Raises ValueError if ``path`` is not a
+    readable wheel.
+    """
+    import os
+    import zipfile
+
+    filename = os.path.basename(path)
+    if not filename.endswith(".whl"):
+        raise ValueError(f"path must name a .whl file, got {path!r}")
+    fields = filename[:-4].split("-")
+    if len(fields) < 5:
+        raise ValueError(f"path must be a wheel named NAME-VERSION-PY-ABI-PLATFORM.whl, got {filename!r}")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            meta_name = next((n for n in archive.namelist() if n.endswith(".dist-info/METADATA")), None)
+            wheel_name = next((n for n in archive.namelist() if n.endswith(".dist-info/WHEEL")), None)
+            metadata_text = archive.read(meta_name).decode("utf-8", "replace") if meta_name else ""
+            wheel_text = archive.read(wheel_name).decode("utf-8", "replace") if wheel_name else ""
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"path must be a readable wheel (zip) file, got {path!r}: {exc}") from exc
+    match = re.search(r"^Version:\s*(\S+)", metadata_text, re.MULTILINE)
+    try:
+        parts: Optional[dict[str, Any]] = parse_wheel_filename(filename)
+    except ValueError:
+        parts = None
+    return {
+        "filename": filename,
+        "name_version": fields[1],
+        "metadata_version": match.group(1) if match else None,
+        "tags": re.findall(r"^Tag:\s*(\S+)", wheel_text, re.MULTILINE),
+        "name_parts": parts,
+    }

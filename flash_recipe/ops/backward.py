@@ -27,6 +27,7 @@ import triton.language as tl
 
 from flash_recipe.ops import configs
 from flash_recipe.ops.forward import LOG2E, dot_precision
+from flash_recipe.ops import tiles
 from flash_recipe.ops.tiles import key_range, load_tile, store_tile
 
 
@@ -266,9 +267,9 @@ def attention_backward(
         dout = dout.contiguous()
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq = tiles.output_buffer(q.shape, q.dtype, q.device)
+    dk = tiles.output_buffer(k.shape, k.dtype, k.device)
+    dv = tiles.output_buffer(v.shape, v.dtype, v.device)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     target = configs.target_of(q.device)
@@ -276,7 +277,7 @@ def attention_backward(
     precision = dot_precision(q.dtype)
     group_size = nheads // nheads_k
     qk_scale = softmax_scale * LOG2E
-    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    delta = tiles.output_buffer((batch, nheads, seqlen_q), torch.float32, q.device)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64
         attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_m), nheads, batch)](

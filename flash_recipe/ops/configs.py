@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import NamedTuple
 
 # Shared memory available to one block, in bytes (opt-in maximum).
@@ -177,6 +178,16 @@ def get_config(target: str, kernel: str, head_dim: int, element_size: int) -> Co
 def interpreter_enabled() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def interpreter_imported_late() -> bool:
+    """True if Triton was imported before ``TRITON_INTERPRET=1`` was set.
+
+    Triton decides at import whether its own library functions are compiled or interpreted, so
+    setting the variable afterwards leaves it half in each mode.
+    """
+    standard = sys.modules.get("triton.language.standard")
+    return standard is not None and type(standard.cdiv).__name__ != "InterpretedFunction"
 
 
 @functools.lru_cache(maxsize=None)

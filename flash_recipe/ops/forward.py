@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from flash_recipe.ops import configs
+from flash_recipe.ops import tiles
 from flash_recipe.ops.tiles import key_range, load_tile, store_tile
 
 LOG2E = 1.4426950408889634
@@ -147,8 +148,8 @@ def attention_forward(
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    out = tiles.output_buffer((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
+    lse = tiles.output_buffer((batch, nheads, seqlen_q), torch.float32, q.device)
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out, lse

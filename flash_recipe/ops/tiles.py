@@ -12,8 +12,14 @@ Conventions used by every kernel in ``flash_recipe.ops``:
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def output_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a kernel output; every element is written by the kernel (tests fill it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit

@@ -1,0 +1,275 @@
+"""``flash-recipe doctor``: read the environment, recognise known install failures, print the fix.
+
+The report puts findings first, then the binary coupling a compiled flash-attn must match
+(Python ABI x torch x CUDA x C++ ABI), then the facts behind it. ``--json`` prints the same as
+one JSON object. Exit status: 0 when no finding is an error, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional
+
+from flash_recipe.env import probes
+from flash_recipe.env.published import LATEST
+from flash_recipe.env.rules import Context, Finding, evaluate
+from flash_recipe.env.wheels import inspect_wheel_file
+
+FLEX_FACTS = (
+    "FlexAttention has no ahead-of-time build step and no build_flex_attention_kernels() function: "
+    "torch.compile generates its kernels with Triton on first use."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument(
+        "--flash-attn-wheel",
+        nargs="?",
+        const=LATEST,
+        default=None,
+        metavar="VERSION",
+        help=f"print the upstream flash-attn wheel for this environment (default release {LATEST})",
+    )
+    parser.add_argument("--flex", action="store_true", help="say what FlexAttention needs and whether this machine has it")
+    parser.add_argument("--log", metavar="FILE", help="also read an install log (pip, uv or Poetry output; '-' for stdin)")
+    parser.add_argument("--wheel", metavar="FILE", help="also check a downloaded flash-attn wheel file")
+    parser.add_argument(
+        "--online", action="store_true", help="check that the upstream release download host can be reached"
+    )
+    parser.add_argument("--installer", choices=("pip", "uv", "poetry"), help="installer to write fixes for (default: detected)")
+    parser.add_argument("--project", metavar="DIR", help="project directory to detect the installer from (default: .)")
+
+
+def diagnose(args: argparse.Namespace, facts: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Collect facts (unless given), evaluate the rules, and return the whole report as a dict."""
+    if facts is None:
+        facts = probes.collect()
+        facts["project"] = probes.run_probe("project", lambda: probes.probe_project(args.project))
+        if args.online:
+            facts["network"] = probes.run_probe("network", probes.probe_network)
+    project = facts.get("project") if isinstance(facts.get("project"), dict) else {}
+    installer = args.installer or project.get("installer") or "pip"
+    log_text = None
+    if args.log:
+        log_text = sys.stdin.read() if args.log == "-" else _read(args.log)
+    wheel = None
+    if args.wheel:
+        try:
+            wheel = inspect_wheel_file(args.wheel)
+        except ValueError as exc:
+            wheel = {"error": str(exc)}
+    ctx = Context(
+        facts=facts,
+        log=log_text,
+        wheel=wheel,
+        flash_attn_version=args.flash_attn_wheel,
+        installer=installer,
+        project=project,
+    )
+    findings = evaluate(ctx)
+    report: dict[str, Any] = {
+        "healthy": not any(f.severity == "error" for f in findings),
+        "installer": installer,
+        "findings": [f.to_dict() for f in findings],
+        "coupling": coupling(facts),
+        "facts": facts,
+    }
+    if args.flash_attn_wheel or args.wheel:
+        report["upstream_wheel"] = ctx.resolved()
+    if wheel:
+        report["wheel_file"] = wheel
+    if args.flex:
+        report["flex"] = flex_report(facts)
+    return report
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return handle.read()
+
+
+def coupling(facts: dict[str, Any]) -> dict[str, Optional[str]]:
+    """The four things a compiled flash-attn wheel must match, read off this environment."""
+    plat = facts.get("platform", {})
+    torch = facts.get("torch", {})
+    if torch.get("cuda"):
+        device = f"CUDA {torch['cuda']}"
+    elif torch.get("hip"):
+        device = f"ROCm {torch['hip']}"
+    elif torch.get("installed") and "build" in torch:
+        device = "none (CPU build)"
+    else:
+        device = None
+    abi = torch.get("cxx11abi")
+    return {
+        "python_abi": plat.get("python_tag"),
+        "torch": torch.get("version") if torch.get("installed") else None,
+        "cuda": device,
+        "cxx11abi": None if abi is None else ("TRUE" if abi else "FALSE"),
+        "platform": plat.get("wheel_platform"),
+    }
+
+
+def flex_report(facts: dict[str, Any]) -> dict[str, Any]:
+    """What FlexAttention needs, each requirement with whether this machine meets it."""
+    flex = facts.get("flex", {})
+    torch = facts.get("torch", {})
+    needs = [
+        {"need": "torch >= 2.5 (torch.nn.attention.flex_attention)", "met": bool(flex.get("torch_ok") and flex.get("module"))},
+        {"need": "a CUDA device for the compiled fast path", "met": bool(flex.get("device"))},
+        {"need": "fp16 or bf16 inputs for the fast path; head dim >= 16", "met": None},
+        {"need": "Triton, used by torch.compile to generate the kernels on first use", "met": bool(facts.get("triton", {}).get("installed"))},
+    ]
+    return {"statement": FLEX_FACTS, "torch": torch.get("version"), "needs": needs, "ready": all(n["met"] is not False for n in needs)}
+
+
+# -- terminal report ---------------------------------------------------------------------------
+def _section(lines: list[str], title: str) -> None:
+    lines.append("")
+    lines.append(title.upper())
+
+
+def _fmt_finding(f: dict[str, Any]) -> list[str]:
+    out = [f"  [{f['severity']}] {f['rule']}: {f['title']}"]
+    for item in f["evidence"]:
+        out.append(f"      saw: {item}")
+    if f.get("note"):
+        out.append(f"      note: {f['note']}")
+    if f.get("command"):
+        out.append(f"      fix (recipes/{f['recipe']}):")
+        out += [f"        {line}" for line in f["command"].splitlines()]
+    return out
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+
+
+def format_report(report: dict[str, Any]) -> str:
+    facts = report["facts"]
+    lines = ["flash-recipe doctor"]
+    _section(lines, "findings")
+    if report["findings"]:
+        for f in report["findings"]:
+            lines += _fmt_finding(f)
+    else:
+        lines.append("  none: no known install failure applies to this environment")
+
+    c = report["coupling"]
+    _section(lines, "coupling (what a compiled flash-attn wheel must match)")
+    lines += _table(
+        [
+            ["Python ABI", "torch", "CUDA", "C++11 ABI", "platform"],
+            [c["python_abi"] or "?", c["torch"] or "not installed", c["cuda"] or "-", c["cxx11abi"] or "-", c["platform"] or "?"],
+        ]
+    )
+
+    if "upstream_wheel" in report:
+        w = report["upstream_wheel"]
+        _section(lines, f"upstream flash-attn {w['version']} wheel")
+        lines.append(f"  file:   {w['filename'] or '(none can be named)'}")
+        if w["url"]:
+            lines.append(f"  url:    {w['url']}")
+        lines.append(f"  status: {w['status']}: {w['reason']}")
+        if w.get("nearest"):
+            n = w["nearest"]
+            lines.append(f"  nearest published: {n['filename']}")
+            if n["differs"]:
+                lines.append(f"    differs: {'; '.join(n['differs'])} (it loads only where those match)")
+        if w["status"] != "published":
+            lines.append("  or build from source against this torch: see recipes/pip-no-build-isolation and recipes/upstream-flash-attn")
+
+    plat = facts.get("platform", {})
+    _section(lines, "machine")
+    lines.append(
+        f"  {plat.get('os', '?')} {plat.get('machine', '?')}, {plat.get('libc') or 'libc ?'} {plat.get('libc_version') or ''}".rstrip()
+        + f", {plat.get('cpu_count', '?')} cores, {plat.get('mem_available_gib', '?')} GiB free"
+    )
+    lines.append(f"  Python {plat.get('python', '?')} ({plat.get('executable', '?')})")
+    torch = facts.get("torch", {})
+    if torch.get("error") or torch.get("import_error"):
+        lines.append(f"  torch: {torch.get('error') or torch.get('import_error')}")
+    elif torch.get("installed"):
+        lines.append(f"  torch {torch.get('version')}: {torch.get('build', '?')} build, GPU usable: {torch.get('cuda_available')}")
+    else:
+        lines.append("  torch: not installed")
+    gpus = facts.get("gpus", {})
+    for d in gpus.get("devices") or []:
+        smem = d.get("shared_memory_per_block")
+        lines.append(
+            f"  GPU {d['name']}: sm{d['capability'][0]}{d['capability'][1]}" + (f", {smem} bytes shared memory per block" if smem else "")
+        )
+    if not gpus.get("devices"):
+        lines.append("  GPU: none found" + (f" ({gpus['error']})" if gpus.get("error") else ""))
+    if gpus.get("driver"):
+        lines.append(f"  driver {gpus['driver']}" + (f" (CUDA {gpus['driver_cuda']})" if gpus.get("driver_cuda") else ""))
+    nvcc = facts.get("nvcc", {})
+    lines.append(
+        f"  nvcc: {nvcc.get('path') or 'not found'}"
+        + (f" (CUDA {nvcc['version']})" if nvcc.get("version") else "")
+        + f", CUDA_HOME={nvcc.get('cuda_home') or 'unset'}"
+    )
+    triton = facts.get("triton", {})
+    if triton.get("installed"):
+        target = triton.get("target") or f"no GPU target ({triton.get('target_error', 'unknown')})"
+        lines.append(f"  Triton {triton.get('version')}: {target}")
+    else:
+        lines.append(f"  Triton: {triton.get('error') or 'not installed'}")
+    build = facts.get("build", {})
+    lines.append(f"  ninja: {build.get('ninja') or 'not found'}; missing build tools: {', '.join(build.get('missing') or []) or 'none'}")
+    env = facts.get("env", {})
+    if env:
+        lines.append("  build variables: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+
+    fa = facts.get("flash_attn", {})
+    _section(lines, "upstream flash-attn")
+    if fa.get("error"):
+        lines.append(f"  probe failed: {fa['error']}")
+    elif not fa.get("installed"):
+        lines.append("  not installed (flash_recipe does not need it)")
+    else:
+        lines.append(f"  {fa.get('version')} installed by {fa.get('installer') or 'an unrecorded installer'} in {fa.get('location')}")
+        if fa.get("wheel_filename"):
+            lines.append(f"  from wheel {fa['wheel_filename']}")
+        if fa.get("wheel_tags"):
+            lines.append(f"  wheel tags: {', '.join(fa['wheel_tags'])}")
+        lines.append("  compiled module flash_attn_2_cuda: " + ("loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"))
+
+    backends = facts.get("backends", {})
+    _section(lines, "flash_recipe backends")
+    if backends.get("error"):
+        lines.append(f"  cannot tell: {backends['error']}")
+    else:
+        lines.append(f"  for {backends.get('call')}:")
+        for name, reason in (backends.get("explain") or {}).items():
+            lines.append(f"  {name:<11} {'can run' if reason is None else reason}")
+
+    if "flex" in report:
+        fx = report["flex"]
+        _section(lines, "FlexAttention")
+        lines.append(f"  {fx['statement']}")
+        for need in fx["needs"]:
+            mark = {True: "yes", False: "NO", None: "depends on your call"}[need["met"]]
+            lines.append(f"  {mark:<20} {need['need']}")
+
+    proj = facts.get("project", {})
+    if proj:
+        lines.append("")
+        lines.append(f"installer: {report['installer']} ({proj.get('installer_reason')}); exit status {0 if report['healthy'] else 1}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    report = diagnose(args)
+    if args.json:
+        sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
+    else:
+        sys.stdout.write(format_report(report))
+    return 0 if report["healthy"] else 1
+
+
+__all__ = ["add_arguments", "run", "diagnose", "format_report", "coupling", "Finding"]

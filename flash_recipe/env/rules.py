@@ -1,0 +1,662 @@
+"""The doctor's rules: one per known FlashAttention install failure.
+
+A rule reads the probe facts (and, when given, an install log or a wheel file) and returns a
+:class:`Finding` or None. Each finding carries a severity, the evidence it saw and the fix: the
+recipe folder under ``recipes/`` that documents the cure and the exact command for this
+environment. Rules about *building* upstream flash-attn only speak when flash-attn is in play
+(installed, declared by the project, named on the command line, a FLASH_ATTENTION_* variable is
+set, or a log was given), so a healthy environment that never asked for it hears nothing.
+
+The failure numbers (``failure=``) refer to the list of known failures in the project's field
+notes (flash-attention issues #246, #931, #940, #1736, #219, #389, #773, #489, #1444, uv #17794...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Optional
+
+from flash_recipe.env import commands
+from flash_recipe.env.published import LATEST
+from flash_recipe.env.wheels import parse_wheel_filename, resolve
+
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclasses.dataclass
+class Finding:
+    """One diagnosis: what is wrong, how we know, and the fix to paste."""
+
+    rule: str
+    title: str
+    severity: str
+    evidence: list[str]
+    recipe: str
+    command: str
+    failure: Optional[int] = None
+    note: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Context:
+    """What the rules look at: probe facts plus what the user handed the doctor."""
+
+    facts: dict[str, Any]
+    log: Optional[str] = None
+    wheel: Optional[dict[str, Any]] = None  # facts about a wheel file named with --wheel
+    flash_attn_version: Optional[str] = None  # asked with --flash-attn / --flash-attn-wheel
+    installer: str = "pip"
+    project: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # -- shortcuts -------------------------------------------------------------------------------
+    def get(self, probe: str) -> dict[str, Any]:
+        value = self.facts.get(probe)
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def version(self) -> str:
+        fa = self.get("flash_attn")
+        if self.flash_attn_version:
+            return self.flash_attn_version
+        if fa.get("installed") and fa.get("version"):
+            return fa["version"].split("+")[0]
+        return LATEST
+
+    @property
+    def flash_attn_in_play(self) -> bool:
+        env = self.get("env")
+        return bool(
+            self.get("flash_attn").get("installed")
+            or self.project.get("declares_flash_attn")
+            or self.flash_attn_version
+            or self.log
+            or self.wheel
+            or any(name.startswith("FLASH_ATTENTION_") or name.startswith("FLASH_ATTN_") for name in env)
+        )
+
+    def log_lines(self, pattern: str) -> list[str]:
+        """Lines of the log matching ``pattern`` (regex), stripped and shortened."""
+        if not self.log:
+            return []
+        rx = re.compile(pattern)
+        return [line.strip()[:240] for line in self.log.splitlines() if rx.search(line)]
+
+    def resolved(self) -> dict[str, Any]:
+        torch = self.get("torch")
+        plat = self.get("platform")
+        return resolve(
+            self.version,
+            python=plat.get("python") or "3",
+            torch=torch.get("version") if torch.get("installed") else None,
+            cxx11abi=torch.get("cxx11abi"),
+            cuda=torch.get("cuda"),
+            hip=torch.get("hip"),
+            platform=plat.get("wheel_platform") or "linux_x86_64",
+        )
+
+    def wheel_fix(self) -> tuple[str, str]:
+        """(recipe, command) installing the published wheel for this environment, or a source build."""
+        res = self.resolved()
+        if res["status"] == "published":
+            return "upstream-flash-attn", commands.install_wheel_url(res["url"], self.installer)
+        return "pip-no-build-isolation", commands.no_build_isolation(self.facts, self.installer, self.version, force_build=True)
+
+
+Rule = Callable[[Context], Optional[Finding]]
+RULES: list[tuple[str, Rule]] = []
+
+
+def rule(name: str) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        RULES.append((name, fn))
+        return fn
+
+    return register
+
+
+_BUILD_MARKERS = r"(Getting requirements to build|Preparing metadata|setup\.py|build_meta|pip-build-env|Building wheel|build backend|uv.*build)"
+
+
+# -- 1. torch missing inside an isolated build ----------------------------------------------------
+@rule("build-isolation-no-torch")
+def _build_isolation(ctx: Context) -> Optional[Finding]:
+    lines = ctx.log_lines(r"No module named '?torch'?") if ctx.log and re.search(_BUILD_MARKERS, ctx.log) else []
+    evidence = [f"install log: {line}" for line in lines[:2]]
+    proj = ctx.project
+    if not evidence and proj.get("declares_flash_attn") and not ctx.get("flash_attn").get("installed"):
+        if ctx.installer == "poetry":
+            evidence.append("pyproject.toml declares flash-attn and Poetry always builds it in isolation (Poetry #9722)")
+        elif ctx.installer == "uv" and not proj.get("uv_flash_attn_build_config"):
+            evidence.append(
+                "pyproject.toml declares flash-attn but sets neither no-build-isolation-package nor "
+                "extra-build-dependencies for it"
+            )
+    if not evidence:
+        return None
+    if ctx.installer == "poetry":
+        res = ctx.resolved()
+        recipe, command = ("poetry-index", commands.install_wheel_url(res["url"], "poetry")) if res["url"] else (
+            "pip-no-build-isolation",
+            commands.no_build_isolation(ctx.facts, "poetry", ctx.version),
+        )
+    else:
+        recipe = "uv-project" if ctx.installer == "uv" else "pip-no-build-isolation"
+        command = commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version)
+    return Finding(
+        "build-isolation-no-torch",
+        "flash-attn's setup.py imports torch, which an isolated build environment does not have",
+        "error" if lines else "warning",
+        evidence,
+        recipe,
+        command,
+        failure=1,
+        note="Install torch first, then build flash-attn against it with build isolation off.",
+    )
+
+
+# -- 2. build tools missing once isolation is off -------------------------------------------------
+@rule("build-tools-missing")
+def _build_tools(ctx: Context) -> Optional[Finding]:
+    lines = ctx.log_lines(r"No module named '?(packaging|wheel|setuptools|psutil|ninja)'?")
+    evidence = [f"install log: {line}" for line in lines[:3]]
+    fa = ctx.get("flash_attn")
+    needs_build = ctx.flash_attn_in_play and not fa.get("loads", False)
+    missing = ctx.get("build").get("missing") or []
+    if needs_build and missing and torch_ok(ctx):
+        evidence.append(f"not installed here: {', '.join(missing)} (a --no-build-isolation build imports them)")
+    if not evidence:
+        return None
+    return Finding(
+        "build-tools-missing",
+        "the Python build tools flash-attn's setup.py needs are missing",
+        "error" if lines else "warning",
+        evidence,
+        "pip-no-build-isolation",
+        commands.build_tools(ctx.installer),
+        failure=2,
+        note="Python 3.12+ venvs no longer ship setuptools; ninja turns a 2-hour compile into minutes.",
+    )
+
+
+def torch_ok(ctx: Context) -> bool:
+    torch = ctx.get("torch")
+    return bool(torch.get("installed")) and not torch.get("import_error")
+
+
+def _symbol_lines(ctx: Context) -> list[str]:
+    found = []
+    error = ctx.get("flash_attn").get("module_error") or ""
+    if "undefined symbol" in error:
+        found.append(f"import flash_attn_2_cuda: {error[:240]}")
+    found += [f"log: {line}" for line in ctx.log_lines(r"undefined symbol")[:2]]
+    return found
+
+
+# new-ABI symbols carry "cxx11" (St7__cxx11, B5cxx11); old-ABI std::string mangles as "Ss"
+_ABI_SYMBOL = re.compile(r"(cxx11|Ss$|SsE|SsS)")
+
+
+def _symbol_is_abi(text: str) -> bool:
+    match = re.search(r"undefined symbol:\s*(\S+)", text)
+    return bool(match and _ABI_SYMBOL.search(match.group(1)))
+
+
+# -- 3. built for another torch --------------------------------------------------------------------
+@rule("torch-version-mismatch")
+def _torch_mismatch(ctx: Context) -> Optional[Finding]:
+    evidence = [line for line in _symbol_lines(ctx) if not _symbol_is_abi(line)]
+    parts = ctx.get("flash_attn").get("wheel_name_parts") or {}
+    torch_version = ctx.get("torch").get("version") or ""
+    torch_mm = ".".join(torch_version.split("+")[0].split(".")[:2])
+    if parts and torch_mm and parts.get("torch") != torch_mm:
+        evidence.append(f"installed wheel {ctx.get('flash_attn').get('wheel_filename')} is for torch {parts['torch']}, this is torch {torch_version}")
+    if not evidence:
+        return None
+    recipe, command = ctx.wheel_fix()
+    return Finding(
+        "torch-version-mismatch",
+        "flash-attn was built for a different torch than the one installed",
+        "error",
+        evidence,
+        recipe,
+        command,
+        failure=3,
+        note="flash-attn's compiled module links against one torch minor release; reinstall it for this torch.",
+    )
+
+
+# -- 4. C++11 ABI mismatch -------------------------------------------------------------------------
+@rule("cxx11-abi-mismatch")
+def _abi_mismatch(ctx: Context) -> Optional[Finding]:
+    evidence = [line for line in _symbol_lines(ctx) if _symbol_is_abi(line)]
+    parts = ctx.get("flash_attn").get("wheel_name_parts") or {}
+    torch = ctx.get("torch")
+    if parts and torch.get("cxx11abi") is not None and parts.get("cxx11abi") != torch["cxx11abi"]:
+        evidence.append(
+            f"installed wheel says cxx11abi{str(parts['cxx11abi']).upper()}, "
+            f"torch._C._GLIBCXX_USE_CXX11_ABI is {torch['cxx11abi']}"
+        )
+    if not evidence:
+        return None
+    recipe, command = ctx.wheel_fix()
+    return Finding(
+        "cxx11-abi-mismatch",
+        "flash-attn and torch were compiled with different C++ ABIs (std::string layouts)",
+        "error",
+        evidence,
+        recipe,
+        command,
+        failure=4,
+        note="Take the wheel whose cxx11abi flag equals torch's (torch 2.7+ from PyPI: TRUE).",
+    )
+
+
+# -- 5. nvcc missing -----------------------------------------------------------------------------
+@rule("nvcc-missing")
+def _nvcc_missing(ctx: Context) -> Optional[Finding]:
+    lines = ctx.log_lines(r"(nvcc was not found|CUDA_HOME environment variable is not set|nvcc: (command )?not found)")
+    evidence = [f"install log: {line}" for line in lines[:2]]
+    torch = ctx.get("torch")
+    nvcc = ctx.get("nvcc")
+    if _building(ctx) and torch.get("build") == "cuda" and "path" in nvcc and not nvcc.get("path"):
+        evidence.append("no nvcc on PATH, under CUDA_HOME or /usr/local/cuda (a source build needs it)")
+    if not evidence:
+        return None
+    recipe, command = ctx.wheel_fix()
+    if recipe != "upstream-flash-attn":
+        cuda = torch.get("cuda") or "12.x"
+        command = f"conda install -c nvidia cuda-nvcc={cuda}   # or a CUDA 'devel' container image; then export CUDA_HOME\n{command}"
+    return Finding(
+        "nvcc-missing",
+        "a flash-attn source build needs nvcc, and none was found",
+        "error" if lines else "warning",
+        evidence,
+        recipe,
+        command,
+        failure=5,
+        note="Only the 'devel' CUDA images ship nvcc; a prebuilt wheel needs no compiler at all.",
+    )
+
+
+def _building(ctx: Context) -> bool:
+    """Is a source build of flash-attn ahead? (in play, not loading, and no published wheel)"""
+    if not ctx.flash_attn_in_play or ctx.get("flash_attn").get("loads"):
+        return False
+    if ctx.get("env").get("FLASH_ATTENTION_FORCE_BUILD") == "TRUE":
+        return True
+    return ctx.resolved()["status"] != "published"
+
+
+# -- 6. nvcc and torch on different CUDA ---------------------------------------------------------
+@rule("nvcc-torch-cuda-mismatch")
+def _nvcc_mismatch(ctx: Context) -> Optional[Finding]:
+    lines = ctx.log_lines(r"detected CUDA version \(\S+\) mismatches the version that was used to compile")
+    evidence = [f"install log: {line}" for line in lines[:1]]
+    torch_cuda = ctx.get("torch").get("cuda")
+    nvcc_version = ctx.get("nvcc").get("version")
+    if _building(ctx) and torch_cuda and nvcc_version and torch_cuda.split(".")[0] != nvcc_version.split(".")[0]:
+        evidence.append(f"nvcc is CUDA {nvcc_version}, torch was built with CUDA {torch_cuda}")
+    if not evidence:
+        return None
+    recipe, command = ctx.wheel_fix()
+    if recipe != "upstream-flash-attn":
+        command = f"conda install -c nvidia cuda-nvcc={torch_cuda or 'X.Y'}   # nvcc matching torch.version.cuda\n{command}"
+    return Finding(
+        "nvcc-torch-cuda-mismatch",
+        "nvcc and torch use different CUDA major versions; torch's extension builder refuses that",
+        "error" if lines else "warning",
+        evidence,
+        recipe,
+        command,
+        failure=6,
+    )
+
+
+# -- 7. compile runs out of memory ---------------------------------------------------------------
+@rule("compile-oom")
+def _compile_oom(ctx: Context) -> Optional[Finding]:
+    lines = ctx.log_lines(r"(Killed signal terminated program|died due to signal 9|\bKilled\b|out of memory|MemoryError)")
+    evidence = [f"install log: {line}" for line in lines[:2]]
+    env = ctx.get("env")
+    safe = commands.max_jobs(ctx.facts)
+    if ctx.flash_attn_in_play and "MAX_JOBS" in env:
+        try:
+            jobs = int(env["MAX_JOBS"])
+        except ValueError:
+            evidence.append(f"MAX_JOBS={env['MAX_JOBS']!r} is not a whole number")
+        else:
+            if jobs > safe:
+                free = ctx.get("platform").get("mem_available_gib")
+                evidence.append(f"MAX_JOBS={jobs} but {free} GiB free allows about {safe} nvcc jobs of 8-9 GB each")
+    if _building(ctx) and not ctx.get("build").get("ninja"):
+        evidence.append("ninja is not installed: without it the build compiles one file at a time (about 2 hours)")
+    if not evidence:
+        return None
+    return Finding(
+        "compile-oom",
+        "a flash-attn compile with too many parallel jobs runs out of memory (or crawls without ninja)",
+        "error" if lines else "warning",
+        evidence,
+        "pip-no-build-isolation",
+        commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True),
+        failure=7,
+        note=f"MAX_JOBS={safe} follows upstream's own rule (half the cores, one job per 9 GB free); lower NVCC_THREADS to save more.",
+    )
+
+
+def _guessed_names(ctx: Context) -> list[str]:
+    return re.findall(r"Guessing wheel URL:\s*(\S+)", ctx.log or "")
+
+
+# -- 8. wheel download blocked -------------------------------------------------------------------
+@rule("wheel-download-blocked")
+def _download_blocked(ctx: Context) -> Optional[Finding]:
+    evidence = []
+    fell_back = bool(ctx.log_lines(r"Precompiled wheel not found"))
+    for url in _guessed_names(ctx):
+        try:
+            parts = parse_wheel_filename(url)
+        except ValueError:
+            continue
+        res = resolve(parts["version"], python=parts["python"], torch=parts["torch"], cxx11abi=parts["cxx11abi"], cuda="12", platform=parts["platform"])
+        if fell_back and res["status"] == "published" and res["filename"] == url.rsplit("/", 1)[-1].replace("%2B", "+"):
+            evidence.append(f"install log: the wheel {res['filename']} is published, yet the build fell back to compiling")
+    net = ctx.get("network")
+    if net and net.get("reachable") is False and ctx.flash_attn_in_play and not ctx.get("flash_attn").get("loads"):
+        evidence.append(f"{net.get('url')} cannot be reached ({net.get('error')})")
+    if not evidence:
+        return None
+    res = ctx.resolved()
+    command = (
+        f"# on a machine with access: curl -LO '{res['url']}' ; copy it here, then:\n"
+        f"python -m pip install ./{res['filename']}"
+        if res["url"]
+        else commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True)
+    )
+    return Finding(
+        "wheel-download-blocked",
+        "setup.py could not download the prebuilt wheel and silently falls back to an hours-long compile",
+        "error" if fell_back else "warning",
+        evidence,
+        "upstream-flash-attn",
+        command,
+        failure=8,
+    )
+
+
+# -- 9. file name vs METADATA version ------------------------------------------------------------
+@rule("wheel-version-mismatch")
+def _version_mismatch(ctx: Context) -> Optional[Finding]:
+    evidence = [f"install log: {line}" for line in ctx.log_lines(r"inconsistent version")[:2]]
+    wheel = ctx.wheel or {}
+    if wheel.get("name_version") and wheel.get("metadata_version"):
+        name_public = wheel["name_version"].split("+")[0]
+        meta_public = wheel["metadata_version"].split("+")[0]
+        if name_public != meta_public:
+            evidence.append(
+                f"{wheel.get('filename')}: the file name says {wheel['name_version']}, its METADATA says {wheel['metadata_version']}"
+            )
+    if not evidence:
+        return None
+    res = ctx.resolved()
+    command = commands.install_wheel_url(res["url"], ctx.installer) if res["url"] else "python -m pip install flash-attn==" + ctx.version
+    return Finding(
+        "wheel-version-mismatch",
+        "the wheel's file name and its METADATA disagree on the version (a renamed file)",
+        "error",
+        evidence,
+        "upstream-flash-attn",
+        command,
+        failure=9,
+        note="Keep the release asset's name as published: METADATA says the plain version, the name adds the +cu..torch.. label.",
+    )
+
+
+# -- 10. hollow package ----------------------------------------------------------------------------
+@rule("hollow-package")
+def _hollow(ctx: Context) -> Optional[Finding]:
+    fa = ctx.get("flash_attn")
+    evidence = []
+    error = fa.get("module_error") or ""
+    if fa.get("installed") and "No module named 'flash_attn_2_cuda'" in error:
+        evidence.append(f"import flash_attn_2_cuda: {error}")
+        if fa.get("wheel_tags") == ["py3-none-any"]:
+            evidence.append("the installed flash-attn wheel is tagged py3-none-any: it carries no compiled code")
+    evidence += [f"log: {line}" for line in ctx.log_lines(r"No module named '?flash_attn_2_cuda'?")[:1]]
+    skip = ctx.get("env").get("FLASH_ATTENTION_SKIP_CUDA_BUILD")
+    if skip == "TRUE" and not fa.get("loads"):
+        evidence.append("FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE is set: a build now produces a package without its CUDA module")
+    if not evidence:
+        return None
+    recipe, command = ctx.wheel_fix()
+    gpus = ctx.get("gpus")
+    if ctx.get("torch").get("build") == "cpu" and not (gpus.get("devices") or gpus.get("driver")):
+        command = "# no GPU here: flash-attn cannot run at all; flash_recipe falls back to torch SDPA"
+        recipe = "upstream-flash-attn"
+        command = f"python -m pip uninstall -y flash-attn   {command}" if fa.get("installed") else command
+    elif fa.get("installed"):
+        command = f"python -m pip uninstall -y flash-attn && {command}"
+    if skip is not None:
+        command = f"unset FLASH_ATTENTION_SKIP_CUDA_BUILD && {command}"
+    return Finding(
+        "hollow-package",
+        "flash-attn is installed without its compiled CUDA module",
+        "error" if fa.get("installed") else "warning",
+        evidence,
+        recipe,
+        command,
+        failure=10,
+    )
+
+
+# -- 11. no prebuilt wheel for this torch --------------------------------------------------------
+@rule("no-prebuilt-wheel")
+def _no_wheel(ctx: Context) -> Optional[Finding]:
+    evidence = []
+    fell_back = ctx.log_lines(r"Precompiled wheel not found")
+    for url in _guessed_names(ctx):
+        try:
+            parts = parse_wheel_filename(url)
+        except ValueError:
+            continue
+        res = resolve(parts["version"], python=parts["python"], torch=parts["torch"], cxx11abi=parts["cxx11abi"], cuda="12", platform=parts["platform"])
+        if fell_back and res["status"] == "not-published":
+            evidence.append(f"install log: {res['filename']} was never published, so setup.py compiled from source")
+    fa = ctx.get("flash_attn")
+    torch = ctx.get("torch")
+    if ctx.flash_attn_in_play and not fa.get("loads") and torch.get("build") in ("cuda", "rocm"):
+        res = ctx.resolved()
+        if res["status"] == "not-published":
+            evidence.append(f"{res['filename']} does not exist: {res['reason']}")
+    if not evidence:
+        return None
+    res = ctx.resolved()
+    nearest = res.get("nearest")
+    note = None
+    if nearest:
+        note = f"nearest published: {nearest['filename']} ({'; '.join(nearest['differs']) or 'same coupling'}); it only loads with that torch."
+    return Finding(
+        "no-prebuilt-wheel",
+        "upstream published no wheel for this torch/Python/ABI: pip will compile flash-attn for hours",
+        "warning",
+        evidence,
+        "pip-no-build-isolation",
+        commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True),
+        failure=11,
+        note=note,
+    )
+
+
+# -- 12. GPU older than sm80 ---------------------------------------------------------------------
+@rule("gpu-too-old")
+def _gpu_old(ctx: Context) -> Optional[Finding]:
+    old = [d for d in ctx.get("gpus").get("devices") or [] if d.get("capability") and tuple(d["capability"]) < (8, 0)]
+    evidence = [f"{d['name']} is sm{d['capability'][0]}{d['capability'][1]}; FlashAttention-2 needs sm80 or newer" for d in old]
+    evidence += [f"log: {line}" for line in ctx.log_lines(r"(FlashAttention only supports Ampere GPUs or newer|No available kernel)")[:2]]
+    if not evidence:
+        return None
+    installed = ctx.get("flash_attn").get("installed")
+    return Finding(
+        "gpu-too-old",
+        "this GPU is older than Ampere (sm80): upstream flash-attn cannot run on it",
+        "error" if installed and old else "warning",
+        evidence,
+        "uv-pip" if ctx.installer == "uv" else "pip-no-build-isolation",
+        (f"python -m pip uninstall -y flash-attn   # it cannot run here\n" if installed else "")
+        + "# use torch SDPA's memory-efficient kernel (or flash_recipe's fallback), not FLASH_ATTENTION only:\n"
+        "#   with torch.nn.attention.sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]): ...",
+        failure=12,
+        note="torch SDPA restricted to its flash kernel raises 'No available kernel' here; the memory-efficient kernel works.",
+    )
+
+
+# -- 13. fp32 inputs -----------------------------------------------------------------------------
+@rule("fp32-inputs")
+def _fp32(ctx: Context) -> Optional[Finding]:
+    lines = ctx.log_lines(r"(only supports? fp16 and bf16|only support fp16 and bf16)")
+    if not lines:
+        return None
+    return Finding(
+        "fp32-inputs",
+        "flash-attn was called with float32 tensors; it runs fp16 and bf16 only",
+        "error",
+        [f"log: {line}" for line in lines[:2]],
+        "upstream-flash-attn",
+        "q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))   # or torch.autocast('cuda', dtype=torch.bfloat16)",
+        failure=13,
+    )
+
+
+# -- beyond the list: facts that produce the failures above --------------------------------------
+@rule("torch-missing")
+def _torch_missing(ctx: Context) -> Optional[Finding]:
+    torch = ctx.get("torch")
+    if torch.get("installed") and not torch.get("import_error"):
+        return None
+    evidence = ["torch is not installed in this environment"] if not torch.get("installed") else [f"import torch: {torch['import_error']}"]
+    return Finding(
+        "torch-missing",
+        "torch is missing or broken: neither flash_recipe nor flash-attn can run",
+        "error",
+        evidence,
+        f"torch-index-{ctx.installer}",
+        commands.install_torch(ctx.facts, ctx.installer),
+        note="Install torch from the index that matches this machine before anything that builds against it.",
+    )
+
+
+@rule("cpu-torch-with-gpu")
+def _cpu_torch_gpu(ctx: Context) -> Optional[Finding]:
+    torch = ctx.get("torch")
+    gpus = ctx.get("gpus")
+    if torch.get("build") != "cpu" or not (gpus.get("devices") or gpus.get("driver")):
+        return None
+    names = ", ".join(d["name"] for d in gpus.get("devices") or []) or f"driver {gpus.get('driver')}"
+    return Finding(
+        "cpu-torch-with-gpu",
+        "an NVIDIA GPU is present but torch is a CPU-only build",
+        "warning",
+        [f"torch {torch.get('version')} has no CUDA; GPU: {names}"],
+        f"torch-index-{ctx.installer}",
+        commands.install_torch(ctx.facts, ctx.installer),
+    )
+
+
+@rule("cpu-torch-flash-attn")
+def _cpu_torch_flash_attn(ctx: Context) -> Optional[Finding]:
+    lines = ctx.log_lines(r"Invalid version: None")
+    torch = ctx.get("torch")
+    evidence = [f"install log: {line} (setup.py parses torch.version.cuda, which is None on a CPU torch)" for line in lines[:1]]
+    if ctx.flash_attn_in_play and torch.get("build") == "cpu" and not ctx.get("flash_attn").get("loads"):
+        evidence.append(f"torch {torch.get('version')} is CPU-only: flash-attn has no CPU build (flash_recipe falls back to SDPA here)")
+    if not evidence:
+        return None
+    gpus = ctx.get("gpus")
+    if gpus.get("devices") or gpus.get("driver"):
+        recipe, command = f"torch-index-{ctx.installer}", commands.install_torch(ctx.facts, ctx.installer)
+    else:
+        evidence.append("no NVIDIA GPU or driver found on this machine")
+        recipe = "upstream-flash-attn"
+        command = (
+            "# flash-attn cannot run without an NVIDIA (or AMD) GPU; here use flash_recipe, which falls back to torch SDPA:\n"
+            + commands.install_flash_recipe(ctx.installer)
+        )
+    return Finding(
+        "cpu-torch-flash-attn",
+        "upstream flash-attn needs a CUDA (or ROCm) build of torch",
+        "error" if lines else "warning",
+        evidence,
+        recipe,
+        command,
+    )
+
+
+@rule("env-switch-not-true")
+def _env_switch(ctx: Context) -> Optional[Finding]:
+    env = ctx.get("env")
+    bad = {
+        name: value
+        for name, value in env.items()
+        if name in ("FLASH_ATTENTION_FORCE_BUILD", "FLASH_ATTENTION_SKIP_CUDA_BUILD", "FLASH_ATTENTION_FORCE_CXX11_ABI")
+        and value != "TRUE"
+        and value.strip().lower() in ("1", "true", "yes", "on", "y")
+    }
+    if not bad:
+        return None
+    fixed = " ".join(f"{name}=TRUE" for name in sorted(bad))
+    return Finding(
+        "env-switch-not-true",
+        "flash-attn's setup.py only honours the exact string TRUE; this switch is ignored",
+        "warning",
+        [f"{name}={value!r} has no effect upstream (it compares with 'TRUE')" for name, value in sorted(bad.items())],
+        "upstream-flash-attn",
+        f"export {fixed}",
+    )
+
+
+@rule("no-backend")
+def _no_backend(ctx: Context) -> Optional[Finding]:
+    backends = ctx.get("backends")
+    explain = backends.get("explain")
+    if not explain or any(reason is None for reason in explain.values()):
+        return None
+    return Finding(
+        "no-backend",
+        "no flash_recipe backend can run even a plain fp16 call here",
+        "error",
+        [f"{name}: {reason}" for name, reason in explain.items()],
+        f"torch-index-{ctx.installer}",
+        commands.install_torch(ctx.facts, ctx.installer),
+    )
+
+
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def evaluate(ctx: Context) -> list[Finding]:
+    """Run every rule; a rule that raises becomes an ``info`` finding naming the rule, not a crash."""
+    findings = []
+    for name, fn in RULES:
+        try:
+            found = fn(ctx)
+        except Exception as exc:  # one broken rule must not hide the others
+            found = Finding(name, f"rule {name} could not be evaluated", "info", [f"{type(exc).__name__}: {exc}"], "upstream-flash-attn", "")
+        if found is not None:
+            findings.append(found)
+    findings.sort(key=lambda f: SEVERITY_ORDER[f.severity])
+    return findings
+
+
+def cited_recipes() -> set[str]:
+    """Every recipe folder name a rule can cite (for the test that each exists under recipes/)."""
+    names = {"upstream-flash-attn", "pip-no-build-isolation", "uv-project", "poetry-index", "uv-pip"}
+    names |= {f"torch-index-{installer}" for installer in commands.INSTALLERS}
+    return names

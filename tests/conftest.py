@@ -1,0 +1,43 @@
+"""Shared fixtures.
+
+Without a GPU, the test process runs the Triton kernels through Triton's CPU interpreter: the
+interpreter is chosen when ``flash_recipe.ops`` is imported, so it is switched on here, before
+any test imports it. With a GPU, the kernels are compiled and run on it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    if not HAS_CUDA:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where the kernel tests run: the GPU if there is one, else the CPU through the interpreter."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Kernel outputs start as NaN, so a tile the kernel forgets to write shows up."""
+    from flash_recipe.ops import tiles
+
+    def nan_buffer(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(tiles, "output_buffer", nan_buffer)
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_override(monkeypatch):
+    """Tests start from automatic backend selection, whatever the caller's environment says."""
+    monkeypatch.delenv("FLASH_RECIPE_BACKEND", raising=False)

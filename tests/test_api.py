@@ -1,0 +1,193 @@
+"""The public layer: validation, flash-attn and SDPA semantics, backend selection."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_recipe
+from flash_recipe import BackendUnavailableError, flash_attn_func, scaled_dot_product_attention, use_backend
+from flash_recipe.reference import attention_reference
+
+
+def t(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+Q, K = t(2, 8, 4, 16), t(2, 10, 2, 16)
+
+# (id, call, exception type, words the message must contain)
+BAD_CALLS = [
+    ("q-not-tensor", lambda: flash_attn_func(Q.tolist(), K, K), TypeError, ["q", "torch.Tensor", "list"]),
+    ("int-dtype", lambda: flash_attn_func(Q.int(), K, K), TypeError, ["q", "float16, bfloat16 or float32", "torch.int32"]),
+    ("float64", lambda: flash_attn_func(Q.double(), K, K), TypeError, ["q", "torch.float64"]),
+    ("dtype-mismatch", lambda: flash_attn_func(Q, K.half(), K), TypeError, ["k", "same dtype", "torch.float16"]),
+    ("device-mismatch", lambda: flash_attn_func(Q, K.to("meta"), K), ValueError, ["k", "same device", "meta"]),
+    ("batch-mismatch", lambda: flash_attn_func(Q, t(3, 10, 2, 16), t(3, 10, 2, 16)), ValueError, ["k", "batch size", "2", "3"]),
+    ("kv-seqlen-mismatch", lambda: flash_attn_func(Q, K, t(2, 11, 2, 16)), ValueError, ["v", "seqlen and nheads", "(11, 2)"]),
+    ("head-dim-mismatch", lambda: flash_attn_func(Q, t(2, 10, 2, 8), t(2, 10, 2, 8)), ValueError, ["k", "head dim", "16", "8"]),
+    ("v-head-dim-mismatch", lambda: flash_attn_func(Q, K, t(2, 10, 2, 8)), ValueError, ["v", "head dim", "8"]),
+    ("heads-not-divisible", lambda: flash_attn_func(Q, t(2, 10, 3, 16), t(2, 10, 3, 16)), ValueError, ["query heads (4)", "multiple", "3"]),
+    ("head-dim-too-big", lambda: flash_attn_func(t(1, 2, 1, 257), t(1, 2, 1, 257), t(1, 2, 1, 257)), ValueError, ["head dim", "256", "257"]),
+    ("wrong-rank", lambda: flash_attn_func(t(8, 4, 16), K, K), ValueError, ["q", "4 dimensions", "(8, 4, 16)"]),
+    ("last-dim-strided", lambda: flash_attn_func(t(2, 8, 4, 32)[..., ::2], K, K), ValueError, ["q", "contiguous last dimension", "stride 2"]),
+    ("dropout", lambda: flash_attn_func(Q, K, K, dropout_p=0.1), NotImplementedError, ["dropout_p", "0.1"]),
+    ("dropout-range", lambda: flash_attn_func(Q, K, K, dropout_p=1.5), ValueError, ["dropout_p", "[0, 1)", "1.5"]),
+    ("window", lambda: flash_attn_func(Q, K, K, window_size=(4, 0)), NotImplementedError, ["window_size", "(4, 0)"]),
+    ("window-type", lambda: flash_attn_func(Q, K, K, window_size=4), TypeError, ["window_size", "pair of ints", "4"]),
+    ("softcap", lambda: flash_attn_func(Q, K, K, softcap=30.0), NotImplementedError, ["softcap", "30.0"]),
+    ("alibi", lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(4)), NotImplementedError, ["alibi_slopes", "None"]),
+    ("scale-type", lambda: flash_attn_func(Q, K, K, softmax_scale="0.1"), TypeError, ["softmax_scale", "real number", "str"]),
+    ("causal-type", lambda: flash_attn_func(Q, K, K, causal="yes"), TypeError, ["causal", "bool", "str"]),
+    ("qkv-packed-shape", lambda: flash_recipe.flash_attn_qkvpacked_func(t(2, 8, 2, 4, 16)), ValueError, ["qkv", "size 3", "(2, 8, 2, 4, 16)"]),
+    ("kv-packed-rank", lambda: flash_recipe.flash_attn_kvpacked_func(Q, K), ValueError, ["kv", "5 dimensions"]),
+    ("sdpa-gqa-off", lambda: scaled_dot_product_attention(t(1, 4, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)), ValueError, ["key", "enable_gqa", "2"]),
+    ("sdpa-mask-and-causal", lambda: scaled_dot_product_attention(t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True), ValueError, ["attn_mask", "is_causal"]),
+    ("unknown-backend", lambda: use_backend("cuda").__enter__(), ValueError, ["backend", "'triton'", "'cuda'"]),
+    ("explain-kwarg", lambda: flash_recipe.explain(Q, K, K, casual=True), TypeError, ["casual", "causal"]),
+]
+
+
+@pytest.mark.parametrize("call,exc,words", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_clear_error(call, exc, words):
+    with pytest.raises(exc) as info:
+        call()
+    assert type(info.value) is exc or issubclass(type(info.value), exc)
+    for word in words:
+        assert word in str(info.value), f"{word!r} missing from: {info.value}"
+
+
+def test_bad_backend_env_var(monkeypatch):
+    monkeypatch.setenv("FLASH_RECIPE_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="FLASH_RECIPE_BACKEND must be one of .*'fastest'"):
+        flash_attn_func(Q, K, K)
+
+
+def test_cpu_goes_to_sdpa_without_interpreter(monkeypatch):
+    # Triton reads TRITON_INTERPRET once, at import, so the variable stays and the check is patched.
+    from flash_recipe import dispatch
+
+    monkeypatch.setattr(dispatch, "interpreter_enabled", lambda: False)
+    dispatch._import_error.cache_clear()
+    reasons = flash_recipe.explain(Q, K, K)
+    assert list(reasons) == ["flash_attn", "triton", "sdpa", "reference"]
+    assert "TRITON_INTERPRET=1" in reasons["triton"]
+    assert reasons["sdpa"] is None and reasons["reference"] is None
+    with use_backend("triton"), pytest.raises(BackendUnavailableError, match="'triton' cannot run.*interpreter"):
+        flash_attn_func(Q, K, K)
+
+
+def test_env_var_and_context_choose_backend(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("FLASH_RECIPE_BACKEND", "reference")
+    from flash_recipe import dispatch
+
+    call = dispatch.AttentionCall(Q, K, K, 0.25)
+    assert dispatch.select(call).name == "reference"
+    with use_backend("sdpa"):
+        assert dispatch.select(call).name == "sdpa"
+        with use_backend("auto"):
+            assert dispatch.select(call).name == "triton"
+    assert dispatch.select(call).name == "reference"
+
+
+def test_interpreter_refuses_bf16_with_reason(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reasons = flash_recipe.explain(Q.bfloat16(), K.bfloat16(), K.bfloat16())
+    assert "bfloat16" in reasons["triton"]
+    out = flash_attn_func(Q.bfloat16(), K.bfloat16(), K.bfloat16())  # falls back cleanly
+    assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa", "reference"])
+@pytest.mark.parametrize("sq,sk", [(7, 12), (12, 7), (9, 9)], ids=lambda n: str(n))
+def test_flash_attn_causal_is_bottom_right(backend, sq, sk, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = t(1, sq, 2, 16, seed=1), t(1, sk, 1, 16, seed=2), t(1, sk, 1, 16, seed=3)
+    with use_backend(backend):
+        out = flash_attn_func(q, k, v, causal=True)
+    visible = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1),
+        attn_mask=visible,
+    ).transpose(1, 2).nan_to_num(0.0)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    if sq > sk:
+        assert (out[:, : sq - sk] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa", "reference"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("sq,sk", [(7, 12), (12, 7)], ids=lambda n: str(n))
+def test_sdpa_api_matches_torch(backend, gqa, sq, sk, monkeypatch):
+    """torch's layout and top-left causal mask, with gradients."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    hk = 2 if gqa else 4
+    tensors = [t(2, 4, sq, 16, seed=1), t(2, hk, sk, 16, seed=2), t(2, hk, sk, 16, seed=3)]
+    mine = [x.clone().requires_grad_() for x in tensors]
+    theirs = [x.clone().requires_grad_() for x in tensors]
+    with use_backend(backend):
+        out = scaled_dot_product_attention(*mine, is_causal=True, scale=0.3, enable_gqa=gqa)
+    expected = F.scaled_dot_product_attention(*theirs, is_causal=True, scale=0.3, enable_gqa=gqa)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    grad = t(*out.shape, seed=4)
+    out.backward(grad)
+    expected.backward(grad)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_api_mask_falls_back_and_3d_inputs(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = t(2, 6, 16, seed=1), t(2, 9, 16, seed=2), t(2, 9, 16, seed=3)
+    mask = torch.rand(6, 9, generator=torch.Generator().manual_seed(0)) > 0.3
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=2e-6, rtol=1e-5)
+    with use_backend("triton"), pytest.raises(BackendUnavailableError, match="attn_mask"):
+        scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_return_attn_probs_on_every_backend(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _, ref_lse = attention_reference(Q, K.repeat(1, 1, 1, 1), K, causal=True)
+    for backend in ("triton", "reference"):
+        with use_backend(backend):
+            out, lse, s_dmask = flash_attn_func(Q, K, K, causal=True, return_attn_probs=True)
+        assert s_dmask is None and lse.shape == (2, 4, 8)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # Automatic selection skips sdpa, which has no log-sum-exp, and says why.
+    assert "log-sum-exp" in flash_recipe.explain(Q, K, K, return_attn_probs=True)["sdpa"]
+
+
+def test_import_selects_compiles_and_probes_nothing():
+    code = (
+        "import json, sys, flash_recipe; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'flash_attn') "
+        "or m.startswith('flash_recipe.ops.') and m != 'flash_recipe.ops.configs')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(result.stdout) == []
+
+
+def test_version_matches_distribution_metadata():
+    from importlib import metadata
+
+    try:
+        assert flash_recipe.__version__ == metadata.version("flash-recipe")
+    except metadata.PackageNotFoundError:
+        pytest.skip("flash-recipe is not installed (tests run from the source tree)")
+
+
+def test_interpreter_switched_on_after_import_is_explained():
+    code = (
+        "import os, torch, triton, flash_recipe; os.environ['TRITON_INTERPRET'] = '1'; "
+        "q = torch.randn(1, 4, 1, 16); print(flash_recipe.explain(q, q, q)['triton'])"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert "set after triton was imported" in result.stdout

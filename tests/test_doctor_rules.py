@@ -1,0 +1,488 @@
+"""One test (at least) per doctor rule, firing and staying silent.
+
+Where the situation can be built on this CPU machine it is built for real: environment variables
+through monkeypatch, a fake flash_attn distribution (dist-info + package on a tmp sys.path) whose
+compiled-module import fails, a renamed wheel file, real install-log text captured from pip,
+the real probes of this machine. GPU facts (device, compute capability, driver, a CUDA build of
+torch) cannot exist here: those tests inject probe facts, built from ``gpu_facts()`` below, and
+say so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from flash_recipe.env import probes
+from flash_recipe.env.rules import RULES, Context, Finding, cited_recipes, evaluate
+
+# Captured from `pip download --no-deps --no-binary :all: flash-attn==2.8.3` on this project's
+# CPU machine (pip 23.2.1, PEP 517 build with isolation), trimmed to the lines that matter.
+ISOLATED_BUILD_LOG = """\
+Collecting flash-attn==2.8.3
+  Downloading flash_attn-2.8.3.tar.gz (8.4 MB)
+  Installing build dependencies: started
+  Installing build dependencies: finished with status 'done'
+  Getting requirements to build wheel: started
+  Getting requirements to build wheel: finished with status 'error'
+  error: subprocess-exited-with-error
+      File "/tmp/pip-build-env-r74578xa/overlay/lib/python3.11/site-packages/setuptools/build_meta.py", line 317, in run_setup
+        exec(code, locals())  # noqa: S102 # exec is intentional here
+      File "<string>", line 22, in <module>
+      ModuleNotFoundError: No module named 'torch'
+"""
+
+# Captured from a --no-build-isolation build of the same sdist against CPU torch 2.13.0 (legacy
+# setup.py path), trimmed.
+NO_CUDA_HOME_LOG = """\
+  setup.py:106: UserWarning: flash_attn was requested, but nvcc was not found.  Are you sure your environment has nvcc available?
+      raise OSError('CUDA_HOME environment variable is not set. '
+  OSError: CUDA_HOME environment variable is not set. Please set it to your CUDA install root.
+"""
+
+CPU_TORCH_LOG = """\
+      File "/tmp/pip-req-build-6wa4awsd/setup.py", line 456, in get_wheel_url
+        torch_cuda_version = parse(torch.version.cuda)
+      packaging.version.InvalidVersion: Invalid version: None
+"""
+
+
+def gpu_facts(**overrides):
+    """Injected facts of a healthy GPU machine: H100 (sm90), driver 570, torch 2.8.0+cu128 with the
+    C++11 ABI, Python 3.12, flash-attn 2.8.3 installed from its published wheel and loading, nvcc
+    12.8, ninja and every build tool present. No GPU exists on the test machine."""
+    name = "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+    from flash_recipe.env.wheels import parse_wheel_filename
+
+    facts = {
+        "platform": {"python": "3.12.7", "python_tag": "cp312", "wheel_platform": "linux_x86_64", "cpu_count": 32, "mem_available_gib": 200.0, "os": "Linux", "machine": "x86_64"},
+        "torch": {"installed": True, "version": "2.8.0+cu128", "cuda": "12.8", "hip": None, "cxx11abi": True, "build": "cuda", "cuda_available": True, "device_count": 1},
+        "gpus": {"devices": [{"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "shared_memory_per_block": 232448}], "driver": "570.86.15", "driver_cuda": "12.8", "source": "torch"},
+        "nvcc": {"path": "/usr/local/cuda/bin/nvcc", "version": "12.8", "cuda_home": "/usr/local/cuda", "on_path": True},
+        "triton": {"installed": True, "version": "3.4.0", "target": "cuda:90"},
+        "build": {"ninja": "/usr/bin/ninja", "ninja_version": "1.11.1", "packages": {}, "missing": []},
+        "env": {},
+        "flash_attn": {
+            "installed": True, "name": "flash_attn", "version": "2.8.3", "installer": "pip", "direct_url": f"https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/{name}",
+            "wheel_filename": name, "wheel_name_parts": parse_wheel_filename(name), "wheel_tags": ["cp312-cp312-linux_x86_64"],
+            "module_error": None, "package_error": None, "loads": True,
+        },
+        "flex": {"module": True, "torch_ok": True, "device": True},
+        "backends": {"explain": {"flash_attn": None, "triton": None, "sdpa": None, "reference": None}},
+    }
+    for key, value in overrides.items():
+        probe, _, field = key.partition("__")
+        if field:
+            facts[probe][field] = value
+        else:
+            facts[probe] = value
+    return facts
+
+
+def rules_fired(ctx: Context) -> dict[str, Finding]:
+    return {f.rule: f for f in evaluate(ctx)}
+
+
+def this_machine(**extra) -> dict:
+    """The real probes of this machine (CPU torch, no GPU)."""
+    facts = probes.collect()
+    facts.update(extra)
+    return facts
+
+
+# -- fake upstream flash-attn distributions, built for real on a tmp sys.path --------------------
+def make_flash_attn(tmp_path: Path, monkeypatch, *, cuda_module: str | None, tag: str, direct_url: str | None = None) -> Path:
+    """Install a fake flash-attn 2.8.3 (dist-info + package) into ``tmp_path/site`` and put it on
+    sys.path and PYTHONPATH. ``cuda_module``: source of ``flash_attn_2_cuda.py`` or None for none."""
+    site = tmp_path / "site"
+    pkg = site / "flash_attn"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("__version__ = '2.8.3'\nimport flash_attn_2_cuda  # noqa: F401\n")
+    files = ["flash_attn/__init__.py"]
+    if cuda_module is not None:
+        (site / "flash_attn_2_cuda.py").write_text(cuda_module)
+        files.append("flash_attn_2_cuda.py")
+    info = site / "flash_attn-2.8.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n")
+    (info / "WHEEL").write_text(f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n")
+    (info / "INSTALLER").write_text("pip\n")
+    if direct_url:
+        (info / "direct_url.json").write_text(json.dumps({"url": direct_url, "archive_info": {}}))
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files + ["flash_attn-2.8.3.dist-info/METADATA"]))
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    return site
+
+
+# -- no false alarms ---------------------------------------------------------------------------
+def test_this_machine_is_healthy_and_quiet():
+    """Real probes here: CPU torch, no GPU, no flash-attn. Nothing should be reported."""
+    ctx = Context(facts=this_machine(), installer="pip")
+    assert evaluate(ctx) == []
+
+
+def test_healthy_gpu_machine_is_quiet():
+    """Injected facts (no GPU here): a healthy H100 machine with a working flash-attn."""
+    assert evaluate(Context(facts=gpu_facts(), installer="pip", flash_attn_version="2.8.3")) == []
+
+
+# -- 1 -----------------------------------------------------------------------------------------
+def test_build_isolation_from_real_log():
+    found = rules_fired(Context(facts=gpu_facts(), log=ISOLATED_BUILD_LOG, installer="pip"))
+    f = found["build-isolation-no-torch"]
+    assert f.severity == "error" and f.failure == 1
+    assert "No module named 'torch'" in f.evidence[0]
+    assert f.recipe == "pip-no-build-isolation"
+    assert "--no-build-isolation flash-attn==2.8.3" in f.command
+
+
+def test_build_isolation_predicted_for_poetry_project_declaring_flash_attn(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = ["flash-attn>=2.8"]\n[tool.poetry]\n')
+    project = probes.probe_project(str(tmp_path))
+    facts = gpu_facts(flash_attn={"installed": False})
+    f = rules_fired(Context(facts=facts, installer=project["installer"], project=project))["build-isolation-no-torch"]
+    assert f.severity == "warning" and "Poetry" in f.evidence[0]
+    assert f.command.startswith('poetry add "https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/')
+
+
+def test_build_isolation_quiet_for_uv_project_with_match_runtime(tmp_path):
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\ndependencies = ["flash-attn"]\n'
+        '[tool.uv.extra-build-dependencies]\nflash-attn = [{ requirement = "torch", match-runtime = true }]\n'
+    )
+    project = probes.probe_project(str(tmp_path))
+    assert project["installer"] == "uv" and project["uv_flash_attn_build_config"]
+    facts = gpu_facts(flash_attn={"installed": False})
+    assert "build-isolation-no-torch" not in rules_fired(Context(facts=facts, installer="uv", project=project))
+
+
+def test_runtime_no_module_torch_is_not_a_build_isolation_finding():
+    log = "Traceback (most recent call last):\n  File \"train.py\", line 1\nModuleNotFoundError: No module named 'torch'\n"
+    assert "build-isolation-no-torch" not in rules_fired(Context(facts=gpu_facts(), log=log))
+
+
+# -- 2 -----------------------------------------------------------------------------------------
+def test_build_tools_missing_from_real_environment(monkeypatch):
+    """Real probe of this machine's build tools, with a flash-attn build in play."""
+    monkeypatch.setenv("FLASH_ATTENTION_FORCE_BUILD", "TRUE")
+    facts = this_machine()
+    missing = facts["build"]["missing"]
+    found = rules_fired(Context(facts=facts, installer="pip"))
+    if missing:
+        f = found["build-tools-missing"]
+        assert all(name in f.evidence[0] for name in missing)
+        assert f.command == "python -m pip install packaging wheel setuptools psutil ninja"
+    else:
+        assert "build-tools-missing" not in found
+
+
+def test_build_tools_missing_from_log():
+    log = "  File \"setup.py\", line 12\n    ModuleNotFoundError: No module named 'psutil'\n"
+    f = rules_fired(Context(facts=gpu_facts(), log=log, installer="uv"))["build-tools-missing"]
+    assert f.severity == "error" and f.command.startswith("uv pip install packaging")
+
+
+# -- 3 and 4: undefined symbols, for real through a fake compiled module ------------------------
+def test_torch_mismatch_from_a_failing_compiled_module(tmp_path, monkeypatch):
+    make_flash_attn(
+        tmp_path, monkeypatch, tag="cp311-cp311-linux_x86_64",
+        cuda_module="raise ImportError('/site/flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n",
+    )
+    fa = probes.probe_flash_attn()
+    assert fa["installed"] and fa["loads"] is False
+    assert "undefined symbol: _ZN3c104cuda9SetDeviceEi" in fa["module_error"]
+    found = rules_fired(Context(facts=this_machine(flash_attn=fa)))
+    assert found["torch-version-mismatch"].severity == "error"
+    assert "cxx11-abi-mismatch" not in found
+
+
+def test_torch_mismatch_from_wheel_name():
+    """Injected: a wheel for torch 2.7 under torch 2.8 (no GPU here to load it)."""
+    from flash_recipe.env.wheels import parse_wheel_filename
+
+    name = "flash_attn-2.8.3+cu12torch2.7cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+    facts = gpu_facts()
+    facts["flash_attn"].update(wheel_filename=name, wheel_name_parts=parse_wheel_filename(name))
+    f = rules_fired(Context(facts=facts))["torch-version-mismatch"]
+    assert "torch 2.7" in f.evidence[0] and f.recipe == "upstream-flash-attn"
+    assert "cu12torch2.8cxx11abiTRUE-cp312" in f.command
+
+
+def test_abi_mismatch_from_a_failing_compiled_module(tmp_path, monkeypatch):
+    # the symbol upstream's publish workflow quotes for a non-C++11-ABI build on a C++11 torch
+    make_flash_attn(
+        tmp_path, monkeypatch, tag="cp311-cp311-linux_x86_64",
+        cuda_module="raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c105ErrorC2ENS_14SourceLocationESs')\n",
+    )
+    found = rules_fired(Context(facts=this_machine(flash_attn=probes.probe_flash_attn())))
+    assert found["cxx11-abi-mismatch"].severity == "error"
+    assert "torch-version-mismatch" not in found
+
+
+def test_abi_mismatch_from_wheel_name_and_cxx11_symbol():
+    """Injected: an ABI-FALSE wheel under a C++11-ABI torch."""
+    from flash_recipe.env.wheels import parse_wheel_filename
+
+    name = "flash_attn-2.8.3+cu12torch2.8cxx11abiFALSE-cp312-cp312-linux_x86_64.whl"
+    facts = gpu_facts()
+    facts["flash_attn"].update(wheel_filename=name, wheel_name_parts=parse_wheel_filename(name), loads=False,
+                               module_error="ImportError: undefined symbol: _ZNK3c1010TensorImpl4sizeB5cxx11Ev")
+    f = rules_fired(Context(facts=facts))["cxx11-abi-mismatch"]
+    assert len(f.evidence) == 2 and "cxx11abiTRUE" in f.command
+
+
+# -- 5 and 6 -----------------------------------------------------------------------------------
+def test_nvcc_missing_from_real_log():
+    f = rules_fired(Context(facts=gpu_facts(), log=NO_CUDA_HOME_LOG))["nvcc-missing"]
+    assert f.severity == "error" and len(f.evidence) == 2
+
+
+def test_nvcc_missing_when_a_source_build_is_ahead():
+    """Injected: CUDA torch 2.9 (no published wheel), no nvcc anywhere."""
+    facts = gpu_facts(torch__version="2.9.0+cu128", nvcc={"path": None, "version": None, "cuda_home": None, "on_path": False},
+                      flash_attn={"installed": False})
+    found = rules_fired(Context(facts=facts, flash_attn_version="2.8.3"))
+    assert "no nvcc" in found["nvcc-missing"].evidence[0]
+    assert "cuda-nvcc=12.8" in found["nvcc-missing"].command
+    assert "no-prebuilt-wheel" in found
+
+
+def test_nvcc_quiet_when_the_published_wheel_fits():
+    facts = gpu_facts(nvcc={"path": None, "version": None, "cuda_home": None, "on_path": False}, flash_attn={"installed": False})
+    assert "nvcc-missing" not in rules_fired(Context(facts=facts, flash_attn_version="2.8.3"))
+
+
+def test_nvcc_torch_cuda_mismatch_with_this_machines_real_nvcc():
+    """The real nvcc probe of this machine, with injected CUDA 12.8 torch 2.10 facts."""
+    nvcc = probes.probe_nvcc()
+    facts = gpu_facts(torch__version="2.10.0+cu128", nvcc=nvcc, flash_attn={"installed": False})
+    found = rules_fired(Context(facts=facts, flash_attn_version="2.8.3"))
+    if nvcc["version"] and nvcc["version"].split(".")[0] != "12":
+        assert f"nvcc is CUDA {nvcc['version']}" in found["nvcc-torch-cuda-mismatch"].evidence[0]
+    else:
+        assert "nvcc-torch-cuda-mismatch" not in found
+
+
+def test_nvcc_torch_cuda_mismatch_from_log():
+    log = "RuntimeError: The detected CUDA version (12.1) mismatches the version that was used to compile\nPyTorch (11.7). Please make sure to use the same CUDA versions.\n"
+    assert rules_fired(Context(facts=gpu_facts(), log=log))["nvcc-torch-cuda-mismatch"].severity == "error"
+
+
+# -- 7 -----------------------------------------------------------------------------------------
+def test_compile_oom_from_max_jobs(monkeypatch):
+    """Real probes (cores, free memory) with MAX_JOBS set far above what memory allows."""
+    monkeypatch.setenv("MAX_JOBS", "64")
+    monkeypatch.setenv("FLASH_ATTENTION_FORCE_BUILD", "TRUE")
+    f = rules_fired(Context(facts=this_machine()))["compile-oom"]
+    assert "MAX_JOBS=64" in f.evidence[0]
+    assert "FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=" in f.command
+
+
+def test_compile_oom_quiet_with_a_sane_max_jobs(monkeypatch):
+    monkeypatch.setenv("MAX_JOBS", "1")
+    monkeypatch.setenv("FLASH_ATTENTION_FORCE_BUILD", "TRUE")
+    facts = this_machine()
+    facts["build"]["ninja"] = facts["build"]["ninja"] or "/usr/bin/ninja"
+    assert "compile-oom" not in rules_fired(Context(facts=facts))
+
+
+def test_compile_oom_from_log():
+    log = "c++: fatal error: Killed signal terminated program cc1plus\ncompilation terminated.\n"
+    assert rules_fired(Context(facts=gpu_facts(), log=log))["compile-oom"].severity == "error"
+
+
+# -- 8 and 11: what setup.py does when its download fails -----------------------------------------
+PUBLISHED_URL = "https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+UNPUBLISHED_URL = "https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/flash_attn-2.8.3+cu12torch2.9cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+
+
+def test_download_blocked_when_published_wheel_fell_back():
+    log = f"Guessing wheel URL:  {PUBLISHED_URL}\nPrecompiled wheel not found. Building from source...\n"
+    found = rules_fired(Context(facts=gpu_facts(), log=log))
+    assert found["wheel-download-blocked"].severity == "error"
+    assert "no-prebuilt-wheel" not in found
+
+
+def test_no_prebuilt_wheel_when_unpublished_wheel_fell_back():
+    log = f"Guessing wheel URL:  {UNPUBLISHED_URL}\nPrecompiled wheel not found. Building from source...\n"
+    found = rules_fired(Context(facts=gpu_facts(), log=log))
+    assert "never published" in found["no-prebuilt-wheel"].evidence[0]
+    assert "wheel-download-blocked" not in found
+
+
+def test_download_blocked_from_a_real_unreachable_host():
+    """The real network probe against a loopback port nothing listens on."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    net = probes.probe_network(f"http://127.0.0.1:{port}/release", timeout=2)
+    assert net["reachable"] is False
+    facts = gpu_facts(network=net, flash_attn={"installed": False})
+    f = rules_fired(Context(facts=facts, flash_attn_version="2.8.3"))["wheel-download-blocked"]
+    assert f.severity == "warning" and "curl -LO" in f.command
+
+
+def test_no_prebuilt_wheel_for_new_torch_names_nearest():
+    """Injected: CUDA torch 2.9 on Python 3.12 asks for flash-attn 2.8.3."""
+    facts = gpu_facts(torch__version="2.9.1+cu128", flash_attn={"installed": False})
+    f = rules_fired(Context(facts=facts, flash_attn_version="2.8.3"))["no-prebuilt-wheel"]
+    assert "torch2.9" in f.evidence[0]
+    assert "cu12torch2.8cxx11abiTRUE-cp312" in f.note
+
+
+# -- 9 -----------------------------------------------------------------------------------------
+def test_renamed_wheel_file_is_caught(tmp_path):
+    from flash_recipe.env.wheels import inspect_wheel_file
+
+    path = tmp_path / "flash_attn-2.8.4+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("flash_attn-2.8.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n")
+    f = rules_fired(Context(facts=gpu_facts(), wheel=inspect_wheel_file(str(path))))["wheel-version-mismatch"]
+    assert "2.8.4" in f.evidence[0] and "2.8.3" in f.evidence[0]
+
+
+def test_published_wheel_file_with_local_label_is_fine(tmp_path):
+    from flash_recipe.env.wheels import inspect_wheel_file
+
+    path = tmp_path / "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("flash_attn-2.8.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n")
+    assert "wheel-version-mismatch" not in rules_fired(Context(facts=gpu_facts(), wheel=inspect_wheel_file(str(path))))
+
+
+# -- 10 ----------------------------------------------------------------------------------------
+def test_hollow_package_for_real(tmp_path, monkeypatch):
+    make_flash_attn(tmp_path, monkeypatch, cuda_module=None, tag="py3-none-any")
+    fa = probes.probe_flash_attn()
+    assert fa["module_error"] == "ModuleNotFoundError: No module named 'flash_attn_2_cuda'"
+    assert fa["wheel_tags"] == ["py3-none-any"]
+    f = rules_fired(Context(facts=this_machine(flash_attn=fa)))["hollow-package"]
+    assert f.severity == "error" and len(f.evidence) == 2
+    assert f.command.startswith("python -m pip uninstall -y flash-attn")
+    # the same hollow install on a GPU machine (injected facts) gets the published wheel
+    gpu = rules_fired(Context(facts=gpu_facts(flash_attn=fa, platform__python="3.11.7")))["hollow-package"]
+    assert gpu.command.startswith("python -m pip uninstall -y flash-attn && python -m pip install ")
+    assert "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl" in gpu.command
+
+
+def test_skip_cuda_build_variable_warns_before_install(monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_SKIP_CUDA_BUILD", "TRUE")
+    f = rules_fired(Context(facts=this_machine()))["hollow-package"]
+    assert f.severity == "warning" and f.command.startswith("unset FLASH_ATTENTION_SKIP_CUDA_BUILD")
+
+
+# -- 12 and 13 ---------------------------------------------------------------------------------
+def test_turing_gpu_is_too_old():
+    """Injected: a Tesla T4 (sm75) with flash-attn installed."""
+    facts = gpu_facts(gpus={"devices": [{"name": "Tesla T4", "capability": [7, 5]}], "driver": "535.0"})
+    f = rules_fired(Context(facts=facts))["gpu-too-old"]
+    assert f.severity == "error" and "sm75" in f.evidence[0]
+    assert "EFFICIENT_ATTENTION" in f.command
+
+
+def test_fp32_inputs_from_log():
+    log = "RuntimeError: FlashAttention only support fp16 and bf16 data type\n"
+    f = rules_fired(Context(facts=gpu_facts(), log=log))["fp32-inputs"]
+    assert "bfloat16" in f.command
+
+
+# -- the causes behind them --------------------------------------------------------------------
+def test_torch_missing():
+    """Injected (a real no-torch venv is exercised in test_doctor_cli)."""
+    facts = this_machine(torch={"installed": False, "version": None})
+    f = rules_fired(Context(facts=facts, installer="uv"))["torch-missing"]
+    assert f.recipe == "torch-index-uv" and "download.pytorch.org/whl/cpu" in f.command
+
+
+def test_cpu_torch_on_a_gpu_machine():
+    """Injected: an NVIDIA driver is present but torch is the CPU build."""
+    facts = gpu_facts(torch__cuda=None, torch__build="cpu", torch__version="2.8.0+cpu")
+    f = rules_fired(Context(facts=facts, installer="poetry"))["cpu-torch-with-gpu"]
+    assert f.recipe == "torch-index-poetry" and "poetry source add --priority=explicit pytorch" in f.command
+
+
+def test_cpu_torch_here_cannot_run_flash_attn():
+    """This machine for real: asking for flash-attn with a CPU torch and no GPU."""
+    f = rules_fired(Context(facts=this_machine(), flash_attn_version="2.8.3"))["cpu-torch-flash-attn"]
+    assert f.severity == "warning" and "flash-recipe" in f.command
+    log_f = rules_fired(Context(facts=this_machine(), log=CPU_TORCH_LOG))["cpu-torch-flash-attn"]
+    assert log_f.severity == "error"
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes"])
+def test_switch_other_than_TRUE_is_ignored_upstream(monkeypatch, value):
+    monkeypatch.setenv("FLASH_ATTENTION_FORCE_BUILD", value)
+    f = rules_fired(Context(facts=this_machine()))["env-switch-not-true"]
+    assert f.command == "export FLASH_ATTENTION_FORCE_BUILD=TRUE"
+
+
+def test_switch_TRUE_is_not_flagged(monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_FORCE_BUILD", "TRUE")
+    assert "env-switch-not-true" not in rules_fired(Context(facts=this_machine()))
+
+
+def test_no_backend():
+    facts = gpu_facts(backends={"explain": {"triton": "no GPU", "sdpa": "torch too old", "reference": "broken"}})
+    assert rules_fired(Context(facts=facts))["no-backend"].severity == "error"
+
+
+# -- the rule set as a whole -------------------------------------------------------------------
+def test_a_broken_rule_does_not_hide_the_others(monkeypatch):
+    from flash_recipe.env import rules as rules_module
+
+    def explode(ctx):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rules_module, "RULES", [("explodes", explode)] + list(RULES))
+    found = rules_fired(Context(facts=gpu_facts(), log=ISOLATED_BUILD_LOG))
+    assert found["explodes"].severity == "info" and "boom" in found["explodes"].evidence[0]
+    assert "build-isolation-no-torch" in found
+
+
+def test_every_known_failure_has_a_rule():
+    import inspect
+
+    from flash_recipe.env import rules as rules_module
+
+    source = inspect.getsource(rules_module)
+    numbers = {int(n) for n in __import__("re").findall(r"failure=(\d+)", source)}
+    assert numbers == set(range(1, 14))
+
+
+def test_findings_sort_errors_first():
+    log = ISOLATED_BUILD_LOG + "FLASH_ATTENTION_FORCE_BUILD\n"
+    facts = gpu_facts(env={"FLASH_ATTENTION_FORCE_BUILD": "1"})
+    severities = [f.severity for f in evaluate(Context(facts=facts, log=log))]
+    assert severities == sorted(severities, key=["error", "warning", "info"].index) and len(severities) >= 2
+
+
+def test_finding_rejects_unknown_severity():
+    with pytest.raises(ValueError, match="severity"):
+        Finding("x", "t", "fatal", [], "upstream-flash-attn", "")
+
+
+def test_cited_recipes_exist_as_folders():
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    missing = sorted(name for name in cited_recipes() if not (root / name).is_dir())
+    assert missing == [], f"recipes cited by the doctor but absent from recipes/: {missing}"
+
+
+def test_every_recipe_a_finding_cites_is_in_cited_recipes(tmp_path):
+    """Run the rules over a spread of situations; each recipe named must be a known one."""
+    contexts = [
+        Context(facts=gpu_facts(), log=ISOLATED_BUILD_LOG + NO_CUDA_HOME_LOG + CPU_TORCH_LOG, installer=i)
+        for i in ("pip", "uv", "poetry")
+    ] + [
+        Context(facts=gpu_facts(torch__version="2.9.1+cu128", flash_attn={"installed": False}, gpus={"devices": [{"name": "T4", "capability": [7, 5]}]}), flash_attn_version="2.8.3", installer=i)
+        for i in ("pip", "uv", "poetry")
+    ] + [Context(facts=this_machine(torch={"installed": False}), installer=i) for i in ("pip", "uv", "poetry")]
+    recipes = {f.recipe for ctx in contexts for f in evaluate(copy.deepcopy(ctx))}
+    assert recipes and recipes <= cited_recipes()

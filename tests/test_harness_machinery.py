@@ -1,0 +1,442 @@
+"""The install-matrix machinery: options, caches, servers, environments, lock comparison, report.
+
+Everything runs on loopback with the real tools (git, pypiserver); nothing needs the network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_recipes():
+    """Import ``recipes`` from the checkout without putting the checkout on sys.path (which
+    would shadow the installed flash_recipe that the other tests use)."""
+    if "recipes" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "recipes", ROOT / "recipes" / "__init__.py", submodule_search_locations=[str(ROOT / "recipes")]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["recipes"] = module
+        spec.loader.exec_module(module)
+
+
+_import_recipes()
+
+from recipes.harness import config, prepare, report, runner, servers  # noqa: E402
+from recipes.harness.paths import PATHS, get  # noqa: E402
+
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def fetch(url: str) -> tuple[int, str]:
+    try:
+        with NO_PROXY.open(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+# --- options ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, url",
+    [
+        ("pip-config", None),
+        ("cpu", "https://download.pytorch.org/whl/cpu"),
+        ("cu126", "https://download.pytorch.org/whl/cu126"),
+        ("cu128", "https://download.pytorch.org/whl/cu128"),
+        ("cu130", "https://download.pytorch.org/whl/cu130"),
+        ("http://127.0.0.1:9/simple/", "http://127.0.0.1:9/simple"),
+    ],
+)
+def test_torch_index_shorthands(value, url):
+    assert config.torch_index_url(value) == url
+
+
+def test_bad_options_name_the_value():
+    with pytest.raises(ValueError, match="cu999"):
+        config.torch_index_url("cu999")
+    with pytest.raises(ValueError, match="latest"):
+        config.Options(torch_version="latest")
+
+
+def test_wheelhouse_key_follows_torch_choice():
+    a = config.Options(torch_version="2.13.0").wheelhouse_key
+    assert a == config.Options(torch_version="2.13.0").wheelhouse_key
+    assert a != config.Options(torch_version="2.9.1").wheelhouse_key
+    assert a != config.Options(torch_index="cpu").wheelhouse_key
+
+
+def test_unknown_path_is_named():
+    assert get("uv-pip").tool == "uv"
+    with pytest.raises(ValueError, match="no-such-path"):
+        get("no-such-path")
+
+
+# --- caches ----------------------------------------------------------------------------------
+
+
+def test_cached_dir_builds_once_and_rebuilds_after_interruption(tmp_path):
+    calls = []
+
+    def build(target):
+        calls.append(target)
+        (target / "file").write_text("x")
+
+    target = tmp_path / "item"
+    assert prepare.cached_dir(target, build) == target
+    prepare.cached_dir(target, build)
+    assert len(calls) == 1
+
+    def interrupted(target):
+        (target / "partial").write_text("")
+        raise KeyboardInterrupt
+
+    other = tmp_path / "other"
+    with pytest.raises(KeyboardInterrupt):
+        prepare.cached_dir(other, interrupted)
+    assert not other.exists()  # no half-built directory is left to be mistaken for a cache
+    prepare.cached_dir(other, build)
+    assert (other / ".done").exists() and len(calls) == 2
+
+
+def _git(*args, cwd):
+    env = {**os.environ, **prepare.GIT_ENV}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
+
+
+def _make_repo(root: Path) -> Path:
+    repo = root / "repo"
+    repo.mkdir()
+    _git("init", "-q", cwd=repo)
+    (repo / ".gitignore").write_text("ignored/\n")
+    (repo / "pkg").mkdir()
+    (repo / "pkg" / "a.py").write_text("A = 1\n")
+    _git("add", "-A", cwd=repo)
+    _git("commit", "-qm", "init", cwd=repo)
+    (repo / "untracked.txt").write_text("new\n")  # not committed yet: part of the snapshot
+    (repo / "ignored").mkdir()
+    (repo / "ignored" / "big.bin").write_text("no")  # ignored: not part of it
+    return repo
+
+
+def test_snapshot_takes_the_working_tree_and_is_deterministic(tmp_path):
+    repo = _make_repo(tmp_path)
+    assert prepare.working_tree_files(repo) == [".gitignore", "pkg/a.py", "untracked.txt"]
+    rev1 = prepare.snapshot(repo, tmp_path / "s1")
+    rev2 = prepare.snapshot(repo, tmp_path / "s2")
+    assert rev1 == rev2 and len(rev1) == 40
+    assert not (tmp_path / "s1" / "ignored").exists()
+    (repo / "pkg" / "a.py").write_text("A = 2\n")
+    assert prepare.snapshot(repo, tmp_path / "s3") != rev1
+
+
+def test_dependency_group_includes():
+    pyproject = {"dependency-groups": {"test": ["pytest>=8"], "dev": [{"include-group": "test"}, "ruff"]}}
+    assert prepare.dependency_group(pyproject, "dev") == ["pytest>=8", "ruff"]
+
+
+LOCK = """
+[[package]]
+name = "numpy"
+version = "2.0.2"
+markers = 'python_version == "3.9"'
+
+[[package]]
+name = "numpy"
+version = "2.2.6"
+markers = {main = 'python_version >= "3.10" and extra == "plot"', test = 'python_version >= "3.10"'}
+
+[[package]]
+name = "colorama"
+version = "0.4.6"
+markers = 'sys_platform == "win32"'
+
+[[package]]
+name = "torch"
+version = "2.14.1"
+
+[[package]]
+name = "nvidia-cublas"
+version = "13.1.0"
+markers = 'platform_system == "Linux"'
+
+[[package]]
+name = "Typing_Extensions"
+version = "4.16.0"
+markers = 'python_version < "3.11"'
+
+[[package]]
+name = "tqdm"
+version = "4.70.1"
+markers = 'extra == "transformers"'
+"""
+
+
+def test_locked_versions_cover_every_platform_but_only_this_python():
+    versions = prepare.locked_versions(LOCK, "3.11", ["transformers"])
+    assert versions == {
+        "numpy": {"2.2.6"},
+        "colorama": {"0.4.6"},  # Windows only, yet Poetry resolves it: the wheelhouse needs it
+        "torch": {"2.14.1"},
+        "nvidia-cublas": {"13.1.0"},
+        "tqdm": {"4.70.1"},
+    }
+    assert "tqdm" not in prepare.locked_versions(LOCK, "3.11", [])
+    assert prepare.locked_versions(LOCK, "3.9", [])["numpy"] == {"2.0.2"}
+
+
+def test_locked_pins_leave_the_torch_build_to_the_wheelhouse():
+    assert prepare.locked_pins(LOCK, "3.11", []) == ["colorama==0.4.6", "numpy==2.2.6"]
+
+
+# --- lock comparison (poetry-lock-dev) ----------------------------------------------------------
+
+
+def test_compare_locks_allows_only_torch_coupled_differences():
+    hermetic = LOCK.replace('version = "2.14.1"', 'version = "2.13.0+cpu"').replace(
+        'name = "nvidia-cublas"\nversion = "13.1.0"', 'name = "triton"\nversion = "3.9.0"'
+    )
+    problems, notes = runner.compare_locks(LOCK, hermetic, "3.11", [])
+    assert problems == []
+    assert any("torch" in n and "2.13.0+cpu" in n for n in notes)
+
+    drifted = LOCK.replace('version = "2.2.6"', 'version = "2.3.0"')
+    problems, _ = runner.compare_locks(LOCK, drifted, "3.11", [])
+    assert problems == ["numpy: poetry.lock ['2.2.6'], local index ['2.3.0']"]
+
+    extra = LOCK + '\n[[package]]\nname = "requests"\nversion = "2.0"\n'
+    problems, _ = runner.compare_locks(LOCK, extra, "3.11", [])
+    assert problems == ["requests ['2.0'] not in poetry.lock"]
+
+
+def test_add_poetry_index_sets_primary_source_and_python(tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "x"\nversion = "1"\n\n[tool.poetry]\npackages = []\n')
+    runner._add_poetry_index(pyproject, "http://127.0.0.1:1/simple/", "~3.11")
+    import tomllib
+
+    data = tomllib.loads(pyproject.read_text())
+    assert data["tool"]["poetry"]["source"] == [
+        {"name": "index", "url": "http://127.0.0.1:1/simple/", "priority": "primary"}
+    ]
+    assert data["tool"]["poetry"]["dependencies"] == {"python": "~3.11"}
+
+    pyproject.write_text('[project]\nname = "x"\n\n[tool.poetry.dependencies]\ntorch = { source = "t" }\n')
+    runner._add_poetry_index(pyproject, "http://127.0.0.1:1/simple/", "~3.11")
+    deps = tomllib.loads(pyproject.read_text())["tool"]["poetry"]["dependencies"]
+    assert deps == {"python": "~3.11", "torch": {"source": "t"}}
+
+
+# --- environments ----------------------------------------------------------------------------
+
+
+def test_path_environment_is_clean(tmp_path):
+    base = {
+        "PATH": "/somewhere/bin",
+        "PIP_FIND_LINKS": "/opt/wheels",
+        "PIP_INDEX_URL": "https://example.invalid/simple",
+        "UV_INDEX_URL": "https://example.invalid/simple",
+        "POETRY_VIRTUALENVS_CREATE": "false",
+        "VIRTUAL_ENV": "/some/venv",
+        "PYTHONPATH": "/src",
+        "https_proxy": "http://corp:3128",
+        "HTTPS_PROXY": "http://corp:3128",
+        "LANG": "C.UTF-8",
+    }
+    tools = prepare.Tools(tmp_path / "tools")
+    env = runner.path_environment(base, home=tmp_path / "home", tools=tools, python="/usr/bin/python3", extra={"X": "1"})
+    for name in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "UV_INDEX_URL", "POETRY_VIRTUALENVS_CREATE", "VIRTUAL_ENV", "PYTHONPATH", "https_proxy", "HTTPS_PROXY"):
+        assert name not in env, name
+    assert env["LANG"] == "C.UTF-8" and env["X"] == "1"
+    assert env["PIP_CONFIG_FILE"] == os.devnull
+    assert env["HOME"] == str(tmp_path / "home")
+    for name in ("PIP_CACHE_DIR", "UV_CACHE_DIR", "POETRY_CACHE_DIR", "XDG_CACHE_HOME"):
+        assert env[name].startswith(str(tmp_path / "home")), name
+    assert env["PATH"].split(os.pathsep)[:2] == [str(tools.bin), "/usr/bin"]
+
+
+def test_pip_sees_no_configuration_in_a_path_environment(tmp_path):
+    tools = prepare.Tools(tmp_path / "tools")
+    env = runner.path_environment(
+        {**os.environ, "PIP_FIND_LINKS": "/opt/wheels"}, home=tmp_path / "home", tools=tools, python=sys.executable, extra={}
+    )
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=env, capture_output=True, text=True, check=True)
+    # Only the variables the harness sets itself: no configuration file, no inherited PIP_*.
+    keys = {line.split("=")[0] for line in out.stdout.split()}
+    assert keys == {":env:.cache-dir", ":env:.config-file", ":env:.disable-pip-version-check", ":env:.no-input"}
+
+
+def test_dir_size_counts_hard_links_once(tmp_path):
+    (tmp_path / "a").write_bytes(b"x" * 1_000_000)
+    os.link(tmp_path / "a", tmp_path / "b")
+    assert 0.9 < runner.dir_size_mb(tmp_path) < 1.1
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+
+def _pypi_server() -> Path:
+    found = shutil.which("pypi-server") or (Path(sys.executable).parent / "pypi-server")
+    if not Path(found).exists():
+        pytest.fail("pypi-server not installed (the tests session installs it)")
+    return Path(found)
+
+
+def test_package_index_serves_and_stops(tmp_path):
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    (packages / "demo_pkg-1.0-py3-none-any.whl").write_bytes(b"not really a wheel")
+    index = servers.PackageIndex(_pypi_server(), [packages], tmp_path / "index.log")
+    with index:
+        status, body = fetch(index.url)
+        assert status == 200 and "demo-pkg" in body
+        status, body = fetch(index.url + "demo-pkg/")
+        assert status == 200 and "demo_pkg-1.0-py3-none-any.whl#sha256=" in body
+        status, _ = fetch(index.url + "torch/")
+        assert status == 404  # no fallback redirect to PyPI
+        port = index.port
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_package_index_retries_when_its_port_is_taken(tmp_path, monkeypatch):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    taken = busy.getsockname()[1]
+    ports = iter([taken])
+    real_free_port = servers.free_port
+    monkeypatch.setattr(servers, "free_port", lambda: next(ports, None) or real_free_port())
+    (tmp_path / "p").mkdir()
+    try:
+        with servers.PackageIndex(_pypi_server(), [tmp_path / "p"], tmp_path / "log") as index:
+            assert index.port != taken
+            assert fetch(index.url)[0] == 200
+    finally:
+        busy.close()
+
+
+def test_two_indexes_at_once_get_different_ports(tmp_path):
+    (tmp_path / "p").mkdir()
+    with servers.PackageIndex(_pypi_server(), [tmp_path / "p"], tmp_path / "a.log") as a:
+        with servers.PackageIndex(_pypi_server(), [tmp_path / "p"], tmp_path / "b.log") as b:
+            assert a.port != b.port
+            assert fetch(a.url)[0] == fetch(b.url)[0] == 200
+
+
+def test_git_remote_over_http(tmp_path):
+    repo = _make_repo(tmp_path)
+    bare = tmp_path / "served" / "repo.git"
+    _git("clone", "-q", "--bare", str(repo), str(bare), cwd=tmp_path)
+    _git("update-server-info", cwd=bare)
+    rev = _git("rev-parse", "HEAD", cwd=repo).strip()
+    with servers.StaticServer(tmp_path / "served") as server:
+        env = {**os.environ, **prepare.GIT_ENV, "no_proxy": "127.0.0.1", "NO_PROXY": "127.0.0.1"}
+        subprocess.run(["git", "clone", "-q", server.url("repo.git"), str(tmp_path / "clone")], env=env, check=True)
+    assert _git("rev-parse", "HEAD", cwd=tmp_path / "clone").strip() == rev
+
+
+def test_tripwire_refuses_and_records(tmp_path):
+    with servers.Tripwire() as tripwire:
+        env = tripwire.environment()
+        assert env["https_proxy"] == env["HTTP_PROXY"] == tripwire.proxy_url
+        assert "127.0.0.1" in env["no_proxy"]
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": tripwire.proxy_url}))
+        with pytest.raises(urllib.error.HTTPError) as info:
+            opener.open("http://pypi.org/simple/torch/", timeout=5)
+        assert info.value.code == 403
+        result = subprocess.run(
+            [sys.executable, "-c", "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/', timeout=5)"],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode != 0 and "403" in result.stderr
+    assert tripwire.attempts == ["GET http://pypi.org/simple/torch/", "CONNECT pypi.org:443"]
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def _row(path, fingerprint="ab" * 32, passed=True, **extra):
+    return {
+        "path": path,
+        "tool": get(path).tool,
+        "tool_version": "1.0",
+        "install_s": 10.0,
+        "verify_s": 5.0,
+        "env_mb": 900.0,
+        "torch": "2.13.0+cpu",
+        "triton": "3.9.0",
+        "backend": "triton",
+        "passed": passed,
+        "fingerprint": fingerprint,
+        "checks": [],
+        "error": None,
+        **extra,
+    }
+
+
+def test_report_passes_when_all_agree(tmp_path):
+    rows = [_row("uv-pip"), _row("pip-git")]
+    summary = report.summarize(rows, {"torch_version": "2.13.0"})
+    assert summary["passed"] and summary["problems"] == []
+    md_path, json_path = report.write(summary, tmp_path)
+    text = md_path.read_text()
+    assert "| path | tool | install s | verify s | env MB | torch | triton | backend | verify | fingerprint |" in text
+    assert "| uv-pip | uv 1.0 | 10.0 | 5.0 | 900.0 | 2.13.0+cpu | 3.9.0 | triton | pass | abababababab |" in text
+    assert json.loads(json_path.read_text())["paths"][1]["path"] == "pip-git"
+    lines = report.table(rows).splitlines()
+    assert lines[0].split() == ["path", "tool", "install", "s", "verify", "s", "env", "MB", "torch", "triton", "backend", "verify", "fingerprint"]
+    assert len(lines) == 4
+
+
+def test_report_fails_on_differing_fingerprints_or_failed_checks():
+    rows = [_row("uv-pip"), _row("pip-git", fingerprint="cd" * 32)]
+    summary = report.summarize(rows, {})
+    assert not summary["passed"]
+    assert summary["problems"] == ["fingerprints differ across paths: abababababab: uv-pip; cdcdcdcdcdcd: pip-git"]
+
+    failed = _row("uv-pip", passed=False, checks=[{"name": "INSTALLER is uv", "ok": False, "detail": "pip"}])
+    summary = report.summarize([failed], {})
+    assert summary["problems"] == ["uv-pip: INSTALLER is uv: pip"]
+    assert not report.summarize([], {})["passed"]
+
+
+@pytest.mark.parametrize(
+    "tool, installer, ok",
+    [
+        ("pip", "pip", True),
+        ("uv", "uv", True),
+        ("poetry", "Poetry 2.5.1", True),
+        ("poetry", "poetry", True),
+        ("pip", "uv", False),
+        ("uv", "pip", False),
+        ("poetry", "pip", False),
+        ("poetry", "Poetry-ish 1", False),
+        ("pip", None, False),
+    ],
+)
+def test_installer_matches(tool, installer, ok):
+    assert runner.installer_matches(tool, installer) is ok
+
+
+def test_every_path_expects_its_installer_and_a_regular_install():
+    for path in PATHS:
+        assert path.tool in ("pip", "uv", "poetry")
+        assert path.editable == (path.id == "poetry-lock-dev")

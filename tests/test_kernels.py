@@ -1,0 +1,138 @@
+"""The Triton kernels against the fp32 reference, by the accuracy rule (design.md).
+
+On the CPU these run through the Triton interpreter (fp16 and fp32 only: the interpreter
+multiplies bf16 bit patterns, so bf16 numerics are covered by test_gpu.py). Shapes are small
+but odd, so every ragged-tile path is exercised with the interpreter's 32x32 blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_recipe
+from flash_recipe.reference import attention_reference
+from flash_recipe.verify import Case, check_case
+
+DTYPES = [torch.float16, torch.float32]
+
+CASES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal
+    Case(1, 1, 17, 2, 2, 8, False),      # a single query
+    Case(1, 1, 17, 2, 2, 8, True),
+    Case(2, 17, 17, 2, 2, 40, True),
+    Case(1, 113, 203, 2, 1, 59, False),  # flash-attn's (113, 203) pair, MQA, odd head dim
+    Case(1, 113, 203, 2, 1, 59, True),   # Sq < Sk: bottom-right diagonal
+    Case(1, 203, 113, 2, 2, 32, True),   # Sq > Sk: the first 90 rows see no key
+    Case(1, 203, 113, 4, 2, 96, False),  # GQA
+    Case(1, 64, 64, 2, 2, 64, True),     # block-aligned: the unmasked fast paths
+    Case(1, 33, 47, 1, 1, 1, True),      # head dim 1
+    Case(1, 47, 33, 2, 1, 256, True),    # the largest head dim
+    Case(2, 31, 64, 6, 2, 16, False),    # contiguous GQA groups: 3 query heads per kv head
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_forward_backward_accuracy(case, dtype, device, nan_outputs):
+    row = check_case(case, dtype, device, "triton", seed=hash(case.id) % 1000)
+    detail = {n: f"{row['errors'][n]:.2e} > {row['bounds'][n]:.2e}" for n in row["errors"] if row["errors"][n] > row["bounds"][n]}
+    assert row["passed"], f"accuracy rule broken: {detail or 'non-finite values'}"
+
+
+def _rand(*shape, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def test_lse_matches_reference_and_empty_rows_are_zero(device, nan_outputs):
+    q = _rand(1, 70, 2, 24, device=device, seed=1).requires_grad_()
+    k = _rand(1, 40, 2, 24, device=device, seed=2).requires_grad_()
+    v = _rand(1, 40, 2, 24, device=device, seed=3).requires_grad_()
+    with flash_recipe.use_backend("triton"):
+        out, lse, probs = flash_recipe.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert probs is None
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True)
+    assert lse.shape == (1, 2, 70) and lse.dtype == torch.float32
+    empty = 70 - 40  # rows 0..29 see no key under the bottom-right diagonal
+    assert torch.isinf(lse[..., :empty]).all() and (lse[..., :empty] > 0).all()
+    torch.testing.assert_close(lse[..., empty:], ref_lse[..., empty:], atol=1e-5, rtol=1e-5)
+    assert (out[:, :empty] == 0).all()
+    out.sum().backward()  # an expanded, zero-stride gradient
+    assert (q.grad[:, :empty] == 0).all()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+
+
+def test_empty_key_sequence(device):
+    q = _rand(1, 5, 2, 16, device=device)
+    k = _rand(1, 0, 2, 16, device=device)
+    with flash_recipe.use_backend("triton"):
+        out, lse, _ = flash_recipe.flash_attn_func(q, k, k, return_attn_probs=True)
+    assert (out == 0).all() and torch.isinf(lse).all()
+
+
+def _grads(fn, *tensors):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    out.backward(_rand(*out.shape, device=out.device, seed=9))
+    return out.detach(), [t.grad for t in leaves]
+
+
+def test_packed_views_without_copy_match_unpacked(device, nan_outputs):
+    """qkv- and kv-packed inputs are strided views (no copy) and match the unpacked call."""
+    qkv = _rand(2, 37, 3, 4, 32, device=device, seed=4)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    with flash_recipe.use_backend("triton"):
+        out_packed, (dqkv,) = _grads(lambda t: flash_recipe.flash_attn_qkvpacked_func(t, causal=True), qkv)
+        out, (dq, dk, dv) = _grads(lambda a, b, c: flash_recipe.flash_attn_func(a, b, c, causal=True), q.contiguous(), k.contiguous(), v.contiguous())
+        out_kv, (dq2, dkv) = _grads(lambda a, b: flash_recipe.flash_attn_kvpacked_func(a, b, causal=True), q, qkv[:, :, 1:])
+    assert torch.equal(out_packed, out) and torch.equal(out_kv, out)
+    assert torch.equal(dqkv, torch.stack([dq, dk, dv], dim=2))
+    assert torch.equal(dq2, dq) and torch.equal(dkv, torch.stack([dk, dv], dim=2))
+
+
+def test_transposed_layout_views(device):
+    """(B, H, S, D) tensors viewed as (B, S, H, D) run without a copy and match contiguous inputs."""
+    q, k, v = (_rand(2, 3, 29, 16, device=device, seed=s).transpose(1, 2) for s in (5, 6, 7))
+    with flash_recipe.use_backend("triton"):
+        a = flash_recipe.flash_attn_func(q, k, v)
+        b = flash_recipe.flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous())
+    assert torch.equal(a, b)
+
+
+def test_backward_is_deterministic(device):
+    q, k, v = (_rand(1, 45, 4, 32, device=device, seed=s) for s in (1, 2, 3))
+    with flash_recipe.use_backend("triton"):
+        first = _grads(lambda a, b, c: flash_recipe.flash_attn_func(a, b, c, causal=True, deterministic=True), q, k, v)
+        second = _grads(lambda a, b, c: flash_recipe.flash_attn_func(a, b, c, causal=True, deterministic=True), q, k, v)
+    assert all(torch.equal(x, y) for x, y in zip(first[1], second[1]))
+
+
+def test_softmax_scale_is_applied(device):
+    q, k, v = (_rand(1, 20, 2, 16, device=device, seed=s) for s in (1, 2, 3))
+    with flash_recipe.use_backend("triton"):
+        out = flash_recipe.flash_attn_func(q, k, v, softmax_scale=0.3)
+    ref, _ = attention_reference(q, k, v, softmax_scale=0.3)
+    torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_offsets_beyond_int32(device):
+    """Batch offsets past 2**31 elements address correctly (64-bit offsets).
+
+    The batch stride (2**30 + 64) fits in 32 bits but batch 2 starts past element 2**31, so a
+    32-bit ``batch * stride`` would wrap. The storage is 6 GiB of virtual memory, of which only
+    the pages touched are ever backed.
+    """
+    if device.type != "cpu":
+        pytest.skip("needs 6 GiB of device memory; the CPU run covers the addressing")
+    stride_b = 2**30 + 64
+    storage = torch.empty(2 * stride_b + 4096, dtype=torch.float16)
+    shape, strides = (3, 16, 2, 16), (stride_b, 32, 16, 1)
+    small = _rand(*shape, dtype=torch.float16, seed=3)
+    q = storage.as_strided(shape, strides)
+    q.copy_(small)
+    with flash_recipe.use_backend("triton"):
+        out = flash_recipe.flash_attn_func(q, q, q, causal=True)
+        expected = flash_recipe.flash_attn_func(small, small, small, causal=True)
+    assert torch.equal(out, expected)
