@@ -163,3 +163,17 @@ def test_recipe_installer_override_and_no_torch(no_torch_python, tmp_path):
     assert result["recipe"] == "torch-index-pip"
     assert result["steps"][0].startswith("python -m pip install torch --index-url https://download.pytorch.org/whl/")
     assert result["steps"][1] == "python -m pip install flash-recipe"
+
+
+def test_doctor_bad_version_and_missing_log_are_usage_errors(capsys, tmp_path):
+    code, _, err = main(capsys, "doctor", "--flash-attn-wheel", "newest")
+    assert code == 2 and "--flash-attn-wheel: flash-attn version must look like 2.8.3" in err
+    code, _, err = main(capsys, "doctor", "--log", str(tmp_path / "absent.log"))
+    assert code == 2 and "absent.log" in err
+
+
+def test_doctor_with_an_old_flash_attn_version_does_not_break_rules(capsys):
+    code, out, _ = main(capsys, "doctor", "--json", "--flash-attn-wheel", "2.5.8")
+    report = json.loads(out)
+    assert report["upstream_wheel"]["status"] in ("no-gpu-torch", "unknown-release")
+    assert not any("could not be evaluated" in f["title"] for f in report["findings"])

@@ -369,7 +369,7 @@ def test_hollow_package_for_real(tmp_path, monkeypatch):
     assert f.command.startswith("python -m pip uninstall -y flash-attn")
     # the same hollow install on a GPU machine (injected facts) gets the published wheel
     gpu = rules_fired(Context(facts=gpu_facts(flash_attn=fa, platform__python="3.11.7")))["hollow-package"]
-    assert gpu.command.startswith("python -m pip uninstall -y flash-attn && python -m pip install ")
+    assert gpu.command.startswith("python -m pip uninstall -y flash-attn && python -m pip cache remove flash_attn && python -m pip install ")
     assert "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl" in gpu.command
 
 
@@ -486,3 +486,11 @@ def test_every_recipe_a_finding_cites_is_in_cited_recipes(tmp_path):
     ] + [Context(facts=this_machine(torch={"installed": False}), installer=i) for i in ("pip", "uv", "poetry")]
     recipes = {f.recipe for ctx in contexts for f in evaluate(copy.deepcopy(ctx))}
     assert recipes and recipes <= cited_recipes()
+
+
+def test_guessed_263_wheel_name_in_log_is_resolved_with_its_own_cuda_label():
+    """2.6.3 names carry cu123: a published one that fell back means a blocked download."""
+    url = "https://github.com/Dao-AILab/flash-attention/releases/download/v2.6.3/flash_attn-2.6.3+cu123torch2.4cxx11abiFALSE-cp310-cp310-linux_x86_64.whl"
+    log = f"Guessing wheel URL:  {url}\nPrecompiled wheel not found. Building from source...\n"
+    found = rules_fired(Context(facts=gpu_facts(), log=log))
+    assert "wheel-download-blocked" in found and "no-prebuilt-wheel" not in found

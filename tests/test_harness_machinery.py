@@ -440,3 +440,39 @@ def test_every_path_expects_its_installer_and_a_regular_install():
     for path in PATHS:
         assert path.tool in ("pip", "uv", "poetry")
         assert path.editable == (path.id == "poetry-lock-dev")
+
+
+def test_report_command_reads_a_run(tmp_path, capsys):
+    from recipes.harness.__main__ import main
+
+    run = tmp_path / "runs" / "r1"
+    (run / "results").mkdir(parents=True)
+    (run / "meta.json").write_text(json.dumps({"torch_version": "2.13.0", "rev": "0" * 40}))
+    for path in ("uv-pip", "pip-git"):
+        (run / "results" / f"{path}.json").write_text(json.dumps(_row(path)))
+    args = ["report", "--run-id", "r1", "--cache-dir", str(tmp_path), "--report-dir", str(tmp_path / "out")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "install matrix: pass (2 paths)" in out
+    # rows come in the matrix's path order, whatever order the sessions ran in
+    assert out.index("pip-git") < out.index("uv-pip")
+    assert (tmp_path / "out" / "install-matrix.md").exists()
+
+    (run / "results" / "uv-pip.json").write_text(json.dumps(_row("uv-pip", fingerprint="ef" * 32)))
+    assert main(args) == 1
+    assert main(["report", "--run-id", "missing", "--cache-dir", str(tmp_path)]) == 1
+
+
+def test_discard_moves_aside_and_deletes(tmp_path):
+    work = tmp_path / "work" / "uv-pip"
+    (work / "env" / "lib").mkdir(parents=True)
+    (work / "env" / "lib" / "f").write_text("x")
+    trash = tmp_path / "trash"
+    runner.discard(work, trash)
+    assert not work.exists()
+    import time
+
+    deadline = time.monotonic() + 10
+    while any(trash.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(trash.iterdir()) == []

@@ -115,3 +115,14 @@ def no_build_isolation(facts: dict[str, Any], installer: str, version: str, forc
     if installer == "poetry":
         return f"{build_tools('poetry')} && {prefix}poetry run pip install --no-build-isolation flash-attn=={version}"
     return f"{build_tools('pip')} && {prefix}python -m pip install --no-build-isolation flash-attn=={version}"
+
+
+def uninstall_flash_attn(installer: str, drop_cache: bool = True) -> str:
+    """Remove an installed flash-attn and (by default) the wheel the installer cached for it, so
+    that a broken build is not served again from the cache."""
+    _check_installer(installer)
+    if installer == "uv":
+        return "uv pip uninstall flash-attn" + (" && uv cache clean flash-attn" if drop_cache else "")
+    run = "poetry run " if installer == "poetry" else ""
+    python = "pip" if run else "python -m pip"
+    return f"{run}{python} uninstall -y flash-attn" + (f" && {run}{python} cache remove flash_attn" if drop_cache else "")

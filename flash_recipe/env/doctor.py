@@ -15,7 +15,7 @@ from typing import Any, Optional
 from flash_recipe.env import probes
 from flash_recipe.env.published import LATEST
 from flash_recipe.env.rules import Context, Finding, evaluate
-from flash_recipe.env.wheels import inspect_wheel_file
+from flash_recipe.env.wheels import _release_tuple, inspect_wheel_file
 
 FLEX_FACTS = (
     "FlexAttention has no ahead-of-time build step and no build_flex_attention_kernels() function: "
@@ -180,7 +180,7 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  nearest published: {n['filename']}")
             if n["differs"]:
                 lines.append(f"    differs: {'; '.join(n['differs'])} (it loads only where those match)")
-        if w["status"] != "published":
+        if w["status"] not in ("published", "no-torch"):
             lines.append("  or build from source against this torch: see recipes/pip-no-build-isolation and recipes/upstream-flash-attn")
 
     plat = facts.get("platform", {})
@@ -264,7 +264,17 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = diagnose(args)
+    if args.flash_attn_wheel is not None:
+        try:
+            _release_tuple(args.flash_attn_wheel)
+        except ValueError as exc:
+            sys.stderr.write(f"flash-recipe doctor: error: --flash-attn-wheel: {exc}\n")
+            return 2
+    try:
+        report = diagnose(args)
+    except OSError as exc:  # an unreadable --log file
+        sys.stderr.write(f"flash-recipe doctor: error: {exc}\n")
+        return 2
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
     else:

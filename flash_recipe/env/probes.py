@@ -392,15 +392,16 @@ def run_probe(name: str, probe: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def collect(names: Optional[list[str]] = None, extra: Optional[dict[str, Callable[[], dict[str, Any]]]] = None) -> dict[str, Any]:
-    """Run the probes named in ``names`` (all by default) plus ``extra``; returns name -> facts."""
-    probes = dict(PROBES)
-    if extra:
-        probes.update(extra)
-    if names is not None:
-        unknown = sorted(set(names) - set(probes))
+    """Run the probes named in ``names`` (all of :data:`PROBES` by default) plus every probe in
+    ``extra``; returns name -> facts."""
+    if names is None:
+        probes = dict(PROBES)
+    else:
+        unknown = sorted(set(names) - set(PROBES))
         if unknown:
-            raise ValueError(f"names must be among {sorted(probes)}, got unknown {unknown}")
-        probes = {name: probes[name] for name in names}
+            raise ValueError(f"names must be among {sorted(PROBES)}, got unknown {unknown}")
+        probes = {name: PROBES[name] for name in names}
+    probes.update(extra or {})
     return {name: run_probe(name, probe) for name, probe in probes.items()}
 
 

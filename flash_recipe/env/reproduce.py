@@ -63,7 +63,8 @@ def reproduce_upstream(session: Any, posargs: Sequence[str] = (), install_projec
     # 1. build isolation: the isolated build environment has no torch
     session.log(f"1/2: pip install flash-attn=={version} from source with build isolation (expected to fail)")
     output = session.run(
-        "python", "-m", "pip", "install", "--use-pep517", "--no-deps", "--no-binary", "flash-attn", f"flash-attn=={version}",
+        "python", "-m", "pip", "install", "--no-cache-dir", "--use-pep517", "--no-deps", "--no-binary", "flash-attn",
+        f"flash-attn=={version}",
         silent=True, success_codes=[1, 2],
     )
     if "No module named 'torch'" not in (output or ""):
@@ -80,7 +81,8 @@ def reproduce_upstream(session: Any, posargs: Sequence[str] = (), install_projec
     # 2. the hollow package
     session.log(f"2/2: FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE build of flash-attn=={version} against {torch_requirement}")
     session.run(
-        "python", "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-binary", "flash-attn",
+        # --no-cache-dir: pip would otherwise keep the hollow wheel and reuse it for later installs
+        "python", "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--no-build-isolation", "--no-binary", "flash-attn",
         f"flash-attn=={version}",
         env={"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE", "FLASH_ATTENTION_FORCE_BUILD": "TRUE"},
     )

@@ -52,7 +52,7 @@ class Context:
     facts: dict[str, Any]
     log: Optional[str] = None
     wheel: Optional[dict[str, Any]] = None  # facts about a wheel file named with --wheel
-    flash_attn_version: Optional[str] = None  # asked with --flash-attn / --flash-attn-wheel
+    flash_attn_version: Optional[str] = None  # asked with --flash-attn-wheel
     installer: str = "pip"
     project: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -90,6 +90,14 @@ class Context:
         return [line.strip()[:240] for line in self.log.splitlines() if rx.search(line)]
 
     def resolved(self) -> dict[str, Any]:
+        """The upstream wheel for this environment (see :func:`flash_recipe.env.wheels.resolve`);
+        a version whose naming is not recorded gives status ``unknown-release`` instead of raising."""
+        try:
+            return self._resolve()
+        except ValueError as exc:
+            return {"version": self.version, "filename": None, "url": None, "nearest": None, "status": "unknown-release", "reason": str(exc)}
+
+    def _resolve(self) -> dict[str, Any]:
         torch = self.get("torch")
         plat = self.get("platform")
         return resolve(
@@ -107,7 +115,7 @@ class Context:
         res = self.resolved()
         if res["status"] == "published":
             return "upstream-flash-attn", commands.install_wheel_url(res["url"], self.installer)
-        return "pip-no-build-isolation", commands.no_build_isolation(self.facts, self.installer, self.version, force_build=True)
+        return "upstream-flash-attn", commands.no_build_isolation(self.facts, self.installer, self.version, force_build=True)
 
 
 Rule = Callable[[Context], Optional[Finding]]
@@ -142,13 +150,12 @@ def _build_isolation(ctx: Context) -> Optional[Finding]:
     if not evidence:
         return None
     if ctx.installer == "poetry":
+        # Poetry cannot switch build isolation off: install the published wheel by URL
         res = ctx.resolved()
-        recipe, command = ("poetry-index", commands.install_wheel_url(res["url"], "poetry")) if res["url"] else (
-            "pip-no-build-isolation",
-            commands.no_build_isolation(ctx.facts, "poetry", ctx.version),
-        )
+        recipe = "upstream-flash-attn"
+        command = commands.install_wheel_url(res["url"], "poetry") if res["url"] else commands.no_build_isolation(ctx.facts, "poetry", ctx.version)
     else:
-        recipe = "uv-project" if ctx.installer == "uv" else "pip-no-build-isolation"
+        recipe = "upstream-flash-attn" if ctx.installer == "uv" else "pip-no-build-isolation"
         command = commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version)
     return Finding(
         "build-isolation-no-torch",
@@ -271,7 +278,7 @@ def _nvcc_missing(ctx: Context) -> Optional[Finding]:
     if not evidence:
         return None
     recipe, command = ctx.wheel_fix()
-    if recipe != "upstream-flash-attn":
+    if ctx.resolved()["status"] != "published":
         cuda = torch.get("cuda") or "12.x"
         command = f"conda install -c nvidia cuda-nvcc={cuda}   # or a CUDA 'devel' container image; then export CUDA_HOME\n{command}"
     return Finding(
@@ -307,7 +314,7 @@ def _nvcc_mismatch(ctx: Context) -> Optional[Finding]:
     if not evidence:
         return None
     recipe, command = ctx.wheel_fix()
-    if recipe != "upstream-flash-attn":
+    if ctx.resolved()["status"] != "published":
         command = f"conda install -c nvidia cuda-nvcc={torch_cuda or 'X.Y'}   # nvcc matching torch.version.cuda\n{command}"
     return Finding(
         "nvcc-torch-cuda-mismatch",
@@ -345,15 +352,29 @@ def _compile_oom(ctx: Context) -> Optional[Finding]:
         "a flash-attn compile with too many parallel jobs runs out of memory (or crawls without ninja)",
         "error" if lines else "warning",
         evidence,
-        "pip-no-build-isolation",
+        "upstream-flash-attn",
         commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True),
         failure=7,
         note=f"MAX_JOBS={safe} follows upstream's own rule (half the cores, one job per 9 GB free); lower NVCC_THREADS to save more.",
     )
 
 
-def _guessed_names(ctx: Context) -> list[str]:
-    return re.findall(r"Guessing wheel URL:\s*(\S+)", ctx.log or "")
+def _guessed_wheels(ctx: Context) -> list[dict[str, Any]]:
+    """The wheels upstream's setup.py tried to download ("Guessing wheel URL: ..." in the log),
+    each resolved against the published tables."""
+    out = []
+    for url in re.findall(r"Guessing wheel URL:\s*(\S+)", ctx.log or ""):
+        try:
+            parts = parse_wheel_filename(url)
+        except ValueError:
+            continue
+        label = parts["cuda_label"]
+        digits = label[4:] if label.startswith("rocm") else label[2:]
+        version = digits if len(digits) <= 2 else f"{digits[:-1]}.{digits[-1]}"
+        device = {"hip": version} if label.startswith("rocm") else {"cuda": version}
+        res = resolve(parts["version"], python=parts["python"], torch=parts["torch"], cxx11abi=parts["cxx11abi"], platform=parts["platform"], **device)
+        out.append(res)
+    return out
 
 
 # -- 8. wheel download blocked -------------------------------------------------------------------
@@ -361,13 +382,8 @@ def _guessed_names(ctx: Context) -> list[str]:
 def _download_blocked(ctx: Context) -> Optional[Finding]:
     evidence = []
     fell_back = bool(ctx.log_lines(r"Precompiled wheel not found"))
-    for url in _guessed_names(ctx):
-        try:
-            parts = parse_wheel_filename(url)
-        except ValueError:
-            continue
-        res = resolve(parts["version"], python=parts["python"], torch=parts["torch"], cxx11abi=parts["cxx11abi"], cuda="12", platform=parts["platform"])
-        if fell_back and res["status"] == "published" and res["filename"] == url.rsplit("/", 1)[-1].replace("%2B", "+"):
+    for res in _guessed_wheels(ctx):
+        if fell_back and res["status"] == "published":
             evidence.append(f"install log: the wheel {res['filename']} is published, yet the build fell back to compiling")
     net = ctx.get("network")
     if net and net.get("reachable") is False and ctx.flash_attn_in_play and not ctx.get("flash_attn").get("loads"):
@@ -441,9 +457,10 @@ def _hollow(ctx: Context) -> Optional[Finding]:
     if ctx.get("torch").get("build") == "cpu" and not (gpus.get("devices") or gpus.get("driver")):
         command = "# no GPU here: flash-attn cannot run at all; flash_recipe falls back to torch SDPA"
         recipe = "upstream-flash-attn"
-        command = f"python -m pip uninstall -y flash-attn   {command}" if fa.get("installed") else command
+        command = f"{commands.uninstall_flash_attn(ctx.installer, drop_cache=False)}   {command}" if fa.get("installed") else command
     elif fa.get("installed"):
-        command = f"python -m pip uninstall -y flash-attn && {command}"
+        # installers cache the wheel they built from the sdist: drop it or the hollow build comes back
+        command = f"{commands.uninstall_flash_attn(ctx.installer)} && {command}"
     if skip is not None:
         command = f"unset FLASH_ATTENTION_SKIP_CUDA_BUILD && {command}"
     return Finding(
@@ -462,12 +479,7 @@ def _hollow(ctx: Context) -> Optional[Finding]:
 def _no_wheel(ctx: Context) -> Optional[Finding]:
     evidence = []
     fell_back = ctx.log_lines(r"Precompiled wheel not found")
-    for url in _guessed_names(ctx):
-        try:
-            parts = parse_wheel_filename(url)
-        except ValueError:
-            continue
-        res = resolve(parts["version"], python=parts["python"], torch=parts["torch"], cxx11abi=parts["cxx11abi"], cuda="12", platform=parts["platform"])
+    for res in _guessed_wheels(ctx):
         if fell_back and res["status"] == "not-published":
             evidence.append(f"install log: {res['filename']} was never published, so setup.py compiled from source")
     fa = ctx.get("flash_attn")
@@ -488,7 +500,7 @@ def _no_wheel(ctx: Context) -> Optional[Finding]:
         "upstream published no wheel for this torch/Python/ABI: pip will compile flash-attn for hours",
         "warning",
         evidence,
-        "pip-no-build-isolation",
+        "upstream-flash-attn",
         commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True),
         failure=11,
         note=note,
@@ -509,8 +521,8 @@ def _gpu_old(ctx: Context) -> Optional[Finding]:
         "this GPU is older than Ampere (sm80): upstream flash-attn cannot run on it",
         "error" if installed and old else "warning",
         evidence,
-        "uv-pip" if ctx.installer == "uv" else "pip-no-build-isolation",
-        (f"python -m pip uninstall -y flash-attn   # it cannot run here\n" if installed else "")
+        "upstream-flash-attn",
+        (f"{commands.uninstall_flash_attn(ctx.installer, drop_cache=False)}   # it cannot run here\n" if installed else "")
         + "# use torch SDPA's memory-efficient kernel (or flash_recipe's fallback), not FLASH_ATTENTION only:\n"
         "#   with torch.nn.attention.sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]): ...",
         failure=12,
@@ -656,7 +668,8 @@ def evaluate(ctx: Context) -> list[Finding]:
 
 
 def cited_recipes() -> set[str]:
-    """Every recipe folder name a rule can cite (for the test that each exists under recipes/)."""
-    names = {"upstream-flash-attn", "pip-no-build-isolation", "uv-project", "poetry-index", "uv-pip"}
+    """Every recipe folder name a rule or ``flash-recipe recipe`` can cite (a test checks that each
+    exists under recipes/)."""
+    names = {"upstream-flash-attn", "pip-no-build-isolation", "uv-project", "uv-pip", "poetry-index"}
     names |= {f"torch-index-{installer}" for installer in commands.INSTALLERS}
     return names

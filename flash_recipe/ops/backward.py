@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from flash_recipe.ops import configs
-from flash_recipe.ops.forward import LOG2E, dot_precision
+from flash_recipe.ops.forward import LOG2E
 from flash_recipe.ops import tiles
 from flash_recipe.ops.tiles import key_range, load_tile, store_tile
 
@@ -64,7 +64,7 @@ def _dkdv_inner(
     b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
     seqlen_q, head_dim, diag_offset, qk_scale, o_n, o_r, o_d, start, end,
     MASKED: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """Accumulate one head's contribution from query rows ``[start, end)``; ``MASKED``: causal mask."""
     for start_m in range(start, end, BLOCK_M):
@@ -79,14 +79,14 @@ def _dkdv_inner(
         else:
             b_lse = tl.load(lse_base + o_m, mask=o_m < seqlen_q, other=0.0) * 1.4426950408889634
             b_delta = tl.load(delta_base + o_m, mask=o_m < seqlen_q, other=0.0)
-        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision="ieee") * qk_scale  # [BLOCK_N, BLOCK_M]
         b_pt = tl.math.exp2(b_st - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
             b_pt = tl.where(o_n[:, None] <= o_m[None, :] + diag_offset, b_pt, 0.0)
-        b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PRECISION)
-        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
+        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
-        b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PRECISION)
+        b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision="ieee")
     return b_dk, b_dv
 
 
@@ -108,7 +108,7 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head."""
     i_n = tl.program_id(0)
@@ -149,12 +149,12 @@ def attn_bwd_dkdv_kernel(
         b_dk, b_dv = _dkdv_inner(
             b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
             seqlen_q, head_dim, diag_offset, qk_scale, o_n, o_r, o_d, first, full,
-            True, EVEN_M, MASK_D, BLOCK_M, DOT_PRECISION,
+            True, EVEN_M, MASK_D, BLOCK_M,
         )
         b_dk, b_dv = _dkdv_inner(
             b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
             seqlen_q, head_dim, diag_offset, qk_scale, o_n, o_r, o_d, full, m_end,
-            False, EVEN_M, MASK_D, BLOCK_M, DOT_PRECISION,
+            False, EVEN_M, MASK_D, BLOCK_M,
         )
 
     dk_base = DK + i_b * stride_dkb + i_hk.to(tl.int64) * stride_dkh
@@ -168,23 +168,23 @@ def _dq_inner(
     b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
     qk_scale, o_m, o_n, o_d, start, end,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the seqlen and causal masks."""
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
         b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
         b_p = tl.math.exp2(b_s - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
         if MASKED:
             m_valid = (start_n + o_n)[None, :] < seqlen_k
             if IS_CAUSAL:
                 m_valid = m_valid & ((start_n + o_n)[None, :] <= o_m[:, None] + diag_offset)
             b_p = tl.where(m_valid, b_p, 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
-        b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=DOT_PRECISION)
+        b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision="ieee")
     return b_dq
 
 
@@ -199,7 +199,7 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, MASK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(Sq, BLOCK_M), H, B)``."""
     i_m = tl.program_id(0)
@@ -231,12 +231,12 @@ def attn_bwd_dq_kernel(
     b_dq = _dq_inner(
         b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
         qk_scale, o_m, o_n, o_d, 0, full_end,
-        False, IS_CAUSAL, MASK_D, BLOCK_N, DOT_PRECISION,
+        False, IS_CAUSAL, MASK_D, BLOCK_N,
     )
     b_dq = _dq_inner(
         b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
         qk_scale, o_m, o_n, o_d, full_end, end,
-        True, IS_CAUSAL, MASK_D, BLOCK_N, DOT_PRECISION,
+        True, IS_CAUSAL, MASK_D, BLOCK_N,
     )
     dq_base = DQ + i_b * stride_dqb + i_h.to(tl.int64) * stride_dqh
     store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * softmax_scale, not EVEN_M, MASK_D)
@@ -274,7 +274,6 @@ def attention_backward(
         return dq.zero_(), dk.zero_(), dv.zero_()
     target = configs.target_of(q.device)
     block_d = configs.head_dim_bucket(head_dim)
-    precision = dot_precision(q.dtype)
     group_size = nheads // nheads_k
     qk_scale = softmax_scale * LOG2E
     delta = tiles.output_buffer((batch, nheads, seqlen_q), torch.float32, q.device)
@@ -298,7 +297,7 @@ def attention_backward(
             dv.stride(0), dv.stride(1), dv.stride(2),
             nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
             IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         cfg = configs.get_config(target, "bwd_dq", head_dim, q.element_size())
         attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
@@ -310,6 +309,6 @@ def attention_backward(
             dq.stride(0), dq.stride(1), dq.stride(2),
             nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
             IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dq, dk, dv

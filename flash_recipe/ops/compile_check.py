@@ -12,6 +12,7 @@ It must run with ``TRITON_INTERPRET`` unset (the interpreter replaces the compil
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -56,7 +57,6 @@ def _source(variant: Variant, target: str):
     ptr = f"*{DTYPES[variant.dtype]}"
     f32 = "*fp32"
     element_size = 4 if variant.dtype == "float32" else 2
-    precision = "ieee" if variant.dtype == "float32" else "tf32"
     even = variant.even
     if variant.kernel == "bwd_preprocess":
         fn = backward.attn_bwd_preprocess_kernel.fn
@@ -66,7 +66,7 @@ def _source(variant: Variant, target: str):
         return fn, sig, constexprs, None
     cfg = configs.get_config(target, variant.kernel, variant.head_dim, element_size)
     common = {"IS_CAUSAL": variant.causal, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-              "BLOCK_D": variant.head_dim, "MASK_D": not even, "DOT_PRECISION": precision}
+              "BLOCK_D": variant.head_dim, "MASK_D": not even}
     if variant.kernel == "fwd":
         fn = forward.attn_fwd_kernel.fn
         sig = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": f32}
@@ -136,30 +136,53 @@ def compile_variant(variant: Variant, target: str) -> dict:
     }
 
 
+def _check(job: tuple[Variant, str]) -> dict:
+    variant, target = job
+    try:
+        row = compile_variant(variant, target)
+    except Exception as exc:  # report and go on: one failure must not hide the others
+        row = {"variant": variant.id, "target": target, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    row["ok"] = "error" not in row and row["fits"] and (row["matrix_instructions"] or not needs_matrix_units(variant))
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flash_recipe.ops.compile_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", choices=TARGETS, help="architecture (repeatable); default: all")
     parser.add_argument("--kernel", action="append", choices=KERNELS, help="kernel (repeatable); default: all")
     parser.add_argument("--dtype", action="append", choices=tuple(DTYPES), help="dtype (repeatable); default: all")
+    parser.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIM_BUCKETS, help="head-dim bucket (repeatable); default: all")
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--even", choices=("both", "yes", "no"), default="both",
+                        help="'no' compiles only the ragged variants, which hold every mask (same tiles, same shared memory)")
+    parser.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")
     parser.add_argument("--json", action="store_true", help="print one JSON object per line")
     args = parser.parse_args(argv)
     if configs.interpreter_enabled():
         print("unset TRITON_INTERPRET: the compile check needs Triton's compiler", file=sys.stderr)
         return 2
+    flag = {"both": (False, True), "yes": (True,), "no": (False,)}
+    jobs = [
+        (variant, target)
+        for target in args.target or TARGETS
+        for variant in variants(kernels=args.kernel or KERNELS, dtypes=args.dtype or tuple(DTYPES), buckets=args.head_dim or HEAD_DIM_BUCKETS)
+        if variant.causal in flag[args.causal] and variant.even in flag[args.even]
+    ]
     failures = 0
-    for target in args.target or TARGETS:
-        for variant in variants(kernels=args.kernel or KERNELS, dtypes=args.dtype or tuple(DTYPES)):
-            try:
-                row = compile_variant(variant, target)
-            except Exception as exc:  # report and go on: one failure must not hide the others
-                row = {"variant": variant.id, "target": target, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-            ok = "error" not in row and row["fits"] and (row["matrix_instructions"] or not needs_matrix_units(variant))
-            failures += not ok
+    pool = concurrent.futures.ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
+    rows = pool.map(_check, jobs) if pool else map(_check, jobs)
+    try:
+        for row in rows:
+            failures += not row["ok"]
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
                 detail = row.get("error") or f"{row['shared_bytes']:>6} / {row['shared_limit']} B shared, {row['seconds']} s"
-                print(f"{'ok ' if ok else 'BAD'} {target:<7} {variant.id:<40} {detail}", flush=True)
+                print(f"{'ok ' if row['ok'] else 'BAD'} {row['target']:<7} {row['variant']:<40} {detail}", flush=True)
+    finally:
+        if pool:
+            pool.shutdown()
+    print(f"{len(jobs) - failures} of {len(jobs)} variants compiled and fit", file=sys.stderr)
     return 1 if failures else 0
 
 

@@ -9,7 +9,9 @@ Query head ``h`` reads key/value head ``h // (H // Hk)`` (contiguous groups, as 
 Each program owns ``BLOCK_M`` query rows of one head and walks the key blocks it can see, keeping
 per row a running maximum ``m``, a running sum ``l`` and an accumulator rescaled whenever ``m``
 grows. Scores live in the base-2 domain: ``log2(e)`` is folded into the softmax scale once so
-the kernel uses ``exp2``; the log-sum-exp is converted back to natural log when stored.
+the kernel uses ``exp2``; the log-sum-exp is converted back to natural log when stored. Every
+dot runs with ``input_precision="ieee"``: fp16/bf16 still use the tensor cores, and fp32 is
+multiplied in full fp32, never TF32.
 
 A row that sees no key (causal with Sq > Sk, or Sk == 0) outputs 0 and stores lse = +inf, which
 makes every probability the backward recomputes from it exactly 0.
@@ -36,13 +38,13 @@ def _fwd_inner(
     b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
     o_m, o_n, o_d, qk_scale, start, end,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the seqlen and causal masks."""
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
             m_valid = (start_n + o_n)[None, :] < seqlen_k
             if IS_CAUSAL:
@@ -56,7 +58,7 @@ def _fwd_inner(
         b_alpha = tl.math.exp2(b_m - b_m_new)  # [BLOCK_M]
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
-        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision=DOT_PRECISION)
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision="ieee")
         b_m = b_m_new
     return b_acc, b_m, b_l
 
@@ -76,7 +78,7 @@ def attn_fwd_kernel(
     stride_ob, stride_om, stride_oh,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, qk_scale, diag_offset,
     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, MASK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(Sq, BLOCK_M), H, B)``. ``qk_scale`` is ``softmax_scale * log2(e)``."""
     i_m = tl.program_id(0)
@@ -104,13 +106,13 @@ def attn_fwd_kernel(
     b_acc, b_m, b_l = _fwd_inner(
         b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
         o_m, o_n, o_d, qk_scale, 0, full_end,
-        False, IS_CAUSAL, MASK_D, BLOCK_N, DOT_PRECISION,
+        False, IS_CAUSAL, MASK_D, BLOCK_N,
     )
     # Stage 2: the diagonal and the ragged last block, masked.
     b_acc, b_m, b_l = _fwd_inner(
         b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
         o_m, o_n, o_d, qk_scale, full_end, end,
-        True, IS_CAUSAL, MASK_D, BLOCK_N, DOT_PRECISION,
+        True, IS_CAUSAL, MASK_D, BLOCK_N,
     )
 
     m_empty = b_l == 0.0  # rows that saw no key
@@ -125,11 +127,6 @@ def attn_fwd_kernel(
         tl.store(p_lse, b_lse)
     else:
         tl.store(p_lse, b_lse, mask=o_m < seqlen_q)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs are multiplied in full fp32 (never TF32); fp16/bf16 use the tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def attention_forward(
@@ -164,7 +161,7 @@ def attention_forward(
             out.stride(0), out.stride(1), out.stride(2),
             nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale * LOG2E, diag_offset,
             IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_D=configs.head_dim_bucket(head_dim), DOT_PRECISION=dot_precision(q.dtype),
+            BLOCK_D=configs.head_dim_bucket(head_dim),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out, lse
