@@ -25,6 +25,8 @@ import torch
 from flash_recipe.ops.configs import interpreter_enabled, interpreter_imported_late
 
 ENV_VAR = "FLASH_RECIPE_BACKEND"
+# torch SDPA takes enable_gqa from torch 2.5 on; older releases get repeated kv heads.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -225,12 +227,14 @@ class SdpaBackend(Backend):
             else:
                 visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(call.diag_offset)
                 mask = visible if mask is None else _combine_masks(visible, mask)
+        options = dict(attn_mask=mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.softmax_scale)
         if q.shape[1] != k.shape[1]:
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.softmax_scale
-        ).transpose(1, 2)
+            if _SDPA_HAS_GQA:
+                options["enable_gqa"] = True
+            else:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
         if call.causal and call.diag_offset < 0:
             # Rows that see no key: some torch kernels give NaN there, flash-attn gives 0.
             empty = min(-call.diag_offset, seqlen_q)

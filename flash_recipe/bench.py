@@ -1,0 +1,392 @@
+"""``flash-recipe bench``: attention throughput side by side with its peers, in one run.
+
+For each shape (sequence length x head dim x causal x MHA/GQA x dtype) and each peer that can run
+it, the forward, backward and forward+backward are timed (CUDA events on a GPU, wall clock on the
+CPU; warm-up runs first, the median of the repetitions is reported) and converted to TFLOP/s:
+
+    forward FLOPs  = 4 * batch * nheads * seqlen_q * seqlen_k * headdim   (halved when causal)
+    backward FLOPs = 2.5 * forward FLOPs
+
+Peers, each only where available: ``flash_recipe`` (the Triton kernels; on the CPU, the public
+``flash_attn_func`` on its automatic backend), torch SDPA per backend (``sdpa_flash``,
+``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``; on the CPU plain ``sdpa``), ``flex``
+(compiled FlexAttention) and ``flash_attn`` (upstream). The batch is chosen so that each shape
+holds about ``--tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+MODES = ("fwd", "bwd", "fwd_bwd")
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    seqlen: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    causal: bool
+    dtype: str
+
+    @property
+    def id(self) -> str:
+        kind = "mha" if self.nheads == self.nheads_k else f"gqa{self.nheads // self.nheads_k}"
+        return f"B{self.batch}-S{self.seqlen}-H{self.nheads}-{kind}-D{self.head_dim}-{'causal' if self.causal else 'full'}-{self.dtype}"
+
+    def flops(self, mode: str) -> float:
+        fwd = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.head_dim
+        return fwd * (0.5 if self.causal else 1.0) * FLOP_FACTOR[mode]
+
+
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal: bool, mode: str = "fwd") -> float:
+    """The standard FLOP count used for TFLOP/s (see the module docstring)."""
+    return 4.0 * batch * nheads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0) * FLOP_FACTOR[mode]
+
+
+# ----------------------------------------------------------------------------- peers
+# A peer maps (q, k, v, causal) in flash layout (B, S, H, D) to the output, or raises.
+
+
+def _sdpa(backend_name: Optional[str]):
+    import torch
+    import torch.nn.functional as F
+
+    def run(q, k, v, causal):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = qt.shape[1] != kt.shape[1]
+        if backend_name is None:
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, backend_name)]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
+
+    return run
+
+
+def _flash_recipe(backend_name: Optional[str]):
+    import flash_recipe
+
+    def run(q, k, v, causal):
+        with flash_recipe.use_backend(backend_name):
+            return flash_recipe.flash_attn_func(q, k, v, causal=causal)
+
+    return run
+
+
+def _flex():
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+    masks = {}
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def run(q, k, v, causal):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        mask = None
+        if causal:
+            key = (qt.shape[2], kt.shape[2])
+            if key not in masks:
+                masks[key] = create_block_mask(causal_mask, None, None, key[0], key[1], device=q.device)
+            mask = masks[key]
+        return compiled(qt, kt, vt, block_mask=mask, enable_gqa=qt.shape[1] != kt.shape[1]).transpose(1, 2)
+
+    return run
+
+
+def _upstream_flash_attn():
+    import flash_attn
+
+    return lambda q, k, v, causal: flash_attn.flash_attn_func(q, k, v, causal=causal)
+
+
+def peers(device_type: str) -> dict[str, Callable]:
+    """The peers that can run on this machine, by name (availability only; shapes may still fail)."""
+    import importlib.util
+
+    from flash_recipe import dispatch
+
+    if device_type != "cuda":
+        return {"flash_recipe": _flash_recipe(None), "sdpa": _sdpa(None)}
+    found = {}
+    if dispatch.TritonBackend().is_available() is None:
+        found["flash_recipe"] = _flash_recipe("triton")
+    for name, backend in (("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_efficient", "EFFICIENT_ATTENTION"),
+                          ("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_math", "MATH")):
+        found[name] = _sdpa(backend)
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
+        found["flex"] = _flex()
+    if dispatch.FlashAttnBackend().is_available() is None:
+        found["flash_attn"] = _upstream_flash_attn()
+    return found
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class _Timer:
+    """Median milliseconds of ``fn()`` over ``reps`` after ``warmup`` calls."""
+
+    def __init__(self, device_type: str, warmup: int, reps: int):
+        self.cuda = device_type == "cuda"
+        self.warmup, self.reps = warmup, reps
+
+    def __call__(self, fn: Callable[[], None], setup: Optional[Callable[[], None]] = None) -> float:
+        import torch
+
+        for _ in range(self.warmup):
+            if setup:
+                setup()
+            fn()
+        times = []
+        for _ in range(self.reps):
+            if setup:
+                setup()
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - begin) * 1e3)
+        return statistics.median(times)
+
+
+def measure(peer: Callable, shape: Shape, device, modes, timer: _Timer) -> dict:
+    """Time one peer on one shape; returns ms and TFLOP/s per mode, peak MB and first-call ms."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, shape.dtype)
+    make = lambda h: torch.randn(shape.batch, shape.seqlen, h, shape.head_dim, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v = make(shape.nheads), make(shape.nheads_k), make(shape.nheads_k)
+    result: dict = {}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    begin = time.perf_counter()
+    with torch.no_grad():
+        peer(q, k, v, shape.causal)
+    if cuda:
+        torch.cuda.synchronize()
+    result["first_call_ms"] = (time.perf_counter() - begin) * 1e3
+    if "fwd" in modes:
+        with torch.no_grad():
+            result["fwd_ms"] = timer(lambda: peer(q, k, v, shape.causal))
+    if "bwd" in modes or "fwd_bwd" in modes:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        dout = torch.randn_like(q)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        if "fwd_bwd" in modes:
+            result["fwd_bwd_ms"] = timer(lambda: peer(*leaves, shape.causal).backward(dout))
+        if "bwd" in modes:
+            holder = {}
+
+            def setup():
+                for t in leaves:
+                    t.grad = None
+                holder["out"] = peer(*leaves, shape.causal)
+
+            result["bwd_ms"] = timer(lambda: holder["out"].backward(dout), setup)
+        if cuda:
+            result["peak_mb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    for mode in modes:
+        ms = result.get(f"{mode}_ms")
+        if ms:
+            result[f"{mode}_tflops"] = shape.flops(mode) / (ms * 1e-3) / 1e12
+    return result
+
+
+def shapes(seqlens, head_dims, causal_values, gqa_values, dtypes, tokens: int, nheads: int) -> list[Shape]:
+    out = []
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            for causal in causal_values:
+                for gqa in gqa_values:
+                    for seqlen in seqlens:
+                        out.append(Shape(max(1, tokens // seqlen), seqlen, nheads, nheads // 4 if gqa else nheads,
+                                         head_dim, causal, dtype))
+    return out
+
+
+def run_bench(args, progress=print) -> list[dict]:
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    available = peers(device.type)
+    chosen = args.peer or list(available)
+    unknown = [name for name in chosen if name not in available]
+    if unknown:
+        raise ValueError(f"peer must be one of {sorted(available)} on {device.type}, got {unknown}")
+    timer = _Timer(device.type, args.warmup, args.reps)
+    rows = []
+    for shape in shapes(args.seqlen, args.head_dim, args.causal, args.gqa, args.dtype, args.tokens, args.nheads):
+        for name in chosen:
+            row = {"shape": shape.id, "peer": name, **dataclasses.asdict(shape)}
+            try:
+                row.update(measure(available[name], shape, device, args.mode, timer))
+            except Exception as exc:  # a peer that cannot run a shape is reported, not fatal
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            rows.append(row)
+            progress(_row_text(row, args.mode))
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+def _row_text(row: dict, modes) -> str:
+    if "error" in row:
+        return f"{row['shape']:<44} {row['peer']:<15} n/a ({row['error']})"
+    cells = [f"{row.get(f'{m}_tflops', 0):8.3f}" for m in modes]
+    peak = f"{row['peak_mb']:9.1f}" if "peak_mb" in row else f"{'n/a':>9}"
+    return f"{row['shape']:<44} {row['peer']:<15} {' '.join(cells)} {peak} {row['first_call_ms']:10.1f}"
+
+
+def header(modes) -> str:
+    cells = " ".join(f"{m:>8}" for m in modes)
+    return f"{'shape':<44} {'peer':<15} {cells} {'peak MB':>9} {'first ms':>10}  (TFLOP/s per mode)"
+
+
+COLUMNS = ["shape", "peer", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "causal", "dtype",
+           "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "peak_mb",
+           "first_call_ms", "error"]
+
+
+def to_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def to_markdown(rows: list[dict], modes, context: str) -> str:
+    lines = [context, "", "| shape | peer | " + " | ".join(f"{m} TFLOP/s" for m in modes) + " | peak MB |",
+             "|---|---|" + "---:|" * (len(modes) + 1)]
+    for row in rows:
+        if "error" in row:
+            cells = ["n/a"] * len(modes) + ["n/a"]
+        else:
+            cells = [f"{row[f'{m}_tflops']:.3f}" if f"{m}_tflops" in row else "" for m in modes]
+            cells.append(f"{row['peak_mb']:.1f}" if "peak_mb" in row else "n/a")
+        lines.append(f"| {row['shape']} | {row['peer']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], mode: str, path: str) -> None:
+    """TFLOP/s against sequence length, one line per peer, one panel per remaining shape key."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("--plot needs matplotlib: pip install 'flash-recipe[plot]'") from exc
+    groups: dict = {}
+    for row in rows:
+        if f"{mode}_tflops" in row:
+            key = (row["head_dim"], row["causal"], row["nheads_k"] != row["nheads"], row["dtype"])
+            groups.setdefault(key, {}).setdefault(row["peer"], []).append((row["seqlen"], row[f"{mode}_tflops"]))
+    if not groups:
+        raise RuntimeError(f"no {mode} measurements to plot")
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, (key, by_peer) in zip(axes[0], sorted(groups.items())):
+        for peer, points in sorted(by_peer.items()):
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, marker="o", label=peer)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"d{key[0]} {'causal' if key[1] else 'full'} {'gqa' if key[2] else 'mha'} {key[3]}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(f"{mode} TFLOP/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def context_line() -> str:
+    import platform
+
+    import torch
+
+    import flash_recipe
+    from flash_recipe.verify import _versions
+
+    v = _versions()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
+    return (f"device {device}, {time.strftime('%Y-%m-%d')}, flash_recipe {flash_recipe.__version__}, "
+            f"torch {v['torch']}, triton {v['triton']}, command: flash-recipe bench {' '.join(sys.argv[2:])}".rstrip())
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seqlen", type=_ints, default=[512, 1024, 2048, 4096, 8192, 16384],
+                        help="comma-separated sequence lengths (default 512..16384)")
+    parser.add_argument("--head-dim", type=_ints, default=[64, 128, 256], help="comma-separated head dims")
+    parser.add_argument("--causal", type=lambda s: {"both": [False, True], "yes": [True], "no": [False]}[s],
+                        default=[False, True], metavar="{both,yes,no}")
+    parser.add_argument("--gqa", type=lambda s: {"both": [False, True], "yes": [True], "no": [False]}[s],
+                        default=[False, True], metavar="{both,yes,no}", help="GQA uses nheads/4 kv heads")
+    parser.add_argument("--dtype", type=lambda s: s.split(","), default=["float16", "bfloat16"],
+                        help="comma-separated dtypes")
+    parser.add_argument("--mode", type=lambda s: s.split(","), default=list(MODES), help="fwd,bwd,fwd_bwd")
+    parser.add_argument("--peer", action="append", help="peer to run (repeatable); default: all available")
+    parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen per shape")
+    parser.add_argument("--nheads", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--device", help="torch device, default cuda if available else cpu")
+    parser.add_argument("--csv", help="write the rows as CSV to this file")
+    parser.add_argument("--markdown", help="write a markdown table to this file")
+    parser.add_argument("--plot", help="write a PNG of TFLOP/s against seqlen (needs matplotlib)")
+
+
+def run(args) -> int:
+    bad = [m for m in args.mode if m not in MODES] or [d for d in args.dtype if d not in ("float16", "bfloat16", "float32")]
+    if bad:
+        print(f"flash-recipe bench: unknown mode or dtype {bad}; modes {MODES}, dtypes float16,bfloat16,float32", file=sys.stderr)
+        return 2
+    context = context_line()
+    print(context)
+    print(header(args.mode))
+    try:
+        rows = run_bench(args)
+    except ValueError as exc:
+        print(f"flash-recipe bench: {exc}", file=sys.stderr)
+        return 2
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            f.write(to_csv(rows))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(to_markdown(rows, args.mode, context))
+    if args.plot:
+        plot(rows, "fwd" if "fwd" in args.mode else args.mode[0], args.plot)
+    return 0 if any("error" not in row for row in rows) else 1
