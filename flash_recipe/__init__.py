@@ -1,33 +1,55 @@
 """flash_recipe: FlashAttention-2 in Triton behind flash-attn's and torch SDPA's APIs.
 
-Importing this package selects, compiles and probes nothing: backends are chosen per call.
-
 Public names::
 
     flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func   # flash-attn 2 layout
     scaled_dot_product_attention                                          # torch SDPA layout
-    use_backend, explain, available_backends                              # backend selection
+    use_backend, explain, available_backends, BackendUnavailableError     # backend selection
+
+Importing this package selects, compiles and probes nothing, and does not even import torch:
+each public name loads its module on first use (PEP 562), so ``flash-recipe doctor`` runs in an
+environment whose torch is missing or broken.
 """
 
-from flash_recipe.api import (
-    explain,
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    scaled_dot_product_attention,
-)
-from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackendUnavailableError",
-    "__version__",
-    "available_backends",
-    "explain",
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "scaled_dot_product_attention",
-    "use_backend",
-]
+_EXPORTS = {
+    "flash_attn_func": "flash_recipe.api",
+    "flash_attn_kvpacked_func": "flash_recipe.api",
+    "flash_attn_qkvpacked_func": "flash_recipe.api",
+    "scaled_dot_product_attention": "flash_recipe.api",
+    "explain": "flash_recipe.api",
+    "available_backends": "flash_recipe.dispatch",
+    "use_backend": "flash_recipe.dispatch",
+    "BackendUnavailableError": "flash_recipe.dispatch",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
+    from flash_recipe.api import (
+        explain,
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        scaled_dot_product_attention,
+    )
+    from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flash_recipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

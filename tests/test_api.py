@@ -166,12 +166,22 @@ def test_return_attn_probs_on_every_backend(monkeypatch):
 
 def test_import_selects_compiles_and_probes_nothing():
     code = (
-        "import json, sys, flash_recipe; "
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'flash_attn') "
-        "or m.startswith('flash_recipe.ops.') and m != 'flash_recipe.ops.configs')))"
+        "import json, sys, flash_recipe; before = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')); "
+        "flash_recipe.flash_attn_func; "
+        "print(json.dumps([before, sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'flash_attn') "
+        "or m.startswith('flash_recipe.ops.') and m != 'flash_recipe.ops.configs')]))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(result.stdout) == []
+    # `import flash_recipe` imports not even torch; the API then loads torch but no Triton.
+    assert json.loads(result.stdout) == [[], []]
+
+
+def test_public_names():
+    assert set(flash_recipe.__all__) >= {"flash_attn_func", "scaled_dot_product_attention", "use_backend", "explain"}
+    for name in flash_recipe.__all__:
+        assert getattr(flash_recipe, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'flash_attn_varlen'"):
+        flash_recipe.flash_attn_varlen
 
 
 def test_version_matches_distribution_metadata():

@@ -177,3 +177,27 @@ def test_doctor_with_an_old_flash_attn_version_does_not_break_rules(capsys):
     report = json.loads(out)
     assert report["upstream_wheel"]["status"] in ("no-gpu-torch", "unknown-release")
     assert not any("could not be evaluated" in f["title"] for f in report["findings"])
+
+
+def test_report_of_a_gpu_machine_from_injected_facts():
+    """Injected facts (no GPU here): an H100 with a hollow flash-attn; the terminal report shows
+    the finding first, the coupling row, the GPU line and the compile check."""
+    import argparse
+
+    from test_doctor_rules import gpu_facts
+
+    from flash_recipe.env.doctor import diagnose, format_report
+
+    facts = gpu_facts(project={"installer": "uv", "installer_reason": "uv.lock or [tool.uv] in pyproject.toml"})
+    facts["flash_attn"].update(loads=False, module_error="ModuleNotFoundError: No module named 'flash_attn_2_cuda'", wheel_tags=["py3-none-any"])
+    facts["triton"]["compile"] = {"arch": "sm90", "ok": True, "shared_bytes": 98304, "shared_limit": 232448, "seconds": 1.2}
+    args = argparse.Namespace(installer=None, log=None, wheel=None, flash_attn_wheel="2.8.3", flex=True, project=None, online=False)
+    report = diagnose(args, facts=facts)
+    assert report["healthy"] is False and report["installer"] == "uv"
+    text = format_report(report)
+    assert text.index("[error] hollow-package") < text.index("COUPLING")
+    assert "uv pip uninstall flash-attn && uv cache clean flash-attn && uv add" in text
+    assert "cp312       2.8.0+cu128  CUDA 12.8  TRUE       linux_x86_64" in text
+    assert "GPU NVIDIA H100 80GB HBM3: sm90, 232448 bytes shared memory per block" in text
+    assert "compiles flash_recipe's forward kernel for sm90: 98304 of 232448 bytes" in text
+    assert "status: published: this exact wheel is a published release asset" in text

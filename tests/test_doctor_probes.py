@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ast
 import http.server
+import json
+import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -141,3 +144,34 @@ def test_torch_index_follows_torch_build():
     assert commands.torch_index_url({"torch": {"hip": "6.3.42131"}}) == "https://download.pytorch.org/whl/rocm6.3"
     assert commands.torch_index_url({"torch": {}, "gpus": {}}) == "https://download.pytorch.org/whl/cpu"
     assert commands.torch_index_url({"torch": {}, "gpus": {"driver": "570", "driver_cuda": "12.8"}}).endswith("/cu128")
+
+
+def test_uninstall_drops_the_cached_wheel_per_installer():
+    assert commands.uninstall_flash_attn("pip") == "python -m pip uninstall -y flash-attn && python -m pip cache remove flash_attn"
+    assert commands.uninstall_flash_attn("uv") == "uv pip uninstall flash-attn && uv cache clean flash-attn"
+    assert commands.uninstall_flash_attn("poetry", drop_cache=False) == "poetry run pip uninstall -y flash-attn"
+
+
+@pytest.mark.slow
+def test_triton_compile_check_builds_for_sm80_without_a_gpu():
+    """The compile probe the doctor runs on a GPU machine, pointed at sm80 here (Triton compiles
+    for a named target without a GPU)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    env["PYTHONPATH"] = str(ENV_DIR.parents[1])
+    code = "import json; from flash_recipe.env import probes; print(json.dumps(probes.triton_compile_check('sm80')))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["ok"] is True, row
+    assert 0 < row["shared_bytes"] <= row["shared_limit"] == 166912
+
+
+def test_triton_compile_check_says_when_the_interpreter_is_on(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    row = probes.triton_compile_check("sm90")
+    assert row["ok"] is None and "TRITON_INTERPRET" in row["error"]
+
+
+def test_triton_compile_check_names_unknown_arch():
+    row = probes.triton_compile_check("sm61")
+    assert row["ok"] is None and "sm61" in row["error"]

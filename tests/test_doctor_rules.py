@@ -168,9 +168,10 @@ def test_runtime_no_module_torch_is_not_a_build_isolation_finding():
 
 # -- 2 -----------------------------------------------------------------------------------------
 def test_build_tools_missing_from_real_environment(monkeypatch):
-    """Real probe of this machine's build tools, with a flash-attn build in play."""
+    """Real probe of this machine's build tools and variables (a flash-attn build in play), with
+    injected CUDA torch facts: without a GPU build of torch no flash-attn build can go ahead."""
     monkeypatch.setenv("FLASH_ATTENTION_FORCE_BUILD", "TRUE")
-    facts = this_machine()
+    facts = this_machine(torch=gpu_facts()["torch"])
     missing = facts["build"]["missing"]
     found = rules_fired(Context(facts=facts, installer="pip"))
     if missing:
@@ -179,6 +180,12 @@ def test_build_tools_missing_from_real_environment(monkeypatch):
         assert f.command == "python -m pip install packaging wheel setuptools psutil ninja"
     else:
         assert "build-tools-missing" not in found
+
+
+def test_build_tools_not_reported_for_a_cpu_torch(monkeypatch):
+    """This machine for real: CPU torch, so no flash-attn build can happen and tools do not matter."""
+    monkeypatch.setenv("FLASH_ATTENTION_FORCE_BUILD", "TRUE")
+    assert "build-tools-missing" not in rules_fired(Context(facts=this_machine()))
 
 
 def test_build_tools_missing_from_log():

@@ -180,7 +180,7 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  nearest published: {n['filename']}")
             if n["differs"]:
                 lines.append(f"    differs: {'; '.join(n['differs'])} (it loads only where those match)")
-        if w["status"] not in ("published", "no-torch"):
+        if w["status"] in ("not-published", "not-confirmed", "unknown-release"):
             lines.append("  or build from source against this torch: see recipes/pip-no-build-isolation and recipes/upstream-flash-attn")
 
     plat = facts.get("platform", {})
@@ -217,6 +217,15 @@ def format_report(report: dict[str, Any]) -> str:
     if triton.get("installed"):
         target = triton.get("target") or f"no GPU target ({triton.get('target_error', 'unknown')})"
         lines.append(f"  Triton {triton.get('version')}: {target}")
+        check = triton.get("compile")
+        if check:
+            if check.get("ok"):
+                lines.append(
+                    f"    compiles flash_recipe's forward kernel for {check['arch']}: {check['shared_bytes']} of "
+                    f"{check['shared_limit']} bytes shared memory, {check['seconds']} s"
+                )
+            else:
+                lines.append(f"    cannot compile flash_recipe's forward kernel for {check['arch']}: {check.get('error') or 'shared memory over the limit'}")
     else:
         lines.append(f"  Triton: {triton.get('error') or 'not installed'}")
     build = facts.get("build", {})

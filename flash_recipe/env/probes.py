@@ -212,7 +212,32 @@ def probe_triton() -> dict[str, Any]:
         out["target"] = f"{target.backend}:{target.arch}"
     except Exception as exc:
         out["target_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return out
+    arch = f"sm{target.arch}" if target.backend == "cuda" else str(target.arch).split(":")[0]
+    out["compile"] = triton_compile_check(arch)
     return out
+
+
+def triton_compile_check(arch: str) -> dict[str, Any]:
+    """Compile flash_recipe's fp16 causal forward kernel (head dim 64) for ``arch`` (``"sm90"``,
+    ``"gfx942"``) and report whether it compiled, its shared memory against the architecture's
+    limit, and the time taken. Needs no GPU: Triton compiles for a named target anywhere."""
+    try:
+        from flash_recipe.ops import configs
+        from flash_recipe.ops.compile_check import Variant, compile_variant
+    except Exception as exc:
+        return {"arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    if arch not in configs.SHARED_MEMORY_LIMIT:
+        return {"arch": arch, "ok": None, "error": f"no kernel configuration recorded for {arch}"}
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return {"arch": arch, "ok": None, "error": "TRITON_INTERPRET is set: kernels run in Triton's CPU interpreter, nothing is compiled"}
+    try:
+        row = compile_variant(Variant("fwd", "float16", 64, True, True), arch)
+    except Exception as exc:  # the compiler's own message is the useful fact
+        return {"arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}".strip()[:500]}
+    row["ok"] = bool(row["fits"])
+    row["arch"] = arch
+    return row
 
 
 def probe_build_tools() -> dict[str, Any]:

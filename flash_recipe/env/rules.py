@@ -194,8 +194,9 @@ def _build_tools(ctx: Context) -> Optional[Finding]:
 
 
 def torch_ok(ctx: Context) -> bool:
+    """torch imports and is a GPU build, so a flash-attn build could go ahead."""
     torch = ctx.get("torch")
-    return bool(torch.get("installed")) and not torch.get("import_error")
+    return bool(torch.get("installed")) and not torch.get("import_error") and torch.get("build") in ("cuda", "rocm")
 
 
 def _symbol_lines(ctx: Context) -> list[str]:
@@ -386,7 +387,8 @@ def _download_blocked(ctx: Context) -> Optional[Finding]:
         if fell_back and res["status"] == "published":
             evidence.append(f"install log: the wheel {res['filename']} is published, yet the build fell back to compiling")
     net = ctx.get("network")
-    if net and net.get("reachable") is False and ctx.flash_attn_in_play and not ctx.get("flash_attn").get("loads"):
+    gpu_torch = ctx.get("torch").get("build") in ("cuda", "rocm")
+    if net and net.get("reachable") is False and gpu_torch and ctx.flash_attn_in_play and not ctx.get("flash_attn").get("loads"):
         evidence.append(f"{net.get('url')} cannot be reached ({net.get('error')})")
     if not evidence:
         return None

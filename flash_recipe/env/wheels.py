@@ -208,6 +208,7 @@ def resolve(
     if not torch:
         out.update(status="no-torch", reason="torch is not installed: the wheel name depends on torch's version, CUDA and C++ ABI")
     elif cuda is None and hip is None:
+        want["cuda_label"] = "cpu"
         out.update(
             status="no-gpu-torch",
             reason=f"torch {torch} is a CPU-only build: flash-attn wheels exist only for CUDA builds of torch",
