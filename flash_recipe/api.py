@@ -74,11 +74,28 @@ def _check_dropout(dropout_p, name: str = "dropout_p") -> float:
     return float(dropout_p)
 
 
+def _check_alibi(slopes, q) -> None:
+    batch, nheads = q.shape[0], q.shape[2]
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(
+            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads}), "
+            f"got {tuple(slopes.shape)}"
+        )
+    if slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on the same device as q ({q.device}), got {slopes.device}")
+    if slopes.stride(-1) != 1:
+        raise ValueError(f"alibi_slopes must have a contiguous last dimension, got stride {slopes.stride(-1)}")
+
+
 def _build_flash_call(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
     return_lse, names=("q", "k", "v"),
 ) -> AttentionCall:
-    """Validate flash-attn style arguments; the features of later releases raise NotImplementedError."""
+    """Validate flash-attn style arguments; dropout raises NotImplementedError (not supported yet)."""
     _check_qkv(q, k, v, names)
     for name, t in zip(names, (q, k, v)):
         if t.stride(-1) != 1:
@@ -99,21 +116,22 @@ def _build_flash_call(
     left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be -1 (unbounded) or >= 0, got {tuple(window_size)}")
-    if not (left == -1 and (right == -1 or (causal and right == 0))):
-        raise NotImplementedError(
-            f"window_size other than (-1, -1) is not supported yet (sliding windows come later), got {tuple(window_size)}"
-        )
+    if causal:
+        right = 0  # causal is a window whose right edge is the diagonal
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap other than 0.0 is not supported yet, got {softcap}")
+    if softcap < 0.0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
     if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported yet (only None)")
+        _check_alibi(alibi_slopes, q)
     return AttentionCall(
         q=q, k=k, v=v,
         softmax_scale=_check_scale(softmax_scale, q.shape[-1]),
         causal=causal,
         diag_offset=k.shape[1] - q.shape[1],
+        window=(left, right),
+        softcap=float(softcap),
+        alibi_slopes=alibi_slopes,
         return_lse=bool(return_lse),
     )
 
@@ -161,8 +179,14 @@ def flash_attn_func(
                 1 1
 
             A row that sees no key outputs 0 (and gets zero gradients).
-        window_size: must be (-1, -1) (sliding windows are not supported yet).
-        softcap, alibi_slopes: must be 0.0 and None (not supported yet).
+        window_size: ``(left, right)``: query ``i`` sees keys
+            ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; -1 is unbounded
+            on that side; ``causal`` sets ``right = 0``. Key blocks outside every row's window are
+            skipped, so the work scales with the window.
+        softcap: > 0 turns the scores into ``softcap * tanh(scores / softcap)`` (Gemma 2); 0 disables.
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch_size, nheads)``; adds
+            ``-slope * |i + seqlen_k - seqlen_q - j|`` to the score of query ``i`` and key ``j``
+            (after the softcap).
         deterministic: accepted; the backward of the Triton kernels is always deterministic.
         return_attn_probs: also return the log-sum-exp (testing only).
 

@@ -38,8 +38,9 @@ class BackendUnavailableError(NotImplementedError):
 class AttentionCall:
     """One attention call in flash-attn's layout, validated by ``flash_recipe.api``.
 
-    ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)``; with ``causal``, query ``i``
-    sees key ``j`` iff ``j <= i + diag_offset``. ``attn_mask`` (broadcastable to ``(B, H, Sq, Sk)``)
+    ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)``; query ``i`` sees key ``j``
+    iff ``i + diag_offset - left <= j <= i + diag_offset + right`` for ``window = (left, right)``
+    (``-1``: unbounded; ``causal`` implies ``right = 0``). ``attn_mask`` (broadcastable to ``(B, H, Sq, Sk)``)
     and ``dropout_p`` come from the SDPA API only. ``return_lse`` asks for the log-sum-exp.
     """
 
@@ -49,6 +50,9 @@ class AttentionCall:
     softmax_scale: float
     causal: bool = False
     diag_offset: int = 0
+    window: tuple = (-1, -1)  # (left, right) around the diagonal, -1 unbounded; causal has right 0
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None  # float32 (H,) or (B, H)
     attn_mask: Optional[torch.Tensor] = None
     dropout_p: float = 0.0
     return_lse: bool = False
@@ -159,8 +163,8 @@ class TritonBackend(Backend):
     def run(self, call: AttentionCall):
         from flash_recipe.ops.attention import attention
 
-        out, lse = attention(call.q, call.k, call.v, call.softmax_scale, call.causal, call.diag_offset)
-        return out, lse
+        window = (call.window[0], 0 if call.causal else call.window[1])
+        return attention(call.q, call.k, call.v, call.softmax_scale, call.diag_offset, window, call.softcap, call.alibi_slopes)
 
 
 class FlashAttnBackend(Backend):
@@ -200,7 +204,8 @@ class FlashAttnBackend(Backend):
 
         result = flash_attn.flash_attn_func(
             call.q, call.k, call.v, dropout_p=call.dropout_p, softmax_scale=call.softmax_scale,
-            causal=call.causal, return_attn_probs=call.return_lse,
+            causal=call.causal, window_size=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
+            return_attn_probs=call.return_lse,
         )
         if call.return_lse:
             return result[0], result[1]
@@ -215,18 +220,29 @@ class SdpaBackend(Backend):
     def supports(self, call: AttentionCall) -> Optional[str]:
         if call.return_lse:
             return "torch SDPA does not return the log-sum-exp"
+        if call.softcap > 0.0:
+            return "torch SDPA has no softcap"
         return None
 
     def run(self, call: AttentionCall):
+        from flash_recipe.reference import alibi_bias, visible_keys
+
         q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # (B, H, S, D) views
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
         mask, is_causal = call.attn_mask, False
-        if call.causal:
-            if call.diag_offset == 0 and mask is None:
-                is_causal = True
+        if call.causal and call.diag_offset == 0 and call.window[0] < 0 and mask is None and call.alibi_slopes is None:
+            is_causal = True
+        elif call.causal or call.window != (-1, -1):
+            visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, call.window, q.device)
+            mask = visible if mask is None else _combine_masks(visible, mask)
+        if call.alibi_slopes is not None:
+            bias = alibi_bias(call.alibi_slopes, seqlen_q, seqlen_k, call.diag_offset).to(q.dtype)
+            if mask is None:
+                mask = bias
+            elif mask.dtype == torch.bool:
+                mask = _combine_masks(mask, bias)
             else:
-                visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(call.diag_offset)
-                mask = visible if mask is None else _combine_masks(visible, mask)
+                mask = mask + bias
         options = dict(attn_mask=mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.softmax_scale)
         if q.shape[1] != k.shape[1]:
             if _SDPA_HAS_GQA:
@@ -235,14 +251,15 @@ class SdpaBackend(Backend):
                 group = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
-        if call.causal and call.diag_offset < 0:
+        if call.causal or call.window != (-1, -1):
             # Rows that see no key: some torch kernels give NaN there, flash-attn gives 0.
-            empty = min(-call.diag_offset, seqlen_q)
-            out = torch.cat([out.new_zeros(out[:, :empty].shape), out[:, empty:]], dim=1)
+            visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, call.window, q.device)
+            out = out.masked_fill(~visible.any(dim=-1)[None, :, None, None], 0.0)
         return out, None
 
 
 def _combine_masks(visible: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Restrict ``mask`` (bool or additive) to the ``visible`` bool mask."""
     if mask.dtype == torch.bool:
         return mask & visible
     return mask.masked_fill(~visible, float("-inf"))
@@ -262,6 +279,7 @@ class ReferenceBackend(Backend):
         out, lse = attention_reference(
             call.q, call.k, call.v, call.softmax_scale, call.causal, call.diag_offset,
             attn_mask=call.attn_mask, dropout_p=call.dropout_p,
+            window=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
         )
         return out.to(call.q.dtype), (lse if call.return_lse else None)
 

@@ -6,7 +6,8 @@ Dv value head dim)::
     q (B, Sq, H, D)   k (B, Sk, Hk, D)   v (B, Sk, Hk, Dv)   ->   out (B, Sq, H, Dv), lse (B, H, Sq)
 
 Semantics (flash-attn 2.1+): query head ``h`` uses kv head ``h // (H // Hk)``; with ``causal``,
-query ``i`` sees key ``j`` iff ``j <= i + diag_offset``. ``diag_offset = Sk - Sq`` (the default)
+query ``i`` sees key ``j`` iff ``j <= i + diag_offset``; a window ``(left, right)`` limits it to
+``[i + diag_offset - left, i + diag_offset + right]``. ``diag_offset = Sk - Sq`` (the default)
 aligns the mask bottom-right; for Sq=2, Sk=5::
 
     1 1 1 1 0
@@ -28,6 +29,31 @@ def compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     return torch.float64 if dtype == torch.float32 else torch.float32
 
 
+def visible_keys(seqlen_q: int, seqlen_k: int, diag_offset: int, window: tuple, device) -> torch.Tensor:
+    """Bool ``(Sq, Sk)``: query ``i`` sees key ``j`` iff ``i + diag - left <= j <= i + diag + right``.
+
+    ``window = (left, right)``, ``-1`` meaning unbounded on that side (causal: ``right = 0``).
+    """
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    left, right = window
+    if right >= 0:
+        visible &= j <= i + diag_offset + right
+    if left >= 0:
+        visible &= j >= i + diag_offset - left
+    return visible
+
+
+def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, diag_offset: int) -> torch.Tensor:
+    """ALiBi: ``-slope * |i + diag_offset - j|`` as ``(B or 1, H, Sq, Sk)`` float32."""
+    i = torch.arange(seqlen_q, device=slopes.device)[:, None]
+    j = torch.arange(seqlen_k, device=slopes.device)[None, :]
+    distance = (i + diag_offset - j).abs().float()  # (Sq, Sk)
+    slopes = slopes.float().reshape(-1 if slopes.dim() == 2 else 1, slopes.shape[-1])  # (B or 1, H)
+    return -slopes[:, :, None, None] * distance
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -38,6 +64,9 @@ def attention_reference(
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     upcast: bool = True,
+    window: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention by the textbook formula ``softmax(q k^T * scale + mask) v``.
 
@@ -47,6 +76,9 @@ def attention_reference(
         causal: apply the causal mask with ``diag_offset`` (default ``Sk - Sq``).
         attn_mask: optional, broadcastable to ``(B, H, Sq, Sk)``; bool (True = attend) or additive.
         dropout_p: dropout on the probabilities (torch's RNG), as torch SDPA applies it.
+        window: ``(left, right)`` sliding window around the diagonal, ``-1`` unbounded.
+        softcap: > 0 replaces the scaled scores ``s`` by ``softcap * tanh(s / softcap)``.
+        alibi_slopes: float32 ``(H,)`` or ``(B, H)``: adds ``-slope * |i + diag_offset - j|``.
         upcast: compute in fp32 (fp64 for fp32 inputs), the accuracy rule's ground truth; with
             ``upcast=False`` compute in the input dtype, the rule's "PyTorch in the same precision".
 
@@ -62,10 +94,14 @@ def attention_reference(
     kc = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, D)
     vc = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, Dv)
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
-    if causal:
-        offset = seqlen_k - seqlen_q if diag_offset is None else diag_offset
-        visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    offset = seqlen_k - seqlen_q if diag_offset is None else diag_offset
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, offset).to(dtype)
+    if causal or window != (-1, -1):
+        window = (window[0], 0 if causal else window[1])
+        scores = scores.masked_fill(~visible_keys(seqlen_q, seqlen_k, offset, window, q.device), float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))

@@ -36,13 +36,31 @@ class Case:
     nheads_k: int
     head_dim: int
     causal: bool
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: str = ""  # "", "heads" for (H,) slopes, "batch" for (B, H) slopes
 
     @property
     def id(self) -> str:
+        extras = "".join(
+            [f"-win{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "",
+             f"-cap{self.softcap:g}" if self.softcap else "", f"-alibi_{self.alibi}" if self.alibi else ""]
+        )
         return (
             f"B{self.batch}-Sq{self.seqlen_q}-Sk{self.seqlen_k}-H{self.nheads}-Hk{self.nheads_k}"
-            f"-D{self.head_dim}-{'causal' if self.causal else 'full'}"
+            f"-D{self.head_dim}-{'causal' if self.causal else 'full'}{extras}"
         )
+
+    def options(self, device) -> dict:
+        """The keyword arguments of ``flash_attn_func`` for this case (ALiBi slopes as ALiBi defines them)."""
+        import torch
+
+        slopes = None
+        if self.alibi:
+            slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / self.nheads) for h in range(self.nheads)], device=device)
+            if self.alibi == "batch":
+                slopes = torch.stack([slopes * (b + 1) for b in range(self.batch)])
+        return dict(causal=self.causal, window_size=self.window, softcap=self.softcap, alibi_slopes=slopes)
 
 
 # Small enough for the Triton interpreter on a CPU: odd lengths and head dims, a single query,
@@ -53,6 +71,8 @@ SMALL_GRID = (
     Case(1, 65, 33, 2, 2, 64, True),
     Case(1, 33, 65, 3, 1, 16, True),
     Case(1, 40, 24, 2, 2, 128, False),
+    Case(1, 70, 70, 2, 1, 32, True, window=(20, 0)),  # sliding window: blocks outside it are skipped
+    Case(1, 37, 50, 2, 2, 40, False, window=(8, 5), softcap=5.0, alibi="heads"),
 )
 
 # On a GPU: flash-attn's own test lengths, every head-dim bucket, both causal settings.
@@ -70,6 +90,11 @@ FULL_GRID = tuple(
         (1, 4096, 4096, 8, 8, 256),
     )
     for causal in (False, True)
+) + (
+    Case(2, 2048, 2048, 8, 2, 128, True, window=(256, 0)),
+    Case(2, 1000, 1500, 8, 8, 64, False, window=(100, 37)),
+    Case(2, 512, 512, 8, 4, 128, True, softcap=30.0),
+    Case(2, 777, 555, 8, 8, 96, True, alibi="batch"),
 )
 
 
@@ -146,16 +171,19 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
 
     q, k, v, dout = _inputs(case, dtype, device, seed)
     scale = case.head_dim**-0.5
+    options = case.options(device)
 
     def reference(upcast):
-        return lambda q_, k_, v_: attention_reference(q_, k_, v_, scale, case.causal, upcast=upcast)[0]
+        return lambda q_, k_, v_: attention_reference(
+            q_, k_, v_, scale, case.causal, upcast=upcast, window=options["window_size"],
+            softcap=options["softcap"], alibi_slopes=options["alibi_slopes"])[0]
 
     # The truth gets high-precision leaves too, so its gradients are not rounded to the input dtype.
     high = compute_dtype(dtype, upcast=True)
     truth = _forward_backward(reference(True), *(t.to(high) for t in (q, k, v, dout)))
     torch_same = _forward_backward(reference(False), q, k, v, dout)
     with flash_recipe.use_backend(backend):
-        got = _forward_backward(lambda q_, k_, v_: flash_recipe.flash_attn_func(q_, k_, v_, causal=case.causal), q, k, v, dout)
+        got = _forward_backward(lambda q_, k_, v_: flash_recipe.flash_attn_func(q_, k_, v_, **options), q, k, v, dout)
     names = ("out", "dq", "dk", "dv")
     factors = (2.0, 3.0, 3.0, 3.0)
     errors, bounds = {}, {}
@@ -193,7 +221,7 @@ def verify(backends: Optional[list] = None, grid: str = "auto", dtypes: Optional
     for index, case in enumerate(cases):
         for dtype in _dtypes(dev, dtypes):
             q, k, v, _ = _inputs(case, dtype, dev, seed + index)
-            reasons = flash_recipe.explain(q, k, v, causal=case.causal)
+            reasons = flash_recipe.explain(q, k, v, **case.options(dev))
             for name in names:
                 if reasons[name] is not None:
                     skipped.setdefault(name, set()).add(reasons[name])

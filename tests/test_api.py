@@ -38,10 +38,11 @@ BAD_CALLS = [
     ("last-dim-strided", lambda: flash_attn_func(t(2, 8, 4, 32)[..., ::2], K, K), ValueError, ["q", "contiguous last dimension", "stride 2"]),
     ("dropout", lambda: flash_attn_func(Q, K, K, dropout_p=0.1), NotImplementedError, ["dropout_p", "0.1"]),
     ("dropout-range", lambda: flash_attn_func(Q, K, K, dropout_p=1.5), ValueError, ["dropout_p", "[0, 1)", "1.5"]),
-    ("window", lambda: flash_attn_func(Q, K, K, window_size=(4, 0)), NotImplementedError, ["window_size", "(4, 0)"]),
+    ("window-range", lambda: flash_attn_func(Q, K, K, window_size=(-2, 0)), ValueError, ["window_size", "-1", "(-2, 0)"]),
     ("window-type", lambda: flash_attn_func(Q, K, K, window_size=4), TypeError, ["window_size", "pair of ints", "4"]),
-    ("softcap", lambda: flash_attn_func(Q, K, K, softcap=30.0), NotImplementedError, ["softcap", "30.0"]),
-    ("alibi", lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(4)), NotImplementedError, ["alibi_slopes", "None"]),
+    ("softcap-negative", lambda: flash_attn_func(Q, K, K, softcap=-1.0), ValueError, ["softcap", ">= 0", "-1.0"]),
+    ("alibi-shape", lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(3)), ValueError, ["alibi_slopes", "(4,)", "(2, 4)", "(3,)"]),
+    ("alibi-dtype", lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, ["alibi_slopes", "float32", "torch.float16"]),
     ("scale-type", lambda: flash_attn_func(Q, K, K, softmax_scale="0.1"), TypeError, ["softmax_scale", "real number", "str"]),
     ("causal-type", lambda: flash_attn_func(Q, K, K, causal="yes"), TypeError, ["causal", "bool", "str"]),
     ("qkv-packed-shape", lambda: flash_recipe.flash_attn_qkvpacked_func(t(2, 8, 2, 4, 16)), ValueError, ["qkv", "size 3", "(2, 8, 2, 4, 16)"]),
@@ -150,6 +151,23 @@ def test_sdpa_api_mask_falls_back_and_3d_inputs(monkeypatch):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=2e-6, rtol=1e-5)
     with use_backend("triton"), pytest.raises(BackendUnavailableError, match="attn_mask"):
         scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa", "reference"])
+def test_window_and_alibi_on_every_backend(backend, monkeypatch):
+    """The SDPA fallback builds the window and ALiBi as a mask; all three backends agree."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = t(2, 21, 4, 16, seed=1), t(2, 30, 2, 16, seed=2), t(2, 30, 2, 16, seed=3)
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [1.0, 0.5, 0.25, 0.125]])
+    with use_backend(backend):
+        out = flash_attn_func(q, k, v, causal=True, window_size=(6, 3), alibi_slopes=slopes)
+    expected, _ = attention_reference(q, k, v, causal=True, window=(6, 0), alibi_slopes=slopes)
+    torch.testing.assert_close(out, expected.float(), atol=2e-6, rtol=1e-5)
+
+
+def test_softcap_is_not_sent_to_sdpa(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "softcap" in flash_recipe.explain(Q, K, K, softcap=10.0)["sdpa"]
 
 
 def test_return_attn_probs_on_every_backend(monkeypatch):

@@ -223,6 +223,11 @@ def test_compare_locks_allows_only_torch_coupled_differences():
     problems, _ = runner.compare_locks(LOCK, extra, "3.11", [])
     assert problems == ["requests ['2.0'] not in poetry.lock"]
 
+    # A package the torch build under test needs (and the locked torch did not) is allowed.
+    for_torch = hermetic.replace('name = "torch"\nversion = "2.13.0+cpu"', 'name = "torch"\nversion = "2.13.0+cpu"\n\n[package.dependencies]\nrequests = "*"')
+    problems, notes = runner.compare_locks(LOCK, for_torch + extra.removeprefix(LOCK), "3.11", [])
+    assert problems == [] and "requests ['2.0'] not in poetry.lock (needed by the torch build under test)" in notes
+
 
 def test_add_poetry_index_sets_primary_source_and_python(tmp_path):
     pyproject = tmp_path / "pyproject.toml"
@@ -476,3 +481,29 @@ def test_discard_moves_aside_and_deletes(tmp_path):
     while any(trash.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(trash.iterdir()) == []
+
+
+def test_snapshot_of_a_revision_ignores_the_working_tree(tmp_path):
+    repo = _make_repo(tmp_path)
+    (repo / "pkg" / "a.py").write_text("A = 'edited, not committed'\n")
+    prepare.snapshot(repo, tmp_path / "head", "HEAD")
+    assert (tmp_path / "head" / "pkg" / "a.py").read_text() == "A = 1\n"
+    assert not (tmp_path / "head" / "untracked.txt").exists()
+    with pytest.raises(RuntimeError, match="no-such-rev"):
+        prepare.snapshot(repo, tmp_path / "bad", "no-such-rev")
+
+
+def test_stale_path_directories_are_swept(tmp_path):
+    import fcntl
+
+    stale, live = tmp_path / "run-a", tmp_path / "run-b"
+    for d in (stale, live):
+        d.mkdir()
+        (d / ".in-use").write_text("")
+    holder = open(live / ".in-use")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        runner.sweep(tmp_path)
+        assert not stale.exists() and live.exists()
+    finally:
+        holder.close()

@@ -29,6 +29,16 @@ CASES = [
     Case(1, 33, 47, 1, 1, 1, True),      # head dim 1
     Case(1, 47, 33, 2, 1, 256, True),    # the largest head dim
     Case(2, 31, 64, 6, 2, 16, False),    # contiguous GQA groups: 3 query heads per kv head
+    # Sliding windows (left edge, right edge, both; causal sets the right edge to the diagonal).
+    Case(1, 113, 113, 2, 1, 32, True, window=(17, 0)),
+    Case(1, 70, 130, 2, 2, 40, False, window=(40, 9)),
+    Case(1, 130, 70, 2, 2, 24, False, window=(-1, 3)),   # right edge only; Sq > Sk: rows that see nothing
+    Case(1, 50, 90, 2, 1, 16, True, window=(0, -1)),     # window of one key
+    # Softcap (Gemma 2) and ALiBi (per head and per batch and head), alone and together.
+    Case(2, 47, 61, 2, 2, 32, True, softcap=5.0),
+    Case(2, 47, 61, 4, 2, 59, False, alibi="heads"),
+    Case(2, 61, 47, 2, 1, 32, True, alibi="batch"),
+    Case(1, 65, 65, 2, 2, 64, False, window=(16, 16), softcap=2.0, alibi="heads"),
 ]
 
 
@@ -114,6 +124,26 @@ def test_softmax_scale_is_applied(device):
     with flash_recipe.use_backend("triton"):
         out = flash_recipe.flash_attn_func(q, k, v, softmax_scale=0.3)
     ref, _ = attention_reference(q, k, v, softmax_scale=0.3)
+    torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_window_skips_blocks_outside_it(device, monkeypatch):
+    """The work scales with the window: keys no query can see are never loaded.
+
+    K and V hold NaN outside the window's reach; had any of those blocks been visited, NaN would
+    reach the output (a masked score gives probability 0, but 0 * NaN is NaN in the P @ V dot).
+    """
+    seqlen, window = 256, 16
+    q, k, v = (_rand(1, seqlen, 1, 16, device=device, seed=s).requires_grad_() for s in (1, 2, 3))
+    with torch.no_grad():
+        # Queries 224..255 with a left window of 16 reach keys 208..255 only.
+        q_view = q[:, 224:].detach().clone().requires_grad_()
+        k_far, v_far = k.detach().clone(), v.detach().clone()
+        k_far[:, :192], v_far[:, :192] = float("nan"), float("nan")
+    with flash_recipe.use_backend("triton"):
+        out = flash_recipe.flash_attn_func(q_view, k_far, v_far, causal=True, window_size=(window, 0))
+    ref, _ = attention_reference(q_view.detach(), k.detach(), v.detach(), causal=True, window=(window, 0))
+    assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
 
 

@@ -18,10 +18,12 @@ def test_custom_ops_pass_opcheck(device):
     from flash_recipe.ops.attention import attn_bwd, attn_fwd
 
     q, k, v = _inputs(device)
-    torch.library.opcheck(attn_fwd, (q, k, v, 0.25, True, 0))
-    out, lse = attn_fwd(q, k, v, 0.25, True, 0)
-    dout = torch.randn_like(out)
-    torch.library.opcheck(attn_bwd, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.25, True, 0))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=device)
+    for options in ((0, -1, 0, 0.0, None), (0, 5, 2, 3.0, slopes)):  # causal; window + softcap + ALiBi
+        torch.library.opcheck(attn_fwd, (q, k, v, 0.25, *options))
+        out, lse = attn_fwd(q, k, v, 0.25, *options)
+        dout = torch.randn_like(out)
+        torch.library.opcheck(attn_bwd, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.25, *options))
 
 
 def test_compiled_model_has_no_graph_break(device):

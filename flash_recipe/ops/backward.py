@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 from flash_recipe.ops import configs
-from flash_recipe.ops.forward import LOG2E
+from flash_recipe.ops.forward import Variant, variant_args
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import key_range, load_tile, store_tile
+from flash_recipe.ops.tiles import key_blocks, load_tile, query_blocks, scores, store_tile
 
 
 @triton.heuristics({"EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
@@ -62,30 +62,34 @@ def attn_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_inner(
     b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-    seqlen_q, head_dim, diag_offset, qk_scale, o_n, o_r, o_d, start, end,
-    MASKED: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
+    o_n, o_r, o_d, start, end,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Accumulate one head's contribution from query rows ``[start, end)``; ``MASKED``: causal mask."""
+    """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``."""
     for start_m in range(start, end, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         o_m = start_m + o_r  # query rows [BLOCK_M]
         b_q = load_tile(q_base, start_m, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
         b_do = load_tile(do_base, start_m, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
-        # Rows past seqlen_q load q = dO = 0, lse = delta = 0: their P is 1 but dV and dK get 0 from them.
+        # Rows past seqlen_q load q = dO = 0, lse = delta = 0: dV and dK get nothing from them.
         if EVEN_M:
             b_lse = tl.load(lse_base + o_m) * 1.4426950408889634  # [BLOCK_M], base 2
             b_delta = tl.load(delta_base + o_m)  # [BLOCK_M]
         else:
             b_lse = tl.load(lse_base + o_m, mask=o_m < seqlen_q, other=0.0) * 1.4426950408889634
             b_delta = tl.load(delta_base + o_m, mask=o_m < seqlen_q, other=0.0)
-        b_st = tl.dot(b_k, tl.trans(b_q), input_precision="ieee") * qk_scale  # [BLOCK_N, BLOCK_M]
+        b_qk = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
+        b_st, b_tt = scores(b_qk, o_m[None, :], o_n[:, None], seqlen_k, lo_offset, hi_offset, diag_offset,
+                            sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_pt = tl.math.exp2(b_st - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
-        if MASKED:
-            b_pt = tl.where(o_n[:, None] <= o_m[None, :] + diag_offset, b_pt, 0.0)
         b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
+        if SOFTCAP:
+            b_dst = b_dst * (1.0 - b_tt * b_tt)
         b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision="ieee")
     return b_dk, b_dv
 
@@ -99,15 +103,17 @@ def _dkdv_inner(
 )
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
-    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, lo_offset, hi_offset, diag_offset,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head."""
@@ -126,18 +132,7 @@ def attn_bwd_dkdv_kernel(
     b_v = load_tile(v_base, k_start, stride_vn, seqlen_k, head_dim, o_c, o_d, not EVEN_N, MASK_D)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    m_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
-    if IS_CAUSAL:
-        # Query i sees key j iff i >= j - diag_offset: the first row that sees this block's first
-        # key, and the first row from which every row sees all of its keys.
-        first = tl.minimum(tl.maximum(k_start - diag_offset, 0), m_end)
-        first = (first // BLOCK_M) * BLOCK_M
-        full = tl.minimum(tl.maximum(k_start + BLOCK_N - 1 - diag_offset, 0), m_end)
-        full = tl.cdiv(full, BLOCK_M) * BLOCK_M
-    else:
-        first = 0
-        full = 0
+    begin, full_begin, full_end, end = query_blocks(k_start, seqlen_q, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
 
     for g in range(0, group_size):
         i_h = (i_hk * group_size + g).to(tl.int64)
@@ -145,45 +140,50 @@ def attn_bwd_dkdv_kernel(
         do_base = DO + i_b * stride_dob + i_h * stride_doh
         lse_base = LSE + (i_b * nheads + i_h) * seqlen_q
         delta_base = DELTA + (i_b * nheads + i_h) * seqlen_q
-        # The diagonal blocks, masked; then the blocks below the diagonal, unmasked.
-        b_dk, b_dv = _dkdv_inner(
-            b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-            seqlen_q, head_dim, diag_offset, qk_scale, o_n, o_r, o_d, first, full,
-            True, EVEN_M, MASK_D, BLOCK_M,
-        )
-        b_dk, b_dv = _dkdv_inner(
-            b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-            seqlen_q, head_dim, diag_offset, qk_scale, o_n, o_r, o_d, full, m_end,
-            False, EVEN_M, MASK_D, BLOCK_M,
-        )
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(SLOPES + i_b * stride_sb + i_h)
+        # Rows that see part of the block (masked), all of it (unmasked), part of it again (masked).
+        for stage in tl.static_range(3):
+            if stage == 0:
+                lo, hi = begin, full_begin
+            elif stage == 1:
+                lo, hi = full_begin, full_end
+            else:
+                lo, hi = full_end, end
+            b_dk, b_dv = _dkdv_inner(
+                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
+                o_n, o_r, o_d, lo, hi,
+                stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, EVEN_M, MASK_D, BLOCK_M,
+            )
 
     dk_base = DK + i_b * stride_dkb + i_hk.to(tl.int64) * stride_dkh
     dv_base = DV + i_b * stride_dvb + i_hk.to(tl.int64) * stride_dvh
-    store_tile(dk_base, k_start, stride_dkn, seqlen_k, head_dim, o_c, o_d, b_dk * softmax_scale, not EVEN_N, MASK_D)
+    store_tile(dk_base, k_start, stride_dkn, seqlen_k, head_dim, o_c, o_d, b_dk * sm_scale, not EVEN_N, MASK_D)
     store_tile(dv_base, k_start, stride_dvn, seqlen_k, head_dim, o_c, o_d, b_dv, not EVEN_N, MASK_D)
 
 
 @triton.jit
 def _dq_inner(
-    b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
-    qk_scale, o_m, o_n, o_d, start, end,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+    lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the seqlen and causal masks."""
+    """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks."""
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
         b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        b_s, b_t = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
+                          sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_p = tl.math.exp2(b_s - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
-        if MASKED:
-            m_valid = (start_n + o_n)[None, :] < seqlen_k
-            if IS_CAUSAL:
-                m_valid = m_valid & ((start_n + o_n)[None, :] <= o_m[:, None] + diag_offset)
-            b_p = tl.where(m_valid, b_p, 0.0)
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            b_ds = b_ds * (1.0 - b_t * b_t)
         b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision="ieee")
     return b_dq
 
@@ -191,14 +191,16 @@ def _dq_inner(
 @triton.heuristics({"EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, SLOPES,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
-    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, lo_offset, hi_offset, diag_offset,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(Sq, BLOCK_M), H, B)``."""
@@ -225,21 +227,26 @@ def attn_bwd_dq_kernel(
     else:
         b_lse = tl.load(LSE + row_base + o_m, mask=o_m < seqlen_q, other=0.0) * 1.4426950408889634
         b_delta = tl.load(DELTA + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + i_b * stride_sb + i_h)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_end, end = key_range(q_start, seqlen_k, diag_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    b_dq = _dq_inner(
-        b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
-        qk_scale, o_m, o_n, o_d, 0, full_end,
-        False, IS_CAUSAL, MASK_D, BLOCK_N,
-    )
-    b_dq = _dq_inner(
-        b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
-        qk_scale, o_m, o_n, o_d, full_end, end,
-        True, IS_CAUSAL, MASK_D, BLOCK_N,
-    )
+    begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
+    for stage in tl.static_range(3):
+        if stage == 0:
+            lo, hi = begin, full_begin
+        elif stage == 1:
+            lo, hi = full_begin, full_end
+        else:
+            lo, hi = full_end, end
+        b_dq = _dq_inner(
+            b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+            lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, MASK_D, BLOCK_N,
+        )
     dq_base = DQ + i_b * stride_dqb + i_h.to(tl.int64) * stride_dqh
-    store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * softmax_scale, not EVEN_M, MASK_D)
+    store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * sm_scale, not EVEN_M, MASK_D)
 
 
 def attention_backward(
@@ -250,15 +257,14 @@ def attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     softmax_scale: float,
-    causal: bool,
-    diag_offset: int,
+    var: Variant,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the three backward kernels.
 
     Args:
         dout, q, out: ``(B, Sq, H, D)``; k, v: ``(B, Sk, Hk, D)``; lse: ``(B, H, Sq)`` float32 as
-            returned by ``attention_forward`` with the same ``softmax_scale``, ``causal`` and
-            ``diag_offset``. ``dout`` may have any strides.
+            returned by ``attention_forward`` with the same ``softmax_scale`` and ``var``.
+            ``dout`` may have any strides.
 
     Returns:
         ``dq (B, Sq, H, D)``, ``dk (B, Sk, Hk, D)``, ``dv (B, Sk, Hk, D)``, contiguous, in q's dtype.
@@ -275,8 +281,10 @@ def attention_backward(
     target = configs.target_of(q.device)
     block_d = configs.head_dim_bucket(head_dim)
     group_size = nheads // nheads_k
-    qk_scale = softmax_scale * LOG2E
     delta = tiles.output_buffer((batch, nheads, seqlen_q), torch.float32, q.device)
+    slopes, stride_sb, flags = variant_args(var, delta)
+    scalars = (nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, max(var.softcap, 1.0),
+               var.lo_offset, var.hi_offset, var.diag_offset)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64
         attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_m), nheads, batch)](
@@ -288,27 +296,27 @@ def attention_backward(
         )
         cfg = configs.get_config(target, "bwd_dkdv", head_dim, q.element_size())
         attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_k, batch)](
-            q, k, v, dout, lse, delta, dk, dv,
+            q, k, v, dout, lse, delta, dk, dv, slopes,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
-            nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
-            IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            stride_sb, *scalars,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
         cfg = configs.get_config(target, "bwd_dq", head_dim, q.element_size())
         attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
-            q, k, v, dout, lse, delta, dq,
+            q, k, v, dout, lse, delta, dq, slopes,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale, diag_offset,
-            IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            stride_sb, *scalars,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
     return dq, dk, dv

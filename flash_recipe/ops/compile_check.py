@@ -28,69 +28,67 @@ KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "gfx90a", "gfx942")
 
 
+MODES = ("full", "causal", "window-softcap-alibi")
+FP32_POINTERS = ("LSE", "DELTA", "SLOPES")
+FLOAT_SCALARS = ("sm_scale", "softcap")
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     kernel: str
     dtype: str
     head_dim: int  # the padded bucket
-    causal: bool
+    mode: str  # "full": no mask; "causal": right edge; "window-softcap-alibi": every option on
     even: bool  # sequence lengths multiples of the blocks and head dim == bucket
 
     @property
     def id(self) -> str:
-        return f"{self.kernel}-{self.dtype}-d{self.head_dim}-{'causal' if self.causal else 'full'}-{'even' if self.even else 'ragged'}"
+        return f"{self.kernel}-{self.dtype}-d{self.head_dim}-{self.mode}-{'even' if self.even else 'ragged'}"
 
 
-def variants(kernels=KERNELS, dtypes=tuple(DTYPES), buckets=HEAD_DIM_BUCKETS) -> Iterator[Variant]:
-    """Every (kernel, dtype, head-dim bucket, causal, even) combination the launchers can produce."""
-    for kernel, dtype, head_dim, causal, even in itertools.product(kernels, dtypes, buckets, (False, True), (False, True)):
-        if kernel == "bwd_preprocess" and causal:
-            continue  # the preprocess has no causal variant
-        yield Variant(kernel, dtype, head_dim, causal, even)
+def variants(kernels=KERNELS, dtypes=tuple(DTYPES), buckets=HEAD_DIM_BUCKETS, modes=MODES) -> Iterator[Variant]:
+    """The (kernel, dtype, head-dim bucket, mode, even) combinations the launchers can produce.
+
+    The three modes span the option flags: none, the causal edge alone, and all of them at once
+    (the most code and the most registers).
+    """
+    for kernel, dtype, head_dim, mode, even in itertools.product(kernels, dtypes, buckets, modes, (False, True)):
+        if kernel == "bwd_preprocess" and mode != "full":
+            continue  # the preprocess has no masking options
+        yield Variant(kernel, dtype, head_dim, mode, even)
+
+
+KERNEL_NAMES = {"fwd": ("forward", "attn_fwd_kernel"), "bwd_preprocess": ("backward", "attn_bwd_preprocess_kernel"),
+                "bwd_dkdv": ("backward", "attn_bwd_dkdv_kernel"), "bwd_dq": ("backward", "attn_bwd_dq_kernel")}
 
 
 def _source(variant: Variant, target: str):
-    from triton.compiler import ASTSource
+    """The jit function, its signature and constexprs for ``variant``, read off the kernel's parameters."""
+    import importlib
 
-    from flash_recipe.ops import backward, forward
-
-    ptr = f"*{DTYPES[variant.dtype]}"
-    f32 = "*fp32"
+    module, name = KERNEL_NAMES[variant.kernel]
+    fn = getattr(importlib.import_module(f"flash_recipe.ops.{module}"), name).fn  # inside triton.heuristics
     element_size = 4 if variant.dtype == "float32" else 2
     even = variant.even
+    constexprs = {"BLOCK_D": variant.head_dim, "EVEN_M": even, "EVEN_N": even, "MASK_D": not even,
+                  "MASK_LEFT": variant.mode == "window-softcap-alibi", "MASK_RIGHT": variant.mode != "full",
+                  "SOFTCAP": variant.mode == "window-softcap-alibi", "ALIBI": variant.mode == "window-softcap-alibi"}
+    cfg = None
     if variant.kernel == "bwd_preprocess":
-        fn = backward.attn_bwd_preprocess_kernel.fn
-        sig = {"O": ptr, "DO": ptr, "DELTA": f32}
-        sig.update({n: "i32" for n in ("stride_ob", "stride_om", "stride_oh", "stride_dob", "stride_dom", "stride_doh", "nheads", "seqlen_q", "head_dim")})
-        constexprs = {"BLOCK_M": 64, "BLOCK_D": variant.head_dim, "EVEN_M": even, "MASK_D": not even}
-        return fn, sig, constexprs, None
-    cfg = configs.get_config(target, variant.kernel, variant.head_dim, element_size)
-    common = {"IS_CAUSAL": variant.causal, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-              "BLOCK_D": variant.head_dim, "MASK_D": not even}
-    if variant.kernel == "fwd":
-        fn = forward.attn_fwd_kernel.fn
-        sig = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": f32}
-        strides = [f"stride_{t}{s}" for t in ("q", "k", "v", "o") for s in ("b", "m" if t in "qo" else "n", "h")]
-        scalars = {"nheads": "i32", "group_size": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
-                   "qk_scale": "fp32", "diag_offset": "i32"}
-        constexprs = dict(common, EVEN_M=even)
-    elif variant.kernel == "bwd_dkdv":
-        fn = backward.attn_bwd_dkdv_kernel.fn
-        sig = {"Q": ptr, "K": ptr, "V": ptr, "DO": ptr, "LSE": f32, "DELTA": f32, "DK": ptr, "DV": ptr}
-        strides = [f"stride_{t}{s}" for t in ("q", "k", "v", "do", "dk", "dv") for s in ("b", "m" if t in ("q", "do") else "n", "h")]
-        scalars = {"nheads": "i32", "group_size": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
-                   "softmax_scale": "fp32", "qk_scale": "fp32", "diag_offset": "i32"}
-        constexprs = dict(common, EVEN_M=even, EVEN_N=even)
+        constexprs["BLOCK_M"] = 64
     else:
-        fn = backward.attn_bwd_dq_kernel.fn
-        sig = {"Q": ptr, "K": ptr, "V": ptr, "DO": ptr, "LSE": f32, "DELTA": f32, "DQ": ptr}
-        strides = [f"stride_{t}{s}" for t in ("q", "k", "v", "do", "dq") for s in ("b", "m" if t in ("q", "do", "dq") else "n", "h")]
-        scalars = {"nheads": "i32", "group_size": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
-                   "softmax_scale": "fp32", "qk_scale": "fp32", "diag_offset": "i32"}
-        constexprs = dict(common, EVEN_M=even)
-    sig.update({name: "i32" for name in strides})
-    sig.update(scalars)
-    return fn, sig, constexprs, cfg
+        cfg = configs.get_config(target, variant.kernel, variant.head_dim, element_size)
+        constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    signature, used = {}, {}
+    for param in fn.params:
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            used[param.name] = constexprs[param.name]
+        elif param.name.isupper():
+            signature[param.name] = "*fp32" if param.name in FP32_POINTERS else f"*{DTYPES[variant.dtype]}"
+        else:
+            signature[param.name] = "fp32" if param.name in FLOAT_SCALARS else "i32"
+    return fn, signature, used, cfg
 
 
 def needs_matrix_units(variant: Variant) -> bool:
@@ -105,8 +103,6 @@ def compile_variant(variant: Variant, target: str) -> dict:
     from triton.compiler import ASTSource
 
     fn, sig, constexprs, cfg = _source(variant, target)
-    for name in constexprs:
-        sig[name] = "constexpr"
     if target.startswith("gfx"):
         gpu, limit_key = GPUTarget("hip", target, 64), target
     else:
@@ -152,7 +148,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel", action="append", choices=KERNELS, help="kernel (repeatable); default: all")
     parser.add_argument("--dtype", action="append", choices=tuple(DTYPES), help="dtype (repeatable); default: all")
     parser.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIM_BUCKETS, help="head-dim bucket (repeatable); default: all")
-    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--mode", action="append", choices=MODES, help="masking mode (repeatable); default: all")
     parser.add_argument("--even", choices=("both", "yes", "no"), default="both",
                         help="'no' compiles only the ragged variants, which hold every mask (same tiles, same shared memory)")
     parser.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")
@@ -165,8 +161,9 @@ def main(argv=None) -> int:
     jobs = [
         (variant, target)
         for target in args.target or TARGETS
-        for variant in variants(kernels=args.kernel or KERNELS, dtypes=args.dtype or tuple(DTYPES), buckets=args.head_dim or HEAD_DIM_BUCKETS)
-        if variant.causal in flag[args.causal] and variant.even in flag[args.even]
+        for variant in variants(kernels=args.kernel or KERNELS, dtypes=args.dtype or tuple(DTYPES),
+                                buckets=args.head_dim or HEAD_DIM_BUCKETS, modes=args.mode or MODES)
+        if variant.even in flag[args.even]
     ]
     failures = 0
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None

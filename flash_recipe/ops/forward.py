@@ -20,6 +20,7 @@ makes every probability the backward recomputes from it exactly 0.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -27,35 +28,32 @@ import triton.language as tl
 
 from flash_recipe.ops import configs
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import key_range, load_tile, store_tile
+from flash_recipe.ops.tiles import key_blocks, load_tile, scores, store_tile
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
 def _fwd_inner(
-    b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
-    o_m, o_n, o_d, qk_scale, start, end,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+    lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the seqlen and causal masks."""
+    """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks."""
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        b_s, _ = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
+                        sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M], the running max
+        b_m_use = b_m_new
         if MASKED:
-            m_valid = (start_n + o_n)[None, :] < seqlen_k
-            if IS_CAUSAL:
-                m_valid = m_valid & ((start_n + o_n)[None, :] <= o_m[:, None] + diag_offset)
-            b_s = tl.where(m_valid, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M]
-        if MASKED:
-            # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
-            b_m_new = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.math.exp2(b_s - b_m_new[:, None])  # [BLOCK_M, BLOCK_N]
-        b_alpha = tl.math.exp2(b_m - b_m_new)  # [BLOCK_M]
+            # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid inf - inf
+            # (only here: the running max itself stays -inf until the row sees a key).
+            b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.math.exp2(b_s - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
+        b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision="ieee")
@@ -71,16 +69,18 @@ def _fwd_inner(
 )
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, SLOPES,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, qk_scale, diag_offset,
-    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, lo_offset, hi_offset, diag_offset,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(Sq, BLOCK_M), H, B)``. ``qk_scale`` is ``softmax_scale * log2(e)``."""
+    """Grid ``(cdiv(Sq, BLOCK_M), H, B)``. ``SLOPES[b * stride_sb + h]`` are the ALiBi slopes."""
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -96,24 +96,29 @@ def attn_fwd_kernel(
     k_base = K + i_b * stride_kb + i_hk.to(tl.int64) * stride_kh
     v_base = V + i_b * stride_vb + i_hk.to(tl.int64) * stride_vh
     b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + i_b * stride_sb + i_h)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_end, end = key_range(q_start, seqlen_k, diag_offset, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    # Stage 1: key blocks every row sees in full, no masks.
-    b_acc, b_m, b_l = _fwd_inner(
-        b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
-        o_m, o_n, o_d, qk_scale, 0, full_end,
-        False, IS_CAUSAL, MASK_D, BLOCK_N,
-    )
-    # Stage 2: the diagonal and the ragged last block, masked.
-    b_acc, b_m, b_l = _fwd_inner(
-        b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim, diag_offset,
-        o_m, o_n, o_d, qk_scale, full_end, end,
-        True, IS_CAUSAL, MASK_D, BLOCK_N,
-    )
+    begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
+    # The left edge of a window (masked), the blocks every row sees in full (no masks), then the
+    # diagonal / right edge and the ragged last block (masked).
+    for stage in tl.static_range(3):
+        if stage == 0:
+            lo, hi = begin, full_begin
+        elif stage == 1:
+            lo, hi = full_begin, full_end
+        else:
+            lo, hi = full_end, end
+        b_acc, b_m, b_l = _fwd_inner(
+            b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+            lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, MASK_D, BLOCK_N,
+        )
 
     m_empty = b_l == 0.0  # rows that saw no key
     b_l_safe = tl.where(m_empty, 1.0, b_l)
@@ -129,16 +134,46 @@ def attn_fwd_kernel(
         tl.store(p_lse, b_lse, mask=o_m < seqlen_q)
 
 
+class Variant(NamedTuple):
+    """The per-call masking and score options, as the kernels take them."""
+
+    diag_offset: int  # the diagonal: Sk - Sq aligns it bottom-right (flash-attn), 0 top-left (SDPA)
+    lo_offset: int  # query i sees keys j >= i + lo_offset (when mask_left)
+    hi_offset: int  # ... and j <= i + hi_offset (when mask_right)
+    mask_left: bool
+    mask_right: bool
+    softcap: float  # > 0 enables softcapping
+    slopes: Optional[torch.Tensor]  # ALiBi slopes, fp32 (H,) or (B, H)
+
+
+def variant(diag_offset: int, window_left: int, window_right: int, softcap: float, alibi_slopes) -> Variant:
+    """Translate flash-attn's window (``-1`` = unbounded; causal is ``window_right = 0``).
+
+    Query ``i`` sees keys ``[i + diag_offset - window_left, i + diag_offset + window_right]``;
+    softcap 0 disables softcapping; ``alibi_slopes`` None disables ALiBi.
+    """
+    return Variant(diag_offset, diag_offset - max(window_left, 0), diag_offset + max(window_right, 0),
+                   window_left >= 0, window_right >= 0, float(softcap), alibi_slopes)
+
+
+def variant_args(var: Variant, placeholder: torch.Tensor) -> tuple:
+    """Kernel arguments ``SLOPES, stride_sb`` and the constexpr flags for ``var``."""
+    slopes = var.slopes if var.slopes is not None else placeholder
+    stride_sb = slopes.stride(0) if slopes.dim() == 2 else 0
+    flags = dict(MASK_LEFT=var.mask_left, MASK_RIGHT=var.mask_right, SOFTCAP=var.softcap > 0.0, ALIBI=var.slopes is not None)
+    return slopes, stride_sb, flags
+
+
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, diag_offset: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, var: Variant
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Inputs are validated by the caller (see ``flash_recipe.api``).
 
     Args:
         q: ``(B, Sq, H, D)``; k, v: ``(B, Sk, Hk, D)``; last dim contiguous, ``H % Hk == 0``.
         softmax_scale: multiplies ``q @ k^T`` before the softmax.
-        causal: apply the causal mask ``j <= i + diag_offset``.
-        diag_offset: ``Sk - Sq`` for flash-attn's bottom-right alignment, ``0`` for top-left.
+        var: masks and score options (see ``variant``): query ``i`` sees key ``j`` iff
+            ``i + lo_offset <= j <= i + hi_offset`` (each side only when enabled).
 
     Returns:
         ``out (B, Sq, H, D)`` in q's dtype and ``lse (B, H, Sq)`` float32 (natural log).
@@ -152,16 +187,18 @@ def attention_forward(
         return out, lse
     cfg = configs.get_config(configs.target_of(q.device), "fwd", head_dim, q.element_size())
     grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
+    slopes, stride_sb, flags = variant_args(var, lse)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         attn_fwd_kernel[grid](
-            q, k, v, out, lse,
+            q, k, v, out, lse, slopes,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale * LOG2E, diag_offset,
-            IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_D=configs.head_dim_bucket(head_dim),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            stride_sb,
+            nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, max(var.softcap, 1.0),
+            var.lo_offset, var.hi_offset, var.diag_offset,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=configs.head_dim_bucket(head_dim),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
     return out, lse

@@ -56,21 +56,100 @@ def store_tile(base, row0, stride_row, n_rows, head_dim, o_r, o_d, b_x, MASK_ROW
 
 
 @triton.jit
-def key_range(q_start, seqlen_k, diag_offset, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key blocks that query rows ``[q_start, q_start + BLOCK_M)`` must visit.
+def key_blocks(q_start, seqlen_k, lo_offset, hi_offset,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks that query rows ``[q_start, q_start + BLOCK_M)`` must visit, in three stages.
 
-    Returns ``(full_end, end)``: keys ``[0, full_end)`` are visible to every row of the block and
-    lie in whole ``BLOCK_N`` blocks, so they need no mask; keys ``[full_end, end)`` need the
-    sequence-length and causal masks. With ``IS_CAUSAL``, query ``i`` sees key ``j`` iff
-    ``j <= i + diag_offset`` (``diag_offset = seqlen_k - seqlen_q`` aligns the diagonal
-    bottom-right as flash-attn does, ``0`` aligns it top-left as torch SDPA does).
+    Query ``i`` sees key ``j`` iff ``0 <= j < seqlen_k``, ``j >= i + lo_offset`` (with
+    ``MASK_LEFT``) and ``j <= i + hi_offset`` (with ``MASK_RIGHT``). Returns
+    ``(begin, full_begin, full_end, end)``: keys ``[full_begin, full_end)`` lie in whole blocks
+    that every row sees in full (no mask needed); ``[begin, full_begin)`` and ``[full_end, end)``
+    need masks; keys outside ``[begin, end)`` are seen by no row and are skipped.
     """
-    if IS_CAUSAL:
-        end = tl.minimum(q_start + BLOCK_M + diag_offset, seqlen_k)
-        end = tl.maximum(end, 0)
-        full_end = tl.minimum(tl.maximum(q_start + diag_offset + 1, 0), end)
+    q_last = q_start + BLOCK_M - 1
+    if MASK_LEFT:
+        begin = tl.minimum(tl.maximum(q_start + lo_offset, 0), seqlen_k)
+        begin = (begin // BLOCK_N) * BLOCK_N
+    else:
+        begin = 0
+    if MASK_RIGHT:
+        end = tl.minimum(tl.maximum(q_last + hi_offset + 1, 0), seqlen_k)
     else:
         end = seqlen_k
-        full_end = seqlen_k
-    full_end = (full_end // BLOCK_N) * BLOCK_N
-    return full_end, end
+    if MASK_LEFT:
+        full_begin = tl.minimum(tl.maximum(q_last + lo_offset, begin), end)
+        full_begin = tl.minimum(tl.cdiv(full_begin, BLOCK_N) * BLOCK_N, end)
+    else:
+        full_begin = begin
+    if MASK_RIGHT:
+        full_end = tl.minimum(tl.maximum(q_start + hi_offset + 1, full_begin), end)
+    else:
+        full_end = end
+    full_end = tl.maximum((full_end // BLOCK_N) * BLOCK_N, full_begin)
+    return begin, full_begin, full_end, end
+
+
+@triton.jit
+def query_blocks(k_start, seqlen_q, lo_offset, hi_offset,
+                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks that see any of keys ``[k_start, k_start + BLOCK_N)``; the mirror of ``key_blocks``.
+
+    Returns ``(begin, full_begin, full_end, end)`` over query rows, each a multiple of ``BLOCK_M``
+    except where clamped to ``end``. Rows past ``seqlen_q`` inside the last block are harmless
+    without a mask: they load q = dO = 0 and so contribute nothing to dK and dV.
+    """
+    k_last = k_start + BLOCK_N - 1
+    m_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if MASK_RIGHT:
+        begin = tl.minimum(tl.maximum(k_start - hi_offset, 0), m_end)
+        begin = (begin // BLOCK_M) * BLOCK_M
+    else:
+        begin = 0
+    if MASK_LEFT:
+        end = tl.minimum(tl.maximum(k_last - lo_offset + 1, 0), m_end)
+    else:
+        end = m_end
+    if MASK_RIGHT:
+        full_begin = tl.minimum(tl.maximum(k_last - hi_offset, begin), end)
+        full_begin = tl.minimum(tl.cdiv(full_begin, BLOCK_M) * BLOCK_M, end)
+    else:
+        full_begin = begin
+    if MASK_LEFT:
+        full_end = tl.minimum(tl.maximum(k_start - lo_offset + 1, full_begin), end)
+        full_end = tl.maximum((full_end // BLOCK_M) * BLOCK_M, full_begin)
+    else:
+        full_end = end
+    return begin, full_begin, full_end, end
+
+
+@triton.jit
+def scores(b_qk, o_q, o_k, seqlen_k, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
+           MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+           SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Turn raw ``q . k`` products into base-2 softmax logits; returns ``(logits, tanh)``.
+
+    ``o_q`` and ``o_k`` are query and key indices broadcastable to ``b_qk``'s shape, so the same
+    code serves ``[queries, keys]`` tiles (forward, dQ) and ``[keys, queries]`` tiles (dK, dV).
+    In natural units the logit is ``softcap * tanh(qk * sm_scale / softcap)`` (or ``qk * sm_scale``),
+    minus ``slope * |i + diag_offset - j|`` with ALiBi; it is then multiplied by ``log2(e)`` so
+    the kernels use ``exp2``. Masked entries are ``-inf``. ``tanh`` is returned for the softcap's
+    backward (``d logit / d qk = sm_scale * (1 - tanh^2)``); without softcap it is unused.
+    """
+    if SOFTCAP:
+        b_x = b_qk * (sm_scale / softcap)
+        b_t = 1.0 - 2.0 / (tl.math.exp2(b_x * 2.8853900817779268) + 1.0)  # tanh(x), 2.885... = 2 * log2(e)
+        b_s = softcap * b_t
+    else:
+        b_t = b_qk
+        b_s = b_qk * sm_scale
+    if ALIBI:
+        b_s = b_s - slope * tl.abs((o_q + diag_offset - o_k).to(tl.float32))
+    b_s = b_s * 1.4426950408889634
+    if MASKED:
+        m_valid = o_k < seqlen_k
+        if MASK_RIGHT:
+            m_valid = m_valid & (o_k <= o_q + hi_offset)
+        if MASK_LEFT:
+            m_valid = m_valid & (o_k >= o_q + lo_offset)
+        b_s = tl.where(m_valid, b_s, float("-inf"))
+    return b_s, b_t
