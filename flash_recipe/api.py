@@ -27,11 +27,15 @@ def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
 
 
-def _check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True) -> None:
-    """Shapes ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)``; raise on mismatch."""
+def _check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True, varlen: bool = False) -> None:
+    """Shapes ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)`` (varlen: without
+    the batch dim, ``(total, heads, headdim)``); raise on mismatch."""
     qn, kn, vn = names
+    layout = "(total_tokens, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)"
     for name, t in zip(names, (q, k, v)):
-        _check_tensor(name, t, 4, "(batch, seqlen, nheads, headdim)")
+        _check_tensor(name, t, 3 if varlen else 4, layout)
+    if varlen:  # views with a batch dim of 1, so the checks below read the same
+        q, k, v = (t.unsqueeze(0) for t in (q, k, v))
     for name, t in ((kn, k), (vn, v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have the same dtype as {qn} ({q.dtype}), got {t.dtype}")
@@ -40,9 +44,8 @@ def _check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True) -> None:
         if t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} must have the same batch size as {qn} ({q.shape[0]}), got {t.shape[0]}")
     if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"{vn} must have the same seqlen and nheads as {kn} {tuple(k.shape[1:3])}, got {tuple(v.shape[1:3])}"
-        )
+        what = "total tokens and nheads" if varlen else "seqlen and nheads"
+        raise ValueError(f"{vn} must have the same {what} as {kn} {tuple(k.shape[1:3])}, got {tuple(v.shape[1:3])}")
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"{kn} must have the same head dim as {qn} ({q.shape[3]}), got {k.shape[3]}")
     if same_v_dim and v.shape[3] != q.shape[3]:
@@ -74,8 +77,7 @@ def _check_dropout(dropout_p, name: str = "dropout_p") -> float:
     return float(dropout_p)
 
 
-def _check_alibi(slopes, q) -> None:
-    batch, nheads = q.shape[0], q.shape[2]
+def _check_alibi(slopes, batch: int, nheads: int, device) -> None:
     if not isinstance(slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
     if slopes.dtype != torch.float32:
@@ -85,18 +87,21 @@ def _check_alibi(slopes, q) -> None:
             f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads}), "
             f"got {tuple(slopes.shape)}"
         )
-    if slopes.device != q.device:
-        raise ValueError(f"alibi_slopes must be on the same device as q ({q.device}), got {slopes.device}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on the same device as q ({device}), got {slopes.device}")
     if slopes.stride(-1) != 1:
         raise ValueError(f"alibi_slopes must have a contiguous last dimension, got stride {slopes.stride(-1)}")
 
 
 def _build_flash_call(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_lse, names=("q", "k", "v"),
+    return_lse, names=("q", "k", "v"), varlen: Optional[tuple] = None,
 ) -> AttentionCall:
-    """Validate flash-attn style arguments; dropout raises NotImplementedError (not supported yet)."""
-    _check_qkv(q, k, v, names)
+    """Validate flash-attn style arguments; dropout raises NotImplementedError (not supported yet).
+
+    ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed sequences.
+    """
+    _check_qkv(q, k, v, names, varlen=varlen is not None)
     for name, t in zip(names, (q, k, v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
@@ -122,18 +127,58 @@ def _build_flash_call(
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
     if softcap < 0.0:
         raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    batch = q.shape[0]
+    if varlen is not None:
+        varlen = _check_varlen(q, k, *varlen)
+        batch = varlen[0].numel() - 1
     if alibi_slopes is not None:
-        _check_alibi(alibi_slopes, q)
+        _check_alibi(alibi_slopes, batch, q.shape[-2], q.device)
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     return AttentionCall(
         q=q, k=k, v=v,
         softmax_scale=_check_scale(softmax_scale, q.shape[-1]),
         causal=causal,
-        diag_offset=k.shape[1] - q.shape[1],
+        diag_offset=0 if varlen is not None else k.shape[1] - q.shape[1],
         window=(left, right),
         softcap=float(softcap),
         alibi_slopes=alibi_slopes,
         return_lse=bool(return_lse),
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
     )
+
+
+def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
+    """Validate packed-sequence offsets. Their values are read only for CPU tensors: on a GPU that
+    would cost a synchronisation per call, so there (as in flash-attn) they are trusted."""
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {cu.device}")
+        if cu.device.type == "cpu":
+            values = cu.tolist()
+            if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+                raise ValueError(
+                    f"{name} must rise from 0 to the total number of tokens ({total}) without decreasing, got {values}"
+                )
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_seqlens_q.numel()}), got {cu_seqlens_k.numel()}"
+        )
+    for name, value, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+        if cu.device.type == "cpu":
+            longest = max(b - a for a, b in zip(cu.tolist(), cu.tolist()[1:]))
+            if value < longest:
+                raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {value}")
+    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def _finish(out, lse, return_attn_probs):
@@ -261,6 +306,108 @@ def flash_attn_kvpacked_func(
     call = _build_flash_call(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+    )
+    out, lse = dispatch.run(call)
+    return _finish(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+):
+    """``flash_attn_func`` over a batch of packed sequences of different lengths.
+
+    Arguments:
+        q: ``(total_q, nheads, headdim)``, the sequences one after another; k, v:
+            ``(total_k, nheads_k, headdim)``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch_size + 1,)``; sequence ``b`` is rows
+            ``cu_seqlens[b]:cu_seqlens[b + 1]``. Sequences of length 0 are allowed.
+        max_seqlen_q, max_seqlen_k: the longest sequence on each side.
+        The rest as ``flash_attn_func``; each sequence aligns its causal mask and window
+        bottom-right with its own lengths; ``alibi_slopes`` may be ``(batch_size, nheads)``.
+        block_table: must be None (paged KV for varlen is not supported).
+
+    Returns:
+        ``out (total_q, nheads, headdim)``, or ``(out, softmax_lse, None)`` with ``softmax_lse``
+        ``(nheads, total_q)`` float32.
+    """
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV) is not supported by flash_attn_varlen_func yet; pass None")
+    call = _build_flash_call(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    )
+    out, lse = dispatch.run(call)
+    return _finish(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """``flash_attn_varlen_func`` on a packed ``qkv (total, 3, nheads, headdim)`` (views, no copy)."""
+    _check_tensor("qkv", qkv, 4, "(total_tokens, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have size 3 in dimension 1 (total_tokens, 3, nheads, headdim), got shape {tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(dim=1)
+    call = _build_flash_call(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
+        varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
+    )
+    out, lse = dispatch.run(call)
+    return _finish(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """``flash_attn_varlen_func`` with ``q (total_q, nheads, headdim)`` and a packed
+    ``kv (total_k, 2, nheads_k, headdim)``."""
+    _check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must have size 2 in dimension 1 (total_k, 2, nheads_k, headdim), got shape {tuple(kv.shape)}")
+    k, v = kv.unbind(dim=1)
+    call = _build_flash_call(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, names=("q", "kv[:, 0]", "kv[:, 1]"),
+        varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
     out, lse = dispatch.run(call)
     return _finish(out, lse, return_attn_probs)

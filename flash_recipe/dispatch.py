@@ -56,12 +56,43 @@ class AttentionCall:
     attn_mask: Optional[torch.Tensor] = None
     dropout_p: float = 0.0
     return_lse: bool = False
+    # Varlen: q (total_q, H, D), k/v (total_k, Hk, D); int32 (B + 1,) offsets; diagonals bottom-right.
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def sequences(self) -> list:
+        """A varlen call as one dense call per sequence (for backends without varlen kernels)."""
+        starts_q = self.cu_seqlens_q.tolist()
+        starts_k = self.cu_seqlens_k.tolist()
+        calls = []
+        for b in range(len(starts_q) - 1):
+            q = self.q[starts_q[b]:starts_q[b + 1]].unsqueeze(0)
+            k, v = (t[starts_k[b]:starts_k[b + 1]].unsqueeze(0) for t in (self.k, self.v))
+            slopes = self.alibi_slopes
+            if slopes is not None and slopes.dim() == 2:
+                slopes = slopes[b:b + 1]
+            calls.append(dataclasses.replace(
+                self, q=q, k=k, v=v, diag_offset=k.shape[1] - q.shape[1], alibi_slopes=slopes,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+            ))
+        return calls
 
 
 class Backend:
-    """Base class: subclasses set ``name`` and implement the three methods."""
+    """Base class: subclasses set ``name`` and implement the three methods.
+
+    A backend without varlen kernels (``native_varlen = False``) runs varlen calls one sequence
+    at a time.
+    """
 
     name = ""
+    native_varlen = False
 
     def is_available(self) -> Optional[str]:
         return None
@@ -72,6 +103,18 @@ class Backend:
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Return ``out (B, Sq, H, Dv)`` in q's dtype and, if asked, ``lse (B, H, Sq)`` float32."""
         raise NotImplementedError
+
+    def run_call(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``run``, with varlen calls split per sequence where the backend has no varlen kernel.
+
+        Varlen results are ``out (total_q, H, Dv)`` and ``lse (H, total_q)``.
+        """
+        if not call.is_varlen or self.native_varlen:
+            return self.run(call)
+        results = [self.run(part) for part in call.sequences()]
+        out = torch.cat([o.squeeze(0) for o, _ in results], dim=0)
+        lse = torch.cat([l.squeeze(0) for _, l in results], dim=1) if call.return_lse else None
+        return out, lse
 
 
 
@@ -126,6 +169,7 @@ class TritonBackend(Backend):
     """This package's Triton kernels (``flash_recipe.ops``)."""
 
     name = "triton"
+    native_varlen = True
 
     def is_available(self) -> Optional[str]:
         error = _import_error("triton")
@@ -164,13 +208,15 @@ class TritonBackend(Backend):
         from flash_recipe.ops.attention import attention
 
         window = (call.window[0], 0 if call.causal else call.window[1])
-        return attention(call.q, call.k, call.v, call.softmax_scale, call.diag_offset, window, call.softcap, call.alibi_slopes)
+        return attention(call.q, call.k, call.v, call.softmax_scale, call.diag_offset, window, call.softcap,
+                         call.alibi_slopes, (call.cu_seqlens_q, call.cu_seqlens_k), (call.max_seqlen_q, call.max_seqlen_k))
 
 
 class FlashAttnBackend(Backend):
     """The upstream flash-attn 2 package, when installed and its compiled kernels load."""
 
     name = "flash_attn"
+    native_varlen = True
 
     def is_available(self) -> Optional[str]:
         if _import_error("flash_attn") == "flash_attn is not installed":
@@ -202,7 +248,13 @@ class FlashAttnBackend(Backend):
     def run(self, call: AttentionCall):
         import flash_attn
 
-        result = flash_attn.flash_attn_func(
+        if call.is_varlen:
+            fn = functools.partial(flash_attn.flash_attn_varlen_func, cu_seqlens_q=call.cu_seqlens_q,
+                                   cu_seqlens_k=call.cu_seqlens_k, max_seqlen_q=call.max_seqlen_q,
+                                   max_seqlen_k=call.max_seqlen_k)
+        else:
+            fn = flash_attn.flash_attn_func
+        result = fn(
             call.q, call.k, call.v, dropout_p=call.dropout_p, softmax_scale=call.softmax_scale,
             causal=call.causal, window_size=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
             return_attn_probs=call.return_lse,
@@ -222,6 +274,8 @@ class SdpaBackend(Backend):
             return "torch SDPA does not return the log-sum-exp"
         if call.softcap > 0.0:
             return "torch SDPA has no softcap"
+        if not call.is_varlen and call.k.shape[1] == 0:
+            return "no keys (seqlen_k = 0)"
         return None
 
     def run(self, call: AttentionCall):
@@ -229,11 +283,14 @@ class SdpaBackend(Backend):
 
         q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # (B, H, S, D) views
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+        if seqlen_k == 0:  # rows that see no key output 0
+            return call.q.new_zeros(call.q.shape[:-1] + (call.v.shape[-1],)), None
         mask, is_causal = call.attn_mask, False
-        if call.causal and call.diag_offset == 0 and call.window[0] < 0 and mask is None and call.alibi_slopes is None:
+        window = (call.window[0], 0 if call.causal else call.window[1])
+        if call.causal and call.diag_offset == 0 and window[0] < 0 and mask is None and call.alibi_slopes is None:
             is_causal = True
-        elif call.causal or call.window != (-1, -1):
-            visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, call.window, q.device)
+        elif window != (-1, -1):
+            visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, window, q.device)
             mask = visible if mask is None else _combine_masks(visible, mask)
         if call.alibi_slopes is not None:
             bias = alibi_bias(call.alibi_slopes, seqlen_q, seqlen_k, call.diag_offset).to(q.dtype)
@@ -251,9 +308,12 @@ class SdpaBackend(Backend):
                 group = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
-        if call.causal or call.window != (-1, -1):
+        left, right = window
+        first_row_blind = right >= 0 and call.diag_offset + right < 0
+        last_row_blind = left >= 0 and seqlen_q - 1 + call.diag_offset - left >= seqlen_k
+        if first_row_blind or last_row_blind:
             # Rows that see no key: some torch kernels give NaN there, flash-attn gives 0.
-            visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, call.window, q.device)
+            visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, window, q.device)
             out = out.masked_fill(~visible.any(dim=-1)[None, :, None, None], 0.0)
         return out, None
 
@@ -352,7 +412,7 @@ def select(call: AttentionCall) -> Backend:
 
 
 def run(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    return select(call).run(call)
+    return select(call).run_call(call)
 
 
 def available_backends() -> list[str]:

@@ -19,11 +19,20 @@ def test_custom_ops_pass_opcheck(device):
 
     q, k, v = _inputs(device)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=device)
-    for options in ((0, -1, 0, 0.0, None), (0, 5, 2, 3.0, slopes)):  # causal; window + softcap + ALiBi
-        torch.library.opcheck(attn_fwd, (q, k, v, 0.25, *options))
-        out, lse = attn_fwd(q, k, v, 0.25, *options)
+    dense = (None, None, 0, 0)
+    cu = torch.tensor([0, 7, 7, 38], dtype=torch.int32, device=device)
+    packed = [t.detach().reshape(-1, *t.shape[2:])[:38].requires_grad_() for t in (q, k, v)]
+    for tensors, layout, options in (
+        ((q, k, v), dense, (0, -1, 0, 0.0, None)),  # causal
+        ((q, k, v), dense, (0, 5, 2, 3.0, slopes)),  # window + softcap + ALiBi
+        (packed, (cu, cu, 31, 31), (0, -1, 0, 0.0, None)),  # varlen, causal
+    ):
+        args = (*tensors, *layout, 0.25, *options)
+        torch.library.opcheck(attn_fwd, args)
+        out, lse = attn_fwd(*args)
         dout = torch.randn_like(out)
-        torch.library.opcheck(attn_bwd, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.25, *options))
+        detached = [t.detach() for t in tensors]
+        torch.library.opcheck(attn_bwd, (dout, *detached, out.detach(), lse, *layout, 0.25, *options))
 
 
 def test_compiled_model_has_no_graph_break(device):

@@ -6,7 +6,9 @@ anything. ``attention(...)`` is the differentiable entry point used by the dispa
 
 Masking arguments follow flash-attn: query ``i`` sees keys
 ``[i + diag_offset - window_left, i + diag_offset + window_right]``, ``-1`` meaning unbounded on
-that side (causal is ``window_right = 0``).
+that side (causal is ``window_right = 0``). With ``cu_seqlens_q``/``cu_seqlens_k`` (int32
+``(B + 1,)``) the tensors are packed varlen ``(total, heads, head_dim)`` and every sequence
+aligns its diagonal bottom-right.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from typing import Optional
 import torch
 
 from flash_recipe.ops.backward import attention_backward
-from flash_recipe.ops.forward import attention_forward, variant
+from flash_recipe.ops.forward import Variant, Varlen, attention_forward
+
+
+def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left, window_right,
+            softcap, alibi_slopes):
+    varlen = None
+    if cu_seqlens_q is not None:
+        varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return Variant(diag_offset, window_left, window_right, softcap, alibi_slopes), varlen
 
 
 @torch.library.custom_op("flash_recipe::attn_fwd", mutates_args=())
@@ -24,6 +34,10 @@ def attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     softmax_scale: float,
     diag_offset: int,
     window_left: int,
@@ -31,17 +45,21 @@ def attn_fwd(
     softcap: float,
     alibi_slopes: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q (B, Sq, H, D)``, ``k, v (B, Sk, Hk, D)`` -> ``out (B, Sq, H, D)``, ``lse (B, H, Sq)`` float32."""
-    var = variant(diag_offset, window_left, window_right, softcap, alibi_slopes)
-    return attention_forward(q, k, v, softmax_scale, var)
+    """``q (B, Sq, H, D)``, ``k, v (B, Sk, Hk, D)`` -> ``out (B, Sq, H, D)``, ``lse (B, H, Sq)`` float32.
+
+    Varlen: ``q (total_q, H, D)``, ``k, v (total_k, Hk, D)`` -> ``out (total_q, H, D)``, ``lse (H, total_q)``.
+    """
+    var, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
+                          window_right, softcap, alibi_slopes)
+    return attention_forward(q, k, v, softmax_scale, var, varlen)
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, softmax_scale, diag_offset, window_left, window_right, softcap, alibi_slopes):
-    batch, seqlen_q, nheads, head_dim = q.shape
-    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
-    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
-    return out, lse
+def _attn_fwd_fake(q, k, v, cu_seqlens_q, *args):
+    if cu_seqlens_q is not None:
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_recipe::attn_bwd", mutates_args=())
@@ -52,6 +70,10 @@ def attn_bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     softmax_scale: float,
     diag_offset: int,
     window_left: int,
@@ -59,9 +81,10 @@ def attn_bwd(
     softcap: float,
     alibi_slopes: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``dq, dk, dv`` (shapes of q, k, v) from ``dout (B, Sq, H, D)``."""
-    var = variant(diag_offset, window_left, window_right, softcap, alibi_slopes)
-    return attention_backward(dout, q, k, v, out, lse, softmax_scale, var)
+    """Gradients ``dq, dk, dv`` (shapes of q, k, v) from ``dout`` (shape of q)."""
+    var, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
+                          window_right, softcap, alibi_slopes)
+    return attention_backward(dout, q, k, v, out, lse, softmax_scale, var, varlen)
 
 
 @attn_bwd.register_fake
@@ -72,17 +95,17 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *options, alibi_slopes = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.options = options  # softmax_scale, diag_offset, window_left, window_right, softcap
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.options = options  # max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset, window_left, window_right, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, *ctx.options, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes)
+    return (dq, dk, dv) + (None,) * 10
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -97,7 +120,10 @@ def attention(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    cu_seqlens: tuple = (None, None),
+    max_seqlens: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes."""
-    return attn_fwd(q, k, v, float(softmax_scale), int(diag_offset), int(window[0]), int(window[1]),
-                    float(softcap), alibi_slopes)
+    return attn_fwd(q, k, v, cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]),
+                    float(softmax_scale), int(diag_offset), int(window[0]), int(window[1]), float(softcap),
+                    alibi_slopes)

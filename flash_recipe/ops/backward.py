@@ -20,39 +20,47 @@ is +inf (it saw no key) gets P = 0 and so zero gradients.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from flash_recipe.ops import configs
-from flash_recipe.ops.forward import Variant, variant_args
+from flash_recipe.ops.forward import Variant, Varlen, kernel_options, layout, lse_buffer
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import key_blocks, load_tile, query_blocks, scores, store_tile
+from flash_recipe.ops.tiles import key_blocks, load_tile, query_blocks, scores, sequence, store_tile
 
 
-@triton.heuristics({"EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+                    "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O, DO, DELTA,
+    O, DO, DELTA, CU_Q,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
-    nheads, seqlen_q, head_dim,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    stride_lb, stride_lh,
+    seqlen_q, head_dim,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(Sq, BLOCK_M), H, B)``: ``DELTA[b, h, i] = sum_d O[b, i, h, d] * DO[b, i, h, d]``."""
+    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``: ``DELTA[b, h, i] = sum_d O[b, i, h, d] * DO[b, i, h, d]``."""
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
+    i_b = tl.program_id(2)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
     q_start = i_m * BLOCK_M
+    if IS_VARLEN:
+        if q_start >= seqlen_q:
+            return
+    i_b = i_b.to(tl.int64)
     o_r = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
-    o_base = O + i_b * stride_ob + i_h.to(tl.int64) * stride_oh
-    do_base = DO + i_b * stride_dob + i_h.to(tl.int64) * stride_doh
+    o_base = O + i_b * stride_ob + bos_q * stride_om + i_h.to(tl.int64) * stride_oh
+    do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h.to(tl.int64) * stride_doh
     b_o = load_tile(o_base, q_start, stride_om, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D).to(tl.float32)
     b_do = load_tile(do_base, q_start, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D).to(tl.float32)
     b_delta = tl.sum(b_o * b_do, 1)  # [BLOCK_M]
-    p_delta = DELTA + (i_b * nheads + i_h) * seqlen_q + q_start + o_r
+    p_delta = DELTA + i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q + q_start + o_r
     if EVEN_M:
         tl.store(p_delta, b_delta)
     else:
@@ -96,38 +104,47 @@ def _dkdv_inner(
 
 @triton.heuristics(
     {
-        "EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0,
-        "EVEN_N": lambda a: a["seqlen_k"] % a["BLOCK_N"] == 0,
+        "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+        "EVEN_N": lambda a: not a["IS_VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
     }
 )
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES,
+    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    stride_sb,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, lo_offset, hi_offset, diag_offset,
+    stride_lb, stride_lh, stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head."""
+    """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head."""
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
+    i_b = tl.program_id(2)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
+    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, IS_VARLEN)
     k_start = i_n * BLOCK_N
+    if IS_VARLEN:
+        if k_start >= seqlen_k:
+            return
+        diag_offset = seqlen_k - seqlen_q
+    lo_offset = diag_offset - window_left
+    hi_offset = diag_offset + window_right
+    i_b = i_b.to(tl.int64)
     o_n = k_start + tl.arange(0, BLOCK_N)  # key rows [BLOCK_N]
     o_c = tl.arange(0, BLOCK_N)
     o_r = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
 
-    k_base = K + i_b * stride_kb + i_hk.to(tl.int64) * stride_kh
-    v_base = V + i_b * stride_vb + i_hk.to(tl.int64) * stride_vh
+    k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
+    v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
     b_k = load_tile(k_base, k_start, stride_kn, seqlen_k, head_dim, o_c, o_d, not EVEN_N, MASK_D)  # [BLOCK_N, BLOCK_D]
     b_v = load_tile(v_base, k_start, stride_vn, seqlen_k, head_dim, o_c, o_d, not EVEN_N, MASK_D)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -136,10 +153,10 @@ def attn_bwd_dkdv_kernel(
 
     for g in range(0, group_size):
         i_h = (i_hk * group_size + g).to(tl.int64)
-        q_base = Q + i_b * stride_qb + i_h * stride_qh
-        do_base = DO + i_b * stride_dob + i_h * stride_doh
-        lse_base = LSE + (i_b * nheads + i_h) * seqlen_q
-        delta_base = DELTA + (i_b * nheads + i_h) * seqlen_q
+        q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h * stride_qh
+        do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h * stride_doh
+        lse_base = LSE + i_b * stride_lb + i_h * stride_lh + bos_q
+        delta_base = DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
         slope = 0.0
         if ALIBI:
             slope = tl.load(SLOPES + i_b * stride_sb + i_h)
@@ -158,8 +175,8 @@ def attn_bwd_dkdv_kernel(
                 stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, EVEN_M, MASK_D, BLOCK_M,
             )
 
-    dk_base = DK + i_b * stride_dkb + i_hk.to(tl.int64) * stride_dkh
-    dv_base = DV + i_b * stride_dvb + i_hk.to(tl.int64) * stride_dvh
+    dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
+    dv_base = DV + i_b * stride_dvb + bos_k * stride_dvn + i_hk.to(tl.int64) * stride_dvh
     store_tile(dk_base, k_start, stride_dkn, seqlen_k, head_dim, o_c, o_d, b_dk * sm_scale, not EVEN_N, MASK_D)
     store_tile(dv_base, k_start, stride_dvn, seqlen_k, head_dim, o_c, o_d, b_dv, not EVEN_N, MASK_D)
 
@@ -188,39 +205,49 @@ def _dq_inner(
     return b_dq
 
 
-@triton.heuristics({"EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+                    "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SLOPES,
+    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
-    stride_sb,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, lo_offset, hi_offset, diag_offset,
+    stride_lb, stride_lh, stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(Sq, BLOCK_M), H, B)``."""
+    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``."""
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    i_hk = i_h // group_size
+    i_b = tl.program_id(2)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
+    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, IS_VARLEN)
     q_start = i_m * BLOCK_M
+    if IS_VARLEN:
+        if q_start >= seqlen_q:
+            return
+        diag_offset = seqlen_k - seqlen_q
+    lo_offset = diag_offset - window_left
+    hi_offset = diag_offset + window_right
+    i_b = i_b.to(tl.int64)
+    i_hk = i_h // group_size
     o_m = q_start + tl.arange(0, BLOCK_M)  # query rows [BLOCK_M]
     o_r = tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
 
-    q_base = Q + i_b * stride_qb + i_h.to(tl.int64) * stride_qh
-    do_base = DO + i_b * stride_dob + i_h.to(tl.int64) * stride_doh
-    k_base = K + i_b * stride_kb + i_hk.to(tl.int64) * stride_kh
-    v_base = V + i_b * stride_vb + i_hk.to(tl.int64) * stride_vh
+    q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h.to(tl.int64) * stride_qh
+    do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h.to(tl.int64) * stride_doh
+    k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
+    v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
     b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
     b_do = load_tile(do_base, q_start, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
-    row_base = (i_b * nheads + i_h) * seqlen_q
+    row_base = i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q
     if EVEN_M:
         b_lse = tl.load(LSE + row_base + o_m) * 1.4426950408889634  # [BLOCK_M], base 2
         b_delta = tl.load(DELTA + row_base + o_m)  # [BLOCK_M]
@@ -245,7 +272,7 @@ def attn_bwd_dq_kernel(
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
             stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, MASK_D, BLOCK_N,
         )
-    dq_base = DQ + i_b * stride_dqb + i_h.to(tl.int64) * stride_dqh
+    dq_base = DQ + i_b * stride_dqb + bos_q * stride_dqm + i_h.to(tl.int64) * stride_dqh
     store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * sm_scale, not EVEN_M, MASK_D)
 
 
@@ -258,65 +285,53 @@ def attention_backward(
     lse: torch.Tensor,
     softmax_scale: float,
     var: Variant,
+    varlen: Optional[Varlen] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the three backward kernels.
 
     Args:
-        dout, q, out: ``(B, Sq, H, D)``; k, v: ``(B, Sk, Hk, D)``; lse: ``(B, H, Sq)`` float32 as
-            returned by ``attention_forward`` with the same ``softmax_scale`` and ``var``.
-            ``dout`` may have any strides.
+        dout, q, out: ``(B, Sq, H, D)`` (varlen: ``(total_q, H, D)``); k, v: ``(B, Sk, Hk, D)``
+            (varlen: ``(total_k, Hk, D)``); lse as returned by ``attention_forward`` with the same
+            ``softmax_scale``, ``var`` and ``varlen``. ``dout`` may have any strides.
 
     Returns:
-        ``dq (B, Sq, H, D)``, ``dk (B, Sk, Hk, D)``, ``dv (B, Sk, Hk, D)``, contiguous, in q's dtype.
+        ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype.
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    dims, strides = layout(q, k, varlen)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = dims
     dq = tiles.output_buffer(q.shape, q.dtype, q.device)
     dk = tiles.output_buffer(k.shape, k.dtype, k.device)
     dv = tiles.output_buffer(v.shape, v.dtype, v.device)
-    if dq.numel() == 0 or dk.numel() == 0:
+    if dq.numel() == 0 or dk.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     target = configs.target_of(q.device)
     block_d = configs.head_dim_bucket(head_dim)
-    group_size = nheads // nheads_k
-    delta = tiles.output_buffer((batch, nheads, seqlen_q), torch.float32, q.device)
-    slopes, stride_sb, flags = variant_args(var, delta)
-    scalars = (nheads, group_size, seqlen_q, seqlen_k, head_dim, softmax_scale, max(var.softcap, 1.0),
-               var.lo_offset, var.hi_offset, var.diag_offset)
+    delta, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
+    (slopes, stride_sb, scalars), flags = kernel_options(var, delta)
+    cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (delta, delta)
+    common = (stride_lb, stride_lh, stride_sb, nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim,
+              softmax_scale, *scalars)
+    is_varlen = varlen is not None
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64
         attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_m), nheads, batch)](
-            out, dout, delta,
-            out.stride(0), out.stride(1), out.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            nheads, seqlen_q, head_dim,
-            BLOCK_M=pre_m, BLOCK_D=block_d,
+            out, dout, delta, cu_q, *strides(out), *strides(dout), stride_lb, stride_lh, seqlen_q, head_dim,
+            IS_VARLEN=is_varlen, BLOCK_M=pre_m, BLOCK_D=block_d,
         )
         cfg = configs.get_config(target, "bwd_dkdv", head_dim, q.element_size())
         attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_k, batch)](
-            q, k, v, dout, lse, delta, dk, dv, slopes,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            stride_sb, *scalars,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            q, k, v, dout, lse, delta, dk, dv, slopes, cu_q, cu_k,
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv), *common,
+            IS_VARLEN=is_varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
         cfg = configs.get_config(target, "bwd_dq", head_dim, q.element_size())
         attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
-            q, k, v, dout, lse, delta, dq, slopes,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            stride_sb, *scalars,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            q, k, v, dout, lse, delta, dq, slopes, cu_q, cu_k,
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), *common,
+            IS_VARLEN=is_varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
     return dq, dk, dv

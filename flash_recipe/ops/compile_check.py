@@ -28,8 +28,9 @@ KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "gfx90a", "gfx942")
 
 
-MODES = ("full", "causal", "window-softcap-alibi")
+MODES = ("full", "causal", "window-softcap-alibi", "varlen-causal")
 FP32_POINTERS = ("LSE", "DELTA", "SLOPES")
+INT32_POINTERS = ("CU_Q", "CU_K")
 FLOAT_SCALARS = ("sm_scale", "softcap")
 
 
@@ -38,7 +39,8 @@ class Variant:
     kernel: str
     dtype: str
     head_dim: int  # the padded bucket
-    mode: str  # "full": no mask; "causal": right edge; "window-softcap-alibi": every option on
+    mode: str  # "full": no mask; "causal": right edge; "window-softcap-alibi": every option on;
+    # "varlen-causal": packed sequences with the causal edge
     even: bool  # sequence lengths multiples of the blocks and head dim == bucket
 
     @property
@@ -49,12 +51,14 @@ class Variant:
 def variants(kernels=KERNELS, dtypes=tuple(DTYPES), buckets=HEAD_DIM_BUCKETS, modes=MODES) -> Iterator[Variant]:
     """The (kernel, dtype, head-dim bucket, mode, even) combinations the launchers can produce.
 
-    The three modes span the option flags: none, the causal edge alone, and all of them at once
-    (the most code and the most registers).
+    The modes span the option flags: none, the causal edge alone, all score options at once (the
+    most code and the most registers), and packed variable-length sequences.
     """
     for kernel, dtype, head_dim, mode, even in itertools.product(kernels, dtypes, buckets, modes, (False, True)):
-        if kernel == "bwd_preprocess" and mode != "full":
+        if kernel == "bwd_preprocess" and mode in ("causal", "window-softcap-alibi"):
             continue  # the preprocess has no masking options
+        if mode.startswith("varlen") and even:
+            continue  # varlen sequences are always ragged
         yield Variant(kernel, dtype, head_dim, mode, even)
 
 
@@ -72,7 +76,8 @@ def _source(variant: Variant, target: str):
     even = variant.even
     constexprs = {"BLOCK_D": variant.head_dim, "EVEN_M": even, "EVEN_N": even, "MASK_D": not even,
                   "MASK_LEFT": variant.mode == "window-softcap-alibi", "MASK_RIGHT": variant.mode != "full",
-                  "SOFTCAP": variant.mode == "window-softcap-alibi", "ALIBI": variant.mode == "window-softcap-alibi"}
+                  "SOFTCAP": variant.mode == "window-softcap-alibi", "ALIBI": variant.mode == "window-softcap-alibi",
+                  "IS_VARLEN": variant.mode.startswith("varlen")}
     cfg = None
     if variant.kernel == "bwd_preprocess":
         constexprs["BLOCK_M"] = 64
@@ -85,7 +90,12 @@ def _source(variant: Variant, target: str):
             signature[param.name] = "constexpr"
             used[param.name] = constexprs[param.name]
         elif param.name.isupper():
-            signature[param.name] = "*fp32" if param.name in FP32_POINTERS else f"*{DTYPES[variant.dtype]}"
+            if param.name in FP32_POINTERS:
+                signature[param.name] = "*fp32"
+            elif param.name in INT32_POINTERS:
+                signature[param.name] = "*i32"
+            else:
+                signature[param.name] = f"*{DTYPES[variant.dtype]}"
         else:
             signature[param.name] = "fp32" if param.name in FLOAT_SCALARS else "i32"
     return fn, signature, used, cfg

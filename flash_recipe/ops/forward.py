@@ -28,7 +28,7 @@ import triton.language as tl
 
 from flash_recipe.ops import configs
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import key_blocks, load_tile, scores, store_tile
+from flash_recipe.ops.tiles import key_blocks, load_tile, scores, sequence, store_tile
 
 
 
@@ -63,38 +63,52 @@ def _fwd_inner(
 
 @triton.heuristics(
     {
-        "EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0,
+        "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
     }
 )
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, SLOPES,
+    Q, K, V, O, LSE, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    stride_sb,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, lo_offset, hi_offset, diag_offset,
+    stride_lb, stride_lh, stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(Sq, BLOCK_M), H, B)``. ``SLOPES[b * stride_sb + h]`` are the ALiBi slopes."""
+    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
+
+    Dense: ``Q`` is ``(B, Sq, H, D)``. Varlen (``IS_VARLEN``): ``Q`` is ``(total_q, H, D)`` with
+    sequence ``b`` in rows ``CU_Q[b]:CU_Q[b+1]`` (batch strides are 0) and its diagonal aligned
+    bottom-right. ``LSE[b * stride_lb + h * stride_lh + first row + i]``; ``SLOPES[b * stride_sb + h]``.
+    """
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    i_hk = i_h // group_size
+    i_b = tl.program_id(2)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
+    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, IS_VARLEN)
     q_start = i_m * BLOCK_M
+    if IS_VARLEN:
+        if q_start >= seqlen_q:
+            return
+        diag_offset = seqlen_k - seqlen_q
+    lo_offset = diag_offset - window_left
+    hi_offset = diag_offset + window_right
+    i_b = i_b.to(tl.int64)
+    i_hk = i_h // group_size
 
     o_m = q_start + tl.arange(0, BLOCK_M)  # query rows [BLOCK_M]
     o_r = tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
 
-    q_base = Q + i_b * stride_qb + i_h.to(tl.int64) * stride_qh
-    k_base = K + i_b * stride_kb + i_hk.to(tl.int64) * stride_kh
-    v_base = V + i_b * stride_vb + i_hk.to(tl.int64) * stride_vh
+    q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h.to(tl.int64) * stride_qh
+    k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
+    v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
     b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
     slope = 0.0
     if ALIBI:
@@ -125,9 +139,9 @@ def attn_fwd_kernel(
     b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
     b_lse = tl.where(m_empty, float("inf"), (b_m + tl.math.log2(b_l_safe)) * 0.6931471805599453)  # [BLOCK_M]
 
-    o_base = O + i_b * stride_ob + i_h.to(tl.int64) * stride_oh
+    o_base = O + i_b * stride_ob + bos_q * stride_om + i_h.to(tl.int64) * stride_oh
     store_tile(o_base, q_start, stride_om, seqlen_q, head_dim, o_r, o_d, b_out, not EVEN_M, MASK_D)
-    p_lse = LSE + (i_b * nheads + i_h) * seqlen_q + o_m
+    p_lse = LSE + i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q + o_m
     if EVEN_M:
         tl.store(p_lse, b_lse)
     else:
@@ -135,70 +149,97 @@ def attn_fwd_kernel(
 
 
 class Variant(NamedTuple):
-    """The per-call masking and score options, as the kernels take them."""
+    """The per-call masking and score options, as the kernels take them.
 
-    diag_offset: int  # the diagonal: Sk - Sq aligns it bottom-right (flash-attn), 0 top-left (SDPA)
-    lo_offset: int  # query i sees keys j >= i + lo_offset (when mask_left)
-    hi_offset: int  # ... and j <= i + hi_offset (when mask_right)
-    mask_left: bool
-    mask_right: bool
+    Query ``i`` sees keys ``[i + diag_offset - window_left, i + diag_offset + window_right]``,
+    ``-1`` meaning unbounded on that side (causal: ``window_right = 0``). ``diag_offset`` is
+    ``Sk - Sq`` for flash-attn's bottom-right alignment and ``0`` for SDPA's top-left; varlen
+    sequences always align bottom-right, each with its own lengths.
+    """
+
+    diag_offset: int
+    window_left: int
+    window_right: int
     softcap: float  # > 0 enables softcapping
     slopes: Optional[torch.Tensor]  # ALiBi slopes, fp32 (H,) or (B, H)
 
 
-def variant(diag_offset: int, window_left: int, window_right: int, softcap: float, alibi_slopes) -> Variant:
-    """Translate flash-attn's window (``-1`` = unbounded; causal is ``window_right = 0``).
+class Varlen(NamedTuple):
+    """Packed sequences: ``cu_seqlens`` int32 ``(B + 1,)`` and the longest length, per side."""
 
-    Query ``i`` sees keys ``[i + diag_offset - window_left, i + diag_offset + window_right]``;
-    softcap 0 disables softcapping; ``alibi_slopes`` None disables ALiBi.
-    """
-    return Variant(diag_offset, diag_offset - max(window_left, 0), diag_offset + max(window_right, 0),
-                   window_left >= 0, window_right >= 0, float(softcap), alibi_slopes)
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
 
 
-def variant_args(var: Variant, placeholder: torch.Tensor) -> tuple:
-    """Kernel arguments ``SLOPES, stride_sb`` and the constexpr flags for ``var``."""
+def kernel_options(var: Variant, placeholder: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernels' ``SLOPES`` pointer, its batch stride and the option scalars, and the constexpr flags."""
     slopes = var.slopes if var.slopes is not None else placeholder
     stride_sb = slopes.stride(0) if slopes.dim() == 2 else 0
-    flags = dict(MASK_LEFT=var.mask_left, MASK_RIGHT=var.mask_right, SOFTCAP=var.softcap > 0.0, ALIBI=var.slopes is not None)
-    return slopes, stride_sb, flags
+    flags = dict(MASK_LEFT=var.window_left >= 0, MASK_RIGHT=var.window_right >= 0,
+                 SOFTCAP=var.softcap > 0.0, ALIBI=var.slopes is not None)
+    scalars = (max(var.softcap, 1.0), var.diag_offset, max(var.window_left, 0), max(var.window_right, 0))
+    return (slopes, stride_sb, scalars), flags
+
+
+def layout(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen]) -> tuple:
+    """``(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)`` and the (batch, row, head) strides.
+
+    Varlen tensors ``(total, H, D)`` get batch stride 0 and the longest sequence lengths.
+    """
+    if varlen is None:
+        batch, seqlen_q, nheads, head_dim = q.shape
+        dims = (batch, seqlen_q, k.shape[1], nheads, k.shape[2], head_dim)
+        return dims, lambda t: (t.stride(0), t.stride(1), t.stride(2))
+    dims = (varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k, q.shape[1], k.shape[1], q.shape[2])
+    return dims, lambda t: (0, t.stride(0), t.stride(1))
+
+
+def lse_buffer(q: torch.Tensor, varlen: Optional[Varlen], dims) -> tuple[torch.Tensor, int, int]:
+    """The log-sum-exp buffer, ``(B, H, Sq)`` dense or ``(H, total_q)`` varlen, and its (batch, head) strides."""
+    batch, seqlen_q, _, nheads, _, _ = dims
+    if varlen is None:
+        lse = tiles.output_buffer((batch, nheads, seqlen_q), torch.float32, q.device)
+        return lse, lse.stride(0), lse.stride(1)
+    lse = tiles.output_buffer((nheads, q.shape[0]), torch.float32, q.device)
+    return lse, 0, lse.stride(0)
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, var: Variant
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, var: Variant,
+    varlen: Optional[Varlen] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Inputs are validated by the caller (see ``flash_recipe.api``).
 
     Args:
-        q: ``(B, Sq, H, D)``; k, v: ``(B, Sk, Hk, D)``; last dim contiguous, ``H % Hk == 0``.
+        q: ``(B, Sq, H, D)``; k, v: ``(B, Sk, Hk, D)``; or with ``varlen``: ``(total_q, H, D)`` and
+            ``(total_k, Hk, D)``. Last dim contiguous, ``H % Hk == 0``.
         softmax_scale: multiplies ``q @ k^T`` before the softmax.
-        var: masks and score options (see ``variant``): query ``i`` sees key ``j`` iff
-            ``i + lo_offset <= j <= i + hi_offset`` (each side only when enabled).
+        var: masks and score options (see ``Variant``).
 
     Returns:
-        ``out (B, Sq, H, D)`` in q's dtype and ``lse (B, H, Sq)`` float32 (natural log).
+        ``out`` shaped like q, in q's dtype, and ``lse`` float32 (natural log): ``(B, H, Sq)``, or
+        ``(H, total_q)`` with varlen.
     """
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    out = tiles.output_buffer((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
-    lse = tiles.output_buffer((batch, nheads, seqlen_q), torch.float32, q.device)
-    if out.numel() == 0:
+    dims, strides = layout(q, k, varlen)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = dims
+    out = tiles.output_buffer(q.shape, q.dtype, q.device)
+    lse, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
+    if out.numel() == 0 or seqlen_q == 0:
         lse.fill_(float("inf"))
-        return out, lse
+        return out.zero_(), lse
     cfg = configs.get_config(configs.target_of(q.device), "fwd", head_dim, q.element_size())
     grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
-    slopes, stride_sb, flags = variant_args(var, lse)
+    (slopes, stride_sb, scalars), flags = kernel_options(var, lse)
+    cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (lse, lse)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         attn_fwd_kernel[grid](
-            q, k, v, out, lse, slopes,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            stride_sb,
-            nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, max(var.softcap, 1.0),
-            var.lo_offset, var.hi_offset, var.diag_offset,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=configs.head_dim_bucket(head_dim),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            q, k, v, out, lse, slopes, cu_q, cu_k,
+            *strides(q), *strides(k), *strides(v), *strides(out),
+            stride_lb, stride_lh, stride_sb,
+            nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, *scalars,
+            IS_VARLEN=varlen is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
     return out, lse

@@ -153,3 +153,13 @@ def scores(b_qk, o_q, o_k, seqlen_k, lo_offset, hi_offset, diag_offset, sm_scale
             m_valid = m_valid & (o_k >= o_q + lo_offset)
         b_s = tl.where(m_valid, b_s, float("-inf"))
     return b_s, b_t
+
+
+@triton.jit
+def sequence(CU_SEQLENS, i_b, seqlen, IS_VARLEN: tl.constexpr):
+    """``(first row, length)`` of sequence ``i_b``: from ``cu_seqlens`` when varlen, else ``(0, seqlen)``."""
+    if IS_VARLEN:
+        bos = tl.load(CU_SEQLENS + i_b)
+        return bos.to(tl.int64), tl.load(CU_SEQLENS + i_b + 1) - bos
+    else:
+        return tl.zeros([], dtype=tl.int64), seqlen
