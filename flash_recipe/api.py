@@ -97,7 +97,7 @@ def _build_flash_call(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
     return_lse, names=("q", "k", "v"), varlen: Optional[tuple] = None,
 ) -> AttentionCall:
-    """Validate flash-attn style arguments; dropout raises NotImplementedError (not supported yet).
+    """Validate flash-attn style arguments and build the call.
 
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed sequences.
     """
@@ -106,8 +106,6 @@ def _build_flash_call(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
     dropout_p = _check_dropout(dropout_p)
-    if dropout_p > 0.0:
-        raise NotImplementedError(f"dropout_p > 0 is not supported yet (only 0.0), got {dropout_p}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(deterministic, bool):
@@ -143,6 +141,7 @@ def _build_flash_call(
         softcap=float(softcap),
         alibi_slopes=alibi_slopes,
         return_lse=bool(return_lse),
+        dropout_p=dropout_p,
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
     )
 
@@ -181,10 +180,11 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) 
     return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
-def _finish(out, lse, return_attn_probs):
+def _finish(result, return_attn_probs):
+    out, lse, s_dmask = result
     if return_attn_probs:
         # flash-attn returns (out, softmax_lse, S_dmask); S_dmask exists only with dropout.
-        return out, lse, None
+        return out, lse, s_dmask
     return out
 
 
@@ -208,7 +208,9 @@ def flash_attn_func(
         k, v: ``(batch_size, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (MQA/GQA):
             query heads map to kv heads in contiguous groups, e.g. with 6 query heads and 2 kv
             heads, query heads 0, 1, 2 use kv head 0 and 3, 4, 5 use kv head 1.
-        dropout_p: must be 0.0 (dropout is not supported yet).
+        dropout_p: dropout probability on the attention weights (pass 0.0 in evaluation). The mask
+            is counter-based, from a seed drawn from torch's generator for q's device, so
+            ``torch.manual_seed`` reproduces it and the backward regenerates it.
         softmax_scale: scaling of ``q @ k^T`` before the softmax; default ``1 / sqrt(headdim)``.
         causal: causal mask aligned to the bottom-right corner. With seqlen_q = 2 and seqlen_k = 5::
 
@@ -233,7 +235,9 @@ def flash_attn_func(
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the score of query ``i`` and key ``j``
             (after the softcap).
         deterministic: accepted; the backward of the Triton kernels is always deterministic.
-        return_attn_probs: also return the log-sum-exp (testing only).
+        return_attn_probs: also return the log-sum-exp and, with dropout, the attention
+            probabilities ``(batch_size, nheads, seqlen_q, seqlen_k)``, negative where dropped
+            (testing only).
 
     Dtypes: float16, bfloat16 and float32 (fp32 is computed in full fp32, never TF32). The last
     dim of q, k, v must be contiguous; other strides are free, so views of packed tensors work.
@@ -248,8 +252,7 @@ def flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs,
     )
-    out, lse = dispatch.run(call)
-    return _finish(out, lse, return_attn_probs)
+    return _finish(dispatch.run(call), return_attn_probs)
 
 
 def _check_packed(name: str, t, count: int, layout: str) -> None:
@@ -280,8 +283,7 @@ def flash_attn_qkvpacked_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
-    out, lse = dispatch.run(call)
-    return _finish(out, lse, return_attn_probs)
+    return _finish(dispatch.run(call), return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -307,8 +309,7 @@ def flash_attn_kvpacked_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
-    out, lse = dispatch.run(call)
-    return _finish(out, lse, return_attn_probs)
+    return _finish(dispatch.run(call), return_attn_probs)
 
 
 def flash_attn_varlen_func(
@@ -351,8 +352,7 @@ def flash_attn_varlen_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
-    out, lse = dispatch.run(call)
-    return _finish(out, lse, return_attn_probs)
+    return _finish(dispatch.run(call), return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -378,8 +378,7 @@ def flash_attn_varlen_qkvpacked_func(
         return_attn_probs, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
         varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
     )
-    out, lse = dispatch.run(call)
-    return _finish(out, lse, return_attn_probs)
+    return _finish(dispatch.run(call), return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -409,8 +408,7 @@ def flash_attn_varlen_kvpacked_func(
         return_attn_probs, names=("q", "kv[:, 0]", "kv[:, 1]"),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
-    out, lse = dispatch.run(call)
-    return _finish(out, lse, return_attn_probs)
+    return _finish(dispatch.run(call), return_attn_probs)
 
 
 def scaled_dot_product_attention(
@@ -472,8 +470,7 @@ def scaled_dot_product_attention(
         attn_mask=attn_mask,
         dropout_p=_check_dropout(dropout_p),
     )
-    out, _ = dispatch.run(call)
-    out = out.transpose(1, 2)
+    out = dispatch.run(call)[0].transpose(1, 2)
     return out.squeeze(0) if unbatched else out
 
 

@@ -41,7 +41,8 @@ class AttentionCall:
     ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)``; query ``i`` sees key ``j``
     iff ``i + diag_offset - left <= j <= i + diag_offset + right`` for ``window = (left, right)``
     (``-1``: unbounded; ``causal`` implies ``right = 0``). ``attn_mask`` (broadcastable to ``(B, H, Sq, Sk)``)
-    and ``dropout_p`` come from the SDPA API only. ``return_lse`` asks for the log-sum-exp.
+    comes from the SDPA API only. ``return_lse`` asks for the log-sum-exp (and, with dropout, for
+    the dropped-out probabilities, as flash-attn's ``return_attn_probs``).
     """
 
     q: torch.Tensor
@@ -100,11 +101,12 @@ class Backend:
     def supports(self, call: AttentionCall) -> Optional[str]:
         raise NotImplementedError
 
-    def run(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Return ``out (B, Sq, H, Dv)`` in q's dtype and, if asked, ``lse (B, H, Sq)`` float32."""
+    def run(self, call: AttentionCall) -> tuple:
+        """Return ``out (B, Sq, H, Dv)`` in q's dtype and, if asked, ``lse (B, H, Sq)`` float32 and,
+        with dropout, the probabilities ``(B, H, Sq, Sk)``, negative where dropped (else None)."""
         raise NotImplementedError
 
-    def run_call(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def run_call(self, call: AttentionCall) -> tuple:
         """``run``, with varlen calls split per sequence where the backend has no varlen kernel.
 
         Varlen results are ``out (total_q, H, Dv)`` and ``lse (H, total_q)``.
@@ -112,9 +114,9 @@ class Backend:
         if not call.is_varlen or self.native_varlen:
             return self.run(call)
         results = [self.run(part) for part in call.sequences()]
-        out = torch.cat([o.squeeze(0) for o, _ in results], dim=0)
-        lse = torch.cat([l.squeeze(0) for _, l in results], dim=1) if call.return_lse else None
-        return out, lse
+        out = torch.cat([r[0].squeeze(0) for r in results], dim=0)
+        lse = torch.cat([r[1].squeeze(0) for r in results], dim=1) if call.return_lse else None
+        return out, lse, None
 
 
 
@@ -198,8 +200,8 @@ class TritonBackend(Backend):
             return f"head dim {q.shape[-1]} is above 256"
         if call.attn_mask is not None:
             return "an explicit attn_mask is not supported (causal masking is)"
-        if call.dropout_p > 0.0:
-            return f"dropout_p={call.dropout_p} is not supported yet (only 0.0)"
+        if call.dropout_p > 0.0 and call.return_lse and call.is_varlen:
+            return "the dropped-out probabilities are returned for dense calls only"
         if any(t.stride(-1) != 1 for t in (q, k, v)):
             return "the last dimension of q, k and v must be contiguous"
         return None
@@ -207,9 +209,32 @@ class TritonBackend(Backend):
     def run(self, call: AttentionCall):
         from flash_recipe.ops.attention import attention
 
+        from flash_recipe.ops.attention import new_seed
+
         window = (call.window[0], 0 if call.causal else call.window[1])
-        return attention(call.q, call.k, call.v, call.softmax_scale, call.diag_offset, window, call.softcap,
-                         call.alibi_slopes, (call.cu_seqlens_q, call.cu_seqlens_k), (call.max_seqlen_q, call.max_seqlen_k))
+        seed = new_seed(call.q.device) if call.dropout_p > 0.0 else None
+        out, lse = attention(call.q, call.k, call.v, call.softmax_scale, call.diag_offset, window, call.softcap,
+                             call.alibi_slopes, (call.cu_seqlens_q, call.cu_seqlens_k),
+                             (call.max_seqlen_q, call.max_seqlen_k), call.dropout_p, seed)
+        s_dmask = None
+        if seed is not None and call.return_lse:
+            s_dmask = self._dropped_probs(call, window, seed)
+        return out, lse, s_dmask
+
+    @staticmethod
+    def _dropped_probs(call: AttentionCall, window, seed) -> torch.Tensor:
+        """The probabilities ``(B, H, Sq, Sk)`` the kernel used, negated where dropout dropped them."""
+        from flash_recipe.ops.dropout import dropout_mask
+        from flash_recipe.reference import attention_reference
+
+        batch, seqlen_q, nheads, _ = call.q.shape
+        keep = dropout_mask(seed, batch, nheads, seqlen_q, call.k.shape[1], call.dropout_p)
+        with torch.no_grad():
+            _, probs = attention_reference(
+                call.q, call.k, call.v, call.softmax_scale, call.causal, call.diag_offset, window=window,
+                softcap=call.softcap, alibi_slopes=call.alibi_slopes, return_probs=True,
+            )
+        return torch.where(keep, probs, -probs).to(call.q.dtype)
 
 
 class FlashAttnBackend(Backend):
@@ -260,8 +285,8 @@ class FlashAttnBackend(Backend):
             return_attn_probs=call.return_lse,
         )
         if call.return_lse:
-            return result[0], result[1]
-        return result, None
+            return result[0], result[1], result[2]
+        return result, None, None
 
 
 class SdpaBackend(Backend):
@@ -284,7 +309,7 @@ class SdpaBackend(Backend):
         q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # (B, H, S, D) views
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
         if seqlen_k == 0:  # rows that see no key output 0
-            return call.q.new_zeros(call.q.shape[:-1] + (call.v.shape[-1],)), None
+            return call.q.new_zeros(call.q.shape[:-1] + (call.v.shape[-1],)), None, None
         mask, is_causal = call.attn_mask, False
         window = (call.window[0], 0 if call.causal else call.window[1])
         if call.causal and call.diag_offset == 0 and window[0] < 0 and mask is None and call.alibi_slopes is None:
@@ -315,7 +340,7 @@ class SdpaBackend(Backend):
             # Rows that see no key: some torch kernels give NaN there, flash-attn gives 0.
             visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, window, q.device)
             out = out.masked_fill(~visible.any(dim=-1)[None, :, None, None], 0.0)
-        return out, None
+        return out, None, None
 
 
 def _combine_masks(visible: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -331,6 +356,8 @@ class ReferenceBackend(Backend):
     name = "reference"
 
     def supports(self, call: AttentionCall) -> Optional[str]:
+        if call.dropout_p > 0.0 and call.return_lse:
+            return "the reference draws dropout from torch's RNG and cannot return the dropped-out probabilities"
         return None
 
     def run(self, call: AttentionCall):
@@ -341,7 +368,7 @@ class ReferenceBackend(Backend):
             attn_mask=call.attn_mask, dropout_p=call.dropout_p,
             window=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
         )
-        return out.to(call.q.dtype), (lse if call.return_lse else None)
+        return out.to(call.q.dtype), (lse if call.return_lse else None), None
 
 
 # Priority order for automatic selection.
@@ -411,7 +438,8 @@ def select(call: AttentionCall) -> Backend:
     raise BackendUnavailableError(f"no backend can run this call: {explain_call(call)}")  # reference always can
 
 
-def run(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def run(call: AttentionCall) -> tuple:
+    """``(out, lse or None, dropped-out probabilities or None)`` from the selected backend."""
     return select(call).run_call(call)
 
 

@@ -67,6 +67,8 @@ def attention_reference(
     window: tuple = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    return_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention by the textbook formula ``softmax(q k^T * scale + mask) v``.
 
@@ -79,6 +81,9 @@ def attention_reference(
         window: ``(left, right)`` sliding window around the diagonal, ``-1`` unbounded.
         softcap: > 0 replaces the scaled scores ``s`` by ``softcap * tanh(s / softcap)``.
         alibi_slopes: float32 ``(H,)`` or ``(B, H)``: adds ``-slope * |i + diag_offset - j|``.
+        dropout_mask: bool ``(B, H, Sq, Sk)``, the probabilities dropout keeps (with ``dropout_p``);
+            without it, dropout draws from torch's RNG.
+        return_probs: return the softmax probabilities ``(B, H, Sq, Sk)`` (before dropout) instead of lse.
         upcast: compute in fp32 (fp64 for fp32 inputs), the accuracy rule's ground truth; with
             ``upcast=False`` compute in the input dtype, the rule's "PyTorch in the same precision".
 
@@ -112,7 +117,12 @@ def attention_reference(
     lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1, keepdim=True)  # (B, H, Sq, 1)
     lse = lse.masked_fill(empty, float("inf"))
     probs = torch.exp(scores - lse)  # (B, H, Sq, Sk)
+    if return_probs:
+        lse = probs
     if dropout_p > 0.0:
-        probs = torch.nn.functional.dropout(probs, p=dropout_p)
+        if dropout_mask is None:
+            probs = torch.nn.functional.dropout(probs, p=dropout_p)
+        else:
+            probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.matmul(probs, vc).transpose(1, 2)  # (B, Sq, H, Dv)
-    return out, lse.squeeze(-1).float()
+    return out, lse if return_probs else lse.squeeze(-1).float()

@@ -5,7 +5,7 @@ this CPU machine. Triton picks the interpreter or the compiler when it is import
 runs in a fresh process without ``TRITON_INTERPRET``.
 
 Here the three attention kernels are compiled for every target at the largest head-dim bucket
-(the largest tiles), fp16, with every option on (window, softcap, ALiBi) and every mask. The full sweep (every dtype, bucket and
+(the largest tiles), fp16, with every option on (window, softcap, ALiBi, dropout) and every mask. The full sweep (every dtype, bucket and
 variant) is ``nox -s compile_check``.
 """
 
@@ -26,7 +26,7 @@ def test_largest_tiles_compile_and_fit_every_target():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-W", "ignore", "-m", "flash_recipe.ops.compile_check", "--json", "--jobs", "2",
            "--kernel", "fwd", "--kernel", "bwd_dkdv", "--kernel", "bwd_dq",
-           "--dtype", "float16", "--head-dim", "256", "--mode", "window-softcap-alibi", "--even", "no"]
+           "--dtype", "float16", "--head-dim", "256", "--mode", "all-options", "--even", "no"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert {(row["target"], row["variant"].split("-")[0]) for row in rows} == {

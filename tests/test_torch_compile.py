@@ -22,10 +22,11 @@ def test_custom_ops_pass_opcheck(device):
     dense = (None, None, 0, 0)
     cu = torch.tensor([0, 7, 7, 38], dtype=torch.int32, device=device)
     packed = [t.detach().reshape(-1, *t.shape[2:])[:38].requires_grad_() for t in (q, k, v)]
+    seed = torch.tensor([1234], dtype=torch.int64, device=device)
     for tensors, layout, options in (
-        ((q, k, v), dense, (0, -1, 0, 0.0, None)),  # causal
-        ((q, k, v), dense, (0, 5, 2, 3.0, slopes)),  # window + softcap + ALiBi
-        (packed, (cu, cu, 31, 31), (0, -1, 0, 0.0, None)),  # varlen, causal
+        ((q, k, v), dense, (0, -1, 0, 0.0, None, 0.0, None)),  # causal
+        ((q, k, v), dense, (0, 5, 2, 3.0, slopes, 0.25, seed)),  # window + softcap + ALiBi + dropout
+        (packed, (cu, cu, 31, 31), (0, -1, 0, 0.0, None, 0.0, None)),  # varlen, causal
     ):
         args = (*tensors, *layout, 0.25, *options)
         torch.library.opcheck(attn_fwd, args)

@@ -40,8 +40,8 @@ def test_verify_table_and_failure_exit_status(capsys, monkeypatch):
     real_run = dispatch.SdpaBackend.run
 
     def off_by_a_little(self, call):
-        out, lse = real_run(self, call)
-        return out * 1.001, lse
+        out, lse, probs = real_run(self, call)
+        return out * 1.001, lse, probs
 
     monkeypatch.setattr(dispatch.SdpaBackend, "run", off_by_a_little)
     status, out = _run(capsys, "--grid", "small", "--dtype", "float32", "--backend", "sdpa", "--device", "cpu")

@@ -22,11 +22,11 @@ from flash_recipe.ops.forward import Variant, Varlen, attention_forward
 
 
 def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left, window_right,
-            softcap, alibi_slopes):
+            softcap, alibi_slopes, dropout_p, seed):
     varlen = None
     if cu_seqlens_q is not None:
         varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return Variant(diag_offset, window_left, window_right, softcap, alibi_slopes), varlen
+    return Variant(diag_offset, window_left, window_right, softcap, alibi_slopes, dropout_p, seed), varlen
 
 
 @torch.library.custom_op("flash_recipe::attn_fwd", mutates_args=())
@@ -44,13 +44,15 @@ def attn_fwd(
     window_right: int,
     softcap: float,
     alibi_slopes: Optional[torch.Tensor],
+    dropout_p: float,
+    seed: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q (B, Sq, H, D)``, ``k, v (B, Sk, Hk, D)`` -> ``out (B, Sq, H, D)``, ``lse (B, H, Sq)`` float32.
 
     Varlen: ``q (total_q, H, D)``, ``k, v (total_k, Hk, D)`` -> ``out (total_q, H, D)``, ``lse (H, total_q)``.
     """
     var, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
-                          window_right, softcap, alibi_slopes)
+                          window_right, softcap, alibi_slopes, dropout_p, seed)
     return attention_forward(q, k, v, softmax_scale, var, varlen)
 
 
@@ -80,10 +82,12 @@ def attn_bwd(
     window_right: int,
     softcap: float,
     alibi_slopes: Optional[torch.Tensor],
+    dropout_p: float,
+    seed: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq, dk, dv`` (shapes of q, k, v) from ``dout`` (shape of q)."""
     var, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
-                          window_right, softcap, alibi_slopes)
+                          window_right, softcap, alibi_slopes, dropout_p, seed)
     return attention_backward(dout, q, k, v, out, lse, softmax_scale, var, varlen)
 
 
@@ -95,17 +99,19 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes, dropout_p, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed)
     ctx.options = options  # max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset, window_left, window_right, softcap
+    ctx.dropout_p = dropout_p
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes)
-    return (dq, dk, dv) + (None,) * 10
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed = ctx.saved_tensors
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
+                          ctx.dropout_p, seed)
+    return (dq, dk, dv) + (None,) * 12
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -122,8 +128,22 @@ def attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     cu_seqlens: tuple = (None, None),
     max_seqlens: tuple[int, int] = (0, 0),
+    dropout_p: float = 0.0,
+    seed: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes."""
+    """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes.
+
+    With ``dropout_p > 0`` and no ``seed``, the dropout mask's seed is drawn from torch's
+    generator for q's device (so ``torch.manual_seed`` makes it reproducible) and kept for the
+    backward, which regenerates the same mask.
+    """
+    if dropout_p > 0.0 and seed is None:
+        seed = new_seed(q.device)
     return attn_fwd(q, k, v, cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]),
                     float(softmax_scale), int(diag_offset), int(window[0]), int(window[1]), float(softcap),
-                    alibi_slopes)
+                    alibi_slopes, float(dropout_p), seed)
+
+
+def new_seed(device: torch.device) -> torch.Tensor:
+    """A dropout seed, int64 ``(1,)`` on ``device``, from torch's generator for that device."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)

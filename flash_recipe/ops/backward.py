@@ -29,7 +29,7 @@ import triton.language as tl
 from flash_recipe.ops import configs
 from flash_recipe.ops.forward import Variant, Varlen, kernel_options, layout, lse_buffer
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import key_blocks, load_tile, query_blocks, scores, sequence, store_tile
+from flash_recipe.ops.tiles import dropout_keep, key_blocks, load_tile, query_blocks, scores, sequence, store_tile
 
 
 @triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
@@ -71,9 +71,9 @@ def attn_bwd_preprocess_kernel(
 def _dkdv_inner(
     b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
     seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
-    o_n, o_r, o_d, start, end,
+    o_n, o_r, o_d, start, end, seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``."""
@@ -93,8 +93,14 @@ def _dkdv_inner(
         b_st, b_tt = scores(b_qk, o_m[None, :], o_n[:, None], seqlen_k, lo_offset, hi_offset, diag_offset,
                             sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_pt = tl.math.exp2(b_st - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
-        b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
+        if DROPOUT:
+            # out uses P * keep / (1 - p): so do dV and, through dP, dS.
+            m_keep = dropout_keep(seed, rng_base, o_m[None, :], o_n[:, None], rng_stride, dropout_p)
+            b_dv = tl.dot(tl.where(m_keep, b_pt / (1.0 - dropout_p), 0.0).to(b_do.dtype), b_do, b_dv, input_precision="ieee")
+            b_dpt = tl.where(m_keep, b_dpt / (1.0 - dropout_p), 0.0)
+        else:
+            b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
         b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
         if SOFTCAP:
             b_dst = b_dst * (1.0 - b_tt * b_tt)
@@ -111,7 +117,7 @@ def _dkdv_inner(
 )
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -120,8 +126,9 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
+    dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head."""
@@ -160,6 +167,11 @@ def attn_bwd_dkdv_kernel(
         slope = 0.0
         if ALIBI:
             slope = tl.load(SLOPES + i_b * stride_sb + i_h)
+        seed = 0
+        rng_base = 0
+        if DROPOUT:
+            seed = tl.load(SEED)
+            rng_base = (i_b * stride_lb + i_h * stride_lh + bos_q) * rng_stride
         # Rows that see part of the block (masked), all of it (unmasked), part of it again (masked).
         for stage in tl.static_range(3):
             if stage == 0:
@@ -171,8 +183,8 @@ def attn_bwd_dkdv_kernel(
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                 seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
-                o_n, o_r, o_d, lo, hi,
-                stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, EVEN_M, MASK_D, BLOCK_M,
+                o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride, dropout_p,
+                stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M,
             )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
@@ -185,8 +197,9 @@ def attn_bwd_dkdv_kernel(
 def _dq_inner(
     b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
+    seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks."""
     for start_n in range(start, end, BLOCK_N):
@@ -198,6 +211,9 @@ def _dq_inner(
                           sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_p = tl.math.exp2(b_s - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        if DROPOUT:
+            m_keep = dropout_keep(seed, rng_base, o_m[:, None], (start_n + o_n)[None, :], rng_stride, dropout_p)
+            b_dp = tl.where(m_keep, b_dp / (1.0 - dropout_p), 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             b_ds = b_ds * (1.0 - b_t * b_t)
@@ -209,7 +225,7 @@ def _dq_inner(
                     "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -217,8 +233,9 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
+    dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``."""
@@ -257,6 +274,11 @@ def attn_bwd_dq_kernel(
     slope = 0.0
     if ALIBI:
         slope = tl.load(SLOPES + i_b * stride_sb + i_h)
+    seed = 0
+    rng_base = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+        rng_base = row_base * rng_stride
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
@@ -270,7 +292,8 @@ def attn_bwd_dq_kernel(
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, MASK_D, BLOCK_N,
+            seed, rng_base, rng_stride, dropout_p,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N,
         )
     dq_base = DQ + i_b * stride_dqb + bos_q * stride_dqm + i_h.to(tl.int64) * stride_dqh
     store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * sm_scale, not EVEN_M, MASK_D)
@@ -309,7 +332,7 @@ def attention_backward(
     target = configs.target_of(q.device)
     block_d = configs.head_dim_bucket(head_dim)
     delta, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
-    (slopes, stride_sb, scalars), flags = kernel_options(var, delta)
+    (slopes, seed, stride_sb, scalars), flags = kernel_options(var, delta, seqlen_k)
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (delta, delta)
     common = (stride_lb, stride_lh, stride_sb, nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim,
               softmax_scale, *scalars)
@@ -322,14 +345,14 @@ def attention_backward(
         )
         cfg = configs.get_config(target, "bwd_dkdv", head_dim, q.element_size())
         attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_k, batch)](
-            q, k, v, dout, lse, delta, dk, dv, slopes, cu_q, cu_k,
+            q, k, v, dout, lse, delta, dk, dv, slopes, cu_q, cu_k, seed,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv), *common,
             IS_VARLEN=is_varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
         cfg = configs.get_config(target, "bwd_dq", head_dim, q.element_size())
         attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
-            q, k, v, dout, lse, delta, dq, slopes, cu_q, cu_k,
+            q, k, v, dout, lse, delta, dq, slopes, cu_q, cu_k, seed,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), *common,
             IS_VARLEN=is_varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,

@@ -28,10 +28,11 @@ KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "gfx90a", "gfx942")
 
 
-MODES = ("full", "causal", "window-softcap-alibi", "varlen-causal")
+MODES = ("full", "causal", "all-options", "varlen-causal")
 FP32_POINTERS = ("LSE", "DELTA", "SLOPES")
 INT32_POINTERS = ("CU_Q", "CU_K")
-FLOAT_SCALARS = ("sm_scale", "softcap")
+INT64_POINTERS = ("SEED",)
+FLOAT_SCALARS = ("sm_scale", "softcap", "dropout_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Variant:
     kernel: str
     dtype: str
     head_dim: int  # the padded bucket
-    mode: str  # "full": no mask; "causal": right edge; "window-softcap-alibi": every option on;
+    mode: str  # "full": no mask; "causal": right edge; "all-options": window, softcap, ALiBi, dropout;
     # "varlen-causal": packed sequences with the causal edge
     even: bool  # sequence lengths multiples of the blocks and head dim == bucket
 
@@ -55,7 +56,7 @@ def variants(kernels=KERNELS, dtypes=tuple(DTYPES), buckets=HEAD_DIM_BUCKETS, mo
     most code and the most registers), and packed variable-length sequences.
     """
     for kernel, dtype, head_dim, mode, even in itertools.product(kernels, dtypes, buckets, modes, (False, True)):
-        if kernel == "bwd_preprocess" and mode in ("causal", "window-softcap-alibi"):
+        if kernel == "bwd_preprocess" and mode in ("causal", "all-options"):
             continue  # the preprocess has no masking options
         if mode.startswith("varlen") and even:
             continue  # varlen sequences are always ragged
@@ -75,8 +76,9 @@ def _source(variant: Variant, target: str):
     element_size = 4 if variant.dtype == "float32" else 2
     even = variant.even
     constexprs = {"BLOCK_D": variant.head_dim, "EVEN_M": even, "EVEN_N": even, "MASK_D": not even,
-                  "MASK_LEFT": variant.mode == "window-softcap-alibi", "MASK_RIGHT": variant.mode != "full",
-                  "SOFTCAP": variant.mode == "window-softcap-alibi", "ALIBI": variant.mode == "window-softcap-alibi",
+                  "MASK_LEFT": variant.mode == "all-options", "MASK_RIGHT": variant.mode != "full",
+                  "SOFTCAP": variant.mode == "all-options", "ALIBI": variant.mode == "all-options",
+                  "DROPOUT": variant.mode == "all-options",
                   "IS_VARLEN": variant.mode.startswith("varlen")}
     cfg = None
     if variant.kernel == "bwd_preprocess":
@@ -94,6 +96,8 @@ def _source(variant: Variant, target: str):
                 signature[param.name] = "*fp32"
             elif param.name in INT32_POINTERS:
                 signature[param.name] = "*i32"
+            elif param.name in INT64_POINTERS:
+                signature[param.name] = "*i64"
             else:
                 signature[param.name] = f"*{DTYPES[variant.dtype]}"
         else:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from flash_recipe.ops import configs
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import key_blocks, load_tile, scores, sequence, store_tile
+from flash_recipe.ops.tiles import dropout_keep, key_blocks, load_tile, scores, sequence, store_tile
 
 
 
@@ -36,10 +36,15 @@ from flash_recipe.ops.tiles import key_blocks, load_tile, scores, sequence, stor
 def _fwd_inner(
     b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
+    seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks."""
+    """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
+
+    With ``DROPOUT`` the normaliser ``l`` sums the kept and the dropped probabilities alike, and
+    only the kept ones, scaled by ``1 / (1 - p)``, reach the accumulator.
+    """
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
@@ -56,6 +61,9 @@ def _fwd_inner(
         b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
+        if DROPOUT:
+            m_keep = dropout_keep(seed, rng_base, o_m[:, None], (start_n + o_n)[None, :], rng_stride, dropout_p)
+            b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision="ieee")
         b_m = b_m_new
     return b_acc, b_m, b_l
@@ -69,15 +77,16 @@ def _fwd_inner(
 )
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, SLOPES, CU_Q, CU_K,
+    Q, K, V, O, LSE, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
+    dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
@@ -85,6 +94,7 @@ def attn_fwd_kernel(
     Dense: ``Q`` is ``(B, Sq, H, D)``. Varlen (``IS_VARLEN``): ``Q`` is ``(total_q, H, D)`` with
     sequence ``b`` in rows ``CU_Q[b]:CU_Q[b+1]`` (batch strides are 0) and its diagonal aligned
     bottom-right. ``LSE[b * stride_lb + h * stride_lh + first row + i]``; ``SLOPES[b * stride_sb + h]``.
+    Dropout draws entry ``(i, j)`` from ``SEED[0]`` at offset ``(LSE index of row i) * rng_stride + j``.
     """
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -113,6 +123,11 @@ def attn_fwd_kernel(
     slope = 0.0
     if ALIBI:
         slope = tl.load(SLOPES + i_b * stride_sb + i_h)
+    seed = 0
+    rng_base = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+        rng_base = (i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q) * rng_stride
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -131,7 +146,8 @@ def attn_fwd_kernel(
         b_acc, b_m, b_l = _fwd_inner(
             b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, MASK_D, BLOCK_N,
+            seed, rng_base, rng_stride, dropout_p,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N,
         )
 
     m_empty = b_l == 0.0  # rows that saw no key
@@ -162,6 +178,8 @@ class Variant(NamedTuple):
     window_right: int
     softcap: float  # > 0 enables softcapping
     slopes: Optional[torch.Tensor]  # ALiBi slopes, fp32 (H,) or (B, H)
+    dropout_p: float = 0.0
+    seed: Optional[torch.Tensor] = None  # int64 (1,) on the device: the dropout mask's Philox seed
 
 
 class Varlen(NamedTuple):
@@ -173,14 +191,18 @@ class Varlen(NamedTuple):
     max_seqlen_k: int
 
 
-def kernel_options(var: Variant, placeholder: torch.Tensor) -> tuple[tuple, dict]:
-    """The kernels' ``SLOPES`` pointer, its batch stride and the option scalars, and the constexpr flags."""
+def kernel_options(var: Variant, placeholder: torch.Tensor, seqlen_k: int) -> tuple[tuple, dict]:
+    """The kernels' ``SLOPES`` and ``SEED`` pointers, the slopes' batch stride, the option scalars
+    (``softcap, diag_offset, window_left, window_right, dropout_p, rng_stride``) and the
+    constexpr flags."""
     slopes = var.slopes if var.slopes is not None else placeholder
     stride_sb = slopes.stride(0) if slopes.dim() == 2 else 0
+    seed = var.seed if var.seed is not None else placeholder
     flags = dict(MASK_LEFT=var.window_left >= 0, MASK_RIGHT=var.window_right >= 0,
-                 SOFTCAP=var.softcap > 0.0, ALIBI=var.slopes is not None)
-    scalars = (max(var.softcap, 1.0), var.diag_offset, max(var.window_left, 0), max(var.window_right, 0))
-    return (slopes, stride_sb, scalars), flags
+                 SOFTCAP=var.softcap > 0.0, ALIBI=var.slopes is not None, DROPOUT=var.dropout_p > 0.0)
+    scalars = (max(var.softcap, 1.0), var.diag_offset, max(var.window_left, 0), max(var.window_right, 0),
+               var.dropout_p, seqlen_k)
+    return (slopes, seed, stride_sb, scalars), flags
 
 
 def layout(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen]) -> tuple:
@@ -231,11 +253,11 @@ def attention_forward(
         return out.zero_(), lse
     cfg = configs.get_config(configs.target_of(q.device), "fwd", head_dim, q.element_size())
     grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
-    (slopes, stride_sb, scalars), flags = kernel_options(var, lse)
+    (slopes, seed, stride_sb, scalars), flags = kernel_options(var, lse, seqlen_k)
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (lse, lse)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         attn_fwd_kernel[grid](
-            q, k, v, out, lse, slopes, cu_q, cu_k,
+            q, k, v, out, lse, slopes, cu_q, cu_k, seed,
             *strides(q), *strides(k), *strides(v), *strides(out),
             stride_lb, stride_lh, stride_sb,
             nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, *scalars,

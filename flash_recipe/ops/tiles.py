@@ -163,3 +163,15 @@ def sequence(CU_SEQLENS, i_b, seqlen, IS_VARLEN: tl.constexpr):
         return bos.to(tl.int64), tl.load(CU_SEQLENS + i_b + 1) - bos
     else:
         return tl.zeros([], dtype=tl.int64), seqlen
+
+
+@triton.jit
+def dropout_keep(seed, rng_base, o_q, o_k, rng_stride, dropout_p):
+    """Which attention probabilities dropout keeps: True with probability ``1 - dropout_p``.
+
+    Counter-based (Philox): entry ``(i, j)`` of a head draws the number at offset
+    ``rng_base + i * rng_stride + j`` from ``seed``, so the forward and the backward, whatever
+    their tiling, regenerate the same mask. ``o_q`` and ``o_k`` broadcast like in ``scores``.
+    """
+    offsets = rng_base + o_q.to(tl.int64) * rng_stride + o_k
+    return tl.rand(seed, offsets) >= dropout_p

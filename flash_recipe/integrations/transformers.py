@@ -1,0 +1,293 @@
+"""``attn_implementation="recipe_attention"`` for Hugging Face transformers.
+
+Usage::
+
+    import flash_recipe.integrations.transformers as fr_transformers
+    fr_transformers.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=fr_transformers.ATTN_IMPLEMENTATION)
+
+The name holds no "flash": transformers (5.x) routes every implementation whose name contains
+"flash" to its own flash-attn loader, which knows only the flash-attn packages and hub kernels;
+likewise "sdpa", "flex", "eager", "paged" and "org/name" patterns mean something to it.
+
+``register()`` adds two entries under the same name: the attention function to transformers'
+``AttentionInterface`` and a mask builder to its ``AttentionMaskInterface``. The mask builder hands
+the attention function what flash-attn style kernels need: ``None`` when every token is real (the
+causal or sliding-window pattern then comes from ``causal`` / ``window_size``), else the 2D
+padding mask ``(batch, kv_len)``, True for a real token, which the attention function turns into
+packed variable-length sequences (``unpad_input`` -> ``flash_attn_varlen_func`` -> ``pad_input``).
+
+What a model asks for, and what it becomes here (``W`` = the module's ``sliding_window``):
+
+    is_causal (default module.is_causal)   causal=True, bottom-right aligned (a KV cache makes
+                                            seqlen_q < seqlen_k; query i sees keys up to
+                                            i + seqlen_k - seqlen_q, as in the model's own mask)
+    sliding_window=W, causal                window_size=(W - 1, 0): the current token and W - 1 before it
+    sliding_window=W, not causal            window_size=(W, W): |i - j| <= W
+    softcap=c (Gemma 2 logit softcapping)   softcap=c
+    scaling                                 softmax_scale
+    dropout > 0 (training only)             NotImplementedError: flash_recipe has no dropout yet
+    padding (2D mask with zeros)            varlen over the real tokens; padded query rows output 0
+    packed rows (position_ids restarting,   varlen with one sequence per run of consecutive
+      no mask, no cache) or cu_seq_lens_*   positions (or the given cu_seq_lens_q / cu_seq_lens_k)
+    a 4D mask passed in by the caller       flash_recipe.scaled_dot_product_attention with that mask
+
+Masks that are neither causal, sliding-window nor padding (a model's ``or_mask_function`` /
+``and_mask_function``, e.g. bidirectional attention over image tokens, and chunked attention) have
+no flash-attn form: building one raises NotImplementedError naming ``attn_implementation="sdpa"``.
+Padding in the middle of a sequence (right padding followed by generated tokens) is treated as
+absent by the sliding window's count, as in flash-attn: the window counts real tokens.
+
+Importing this module does not import transformers; ``register()`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+ATTN_IMPLEMENTATION = "recipe_attention"
+# Substrings by which transformers routes an implementation name to its own machinery.
+_RESERVED = ("flash", "sdpa", "flex", "eager", "paged", "/", ":", "|")
+# The oldest transformers whose AttentionInterface / AttentionMaskInterface this module speaks.
+MIN_TRANSFORMERS = "4.53"
+_INSTALL_HINT = "pip install 'flash-recipe[transformers]'"
+
+
+def register(name: str = ATTN_IMPLEMENTATION) -> None:
+    """Make ``attn_implementation=name`` (default ``"recipe_attention"``) selectable in transformers.
+
+    Registers ``attention_forward`` in ``transformers.AttentionInterface`` and ``padding_mask`` in
+    ``transformers.AttentionMaskInterface``, for every model in the process. Calling it again is
+    harmless.
+
+    Raises:
+        ImportError: transformers is missing or older than ``MIN_TRANSFORMERS``.
+        ValueError: ``name`` is empty, contains one of ``"flash"``, ``"sdpa"``, ``"flex"``,
+            ``"eager"``, ``"paged"``, ``"/"``, ``":"``, ``"|"`` (transformers gives those names a
+            meaning of its own), or already names another attention implementation.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    reserved = [part for part in _RESERVED if part in name]
+    if reserved:
+        raise ValueError(
+            f"name must not contain {reserved[0]!r} (transformers routes names containing any of {list(_RESERVED)} "
+            f"to its own implementations), got {name!r}"
+        )
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            f"flash_recipe.integrations.transformers needs the transformers package; install it with {_INSTALL_HINT}"
+        ) from exc
+    from packaging.version import Version  # a dependency of transformers
+
+    if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:
+        raise ImportError(
+            f"transformers must be >= {MIN_TRANSFORMERS} for attn_implementation={name!r}, "
+            f"got {transformers.__version__}; upgrade with {_INSTALL_HINT}"
+        )
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for interface, function in ((AttentionInterface, attention_forward), (AttentionMaskInterface, padding_mask)):
+        current = interface._global_mapping.get(name)
+        if current is not None and current is not function:
+            raise ValueError(
+                f"name must not be an attention implementation transformers already has, got {name!r} "
+                f"(registered to {getattr(current, '__qualname__', current)!r} in {interface.__name__})"
+            )
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, padding_mask)
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask: Optional[torch.Tensor] = None,
+    **kwargs,
+) -> Optional[torch.Tensor]:
+    """The mask builder transformers calls for this implementation (``AttentionMaskInterface``).
+
+    Arguments (as transformers passes them; the pattern itself is applied by the kernels):
+        kv_length: the number of keys the layer attends to.
+        attention_mask: bool ``(batch_size, seen_tokens + q_length)``, True for a real token, or None.
+        use_vmap (in kwargs): True when the model combined its mask with custom mask functions.
+        config (in kwargs): the model config.
+
+    Returns:
+        None if every one of the last ``kv_length`` tokens is real, else the bool padding mask
+        ``(batch_size, kv_len)`` of the last ``kv_length`` tokens (shorter than ``kv_length``
+        only when a static cache holds empty slots after them).
+    """
+    if kwargs.get("use_vmap"):
+        raise NotImplementedError(
+            "the model combines its causal mask with custom mask functions (or_mask_function / and_mask_function, "
+            "e.g. bidirectional attention over image tokens), which flash_recipe cannot express (it takes causal, "
+            "sliding-window and padding masks); load the model with attn_implementation='sdpa'"
+        )
+    config = kwargs.get("config")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None:
+        raise NotImplementedError(
+            f"chunked attention (config.attention_chunk_size={chunk}) is not supported by flash_recipe; "
+            "load the model with attn_implementation='sdpa'"
+        )
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def _window(sliding_window, causal: bool) -> tuple[int, int]:
+    if sliding_window is None:
+        return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+
+
+def _indices(mask: torch.Tensor):
+    """``indices (total,)``, ``cu_seqlens (batch + 1,)`` int32, ``max_seqlen`` of a bool ``(batch, seqlen)`` mask."""
+    from flash_recipe.padding import unpad_input
+
+    _, indices, cu_seqlens, max_seqlen, _ = unpad_input(mask.unsqueeze(-1), mask)
+    return indices, cu_seqlens, max_seqlen
+
+
+def _gather(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Tokens ``indices`` (into the flattened ``batch * seqlen``) of ``x (batch, seqlen, heads, dim)``,
+    a strided view, as ``(total, heads, dim)``: one copy, with no contiguous copy before it."""
+    seqlen = x.shape[1]
+    return x[indices // seqlen, indices % seqlen]
+
+
+def _packed_runs(position_ids, batch: int, seqlen: int) -> Optional[torch.Tensor]:
+    """cu_seqlens of the runs of consecutive positions in ``position_ids (1 or batch, seqlen)``, or
+    None when every row is one run (nothing packed)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != seqlen:
+        return None
+    if position_ids.shape[0] not in (1, batch) or seqlen < 2:
+        return None
+    position_ids = position_ids.expand(batch, -1)
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    first = torch.nonzero(starts.flatten()).flatten()
+    if first.numel() == batch:
+        return None
+    total = torch.tensor([batch * seqlen], device=first.device)
+    return torch.cat([first, total]).to(torch.int32)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The attention function transformers calls for this implementation (``AttentionInterface``).
+
+    Arguments:
+        module: the attention layer (its ``is_causal`` is the default for ``is_causal``).
+        query: ``(batch, nheads, seqlen_q, headdim)``.
+        key, value: ``(batch, nheads_k, seqlen_k, headdim)``, ``nheads % nheads_k == 0`` (GQA:
+            query heads map to kv heads in contiguous groups); with a KV cache
+            ``seqlen_k >= seqlen_q`` and the queries are the last ``seqlen_q`` positions.
+        attention_mask: from ``padding_mask``: None or bool ``(batch, kv_len)``; or a 4D mask the
+            caller built, broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)``.
+        dropout: must be 0.0 (models pass their attention dropout in training only).
+        scaling: softmax scale; default ``1 / sqrt(headdim)``.
+        sliding_window: ``W``: a causal query sees itself and ``W - 1`` keys before it.
+        softcap: logit softcapping (scores become ``softcap * tanh(scores / softcap)``).
+        is_causal: overrides ``module.is_causal``.
+        kwargs: ``position_ids (batch or 1, seqlen)`` (packed rows when positions restart and there
+            is no mask), ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``
+            (packed rows given explicitly); ``s_aux`` (attention sinks) is not supported.
+
+    Returns:
+        ``(out, None)``: ``out (batch, seqlen_q, nheads, headdim)``; padded query rows are 0.
+        No attention weights (as flash-attn, they are never materialised).
+    """
+    from flash_recipe import api
+
+    if dropout:
+        raise NotImplementedError(
+            f"dropout must be 0.0: flash_recipe does not support attention dropout yet, got dropout={dropout} "
+            "(the model applies its attention_dropout in training); set config.attention_dropout = 0.0 or "
+            "train with attn_implementation='sdpa'"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("s_aux (attention sinks) is not supported by flash_recipe; use attn_implementation='sdpa'")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    options = dict(
+        softmax_scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
+        softcap=float(softcap) if softcap else 0.0,
+    )
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        if options["window_size"] != (-1, -1) or options["softcap"]:
+            raise NotImplementedError(
+                "a 4D attention_mask cannot be combined with sliding_window or softcap in flash_recipe; "
+                "pass a 2D padding mask or use attn_implementation='sdpa'"
+            )
+        out = api.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        )
+        return out.transpose(1, 2), None
+
+    # flash-attn layout (batch, seqlen, heads, dim) as views: no copy.
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    batch, seqlen_q, nheads, _ = q.shape
+
+    if attention_mask is not None:
+        mask = attention_mask.bool()
+        if mask.shape[1] < k.shape[1]:  # a static cache: slots after the mask are empty
+            k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
+        mask = mask[:, -k.shape[1]:]
+        seqlen_k = k.shape[1]
+        indices_k, cu_k, max_k = _indices(mask)
+        if seqlen_q == seqlen_k:
+            indices_q, cu_q, max_q = indices_k, cu_k, max_k
+        elif causal and seqlen_q < seqlen_k:  # the queries are the last seqlen_q tokens
+            indices_q, cu_q, max_q = _indices(mask[:, -seqlen_q:])
+        else:  # cross-attention: the mask covers the keys only
+            indices_q, cu_q, max_q = _indices(mask.new_ones(batch, seqlen_q))
+        out = api.flash_attn_varlen_func(
+            _gather(q, indices_q), _gather(k, indices_k), _gather(v, indices_k), cu_q, cu_k, max_q, max_k, **options,
+        )
+        from flash_recipe.padding import pad_input
+
+        return pad_input(out, indices_q, batch, seqlen_q), None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if all(x is not None for x in (cu_q, cu_k, max_q, max_k)):
+        cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+        max_q, max_k = int(max_q), int(max_k)
+    elif seqlen_q == k.shape[1]:
+        cu_q = cu_k = _packed_runs(kwargs.get("position_ids"), batch, seqlen_q)
+        if cu_q is not None:
+            max_q = max_k = int((cu_q[1:] - cu_q[:-1]).max())
+    else:
+        cu_q = None
+    if cu_q is not None:
+        q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+        out = api.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+        return out.view(batch, -1, nheads, out.shape[-1]), None
+
+    return api.flash_attn_func(q, k, v, **options), None
