@@ -29,7 +29,9 @@ import triton.language as tl
 from flash_recipe.ops import configs
 from flash_recipe.ops.forward import Variant, Varlen, kernel_options, layout, lse_buffer
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import dropout_keep, key_blocks, load_tile, query_blocks, scores, sequence, store_tile
+from flash_recipe.ops.tiles import (
+    dropout_keep, key_blocks, load_tile, query_blocks, scores, sequence, stage_bounds, store_tile,
+)
 
 
 @triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
@@ -174,12 +176,7 @@ def attn_bwd_dkdv_kernel(
             rng_base = (i_b * stride_lb + i_h * stride_lh + bos_q) * rng_stride
         # Rows that see part of the block (masked), all of it (unmasked), part of it again (masked).
         for stage in tl.static_range(3):
-            if stage == 0:
-                lo, hi = begin, full_begin
-            elif stage == 1:
-                lo, hi = full_begin, full_end
-            else:
-                lo, hi = full_end, end
+            lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                 seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
@@ -283,12 +280,7 @@ def attn_bwd_dq_kernel(
 
     begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
     for stage in tl.static_range(3):
-        if stage == 0:
-            lo, hi = begin, full_begin
-        elif stage == 1:
-            lo, hi = full_begin, full_end
-        else:
-            lo, hi = full_end, end
+        lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,

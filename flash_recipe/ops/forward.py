@@ -28,7 +28,7 @@ import triton.language as tl
 
 from flash_recipe.ops import configs
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import dropout_keep, key_blocks, load_tile, scores, sequence, store_tile
+from flash_recipe.ops.tiles import dropout_keep, key_blocks, load_tile, scores, sequence, stage_bounds, store_tile
 
 
 
@@ -137,12 +137,7 @@ def attn_fwd_kernel(
     # The left edge of a window (masked), the blocks every row sees in full (no masks), then the
     # diagonal / right edge and the ragged last block (masked).
     for stage in tl.static_range(3):
-        if stage == 0:
-            lo, hi = begin, full_begin
-        elif stage == 1:
-            lo, hi = full_begin, full_end
-        else:
-            lo, hi = full_end, end
+        lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
         b_acc, b_m, b_l = _fwd_inner(
             b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,

@@ -90,6 +90,17 @@ def key_blocks(q_start, seqlen_k, lo_offset, hi_offset,
 
 
 @triton.jit
+def stage_bounds(stage: tl.constexpr, begin, full_begin, full_end, end):
+    """The range of stage 0 (masked edge), 1 (no mask) or 2 (masked edge) of a three-stage loop."""
+    if stage == 0:
+        return begin, full_begin
+    elif stage == 1:
+        return full_begin, full_end
+    else:
+        return full_end, end
+
+
+@triton.jit
 def query_blocks(k_start, seqlen_q, lo_offset, hi_offset,
                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query blocks that see any of keys ``[k_start, k_start + BLOCK_N)``; the mirror of ``key_blocks``.
