@@ -26,7 +26,7 @@ What a model asks for, and what it becomes here (``W`` = the module's ``sliding_
     sliding_window=W, not causal            window_size=(W, W): |i - j| <= W
     softcap=c (Gemma 2 logit softcapping)   softcap=c
     scaling                                 softmax_scale
-    dropout > 0 (training only)             NotImplementedError: flash_recipe has no dropout yet
+    dropout (models pass it in training)    dropout_p
     padding (2D mask with zeros)            varlen over the real tokens; padded query rows output 0
     packed rows (position_ids restarting,   varlen with one sequence per run of consecutive
       no mask, no cache) or cu_seq_lens_*   positions (or the given cu_seq_lens_q / cu_seq_lens_k)
@@ -103,19 +103,11 @@ def register(name: str = ATTN_IMPLEMENTATION) -> None:
     AttentionMaskInterface.register(name, padding_mask)
 
 
-def padding_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset=0,
-    kv_offset=0,
-    mask_function=None,
-    attention_mask: Optional[torch.Tensor] = None,
-    **kwargs,
-) -> Optional[torch.Tensor]:
+def padding_mask(*, kv_length: int, attention_mask: Optional[torch.Tensor] = None, **kwargs) -> Optional[torch.Tensor]:
     """The mask builder transformers calls for this implementation (``AttentionMaskInterface``).
 
-    Arguments (as transformers passes them; the pattern itself is applied by the kernels):
+    Arguments (keywords, as transformers passes them; the others, such as ``batch_size`` and
+    ``mask_function``, describe the causal or sliding pattern, which the kernels apply themselves):
         kv_length: the number of keys the layer attends to.
         attention_mask: bool ``(batch_size, seen_tokens + q_length)``, True for a real token, or None.
         use_vmap (in kwargs): True when the model combined its mask with custom mask functions.
@@ -210,7 +202,8 @@ def attention_forward(
             ``seqlen_k >= seqlen_q`` and the queries are the last ``seqlen_q`` positions.
         attention_mask: from ``padding_mask``: None or bool ``(batch, kv_len)``; or a 4D mask the
             caller built, broadcastable to ``(batch, nheads, seqlen_q, seqlen_k)``.
-        dropout: must be 0.0 (models pass their attention dropout in training only).
+        dropout: dropout probability on the attention weights (models pass their
+            ``attention_dropout`` in training and 0.0 in evaluation).
         scaling: softmax scale; default ``1 / sqrt(headdim)``.
         sliding_window: ``W``: a causal query sees itself and ``W - 1`` keys before it.
         softcap: logit softcapping (scores become ``softcap * tanh(scores / softcap)``).
@@ -225,17 +218,11 @@ def attention_forward(
     """
     from flash_recipe import api
 
-    if dropout:
-        raise NotImplementedError(
-            f"dropout must be 0.0: flash_recipe does not support attention dropout yet, got dropout={dropout} "
-            "(the model applies its attention_dropout in training); set config.attention_dropout = 0.0 or "
-            "train with attn_implementation='sdpa'"
-        )
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("s_aux (attention sinks) is not supported by flash_recipe; use attn_implementation='sdpa'")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     options = dict(
-        softmax_scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
+        dropout_p=float(dropout), softmax_scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
         softcap=float(softcap) if softcap else 0.0,
     )
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
@@ -245,7 +232,8 @@ def attention_forward(
                 "pass a 2D padding mask or use attn_implementation='sdpa'"
             )
         out = api.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+            query, key, value, attn_mask=attention_mask, dropout_p=float(dropout), scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
         )
         return out.transpose(1, 2), None
 
