@@ -1,0 +1,140 @@
+"""Sessions of flash-recipe: ``nox -l`` lists them.
+
+- ``tests``: the test suite, run against the built wheel;
+- ``install_matrix``: every install recipe in ``recipes/``, one session per path, each in a fresh
+  environment against loopback servers only; ``install_matrix_report`` follows automatically;
+- ``compile_check``: every kernel variant compiled for sm80/86/89/90 and gfx90a/gfx942, no GPU needed;
+- ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed.
+
+The matrix machinery lives in ``recipes/harness`` (``python -m recipes.harness --help``); the
+sessions here only call it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from recipes.harness.config import TOOLS  # noqa: E402
+from recipes.harness.paths import PATH_IDS  # noqa: E402
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "virtualenv"
+
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+# The torch the test environment gets; pip's configuration decides where it comes from.
+TORCH = os.environ.get("FLASH_RECIPE_TORCH", "torch==2.13.0")
+# One id for all the matrix sessions of this nox invocation, so that their results add up to
+# one report.
+RUN_ID = os.environ.get("FLASH_RECIPE_MATRIX_RUN") or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+HARNESS = (sys.executable, "-m", "recipes.harness")
+
+
+def install_built_wheel(session: nox.Session, extras: str = "") -> None:
+    """Install torch (``FLASH_RECIPE_TORCH``) first, then the wheel built from this checkout."""
+    session.install(TORCH)
+    dist = Path(session.create_tmp()) / "dist"
+    session.run("python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), str(ROOT))
+    wheels = sorted(dist.glob("flash_recipe-*.whl"))
+    if len(wheels) != 1:
+        session.error(f"expected one built wheel in {dist}, got {[w.name for w in wheels]}")
+    session.install(f"{wheels[0]}{extras}")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run pytest against the built wheel (not the source tree). Extra arguments go to pytest.
+
+    torch comes first (``FLASH_RECIPE_TORCH``, default ``torch==2.13.0``), so the wheel's
+    ``torch>=2.4`` is already satisfied and no other build is pulled in. The wheel is installed
+    with its ``transformers`` extra, so the integration tests run too.
+    """
+    install_built_wheel(session, "[transformers]")
+    session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
+    # The harness tests start a real pypiserver.
+    session.install(f"pypiserver=={TOOLS['pypiserver']}", f"waitress=={TOOLS['waitress']}")
+    # Run outside the checkout: `import flash_recipe` must find the installed wheel. (pytest puts
+    # only tests/ on sys.path, never the checkout's root.)
+    session.chdir(session.create_tmp())
+    session.run(
+        "python",
+        "-c",
+        "import flash_recipe, sys; f = flash_recipe.__file__; print('flash_recipe from', f); "
+        "sys.exit('site-packages' not in f)",
+    )
+    session.run(
+        "pytest",
+        "--rootdir",
+        str(ROOT),
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "-p",
+        "no:cacheprovider",
+        str(ROOT / "tests"),
+        *session.posargs,
+    )
+
+
+@nox.session(venv_backend="none", default=False)
+@nox.parametrize("path", PATH_IDS, ids=list(PATH_IDS))
+def install_matrix(session: nox.Session, path: str) -> None:
+    """Run one install recipe in a fresh, hermetic environment and verify what it installed.
+
+    ``nox -s install_matrix`` runs every path, ``nox -s "install_matrix(uv-pip)"`` one of them.
+    Options after ``--``: ``--torch-index pip-config|cpu|cu126|cu128|cu130|URL``,
+    ``--torch-version 2.13.0``, ``--keep`` (see ``python -m recipes.harness run --help``).
+    The harness runs in nox's own interpreter and keeps its tools, build and wheelhouse in a
+    cache shared by all paths, so the sessions need no virtualenv of their own.
+    """
+    session.notify("install_matrix_report", session.posargs)
+    session.chdir(ROOT)
+    session.run(*HARNESS, "run", path, "--run-id", RUN_ID, *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none", default=False)
+def install_matrix_report(session: nox.Session) -> None:
+    """Print and write the report of this invocation's matrix (install-matrix.md, .json).
+
+    Fails when a path failed or the paths' verify fingerprints differ.
+    """
+    session.chdir(ROOT)
+    session.run(*HARNESS, "report", "--run-id", RUN_ID, *session.posargs, external=True)
+
+
+@nox.session(default=False)
+def compile_check(session: nox.Session) -> None:
+    """Compile every kernel variant for every GPU target on this machine, no GPU needed.
+
+    Checks that each fits its architecture's shared memory and that fp16/bf16 dots use the matrix
+    units. Default (what CI runs, about 10 minutes on 2 cores): every target and dtype, head-dim
+    buckets 64 and 256, every option flag on (window, softcap, ALiBi, dropout) and varlen, in the
+    ragged form that holds every mask. Arguments after ``--`` replace that selection; with
+    ``-- --jobs 2`` alone it compiles every variant, which takes hours on 2 cores
+    (``python -m flash_recipe.ops.compile_check --help``).
+    """
+    install_built_wheel(session)
+    args = session.posargs or [
+        "--head-dim", "64", "--head-dim", "256", "--mode", "all-options", "--mode", "varlen-causal",
+        "--even", "no", "--jobs", "2",
+    ]
+    session.chdir(session.create_tmp())
+    session.run("python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", *args, env={"TRITON_INTERPRET": "0"})
+
+
+@nox.session(default=False, venv_backend="venv")
+def reproduce_upstream(session: nox.Session) -> None:
+    """Reproduce upstream flash-attn's isolated-build and hollow-package failures; check the doctor.
+
+    Downloads the flash-attn sdist from PyPI and installs torch (name a build to avoid a large
+    download): ``nox -s reproduce_upstream -- torch==2.13.0 [FLASH_ATTN_VERSION]``.
+    """
+    from flash_recipe.env import reproduce
+
+    reproduce.reproduce_upstream(session, session.posargs)

@@ -1,0 +1,15 @@
+"""The install matrix: every recipe in ``recipes/`` run end to end in a fresh environment.
+
+Modules, in the order a run uses them:
+
+- ``config``: options (torch index and version, cache and report locations);
+- ``paths``: the install paths and what each must prove;
+- ``prepare``: tools environment, project snapshot (sdist, wheel, bare git repository) and the
+  wheelhouse, each built once and cached;
+- ``servers``: pypiserver instances, the git HTTP server and the network tripwire, all on loopback;
+- ``runner``: one path in its own directory, environment and caches, then its checks;
+- ``report``: the table (terminal, ``install-matrix.md``, ``install-matrix.json``).
+
+Everything here uses the standard library plus ``packaging`` (a dependency of nox), so it runs in
+nox's own interpreter. ``python -m recipes.harness --help`` shows the command line.
+"""

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Build flash-recipe from its sdist inside an environment that already holds torch, triton and
+# the build backend, without an isolated build environment.
+set -euo pipefail
+"$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --index-url "$INDEX_URL" "torch==$TORCH_VERSION" "triton>=3.0" "poetry-core>=2.0"
+.venv/bin/python -m pip install --index-url "$INDEX_URL" --no-build-isolation "$SDIST"
