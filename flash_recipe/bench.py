@@ -59,7 +59,6 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal: bool, m
 
 
 def _sdpa(backend_name: Optional[str]):
-    import torch
     import torch.nn.functional as F
 
     def run(q, k, v, causal):

@@ -207,9 +207,7 @@ class TritonBackend(Backend):
         return None
 
     def run(self, call: AttentionCall):
-        from flash_recipe.ops.attention import attention
-
-        from flash_recipe.ops.attention import new_seed
+        from flash_recipe.ops.attention import attention, new_seed
 
         window = (call.window[0], 0 if call.causal else call.window[1])
         seed = new_seed(call.q.device) if call.dropout_p > 0.0 else None

@@ -7,17 +7,37 @@ any test imports it. With a GPU, the kernels are compiled and run on it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_recipes():
+    """Make the checkout's ``recipes`` package (the install-matrix harness) importable without
+    putting the checkout on sys.path, which would shadow the installed flash_recipe under test."""
+    if "recipes" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "recipes", ROOT / "recipes" / "__init__.py", submodule_search_locations=[str(ROOT / "recipes")]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["recipes"] = module
+        spec.loader.exec_module(module)
 
 
 def pytest_configure(config):
     if not HAS_CUDA:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        # Triton fixes interpreter-or-compiler when first imported: import it now, so no test that
+        # changes TRITON_INTERPRET (or runs a tool that does) can leave it in the other mode.
+        import triton  # noqa: F401
+    _import_recipes()
 
 
 @pytest.fixture

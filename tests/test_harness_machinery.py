@@ -5,7 +5,6 @@ Everything runs on loopback with the real tools (git, pypiserver); nothing needs
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,20 +19,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _import_recipes():
-    """Import ``recipes`` from the checkout without putting the checkout on sys.path (which
-    would shadow the installed flash_recipe that the other tests use)."""
-    if "recipes" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "recipes", ROOT / "recipes" / "__init__.py", submodule_search_locations=[str(ROOT / "recipes")]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["recipes"] = module
-        spec.loader.exec_module(module)
-
-
-_import_recipes()
 
 from recipes.harness import config, prepare, report, runner, servers  # noqa: E402
 from recipes.harness.paths import PATHS, get  # noqa: E402

@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _import_recipes():
-    """Import ``recipes`` from the checkout without putting the checkout on sys.path (which
-    would shadow the installed flash_recipe that the other tests use)."""
-    if "recipes" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "recipes", ROOT / "recipes" / "__init__.py", submodule_search_locations=[str(ROOT / "recipes")]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["recipes"] = module
-        spec.loader.exec_module(module)
-
-
-_import_recipes()
 
 from recipes.harness.paths import PATH_IDS, PATHS  # noqa: E402
 
