@@ -1,6 +1,13 @@
-"""Triton kernels: ``forward`` and ``backward`` (jit kernels and their launchers), ``attention``
-(the torch custom ops and autograd), ``configs`` (launch configurations as data).
+"""Triton kernels, one module per algorithm, each with jit kernels and launcher functions:
 
-Importing ``flash_recipe.ops`` imports Triton; ``flash_recipe`` itself imports it only when the
-``triton`` backend first runs.
+- ``forward``: attention forward (online softmax) and the per-call ``Variant`` / ``Varlen`` options;
+- ``backward``: the recomputing backward (preprocess, dK/dV, dQ);
+- ``dropout``: the dropout mask materialised for ``return_attn_probs``;
+- ``tiles``: the Triton helpers they share (tile loads, loop bounds, logits, dropout draws);
+- ``attention``: the torch custom ops with fake kernels and autograd;
+- ``configs``: launch configurations per architecture, as data;
+- ``compile_check``: compile every variant for GPU targets without a GPU.
+
+Importing ``flash_recipe.ops.<module>`` imports Triton; ``flash_recipe`` itself imports it only
+when the ``triton`` backend first runs.
 """
