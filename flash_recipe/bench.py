@@ -330,9 +330,9 @@ def context_line() -> str:
     import torch
 
     import flash_recipe
-    from flash_recipe.verify import _versions
+    from flash_recipe.verify import versions
 
-    v = _versions()
+    v = versions()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
     return (f"device {device}, {time.strftime('%Y-%m-%d')}, flash_recipe {flash_recipe.__version__}, "
             f"torch {v['torch']}, triton {v['triton']}, command: flash-recipe bench {' '.join(sys.argv[2:])}".rstrip())

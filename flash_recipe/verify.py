@@ -98,7 +98,8 @@ FULL_GRID = tuple(
 )
 
 
-def _versions() -> dict:
+def versions() -> dict:
+    """flash_recipe, torch (and its CUDA/HIP), Triton, flash-attn and Python versions, from metadata."""
     import torch
 
     import flash_recipe
@@ -242,7 +243,7 @@ def verify(backends: Optional[list] = None, grid: str = "auto", dtypes: Optional
         "backends": verified,
         "skipped": {name: sorted(why) for name, why in skipped.items() if name not in verified or name in missing},
         "device": _device_name(dev),
-        "versions": _versions(),
+        "versions": versions(),
         "install": distribution_info("flash-recipe"),
         "seed": seed,
         "cases": rows,
