@@ -4,6 +4,7 @@ Public names::
 
     flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func   # flash-attn 2 layout
     flash_attn_varlen_func (and its qkv/kv-packed forms), unpad_input, pad_input
+    flash_attn_with_kvcache                                               # decoding over a KV cache
     scaled_dot_product_attention                                          # torch SDPA layout
     use_backend, explain, available_backends, BackendUnavailableError     # backend selection
 
@@ -26,6 +27,7 @@ _EXPORTS = {
     "flash_attn_varlen_func": "flash_recipe.api",
     "flash_attn_varlen_kvpacked_func": "flash_recipe.api",
     "flash_attn_varlen_qkvpacked_func": "flash_recipe.api",
+    "flash_attn_with_kvcache": "flash_recipe.kvcache",
     "pad_input": "flash_recipe.padding",
     "unpad_input": "flash_recipe.padding",
     "scaled_dot_product_attention": "flash_recipe.api",
@@ -48,6 +50,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         flash_attn_varlen_qkvpacked_func,
         scaled_dot_product_attention,
     )
+    from flash_recipe.kvcache import flash_attn_with_kvcache
     from flash_recipe.padding import pad_input, unpad_input
     from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
 

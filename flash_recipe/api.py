@@ -27,9 +27,10 @@ def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
 
 
-def _check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True, varlen: bool = False) -> None:
+def _check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True, varlen: bool = False,
+               same_batch: bool = True) -> None:
     """Shapes ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)`` (varlen: without
-    the batch dim, ``(total, heads, headdim)``); raise on mismatch."""
+    the batch dim, ``(total, heads, headdim)``; a KV cache: ``same_batch=False``); raise on mismatch."""
     qn, kn, vn = names
     layout = "(total_tokens, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)"
     for name, t in zip(names, (q, k, v)):
@@ -41,7 +42,7 @@ def _check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True, varlen: 
             raise TypeError(f"{name} must have the same dtype as {qn} ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on the same device as {qn} ({q.device}), got {t.device}")
-        if t.shape[0] != q.shape[0]:
+        if same_batch and t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} must have the same batch size as {qn} ({q.shape[0]}), got {t.shape[0]}")
     if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
         what = "total tokens and nheads" if varlen else "seqlen and nheads"
@@ -93,23 +94,10 @@ def _check_alibi(slopes, batch: int, nheads: int, device) -> None:
         raise ValueError(f"alibi_slopes must have a contiguous last dimension, got stride {slopes.stride(-1)}")
 
 
-def _build_flash_call(
-    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_lse, names=("q", "k", "v"), varlen: Optional[tuple] = None,
-) -> AttentionCall:
-    """Validate flash-attn style arguments and build the call.
-
-    ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed sequences.
-    """
-    _check_qkv(q, k, v, names, varlen=varlen is not None)
-    for name, t in zip(names, (q, k, v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
-    dropout_p = _check_dropout(dropout_p)
+def check_window(causal, window_size) -> tuple[int, int]:
+    """The ``(left, right)`` window, with ``right = 0`` when causal; -1 is unbounded."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
@@ -119,15 +107,46 @@ def _build_flash_call(
     left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be -1 (unbounded) or >= 0, got {tuple(window_size)}")
-    if causal:
-        right = 0  # causal is a window whose right edge is the diagonal
+    return left, 0 if causal else right  # causal is a window whose right edge is the diagonal
+
+
+def check_softcap(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
     if softcap < 0.0:
         raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    return float(softcap)
+
+
+def _build_flash_call(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+    return_lse, names=("q", "k", "v"), varlen: Optional[tuple] = None, paged: bool = False,
+) -> AttentionCall:
+    """Validate flash-attn style arguments and build the call.
+
+    ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed sequences;
+    with ``paged`` the keys and values are pages ``(num_blocks, page_block_size, nheads_k, headdim)``.
+    """
+    if paged:
+        layout = "(num_blocks, page_block_size, nheads_k, headdim)"
+        for name, t in zip(names[1:], (k, v)):
+            _check_tensor(name, t, 4, layout)
+        if k.shape != v.shape or k.shape[0] == 0:
+            raise ValueError(f"{names[2]} must have the shape of {names[1]} {layout} with at least one block, "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        _check_qkv(q, k[0], v[0], names, varlen=True)
+    else:
+        _check_qkv(q, k, v, names, varlen=varlen is not None)
+    for name, t in zip(names, (q, k, v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+    dropout_p = _check_dropout(dropout_p)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    (left, right), softcap = check_window(causal, window_size), check_softcap(softcap)
     batch = q.shape[0]
     if varlen is not None:
-        varlen = _check_varlen(q, k, *varlen)
+        varlen = _check_varlen(q, None if paged else k, *varlen)
         batch = varlen[0].numel() - 1
     if alibi_slopes is not None:
         _check_alibi(alibi_slopes, batch, q.shape[-2], q.device)
@@ -138,7 +157,7 @@ def _build_flash_call(
         causal=causal,
         diag_offset=0 if varlen is not None else k.shape[1] - q.shape[1],
         window=(left, right),
-        softcap=float(softcap),
+        softcap=softcap,
         alibi_slopes=alibi_slopes,
         return_lse=bool(return_lse),
         dropout_p=dropout_p,
@@ -147,9 +166,11 @@ def _build_flash_call(
 
 
 def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
-    """Validate packed-sequence offsets. Their values are read only for CPU tensors: on a GPU that
-    would cost a synchronisation per call, so there (as in flash-attn) they are trusted."""
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+    """Validate packed-sequence offsets (``k`` None: paged keys, whose total is not checked). Their
+    values are read only for CPU tensors: on a GPU that would cost a synchronisation per call, so
+    there (as in flash-attn) they are trusted."""
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
+                            ("cu_seqlens_k", cu_seqlens_k, None if k is None else k.shape[0])):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
         if cu.dtype != torch.int32:
@@ -160,10 +181,11 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) 
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {cu.device}")
         if cu.device.type == "cpu":
             values = cu.tolist()
-            if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
-                raise ValueError(
-                    f"{name} must rise from 0 to the total number of tokens ({total}) without decreasing, got {values}"
-                )
+            if values[0] != 0 or values[-1] != (values[-1] if total is None else total) or any(
+                b < a for a, b in zip(values, values[1:])
+            ):
+                end = "" if total is None else f" to the total number of tokens ({total})"
+                raise ValueError(f"{name} must rise from 0{end} without decreasing, got {values}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_seqlens_q.numel()}), got {cu_seqlens_k.numel()}"
@@ -340,18 +362,24 @@ def flash_attn_varlen_func(
         max_seqlen_q, max_seqlen_k: the longest sequence on each side.
         The rest as ``flash_attn_func``; each sequence aligns its causal mask and window
         bottom-right with its own lengths; ``alibi_slopes`` may be ``(batch_size, nheads)``.
-        block_table: must be None (paged KV for varlen is not supported).
+        block_table: optional int32 ``(batch_size, max_num_blocks_per_seq)``: k and v are then a
+            paged cache ``(num_blocks, page_block_size, nheads_k, headdim)`` (page size a multiple
+            of 16), sequence ``b``'s key ``j`` is in page ``block_table[b, j // page_block_size]``
+            and ``cu_seqlens_k`` gives only the lengths. Forward only (inference).
 
     Returns:
         ``out (total_q, nheads, headdim)``, or ``(out, softmax_lse, None)`` with ``softmax_lse``
         ``(nheads, total_q)`` float32.
     """
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV) is not supported by flash_attn_varlen_func yet; pass None")
     call = _build_flash_call(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        paged=block_table is not None,
     )
+    if block_table is not None:
+        from flash_recipe.kvcache import paged_varlen
+
+        return _finish(paged_varlen(call, block_table), return_attn_probs)
     return _finish(dispatch.run(call), return_attn_probs)
 
 

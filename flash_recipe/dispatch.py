@@ -411,29 +411,32 @@ def forced_backend() -> Optional[str]:
     return name
 
 
-def reason(backend: Backend, call: AttentionCall) -> Optional[str]:
-    """Why ``backend`` cannot run ``call`` (None if it can)."""
-    return backend.is_available() or backend.supports(call)
+def reason(backend: Backend, call: AttentionCall, extra=None) -> Optional[str]:
+    """Why ``backend`` cannot run ``call`` (None if it can); ``extra(backend)`` may add a reason."""
+    return backend.is_available() or backend.supports(call) or (extra(backend) if extra is not None else None)
 
 
-def explain_call(call: AttentionCall) -> dict[str, Optional[str]]:
+def explain_call(call: AttentionCall, extra=None) -> dict[str, Optional[str]]:
     """Per backend, in priority order: None if it can run ``call``, else the reason."""
-    return {backend.name: reason(backend, call) for backend in BACKENDS}
+    return {backend.name: reason(backend, call, extra) for backend in BACKENDS}
 
 
-def select(call: AttentionCall) -> Backend:
-    """The backend that runs ``call``: the forced one (or an error), else the first that can."""
+def select(call: AttentionCall, extra=None) -> Backend:
+    """The backend that runs ``call``: the forced one (or an error), else the first that can.
+
+    ``extra(backend)``: an optional further reason to refuse a backend (None if it can).
+    """
     name = forced_backend()
     if name is not None:
         backend = _BY_NAME[name]
-        why = reason(backend, call)
+        why = reason(backend, call, extra)
         if why is not None:
             raise BackendUnavailableError(f"backend {name!r} cannot run this call: {why}")
         return backend
     for backend in BACKENDS:
-        if reason(backend, call) is None:
+        if reason(backend, call, extra) is None:
             return backend
-    raise BackendUnavailableError(f"no backend can run this call: {explain_call(call)}")  # reference always can
+    raise BackendUnavailableError(f"no backend can run this call: {explain_call(call, extra)}")  # reference always can
 
 
 def run(call: AttentionCall) -> tuple:

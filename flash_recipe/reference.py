@@ -126,3 +126,25 @@ def attention_reference(
             probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.matmul(probs, vc).transpose(1, 2)  # (B, Sq, H, Dv)
     return out, lse if return_probs else lse.squeeze(-1).float()
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                     interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of ``x (B, S, H, D)`` at ``positions`` (int ``(B, S)``), in fp32.
+
+    ``cos, sin``: ``(S_rotary, R / 2)``; the first ``R`` dims rotate, in pairs ``(2j, 2j + 1)``
+    when ``interleaved`` and ``(j, j + R / 2)`` otherwise (GPT-NeoX); the rest pass through.
+    Returns x's dtype.
+    """
+    half = cos.shape[1]
+    c = cos.float()[positions].unsqueeze(2)  # (B, S, 1, R / 2)
+    s = sin.float()[positions].unsqueeze(2)
+    xf = x.float()
+    rot, rest = xf[..., :2 * half], xf[..., 2 * half:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., :half], rot[..., half:]
+        rot = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return torch.cat((rot, rest), dim=-1).to(x.dtype)

@@ -104,7 +104,10 @@ BAD = [
     ("cu-batch", dict(cu_seqlens_k=torch.tensor([0, 2, 4], dtype=torch.int32)), ValueError, ["cu_seqlens_k", "as many entries"]),
     ("max-too-small", dict(max_seqlen_q=2), ValueError, ["max_seqlen_q", "longest", "(4)", "2"]),
     ("max-type", dict(max_seqlen_k=4.0), TypeError, ["max_seqlen_k", "int", "float"]),
-    ("block-table", dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), NotImplementedError, ["block_table", "None"]),
+    ("block-table-rank", dict(block_table=torch.zeros(1, dtype=torch.int32), k=torch.zeros(2, 16, 2, 8),
+                              v=torch.zeros(2, 16, 2, 8)), ValueError, ["block_table", "(batch_size, max_num_blocks_per_seq)"]),
+    ("paged-k-rank", dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), ValueError,
+     ["k", "4 dimensions", "(num_blocks, page_block_size, nheads_k, headdim)"]),
     ("rank", dict(q=torch.zeros(1, 4, 2, 8)), ValueError, ["q", "3 dimensions", "(total_tokens, nheads, headdim)"]),
 ]
 

@@ -6,7 +6,8 @@ A configuration is chosen by ``(arch, kernel, head-dim bucket, element size)``:
   Ada, sm86/sm89: 99 KiB), ``"sm90"`` (Hopper and newer: 227 KiB), ``"amd"`` (CDNA gfx90a/gfx942:
   64 KiB LDS) or ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU, where bigger blocks mean
   fewer programs and so less Python overhead).
-- ``kernel``: ``"fwd"`` (forward), ``"bwd_dkdv"``, ``"bwd_dq"``.
+- ``kernel``: ``"fwd"`` (forward), ``"bwd_dkdv"``, ``"bwd_dq"``, ``"decode"`` (the forward kernel
+  on a KV cache with few query rows).
 - head-dim bucket: the padded head dim, a power of two from 16 to 256.
 - element size: 2 for fp16/bf16, 4 for fp32 (fp32 tiles need twice the shared memory).
 
@@ -128,13 +129,46 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (64, 4, Config(32, 32, 4, 1)),
         (256, 4, Config(16, 16, 4, 1)),
     ],
+    # Decoding (a KV cache, a few query rows): 16-row query blocks (the smallest matrix-unit tile)
+    # and long key blocks, since the work is streaming the cache.
+    ("sm90", "decode"): [
+        (64, 2, Config(16, 128, 4, 3)),
+        (128, 2, Config(16, 64, 4, 3)),
+        (256, 2, Config(16, 64, 4, 2)),
+        (64, 4, Config(16, 64, 4, 2)),
+        (128, 4, Config(16, 32, 4, 2)),
+        (256, 4, Config(16, 32, 4, 1)),
+    ],
+    ("sm80", "decode"): [
+        (64, 2, Config(16, 128, 4, 3)),
+        (128, 2, Config(16, 64, 4, 3)),
+        (256, 2, Config(16, 64, 4, 2)),
+        (64, 4, Config(16, 64, 4, 2)),
+        (128, 4, Config(16, 32, 4, 2)),
+        (256, 4, Config(16, 32, 4, 1)),
+    ],
+    ("sm86", "decode"): [
+        (64, 2, Config(16, 128, 4, 2)),
+        (128, 2, Config(16, 64, 4, 2)),
+        (256, 2, Config(16, 32, 4, 2)),
+        (64, 4, Config(16, 64, 4, 2)),
+        (128, 4, Config(16, 32, 4, 2)),
+        (256, 4, Config(16, 16, 4, 2)),
+    ],
+    ("amd", "decode"): [
+        (128, 2, Config(16, 64, 4, 1)),
+        (256, 2, Config(16, 32, 4, 1)),
+        (64, 4, Config(16, 64, 4, 1)),
+        (256, 4, Config(16, 16, 4, 1)),
+    ],
     # The interpreter: large blocks keep the number of (slow, Python-level) programs low.
     ("interpreter", "fwd"): [(256, 4, Config(32, 32, 1, 1))],
     ("interpreter", "bwd_dkdv"): [(256, 4, Config(32, 32, 1, 1))],
     ("interpreter", "bwd_dq"): [(256, 4, Config(32, 32, 1, 1))],
+    ("interpreter", "decode"): [(256, 4, Config(16, 32, 1, 1))],
 }
 
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
 ARCHS = ("sm80", "sm86", "sm90", "amd", "interpreter")
 
 

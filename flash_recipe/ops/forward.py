@@ -28,17 +28,19 @@ import triton.language as tl
 
 from flash_recipe.ops import configs
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import dropout_keep, key_blocks, load_tile, scores, sequence, stage_bounds, store_tile
+from flash_recipe.ops.tiles import (dropout_keep, key_blocks, load_keys, load_tile, scores, sequence, stage_bounds,
+                                   store_tile)
 
 
 
 @triton.jit
 def _fwd_inner(
-    b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+    b_acc, b_m, b_l, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
-    seed, rng_base, rng_stride, dropout_p,
+    seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
 
@@ -47,7 +49,8 @@ def _fwd_inner(
     """
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
+        b_k = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, seqlen_k, head_dim, page_size, num_pages,
+                        o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         b_s, _ = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
                         sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
@@ -60,7 +63,8 @@ def _fwd_inner(
         b_p = tl.math.exp2(b_s - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
         b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, seqlen_k, head_dim, page_size, num_pages,
+                        o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], (start_n + o_n)[None, :], rng_stride, dropout_p)
             b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
@@ -77,34 +81,57 @@ def _fwd_inner(
 )
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, SLOPES, CU_Q, CU_K, SEED,
+    Q, K, V, O, LSE, SLOPES, CU_Q, K_START, K_END, PAGE_TABLE, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh, stride_sb,
+    stride_ob, stride_om, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls, stride_sb, stride_tb,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
-    dropout_p, rng_stride,
+    dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
+    """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``.
 
-    Dense: ``Q`` is ``(B, Sq, H, D)``. Varlen (``IS_VARLEN``): ``Q`` is ``(total_q, H, D)`` with
-    sequence ``b`` in rows ``CU_Q[b]:CU_Q[b+1]`` (batch strides are 0) and its diagonal aligned
-    bottom-right. ``LSE[b * stride_lb + h * stride_lh + first row + i]``; ``SLOPES[b * stride_sb + h]``.
-    Dropout draws entry ``(i, j)`` from ``SEED[0]`` at offset ``(LSE index of row i) * rng_stride + j``.
+    Queries: dense ``Q (B, Sq, H, D)``, or with ``IS_VARLEN`` packed ``(total_q, H, D)`` with
+    sequence ``b`` in rows ``CU_Q[b]:CU_Q[b+1]`` (batch strides are 0).
+
+    Keys: dense ``K (B, Sk, Hk, D)``, or with ``KV_RANGES`` the rows ``K_START[b]:K_END[b]`` of
+    batch ``b`` (packed varlen keys: ``CU_K[:-1]`` and ``CU_K[1:]``; a KV cache: the left padding and
+    the filled length). With ``PAGED``, ``K`` is ``(num_pages, page_size, Hk, D)`` and row ``r`` of
+    batch ``b`` lives in page ``PAGE_TABLE[b * stride_tb + r // page_size]``, row ``r % page_size``.
+    With key ranges each batch aligns its diagonal bottom-right with its own lengths.
+
+    Split-KV (``num_splits > 1``): program ``(i_m * num_splits + i_s)`` takes the ``i_s``-th of
+    ``num_splits`` equal shares of the key blocks and writes its partial (normalised) output and
+    log-sum-exp at split offset ``i_s * stride_os`` / ``i_s * stride_ls``; ``split_combine_kernel``
+    merges them. A row with no key in a share stores lse = +inf and output 0.
+
+    Bad cache metadata (a negative start, an end past the page table, a page index outside
+    ``[0, num_pages)``) never reads or writes outside the tensors: the affected batch's output
+    and lse become NaN. ``LSE[b * stride_lb + h * stride_lh + first row + i]``;
+    ``SLOPES[b * stride_sb + h]``. Dropout draws entry ``(i, j)`` from ``SEED[0]`` at offset
+    ``(LSE index of row i) * rng_stride + j``.
     """
-    i_m = tl.program_id(0)
+    i_m = tl.program_id(0) // num_splits
+    i_s = tl.program_id(0) % num_splits
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
-    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, IS_VARLEN)
     q_start = i_m * BLOCK_M
     if IS_VARLEN:
         if q_start >= seqlen_q:
             return
+    bos_k = tl.zeros([], dtype=tl.int64)
+    if KV_RANGES:
+        bos_k = tl.load(K_START + i_b).to(tl.int64)
+        seqlen_k = (tl.load(K_END + i_b) - bos_k).to(tl.int32)
+        if PAGED:
+            bad = (bos_k < 0) | (seqlen_k < 0) | (bos_k + seqlen_k > table_width.to(tl.int64) * page_size)
+            seqlen_k = tl.where(bad, 0, seqlen_k)
         diag_offset = seqlen_k - seqlen_q
     lo_offset = diag_offset - window_left
     hi_offset = diag_offset + window_right
@@ -117,8 +144,13 @@ def attn_fwd_kernel(
     o_d = tl.arange(0, BLOCK_D)
 
     q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h.to(tl.int64) * stride_qh
-    k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
-    v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
+    if PAGED:  # rows are addressed through the page table; the batch stride is the page stride
+        k_base = K + i_hk.to(tl.int64) * stride_kh
+        v_base = V + i_hk.to(tl.int64) * stride_vh
+    else:
+        k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
+        v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
+    table = PAGE_TABLE + i_b * stride_tb
     b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
     slope = 0.0
     if ALIBI:
@@ -134,25 +166,32 @@ def attn_fwd_kernel(
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
+    share = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), num_splits) * BLOCK_N  # keys per split, whole blocks
+    split_lo = i_s * share
+    split_hi = split_lo + share
     # The left edge of a window (masked), the blocks every row sees in full (no masks), then the
-    # diagonal / right edge and the ragged last block (masked).
+    # diagonal / right edge and the ragged last block (masked); each cut to this split's share.
     for stage in tl.static_range(3):
         lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
         b_acc, b_m, b_l = _fwd_inner(
-            b_acc, b_m, b_l, b_q, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
-            lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
-            seed, rng_base, rng_stride, dropout_p,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N,
+            b_acc, b_m, b_l, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
+            lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d,
+            tl.maximum(lo, split_lo), tl.minimum(hi, split_hi),
+            seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, BLOCK_N,
         )
 
     m_empty = b_l == 0.0  # rows that saw no key
     b_l_safe = tl.where(m_empty, 1.0, b_l)
     b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
     b_lse = tl.where(m_empty, float("inf"), (b_m + tl.math.log2(b_l_safe)) * 0.6931471805599453)  # [BLOCK_M]
+    if PAGED:
+        b_out = tl.where(bad, float("nan"), b_out)
+        b_lse = tl.where(bad, float("nan"), b_lse)
 
-    o_base = O + i_b * stride_ob + bos_q * stride_om + i_h.to(tl.int64) * stride_oh
+    o_base = O + i_s.to(tl.int64) * stride_os + i_b * stride_ob + bos_q * stride_om + i_h.to(tl.int64) * stride_oh
     store_tile(o_base, q_start, stride_om, seqlen_q, head_dim, o_r, o_d, b_out, not EVEN_M, MASK_D)
-    p_lse = LSE + i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q + o_m
+    p_lse = LSE + i_s.to(tl.int64) * stride_ls + i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q + o_m
     if EVEN_M:
         tl.store(p_lse, b_lse)
     else:
@@ -186,6 +225,20 @@ class Varlen(NamedTuple):
     max_seqlen_k: int
 
 
+class KeyRanges(NamedTuple):
+    """Keys of batch ``b`` are rows ``start[b]:end[b]`` (int32 ``(B,)`` each), optionally paged.
+
+    With ``table`` (int32 ``(B, width)``) the key tensors are ``(num_pages, page_size, Hk, D)``
+    and row ``r`` of batch ``b`` lives in page ``table[b, r // page_size]``. ``max_len`` bounds
+    ``end - start`` (it sizes the split-KV shares, never the reads).
+    """
+
+    start: torch.Tensor
+    end: torch.Tensor
+    max_len: int
+    table: Optional[torch.Tensor] = None
+
+
 def kernel_options(var: Variant, placeholder: torch.Tensor, seqlen_k: int) -> tuple[tuple, dict]:
     """The kernels' ``SLOPES`` and ``SEED`` pointers, the slopes' batch stride, the option scalars
     (``softcap, diag_offset, window_left, window_right, dropout_p, rng_stride``) and the
@@ -200,17 +253,22 @@ def kernel_options(var: Variant, placeholder: torch.Tensor, seqlen_k: int) -> tu
     return (slopes, seed, stride_sb, scalars), flags
 
 
-def layout(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen]) -> tuple:
-    """``(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)`` and the (batch, row, head) strides.
+def layout(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], keys: Optional[KeyRanges] = None) -> tuple:
+    """``(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)`` and a function giving a tensor's
+    (batch, row, head) strides.
 
-    Varlen tensors ``(total, H, D)`` get batch stride 0 and the longest sequence lengths.
+    Varlen tensors ``(total, H, D)`` get batch stride 0 and the longest sequence lengths; paged
+    key tensors ``(num_pages, page_size, Hk, D)`` keep their page stride in the batch slot.
     """
+    paged = keys is not None and keys.table is not None
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = q.shape
-        dims = (batch, seqlen_q, k.shape[1], nheads, k.shape[2], head_dim)
+        seqlen_k = keys.max_len if keys is not None else k.shape[1]
+        dims = (batch, seqlen_q, seqlen_k, nheads, k.shape[2], head_dim)
         return dims, lambda t: (t.stride(0), t.stride(1), t.stride(2))
-    dims = (varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k, q.shape[1], k.shape[1], q.shape[2])
-    return dims, lambda t: (0, t.stride(0), t.stride(1))
+    nheads_k = k.shape[2] if paged else k.shape[1]
+    dims = (varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k, q.shape[1], nheads_k, q.shape[2])
+    return dims, lambda t: (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(0), t.stride(1))
 
 
 def lse_buffer(q: torch.Tensor, varlen: Optional[Varlen], dims) -> tuple[torch.Tensor, int, int]:
@@ -225,38 +283,114 @@ def lse_buffer(q: torch.Tensor, varlen: Optional[Varlen], dims) -> tuple[torch.T
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, var: Variant,
-    varlen: Optional[Varlen] = None,
+    varlen: Optional[Varlen] = None, keys: Optional[KeyRanges] = None, num_splits: int = 1, kernel: str = "fwd",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Inputs are validated by the caller (see ``flash_recipe.api``).
 
     Args:
         q: ``(B, Sq, H, D)``; k, v: ``(B, Sk, Hk, D)``; or with ``varlen``: ``(total_q, H, D)`` and
-            ``(total_k, Hk, D)``. Last dim contiguous, ``H % Hk == 0``.
+            ``(total_k, Hk, D)``; or with a paged ``keys``: ``(num_pages, page_size, Hk, D)``.
+            Last dim contiguous, ``H % Hk == 0``.
         softmax_scale: multiplies ``q @ k^T`` before the softmax.
         var: masks and score options (see ``Variant``).
+        keys: per-batch key rows (a KV cache); each batch aligns its diagonal bottom-right.
+        num_splits: > 1 splits every row's keys into that many shares run by separate programs,
+            then merges them (``split_combine_kernel``): more parallelism for few query rows.
+        kernel: the launch configuration to use, ``"fwd"`` or ``"decode"`` (small query blocks).
 
     Returns:
         ``out`` shaped like q, in q's dtype, and ``lse`` float32 (natural log): ``(B, H, Sq)``, or
         ``(H, total_q)`` with varlen.
     """
-    dims, strides = layout(q, k, varlen)
+    if varlen is not None and keys is None:
+        cu_k = varlen.cu_seqlens_k
+        keys = KeyRanges(cu_k[:-1], cu_k[1:], varlen.max_seqlen_k)
+    dims, strides = layout(q, k, varlen, keys)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = dims
     out = tiles.output_buffer(q.shape, q.dtype, q.device)
     lse, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
     if out.numel() == 0 or seqlen_q == 0:
         lse.fill_(float("inf"))
         return out.zero_(), lse
-    cfg = configs.get_config(configs.target_of(q.device), "fwd", head_dim, q.element_size())
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
+    cfg = configs.get_config(configs.target_of(q.device), kernel, head_dim, q.element_size())
     (slopes, seed, stride_sb, scalars), flags = kernel_options(var, lse, seqlen_k)
-    cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (lse, lse)
+    cu_q = varlen.cu_seqlens_q if varlen is not None else lse
+    k_start, k_end = (keys.start, keys.end) if keys is not None else (lse, lse)
+    table = keys.table if keys is not None and keys.table is not None else None
+    paging = (table.stride(0), k.shape[1], k.shape[0], table.shape[1]) if table is not None else (0, 1, 1, 1)
+    o_split, lse_split = out, lse
+    if num_splits > 1:
+        o_split = tiles.output_buffer((num_splits,) + tuple(q.shape), torch.float32, q.device)
+        lse_split = tiles.output_buffer((num_splits,) + tuple(lse.shape), torch.float32, q.device)
+    o_strides = strides(o_split[0]) + (o_split.stride(0),) if num_splits > 1 else strides(out) + (0,)
+    l_strides = (stride_lb, stride_lh, lse_split.stride(0) if num_splits > 1 else 0)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m) * num_splits, nheads, batch)
+    block_d = configs.head_dim_bucket(head_dim)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         attn_fwd_kernel[grid](
-            q, k, v, out, lse, slopes, cu_q, cu_k, seed,
-            *strides(q), *strides(k), *strides(v), *strides(out),
-            stride_lb, stride_lh, stride_sb,
+            q, k, v, o_split, lse_split, slopes, cu_q, k_start, k_end, table if table is not None else lse, seed,
+            *strides(q), *strides(k), *strides(v), *o_strides,
+            *l_strides, stride_sb, paging[0],
             nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, *scalars,
-            IS_VARLEN=varlen is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            *paging[1:], num_splits,
+            IS_VARLEN=varlen is not None, KV_RANGES=keys is not None, PAGED=table is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
+        if num_splits > 1:
+            block_m = 16
+            split_combine_kernel[(triton.cdiv(seqlen_q, block_m), nheads, batch)](
+                o_split, lse_split, out, lse, cu_q,
+                o_split.stride(0), *strides(o_split[0]), lse_split.stride(0), stride_lb, stride_lh,
+                *strides(out), seqlen_q, head_dim, num_splits,
+                IS_VARLEN=varlen is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
+            )
     return out, lse
+
+
+@triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.jit
+def split_combine_kernel(
+    O_SPLIT, LSE_SPLIT, O, LSE, CU_Q,
+    stride_ps, stride_pb, stride_pm, stride_ph, stride_qs, stride_lb, stride_lh,
+    stride_ob, stride_om, stride_oh, seqlen_q, head_dim, num_splits,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+):
+    """Merge the split-KV partials of ``attn_fwd_kernel``. Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
+
+    ``O_SPLIT (num_splits, *out.shape)`` float32 holds each share's normalised output and
+    ``LSE_SPLIT (num_splits, *lse.shape)`` its log-sum-exp (+inf: the share saw no key). With
+    ``M = max_s lse_s`` and ``w_s = exp(lse_s - M)``: ``out = sum_s w_s o_s / sum_s w_s`` and
+    ``lse = M + log(sum_s w_s)``; a row no share saw gets out 0 and lse +inf, as unsplit.
+    """
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
+    i_b = i_b.to(tl.int64)
+    o_r = tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_m = i_m * BLOCK_M + o_r
+    m_rows = o_m < seqlen_q
+    p_lse = LSE_SPLIT + i_b * stride_lb + i_h * stride_lh + bos_q + o_m  # [BLOCK_M]
+    b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for i_s in range(0, num_splits):
+        b_lse = tl.load(p_lse + i_s * stride_qs, mask=m_rows, other=float("inf"))
+        b_max = tl.maximum(b_max, tl.where(b_lse == float("inf"), float("-inf"), b_lse))
+    b_ref = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    o_base = O_SPLIT + i_b * stride_pb + bos_q * stride_pm + i_h * stride_ph
+    for i_s in range(0, num_splits):
+        b_lse = tl.load(p_lse + i_s * stride_qs, mask=m_rows, other=float("inf"))
+        b_w = tl.where(b_lse == float("inf"), 0.0, tl.exp(b_lse - b_ref))  # [BLOCK_M]
+        b_o = load_tile(o_base + i_s * stride_ps, i_m * BLOCK_M, stride_pm, seqlen_q, head_dim, o_r, o_d, True, MASK_D)
+        b_acc += b_w[:, None] * b_o
+        b_sum += b_w
+    m_empty = b_sum == 0.0
+    b_sum_safe = tl.where(m_empty, 1.0, b_sum)
+    b_out = b_acc / b_sum_safe[:, None]
+    b_lse_out = tl.where(m_empty, float("inf"), b_ref + tl.log(b_sum_safe))
+    store_tile(O + i_b * stride_ob + bos_q * stride_om + i_h * stride_oh, i_m * BLOCK_M, stride_om, seqlen_q, head_dim,
+               o_r, o_d, b_out, True, MASK_D)
+    tl.store(LSE + i_b * stride_lb + i_h * stride_lh + bos_q + o_m, b_lse_out, mask=m_rows)

@@ -56,6 +56,36 @@ def store_tile(base, row0, stride_row, n_rows, head_dim, o_r, o_d, b_x, MASK_ROW
 
 
 @triton.jit
+def load_keys(base, table, bos, row0, stride_page, stride_row, n_rows, head_dim, page_size, num_pages, o_r, o_d,
+              MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr):
+    """Key or value rows ``row0 + o_r`` of one sequence as a tile, 0 outside ``[0, n_rows)``.
+
+    Without ``PAGED`` this is ``load_tile``. With ``PAGED`` the sequence's row ``r`` is absolute
+    row ``bos + r``, stored in page ``table[(bos + r) // page_size]`` at row ``(bos + r) % page_size``
+    (``stride_page`` apart). A row whose page index lies outside ``[0, num_pages)`` is not read
+    and comes back as NaN, so a bad page table shows up in the output instead of as a wrong
+    result or an illegal memory access.
+    """
+    if PAGED:
+        rows = bos + row0 + o_r  # [len(o_r)] absolute rows, int64
+        if MASK_ROWS:
+            in_seq = (row0 + o_r) < n_rows
+        else:
+            in_seq = o_r >= 0
+        page = tl.load(table + rows // page_size, mask=in_seq, other=0)
+        ok = (page >= 0) & (page < num_pages)
+        page = tl.where(ok, page, 0).to(tl.int64)
+        p_x = base + page[:, None] * stride_page + (rows % page_size)[:, None] * stride_row + o_d[None, :]
+        m_x = (ok & in_seq)[:, None]
+        if MASK_D:
+            m_x = m_x & (o_d[None, :] < head_dim)
+        b_x = tl.load(p_x, mask=m_x, other=0.0)
+        return tl.where((in_seq & ~ok)[:, None], float("nan"), b_x)
+    else:
+        return load_tile(base, row0, stride_row, n_rows, head_dim, o_r, o_d, MASK_ROWS, MASK_D)
+
+
+@triton.jit
 def key_blocks(q_start, seqlen_k, lo_offset, hi_offset,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks that query rows ``[q_start, q_start + BLOCK_M)`` must visit, in three stages.

@@ -1,0 +1,204 @@
+"""KV-cache decoding: rotary embedding, in-place cache append, and attention over the cache.
+
+Shapes (B batch, Sq query rows, Snew new tokens, H query heads, Hk kv heads, D head dim)::
+
+    q (B, Sq, H, D)   k_new, v_new (B, Snew, Hk, D)   cos, sin (S_rotary, R / 2)
+    cache, dense (B_cache, S_cache, Hk, D) or paged (num_pages, page_size, Hk, D)
+
+A dense cache is addressed as a paged one whose pages are whole cache rows: page size
+``S_cache`` and a one-column page table holding ``cache_batch_idx`` (or ``0..B-1``), so one code
+path serves both. Row ``r`` of batch ``b`` lives in page ``table[b, r // page_size]`` at row
+``r % page_size``.
+
+``rotary_append_kernel`` writes the new keys and values into the cache at rows
+``cache_seqlens[b] + i`` (rotating the keys first) and rotates q into a new tensor; the forward
+kernel (``flash_recipe.ops.forward``) then attends over rows ``[leftpad[b], cache_seqlens[b] +
+Snew)`` with split-KV when there are few query blocks. Nothing reads the metadata on the host,
+so there is no synchronisation; writes through a bad page index or past the cache are skipped
+and the forward kernel turns that batch's output into NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from flash_recipe.ops import configs, tiles
+from flash_recipe.ops.forward import KeyRanges, Variant, attention_forward
+
+
+@triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.jit
+def rotary_append_kernel(
+    X, OUT, COS, SIN, POS, PAGE_TABLE,
+    stride_xb, stride_xm, stride_xh, stride_ob, stride_om, stride_oh, stride_cos, stride_sin, stride_tb,
+    seqlen, head_dim, rotary_dim, seqlen_rotary, pos_step, page_size, num_pages, table_width,
+    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, TO_CACHE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+):
+    """Copy ``X (B, seqlen, Hx, D)`` into ``OUT``, optionally rotating the first ``rotary_dim`` dims.
+
+    Grid ``(cdiv(seqlen, BLOCK_M), Hx, B)``. Row ``i`` of batch ``b`` sits at rotary position
+    ``POS[b] + i * pos_step``; it is rotated by ``COS/SIN[position]`` (``(S_rotary, rotary_dim / 2)``),
+    pairing dims ``(2j, 2j + 1)`` when ``INTERLEAVED`` and ``(j, j + rotary_dim / 2)`` otherwise
+    (GPT-NeoX). A position outside ``[0, seqlen_rotary)`` yields NaN rather than a wild read.
+
+    ``TO_CACHE``: ``OUT`` is a paged cache and row ``i`` goes to row ``POS[b] + i`` through
+    ``PAGE_TABLE``; rows whose page is missing (past the table or outside ``[0, num_pages)``) are
+    not written. Otherwise ``OUT`` is shaped like ``X`` and row ``i`` goes to row ``i``.
+    """
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
+    o_r = tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    rows = i_m * BLOCK_M + o_r  # [BLOCK_M]
+    m_rows = rows < seqlen
+    pos0 = tl.load(POS + i_b)
+    x_base = X + i_b * stride_xb + i_h * stride_xh
+    b_x = tiles.load_tile(x_base, i_m * BLOCK_M, stride_xm, seqlen, head_dim, o_r, o_d, True, MASK_D).to(tl.float32)
+    if ROTARY:
+        half = rotary_dim // 2
+        if INTERLEAVED:
+            partner = o_d ^ 1
+            freq = o_d // 2
+            sign = tl.where(o_d % 2 == 0, -1.0, 1.0)
+        else:
+            partner = tl.where(o_d < half, o_d + half, o_d - half)
+            freq = o_d % half
+            sign = tl.where(o_d < half, -1.0, 1.0)
+        m_rot = o_d < rotary_dim  # [BLOCK_D]
+        pos = pos0 + rows * pos_step  # [BLOCK_M]
+        m_pos = (pos >= 0) & (pos < seqlen_rotary)
+        m_cs = (m_rows & m_pos)[:, None] & m_rot[None, :]
+        b_partner = tl.load(x_base + rows.to(tl.int64)[:, None] * stride_xm + partner[None, :],
+                            mask=m_rows[:, None] & m_rot[None, :], other=0.0).to(tl.float32)
+        p_cs = pos.to(tl.int64)[:, None]
+        b_cos = tl.load(COS + p_cs * stride_cos + freq[None, :], mask=m_cs, other=float("nan")).to(tl.float32)
+        b_sin = tl.load(SIN + p_cs * stride_sin + freq[None, :], mask=m_cs, other=float("nan")).to(tl.float32)
+        b_x = tl.where(m_rot[None, :], b_x * b_cos + sign[None, :] * b_partner * b_sin, b_x)
+    if TO_CACHE:
+        dest = pos0 + rows  # absolute cache rows [BLOCK_M]
+        slot = dest // page_size
+        m_slot = m_rows & (dest >= 0) & (slot < table_width)
+        page = tl.load(PAGE_TABLE + i_b * stride_tb + slot, mask=m_slot, other=-1)
+        ok = m_slot & (page >= 0) & (page < num_pages)
+        page = tl.where(ok, page, 0).to(tl.int64)
+        p_out = OUT + page[:, None] * stride_ob + (dest % page_size).to(tl.int64)[:, None] * stride_om + i_h * stride_oh
+        m_out = ok[:, None]
+        if MASK_D:
+            m_out = m_out & (o_d[None, :] < head_dim)
+        tl.store(p_out + o_d[None, :], b_x.to(OUT.dtype.element_ty), mask=m_out)
+    else:
+        o_base = OUT + i_b * stride_ob + i_h * stride_oh
+        tiles.store_tile(o_base, i_m * BLOCK_M, stride_om, seqlen, head_dim, o_r, o_d, b_x, True, MASK_D)
+
+
+class Rotary(NamedTuple):
+    """Rotary embedding tables ``cos, sin (S_rotary, rotary_dim / 2)`` and the pairing."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+
+
+class Cache(NamedTuple):
+    """A KV cache as the kernels address it (see the module docstring).
+
+    ``k, v``: ``(num_pages, page_size, Hk, D)`` (a dense cache is its own pages); ``table``: int32
+    ``(B, width)``; ``seqlens``: int32 ``(B,)`` filled rows before this call; ``leftpad``: int32
+    ``(B,)`` first valid row, or None for 0.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    seqlens: torch.Tensor
+    leftpad: Optional[torch.Tensor]
+
+    @property
+    def capacity(self) -> int:
+        """Rows one batch entry can address: page-table width times page size."""
+        return self.table.shape[1] * self.k.shape[1]
+
+
+_ROWS = 16  # rows per program of rotary_append_kernel
+
+
+def _launch_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Optional[Cache]):
+    batch, seqlen, heads, head_dim = x.shape
+    if cache is not None:
+        table, paging = cache.table, (cache.k.shape[1], cache.k.shape[0], cache.table.shape[1])
+        out_strides = (out.stride(0), out.stride(1), out.stride(2))
+    else:
+        table, paging = positions, (1, 1, 1)
+        out_strides = (out.stride(0), out.stride(1), out.stride(2))
+    cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (x, x)
+    rotary_dim = 2 * rotary.cos.shape[1] if rotary is not None else 0
+    rotary_kernel = rotary_append_kernel[(triton.cdiv(seqlen, _ROWS), heads, batch)]
+    rotary_kernel(
+        x, out, cos, sin, positions, table,
+        x.stride(0), x.stride(1), x.stride(2), *out_strides, cos.stride(0), sin.stride(0), table.stride(0),
+        seqlen, head_dim, rotary_dim, cos.shape[0] if rotary is not None else 0, pos_step, *paging,
+        ROTARY=rotary is not None, INTERLEAVED=bool(rotary is not None and rotary.interleaved),
+        TO_CACHE=cache is not None, BLOCK_M=_ROWS, BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=4,
+    )
+
+
+def append_and_rotate(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], q_moves: bool) -> torch.Tensor:
+    """Write ``k_new`` (rotated) and ``v_new`` into the cache in place; return q, rotated if asked.
+
+    ``q_moves``: query row ``i`` is at position ``cache_seqlens + i`` (causal or local attention),
+    else every query row is at ``cache_seqlens``.
+    """
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        if k_new is not None and k_new.shape[1] > 0:
+            _launch_copy(k_new, cache.k, cache.seqlens, 1, rotary, cache)
+            _launch_copy(v_new, cache.v, cache.seqlens, 1, None, cache)
+        if rotary is None or q.shape[1] == 0:
+            return q
+        q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)
+        _launch_copy(q, q_rot, cache.seqlens, 1 if q_moves else 0, rotary, None)
+    return q_rot
+
+
+def auto_splits(batch: int, nheads: int, seqlen_q: int, capacity: int, device: torch.device) -> int:
+    """How many split-KV shares keep the GPU busy: 1 when the query blocks alone fill the
+    multiprocessors, else enough shares for about two programs per multiprocessor, each with at
+    least four key blocks of 64, and at most 64."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = batch * nheads * triton.cdiv(seqlen_q, 16)
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(capacity, 4 * 64), 64))
+
+
+def attention_kvcache(
+    q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], cache: Cache,
+    rotary: Optional[Rotary], softmax_scale: float, var: Variant, num_splits: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_with_kvcache`` on validated input (see ``flash_recipe.kvcache``).
+
+    Appends ``k_new``/``v_new`` ``(B, Snew, Hk, D)`` to the cache in place, then attends from
+    ``q (B, Sq, H, D)`` over rows ``[leftpad, cache_seqlens + Snew)`` of each batch entry's cache,
+    aligned bottom-right. ``num_splits`` 0 picks the split-KV count (``auto_splits``).
+
+    Returns ``out (B, Sq, H, D)`` in q's dtype and ``lse (B, H, Sq)`` float32.
+    """
+    q_moves = var.window_left >= 0 or var.window_right >= 0
+    q = append_and_rotate(q, k_new, v_new, cache, rotary, q_moves)
+    new = k_new.shape[1] if k_new is not None else 0
+    end = cache.seqlens + new if new else cache.seqlens
+    start = cache.leftpad if cache.leftpad is not None else torch.zeros_like(cache.seqlens)
+    keys = KeyRanges(start, end, cache.capacity, cache.table)
+    batch, seqlen_q, nheads, _ = q.shape
+    if num_splits == 0:
+        num_splits = auto_splits(batch, nheads, seqlen_q, cache.capacity, q.device)
+    kernel = "decode" if seqlen_q <= 16 else "fwd"
+    return attention_forward(q, cache.k, cache.v, softmax_scale, var, keys=keys, num_splits=num_splits, kernel=kernel)
