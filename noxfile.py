@@ -113,16 +113,17 @@ def compile_check(session: nox.Session) -> None:
     """Compile every kernel variant for every GPU target on this machine, no GPU needed.
 
     Checks that each fits its architecture's shared memory and that fp16/bf16 dots use the matrix
-    units. Default (what CI runs; 8 minutes measured on 2 cores): every target and dtype, head-dim
-    buckets 64 and 256, every option flag on (window, softcap, ALiBi, dropout) and varlen, in the
-    ragged form that holds every mask. Arguments after ``--`` replace that selection; with
+    units. Default (what CI runs): every target and dtype, head-dim buckets 64 and 256, every option
+    flag on (window, softcap, ALiBi, dropout), varlen, and the KV-cache kernels (paged forward and
+    decode tiles, rotary/append, split-KV merge), in the ragged form that holds every mask.
+    Arguments after ``--`` replace that selection; with
     ``-- --jobs 2`` alone it compiles every variant, which takes hours on 2 cores
     (``python -m flash_recipe.ops.compile_check --help``).
     """
     install_built_wheel(session)
     args = session.posargs or [
         "--head-dim", "64", "--head-dim", "256", "--mode", "all-options", "--mode", "varlen-causal",
-        "--even", "no", "--jobs", "2",
+        "--mode", "kvcache", "--even", "no", "--jobs", "2",
     ]
     session.chdir(session.create_tmp())
     session.run("python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", *args, env={"TRITON_INTERPRET": "0"})

@@ -283,6 +283,7 @@ def flash_attn_with_kvcache(
         block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
         return_softmax_lse,
     )
+    _refuse_grad("flash_attn_with_kvcache", q, k, v)
     backend = dispatch.select(call.attention, extra=lambda b: _cache_refusal(b, call))
     if backend.name == "triton":
         out, lse = _run_triton(call)
@@ -293,6 +294,12 @@ def flash_attn_with_kvcache(
     else:
         out, lse = _run_torch(call, backend)
     return (out, lse) if return_softmax_lse else out
+
+
+def _refuse_grad(what: str, *tensors) -> None:
+    """Forward-only paths raise rather than hand back an output silently cut from the graph."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(f"{what} has no backward; call it under torch.no_grad() or on tensors without grad")
 
 
 def _cache_refusal(backend: dispatch.Backend, call: CacheCall) -> Optional[str]:
@@ -378,8 +385,7 @@ def paged_varlen(call: AttentionCall, block_table) -> tuple:
         raise ValueError(f"the page size (k.shape[1] with a block_table) must be a multiple of {PAGE_MULTIPLE}, got {page_size}")
     if call.dropout_p > 0.0:
         raise NotImplementedError("dropout is not supported with block_table (paged KV is for inference); pass dropout_p=0.0")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
-        raise NotImplementedError("flash_attn_varlen_func with block_table has no backward; call it under torch.no_grad()")
+    _refuse_grad("flash_attn_varlen_func with block_table", call.q, call.k, call.v)
     lengths_k = call.cu_seqlens_k[1:] - call.cu_seqlens_k[:-1]
     capacity = block_table.shape[1] * page_size
     if call.cu_seqlens_k.device.type == "cpu":

@@ -38,3 +38,23 @@ def test_largest_tiles_compile_and_fit_every_target():
         assert 0 < row["shared_bytes"] <= row["shared_limit"]
         assert row["matrix_instructions"], row
     assert result.returncode == 0
+
+
+@pytest.mark.slow
+def test_kvcache_kernels_compile_for_nvidia_targets():
+    """The KV-cache variants (paged forward with split-KV partials, decode tiles, rotary/append,
+    split merge) at the largest head-dim bucket, fp16, for sm80, sm86, sm89 and sm90."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    kernels = ("fwd", "decode", "rotary_append", "split_combine")
+    targets = ("sm80", "sm86", "sm89", "sm90")
+    cmd = [sys.executable, "-W", "ignore", "-m", "flash_recipe.ops.compile_check", "--json", "--jobs", "2",
+           "--dtype", "float16", "--head-dim", "256", "--mode", "kvcache",
+           *(a for t in targets for a in ("--target", t)), *(a for k in kernels for a in ("--kernel", k))]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert {(row["target"], row["variant"].split("-")[0]) for row in rows} == {
+        (target, kernel) for target in targets for kernel in kernels
+    }, result.stderr[-3000:]
+    assert all(row["ok"] for row in rows), [row for row in rows if not row["ok"]]
+    assert all(row["matrix_instructions"] for row in rows if row["variant"].split("-")[0] in ("fwd", "decode"))
+    assert result.returncode == 0

@@ -136,7 +136,7 @@ def _oracle(case: KV, q, k_cache, v_cache, k_new, v_new, args, upcast: bool):
             kb = k_new[b:b + 1]
             if case.rotary:
                 positions = torch.arange(n, n + case.new)[None]
-                kb = _rotate(kb, args["rotary_cos"].cpu(), args["rotary_sin"].cpu(), positions, case.interleaved).to(q.device)
+                kb = _rotate(kb.cpu(), args["rotary_cos"].cpu(), args["rotary_sin"].cpu(), positions, case.interleaved).to(q.device)
             ke[n:n + case.new], ve[n:n + case.new] = kb[0], v_new[b]
         if case.rotary:
             positions = (n + (torch.arange(case.seqlen_q) if moves else torch.zeros(case.seqlen_q, dtype=torch.long)))[None]
@@ -154,6 +154,11 @@ def _oracle(case: KV, q, k_cache, v_cache, k_new, v_new, args, upcast: bool):
     return torch.cat(outs), torch.cat(lses), k_entries, v_entries
 
 
+# One rounding of a value of magnitude up to ~4 to the dtype (half an ulp, relative and absolute).
+ROUNDING = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
 def _check(case: KV, dtype, device, backend: str):
     q, k_cache, v_cache, k_new, v_new, args = _make(case, dtype, device)
     truth, truth_lse, k_want, v_want = _oracle(case, q, k_cache, v_cache, k_new, v_new, args, upcast=True)
@@ -165,14 +170,18 @@ def _check(case: KV, dtype, device, backend: str):
     err = (out.double() - truth.double()).abs().max().item()
     bound = 2 * (same.double() - truth.double()).abs().max().item() + 1e-5
     assert err <= bound, f"out: {err:.2e} > {bound:.2e}"
-    torch.testing.assert_close(lse, truth_lse.float(), atol=1e-3 if dtype == torch.float16 else 1e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, truth_lse.float(), **ROUNDING[dtype])
     for b in range(case.batch):  # the update went exactly where the oracle put it, nowhere else
-        rot_tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-5, rtol=1e-5)
+        rot_tol = ROUNDING[dtype]  # the rotated keys are rounded to the cache dtype once
         torch.testing.assert_close(_entry(k_cache, case, args, b), k_want[b], **(rot_tol if case.rotary else dict(atol=0, rtol=0)))
         assert torch.equal(_entry(v_cache, case, args, b), v_want[b])
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["float16", "float32"])
+BF16_ON_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the Triton interpreter computes bf16 dot products incorrectly"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, BF16_ON_GPU], ids=["float16", "float32", "bfloat16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_kvcache_triton(case, dtype, device, nan_outputs):
     _check(case, dtype, device, "triton")
@@ -257,6 +266,7 @@ BAD = [
     ("window", dict(window_size=(-2, 0)), ValueError, ["window_size", "-1"]),
     ("alibi-shape", dict(alibi_slopes=torch.zeros(3)), ValueError, ["alibi_slopes", "(nheads,) = (2,)"]),
     ("cache-dtype", dict(k_cache=torch.zeros(4, 16, 1, 16, dtype=torch.float16)), TypeError, ["k_cache", "dtype"]),
+    ("grad", dict(q=torch.zeros(1, 1, 2, 16, requires_grad=True)), NotImplementedError, ["no backward", "torch.no_grad()"]),
 ]
 
 

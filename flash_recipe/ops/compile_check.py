@@ -24,13 +24,14 @@ from flash_recipe.ops import configs
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "decode", "rotary_append", "split_combine")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "gfx90a", "gfx942")
 
 
-MODES = ("full", "causal", "all-options", "varlen-causal")
-FP32_POINTERS = ("LSE", "DELTA", "SLOPES")
-INT32_POINTERS = ("CU_Q", "CU_K")
+MODES = ("full", "causal", "all-options", "varlen-causal", "kvcache")
+FP32_POINTERS = ("LSE", "DELTA", "SLOPES", "O_SPLIT", "LSE_SPLIT")
+INT32_POINTERS = ("CU_Q", "CU_K", "K_START", "K_END", "PAGE_TABLE", "POS")
+CACHE_KERNELS = ("decode", "rotary_append", "split_combine")  # run only on a KV cache
 INT64_POINTERS = ("SEED",)
 FLOAT_SCALARS = ("sm_scale", "softcap", "dropout_p")
 
@@ -41,7 +42,8 @@ class Variant:
     dtype: str
     head_dim: int  # the padded bucket
     mode: str  # "full": no mask; "causal": right edge; "all-options": window, softcap, ALiBi, dropout;
-    # "varlen-causal": packed sequences with the causal edge
+    # "varlen-causal": packed sequences with the causal edge; "kvcache": a paged cache with per-batch
+    # key ranges, window, softcap and ALiBi, writing split-KV partials (float32)
     even: bool  # sequence lengths multiples of the blocks and head dim == bucket
 
     @property
@@ -53,18 +55,23 @@ def variants(kernels=KERNELS, dtypes=tuple(DTYPES), buckets=HEAD_DIM_BUCKETS, mo
     """The (kernel, dtype, head-dim bucket, mode, even) combinations the launchers can produce.
 
     The modes span the option flags: none, the causal edge alone, all score options at once (the
-    most code and the most registers), and packed variable-length sequences.
+    most code and the most registers), packed variable-length sequences, and a paged KV cache
+    (the forward and decode kernels, the rotary/append kernel and the split-KV merge).
     """
     for kernel, dtype, head_dim, mode, even in itertools.product(kernels, dtypes, buckets, modes, (False, True)):
         if kernel == "bwd_preprocess" and mode in ("causal", "all-options"):
             continue  # the preprocess has no masking options
-        if mode.startswith("varlen") and even:
-            continue  # varlen sequences are always ragged
+        if (kernel in CACHE_KERNELS) != (mode == "kvcache") and not (kernel == "fwd" and mode == "kvcache"):
+            continue  # the cache kernels run on a cache only; the backward never does
+        if (mode.startswith("varlen") or mode == "kvcache") and even:
+            continue  # per-sequence lengths are always ragged
         yield Variant(kernel, dtype, head_dim, mode, even)
 
 
 KERNEL_NAMES = {"fwd": ("forward", "attn_fwd_kernel"), "bwd_preprocess": ("backward", "attn_bwd_preprocess_kernel"),
-                "bwd_dkdv": ("backward", "attn_bwd_dkdv_kernel"), "bwd_dq": ("backward", "attn_bwd_dq_kernel")}
+                "bwd_dkdv": ("backward", "attn_bwd_dkdv_kernel"), "bwd_dq": ("backward", "attn_bwd_dq_kernel"),
+                "decode": ("forward", "attn_fwd_kernel"), "rotary_append": ("kvcache", "rotary_append_kernel"),
+                "split_combine": ("forward", "split_combine_kernel")}
 
 
 def _source(variant: Variant, target: str):
@@ -74,15 +81,17 @@ def _source(variant: Variant, target: str):
     module, name = KERNEL_NAMES[variant.kernel]
     fn = getattr(importlib.import_module(f"flash_recipe.ops.{module}"), name).fn  # inside triton.heuristics
     element_size = 4 if variant.dtype == "float32" else 2
-    even = variant.even
+    even, mode = variant.even, variant.mode
+    options = mode in ("all-options", "kvcache")
     constexprs = {"BLOCK_D": variant.head_dim, "EVEN_M": even, "EVEN_N": even, "MASK_D": not even,
-                  "MASK_LEFT": variant.mode == "all-options", "MASK_RIGHT": variant.mode != "full",
-                  "SOFTCAP": variant.mode == "all-options", "ALIBI": variant.mode == "all-options",
-                  "DROPOUT": variant.mode == "all-options",
-                  "IS_VARLEN": variant.mode.startswith("varlen")}
+                  "MASK_LEFT": options, "MASK_RIGHT": mode != "full", "SOFTCAP": options, "ALIBI": options,
+                  "DROPOUT": mode == "all-options", "IS_VARLEN": mode.startswith("varlen"),
+                  "KV_RANGES": mode.startswith("varlen") or mode == "kvcache", "PAGED": mode == "kvcache",
+                  "ROTARY": True, "INTERLEAVED": False, "TO_CACHE": True}
+    fp32_pointers = FP32_POINTERS + (("O",) if mode == "kvcache" and variant.kernel in ("fwd", "decode") else ())
     cfg = None
-    if variant.kernel == "bwd_preprocess":
-        constexprs["BLOCK_M"] = 64
+    if variant.kernel in ("bwd_preprocess", "rotary_append", "split_combine"):
+        constexprs["BLOCK_M"] = 64 if variant.kernel == "bwd_preprocess" else 16
     else:
         cfg = configs.get_config(target, variant.kernel, variant.head_dim, element_size)
         constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
@@ -92,7 +101,7 @@ def _source(variant: Variant, target: str):
             signature[param.name] = "constexpr"
             used[param.name] = constexprs[param.name]
         elif param.name.isupper():
-            if param.name in FP32_POINTERS:
+            if param.name in fp32_pointers:
                 signature[param.name] = "*fp32"
             elif param.name in INT32_POINTERS:
                 signature[param.name] = "*i32"
@@ -107,7 +116,7 @@ def _source(variant: Variant, target: str):
 
 def needs_matrix_units(variant: Variant) -> bool:
     """fp16/bf16 dots must use the tensor cores; fp32 ones run in full precision on the FMA units."""
-    return variant.kernel != "bwd_preprocess" and variant.dtype != "float32"
+    return variant.kernel not in ("bwd_preprocess", "rotary_append", "split_combine") and variant.dtype != "float32"
 
 
 def compile_variant(variant: Variant, target: str) -> dict:
