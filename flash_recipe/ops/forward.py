@@ -166,17 +166,20 @@ def attn_fwd_kernel(
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
-    share = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), num_splits) * BLOCK_N  # keys per split, whole blocks
-    split_lo = i_s * share
-    split_hi = split_lo + share
+    if KV_RANGES:  # split-KV runs on per-batch key ranges only (a cache); dense calls keep their bounds
+        share = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), num_splits) * BLOCK_N  # keys per split, whole blocks
+        split_lo = i_s * share
+        split_hi = split_lo + share
     # The left edge of a window (masked), the blocks every row sees in full (no masks), then the
     # diagonal / right edge and the ragged last block (masked); each cut to this split's share.
     for stage in tl.static_range(3):
         lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
+        if KV_RANGES:
+            lo = tl.maximum(lo, split_lo)
+            hi = tl.minimum(hi, split_hi)
         b_acc, b_m, b_l = _fwd_inner(
             b_acc, b_m, b_l, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
-            lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d,
-            tl.maximum(lo, split_lo), tl.minimum(hi, split_hi),
+            lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
             seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
             stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, BLOCK_N,
         )
@@ -294,14 +297,17 @@ def attention_forward(
         softmax_scale: multiplies ``q @ k^T`` before the softmax.
         var: masks and score options (see ``Variant``).
         keys: per-batch key rows (a KV cache); each batch aligns its diagonal bottom-right.
-        num_splits: > 1 splits every row's keys into that many shares run by separate programs,
-            then merges them (``split_combine_kernel``): more parallelism for few query rows.
+        num_splits: > 1 (with ``keys``) splits every row's keys into that many shares run by
+            separate programs, then merges them (``split_combine_kernel``): more parallelism for
+            few query rows.
         kernel: the launch configuration to use, ``"fwd"`` or ``"decode"`` (small query blocks).
 
     Returns:
         ``out`` shaped like q, in q's dtype, and ``lse`` float32 (natural log): ``(B, H, Sq)``, or
         ``(H, total_q)`` with varlen.
     """
+    if num_splits > 1 and keys is None:
+        raise ValueError("num_splits > 1 needs per-batch key ranges (keys)")
     if varlen is not None and keys is None:
         cu_k = varlen.cu_seqlens_k
         keys = KeyRanges(cu_k[:-1], cu_k[1:], varlen.max_seqlen_k)

@@ -130,13 +130,14 @@ _ROWS = 16  # rows per program of rotary_append_kernel
 
 
 def _launch_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Optional[Cache]):
+    """Launch ``rotary_append_kernel`` for ``x (B, S, heads, D)``: into the cache pages ``out`` when
+    ``cache`` is given, else into ``out`` shaped like x."""
     batch, seqlen, heads, head_dim = x.shape
-    if cache is not None:
+    if cache is not None:  # out's batch stride is the page stride
         table, paging = cache.table, (cache.k.shape[1], cache.k.shape[0], cache.table.shape[1])
-        out_strides = (out.stride(0), out.stride(1), out.stride(2))
     else:
         table, paging = positions, (1, 1, 1)
-        out_strides = (out.stride(0), out.stride(1), out.stride(2))
+    out_strides = (out.stride(0), out.stride(1), out.stride(2))
     cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (x, x)
     rotary_dim = 2 * rotary.cos.shape[1] if rotary is not None else 0
     rotary_kernel = rotary_append_kernel[(triton.cdiv(seqlen, _ROWS), heads, batch)]
