@@ -322,12 +322,17 @@ def _run_triton(call: CacheCall):
         return attention_kvcache(call.q, call.k, call.v, cache, rotary, att.softmax_scale, var, call.num_splits)
 
 
-def _rows(pages: torch.Tensor, table_row: list, start: int, end: int) -> torch.Tensor:
-    """Rows ``[start, end)`` of one sequence of a paged tensor ``(num_pages, page_size, ...)``."""
+def _slots(pages: torch.Tensor, table_row: list, start: int, end: int) -> tuple:
+    """Index tensors ``(page, row)`` of rows ``[start, end)`` of one sequence of a paged tensor
+    ``(num_pages, page_size, ...)``: ``pages[_slots(...)]`` reads them, assigning to it writes."""
     page_size = pages.shape[1]
     idx = torch.arange(start, end, device=pages.device)
-    page = torch.tensor(table_row, dtype=torch.long, device=pages.device)[idx // page_size]
-    return pages[page, idx % page_size]
+    return torch.tensor(table_row, dtype=torch.long, device=pages.device)[idx // page_size], idx % page_size
+
+
+def _rows(pages: torch.Tensor, table_row: list, start: int, end: int) -> torch.Tensor:
+    """Rows ``[start, end)`` of one sequence of a paged tensor ``(num_pages, page_size, ...)``."""
+    return pages[_slots(pages, table_row, start, end)]
 
 
 def _run_torch(call: CacheCall, backend: dispatch.Backend):
@@ -340,7 +345,6 @@ def _run_torch(call: CacheCall, backend: dispatch.Backend):
     table = call.table.tolist()
     pads = call.leftpad.tolist() if call.leftpad is not None else [0] * batch
     new = call.new_tokens
-    page_size = call.k_cache.shape[1]
     pos = torch.tensor(lengths, device=q.device)[:, None]
     k_new = call.k
     if call.rotary is not None:
@@ -351,10 +355,9 @@ def _run_torch(call: CacheCall, backend: dispatch.Backend):
     with torch.no_grad():
         for b in range(batch):
             if new:
-                idx = torch.arange(lengths[b], lengths[b] + new, device=q.device)
-                page = torch.tensor(table[b], dtype=torch.long, device=q.device)[idx // page_size]
-                call.k_cache[page, idx % page_size] = k_new[b]
-                call.v_cache[page, idx % page_size] = call.v[b]
+                slots = _slots(call.k_cache, table[b], lengths[b], lengths[b] + new)
+                call.k_cache[slots] = k_new[b]
+                call.v_cache[slots] = call.v[b]
         outs, lses = [], []
         for b in range(batch):
             k = _rows(call.k_cache, table[b], pads[b], lengths[b] + new)[None]

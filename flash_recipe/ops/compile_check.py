@@ -63,8 +63,8 @@ def variants(kernels=KERNELS, dtypes=tuple(DTYPES), buckets=HEAD_DIM_BUCKETS, mo
             continue  # the preprocess has no masking options
         if (kernel in CACHE_KERNELS) != (mode == "kvcache") and not (kernel == "fwd" and mode == "kvcache"):
             continue  # the cache kernels run on a cache only; the backward never does
-        if (mode.startswith("varlen") or mode == "kvcache") and even:
-            continue  # per-sequence lengths are always ragged
+        if mode.startswith("varlen") and even:
+            continue  # packed sequence lengths are always ragged
         yield Variant(kernel, dtype, head_dim, mode, even)
 
 
@@ -87,7 +87,7 @@ def _source(variant: Variant, target: str):
                   "MASK_LEFT": options, "MASK_RIGHT": mode != "full", "SOFTCAP": options, "ALIBI": options,
                   "DROPOUT": mode == "all-options", "IS_VARLEN": mode.startswith("varlen"),
                   "KV_RANGES": mode.startswith("varlen") or mode == "kvcache", "PAGED": mode == "kvcache",
-                  "ROTARY": True, "INTERLEAVED": False, "TO_CACHE": True}
+                  "ROTARY": True, "INTERLEAVED": even, "TO_CACHE": True}  # both rotary pairings get compiled
     fp32_pointers = FP32_POINTERS + (("O",) if mode == "kvcache" and variant.kernel in ("fwd", "decode") else ())
     cfg = None
     if variant.kernel in ("bwd_preprocess", "rotary_append", "split_combine"):
