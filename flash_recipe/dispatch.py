@@ -167,6 +167,25 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Turing (sm75: T4, RTX 20xx) and older. The doctor's gpu-too-old finding says the same.
+TURING_ISSUES = "#330, #542, #720, #887"
+
+
+def pre_ampere_reason(major: int, minor: int) -> str:
+    """Why neither these Triton kernels nor upstream flash-attn 2 run on a GPU below sm80."""
+    return (
+        f"GPU compute capability {major}.{minor} (sm{major}{minor}) is below 8.0: Triton has no tensor-core path "
+        f"there (it lowers tl.dot to FMA instructions on sm75 and older), so these kernels need sm80 or newer; "
+        f"upstream flash-attn 2 has no Turing support either (flash-attention issues {TURING_ISSUES}). "
+        f"The sdpa backend runs such calls with torch's memory-efficient kernel"
+    )
+
+
+def _pre_ampere_nvidia(device: torch.device) -> bool:
+    """A CUDA device below sm80 (torch SDPA has no flash kernel there)."""
+    return device.type == "cuda" and torch.version.hip is None and _device_capability(device) < (8, 0)
+
+
 class TritonBackend(Backend):
     """This package's Triton kernels (``flash_recipe.ops``)."""
 
@@ -191,7 +210,7 @@ class TritonBackend(Backend):
             if torch.version.hip is None:
                 major, minor = _device_capability(q.device)
                 if major < 8:
-                    return f"GPU compute capability {major}.{minor} is below 8.0 (Ampere); these kernels need sm80 or newer"
+                    return pre_ampere_reason(major, minor)
         else:
             return f"device type {q.device.type!r} is not supported (cuda or, with the interpreter, cpu)"
         if v.shape[-1] != q.shape[-1]:
@@ -257,7 +276,10 @@ class FlashAttnBackend(Backend):
             return f"flash_attn supports float16 and bfloat16 only, got {q.dtype}"
         major, minor = _device_capability(q.device)
         if major < 8:
-            return f"flash_attn 2 needs compute capability 8.0 or newer, this GPU has {major}.{minor}"
+            return (
+                f"flash_attn 2 needs compute capability 8.0 (Ampere) or newer, this GPU has {major}.{minor}; "
+                f"it has no Turing support (flash-attention issues {TURING_ISSUES})"
+            )
         if v.shape[-1] != q.shape[-1] or q.shape[-1] > 256:
             return "flash_attn needs equal query and value head dims of at most 256"
         if call.causal and call.diag_offset != k.shape[1] - q.shape[1]:
@@ -288,7 +310,15 @@ class FlashAttnBackend(Backend):
 
 
 class SdpaBackend(Backend):
-    """``torch.nn.functional.scaled_dot_product_attention`` (torch picks its own kernel)."""
+    """``torch.nn.functional.scaled_dot_product_attention``.
+
+    torch picks its own kernel, except on NVIDIA GPUs below sm80 (T4, RTX 20xx), where torch's
+    flash kernel does not exist: there the call is restricted to the memory-efficient kernel (with
+    math as the last resort), so an enclosing ``sdpa_kernel([SDPBackend.FLASH_ATTENTION])`` cannot
+    make it fail with "No available kernel", and it is shaped so that kernel takes it: key/value
+    heads repeated for GQA (the kernel has no GQA) and bfloat16 computed in float32 (the kernel
+    takes float16 and float32 only below sm80; the result is cast back).
+    """
 
     name = "sdpa"
 
@@ -309,6 +339,11 @@ class SdpaBackend(Backend):
         if seqlen_k == 0:  # rows that see no key output 0
             return call.q.new_zeros(call.q.shape[:-1] + (call.v.shape[-1],)), None, None
         mask, is_causal = call.attn_mask, False
+        efficient_only = _pre_ampere_nvidia(q.device)
+        if efficient_only and q.dtype == torch.bfloat16:
+            q, k, v = (t.float() for t in (q, k, v))
+            if mask is not None and mask.dtype != torch.bool:
+                mask = mask.float()
         window = (call.window[0], 0 if call.causal else call.window[1])
         if call.causal and call.diag_offset == 0 and window[0] < 0 and mask is None and call.alibi_slopes is None:
             is_causal = True
@@ -325,12 +360,17 @@ class SdpaBackend(Backend):
                 mask = mask + bias
         options = dict(attn_mask=mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.softmax_scale)
         if q.shape[1] != k.shape[1]:
-            if _SDPA_HAS_GQA:
+            if _SDPA_HAS_GQA and not efficient_only:
                 options["enable_gqa"] = True
             else:
                 group = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
+        if efficient_only:
+            with _efficient_sdpa_kernels():
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
+            out = out.to(call.q.dtype).transpose(1, 2)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
         left, right = window
         first_row_blind = right >= 0 and call.diag_offset + right < 0
         last_row_blind = left >= 0 and seqlen_q - 1 + call.diag_offset - left >= seqlen_k
@@ -339,6 +379,13 @@ class SdpaBackend(Backend):
             visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, window, q.device)
             out = out.masked_fill(~visible.any(dim=-1)[None, :, None, None], 0.0)
         return out, None, None
+
+
+def _efficient_sdpa_kernels():
+    """torch SDPA restricted to its memory-efficient kernel, math as the last resort."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _combine_masks(visible: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -218,3 +218,104 @@ def test_interpreter_switched_on_after_import_is_explained():
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert "set after triton was imported" in result.stdout
+
+
+# -- GPUs below sm80 (T4, RTX 20xx) ------------------------------------------------------------
+# No GPU exists on the test machine: the compute capability is mocked (dispatch._capability) and
+# CUDA tensors are FakeTensors, which carry a device, dtype and shape but no data.
+@pytest.fixture
+def turing(monkeypatch):
+    from flash_recipe import dispatch
+
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (7, 5))
+    monkeypatch.setattr(torch.version, "hip", None)
+
+
+def fake_cuda(*shape, dtype=torch.float16):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(*shape, dtype=dtype, device="cuda")
+
+
+def test_turing_falls_back_to_sdpa_and_explains_why(turing):
+    from flash_recipe import dispatch
+
+    q, k = fake_cuda(1, 16, 4, 64), fake_cuda(1, 16, 2, 64)
+    reasons = flash_recipe.explain(q, k, k, causal=True)
+    triton = reasons["triton"]
+    for words in ("7.5", "sm75", "below 8.0", "tl.dot to FMA", "no tensor-core path", "sm80 or newer",
+                  "flash-attn 2 has no Turing support", "#330, #542, #720, #887", "memory-efficient"):
+        assert words in triton, f"{words!r} missing from: {triton}"
+    assert reasons["sdpa"] is None
+    call = dispatch.AttentionCall(q, k, k, 0.125, causal=True)
+    assert dispatch.select(call).name == "sdpa"
+    # upstream flash-attn refuses the same GPU for the same reason, even when it is installed
+    flash = dispatch.FlashAttnBackend().supports(call)
+    assert "8.0 (Ampere)" in flash and "7.5" in flash and "#330, #542, #720, #887" in flash
+    with use_backend("triton"), pytest.raises(BackendUnavailableError, match="tl.dot to FMA"):
+        dispatch.select(call)
+
+
+def test_ampere_is_not_refused_for_its_capability(monkeypatch):
+    from flash_recipe import dispatch
+
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    q = fake_cuda(1, 16, 2, 64)
+    assert flash_recipe.explain(q, q, q)["triton"] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_sdpa_backend_below_sm80_uses_the_memory_efficient_kernel(dtype, monkeypatch):
+    """On a (mocked) sm75 GPU the sdpa backend asks torch for EFFICIENT_ATTENTION then MATH, repeats
+    kv heads (the memory-efficient kernel has no GQA) and computes bfloat16 in float32 (it takes
+    float16 and float32 only below sm80). Run on the CPU here, whose MATH kernel serves the call."""
+    from torch.nn import attention
+
+    from flash_recipe import dispatch
+
+    monkeypatch.setattr(dispatch, "_pre_ampere_nvidia", lambda device: True)
+    asked, seen = [], []
+    real_kernel, real_sdpa = attention.sdpa_kernel, F.scaled_dot_product_attention
+
+    def spy_kernel(backends, *args, **kwargs):
+        asked.append(list(backends))
+        return real_kernel(backends, *args, **kwargs)
+
+    def spy_sdpa(q, k, v, **kwargs):
+        seen.append((q.dtype, k.shape[1], kwargs.get("enable_gqa", False)))
+        return real_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_kernel", spy_kernel)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy_sdpa)
+    q, k, v = t(2, 9, 4, 16, dtype=dtype, seed=1), t(2, 13, 2, 16, dtype=dtype, seed=2), t(2, 13, 2, 16, dtype=dtype, seed=3)
+    # an enclosing restriction to one kernel the call cannot use (EFFICIENT_ATTENTION has no CPU
+    # kernel, as FLASH_ATTENTION has none on a T4) does not make the backend fail
+    with use_backend("sdpa"), real_kernel([attention.SDPBackend.EFFICIENT_ATTENTION]):
+        out = flash_attn_func(q, k, v, causal=True)
+    assert asked == [[attention.SDPBackend.EFFICIENT_ATTENTION, attention.SDPBackend.MATH]]
+    compute = torch.float32 if dtype == torch.bfloat16 else dtype
+    assert seen == [(compute, 4, False)]
+    assert out.dtype == dtype
+    # the accuracy rule: at most 2x the error of torch computing the same attention in this dtype
+    expected, _ = attention_reference(q, k, v, causal=True)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1)
+    bottom_right = torch.ones(9, 13, dtype=torch.bool).tril(13 - 9)
+    same_precision = real_sdpa(qt, kt, vt, attn_mask=bottom_right).transpose(1, 2)
+    torch_error = (same_precision.float() - expected.float()).abs().max().item()
+    assert torch_error < 1e-2
+    assert (out.float() - expected.float()).abs().max().item() <= 2 * torch_error + 1e-5
+
+
+def test_sdpa_backend_at_sm80_leaves_the_kernel_choice_to_torch(monkeypatch):
+    from torch.nn import attention
+
+    from flash_recipe import dispatch
+
+    monkeypatch.setattr(dispatch, "_pre_ampere_nvidia", lambda device: False)
+    asked = []
+    monkeypatch.setattr(attention, "sdpa_kernel", lambda backends, *a, **kw: asked.append(backends))
+    with use_backend("sdpa"):
+        flash_attn_func(Q, K, K)
+    assert asked == []

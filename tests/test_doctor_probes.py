@@ -175,3 +175,62 @@ def test_triton_compile_check_says_when_the_interpreter_is_on(monkeypatch):
 def test_triton_compile_check_names_unknown_arch():
     row = probes.triton_compile_check("sm61")
     assert row["ok"] is None and "sm61" in row["error"]
+
+
+def test_sdpa_probe_without_a_gpu_runs_nothing():
+    """This machine for real: no GPU, so the probe names why and records no kernel."""
+    import torch
+
+    out = probes.probe_sdpa()
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the GPU tests cover the live probe")
+    assert out == {"device": None, "kernels": {}, "reason": "no GPU that torch can use"}
+
+
+def test_sdpa_kernel_check_records_torchs_refusal_for_real():
+    """The check the live probe runs on a GPU, run here on the CPU for real: torch has a CPU flash
+    kernel but no CPU memory-efficient one, so the second restriction fails with torch's error."""
+    kernels = probes.sdpa_kernel_check("cpu")
+    assert kernels["FLASH_ATTENTION"]["ok"] is True and kernels["FLASH_ATTENTION"]["error"] is None
+    refused = kernels["EFFICIENT_ATTENTION"]
+    assert refused["ok"] is False and refused["error"].startswith("RuntimeError: ")
+    assert not any("Triggered internally" in w for w in refused["warnings"])
+
+
+def test_no_kernel_pattern_matches_torchs_message():
+    import re
+
+    # the message as torch's sdp_utils.cpp spells it (two spaces), and as users paste it
+    for text in ("No available kernel.  Aborting execution.", "RuntimeError: No available kernel. Aborting execution."):
+        assert re.search(probes.NO_KERNEL, text)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (('[project]\nname = "x"\n[[tool.uv.index]]\nname = "pytorch-cu124"\nurl = "https://download.pytorch.org/whl/cu124"\nexplicit = true\n'
+          '[tool.uv.sources]\ntorch = [{ index = "pytorch-cu124", marker = "sys_platform == \'linux\'" }]\n'),
+         {"name": "pytorch-cu124", "url": "https://download.pytorch.org/whl/cu124", "pinned": True}),
+        (('[tool.poetry.dependencies]\ntorch = { version = "^2.6", source = "torchsrc" }\n'
+          '[[tool.poetry.source]]\nname = "other"\nurl = "https://pypi.example/simple"\n'
+          '[[tool.poetry.source]]\nname = "torchsrc"\nurl = "https://user:secret@mirror.example/whl/cu126"\npriority = "explicit"\n'),
+         {"name": "torchsrc", "url": "https://mirror.example/whl/cu126", "pinned": True}),
+        ('[[tool.uv.index]]\nname = "pt"\nurl = "https://download.pytorch.org/whl/cpu"\n',
+         {"name": "pt", "url": "https://download.pytorch.org/whl/cpu", "pinned": False}),
+        ('[project]\nname = "x"\ndependencies = ["torch"]\n', None),
+    ],
+    ids=["uv-sources", "poetry-source-credentials-dropped", "uv-index-by-host", "none"],
+)
+def test_project_torch_index(tmp_path, text, expected):
+    if sys.version_info < (3, 11):
+        pytest.skip("reading the index needs tomllib (Python 3.11+)")
+    (tmp_path / "pyproject.toml").write_text(text)
+    assert probes.probe_project(str(tmp_path))["torch_index"] == expected
+
+
+def test_torch_probe_records_who_installed_it():
+    torch = probes.probe_torch()
+    from flash_recipe.env.distinfo import distribution_info
+
+    assert torch["installer"] == distribution_info("torch")["installer"]
+    assert isinstance(probes.probe_platform()["conda"], bool)

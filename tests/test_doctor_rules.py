@@ -387,18 +387,269 @@ def test_skip_cuda_build_variable_warns_before_install(monkeypatch):
 
 
 # -- 12 and 13 ---------------------------------------------------------------------------------
+# torch SDPA limited to its flash kernel on a T4, as a user's run prints it. Composed from the
+# messages in torch's aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (select_sdp_backend
+# prints one "... kernel not used because:" warning per kernel, each followed by its reasons, then
+# raises); the paths are a Colab install's. There is no T4 on the test machine.
+T4_FLASH_ONLY_LOG = """\
+/usr/local/lib/python3.11/dist-packages/torch/nn/functional.py:5849: UserWarning: Memory efficient kernel not used because: (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:776.)
+  out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+/usr/local/lib/python3.11/dist-packages/torch/nn/functional.py:5849: UserWarning: Memory Efficient attention has been runtime disabled. (Triggered internally at /pytorch/aten/src/ATen/native/transformers/sdp_utils_cpp.h:551.)
+/usr/local/lib/python3.11/dist-packages/torch/nn/functional.py:5849: UserWarning: Flash attention kernel not used because: (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:778.)
+/usr/local/lib/python3.11/dist-packages/torch/nn/functional.py:5849: UserWarning: Flash attention only supports gpu architectures in the range [sm80, sm90]. Attempting to run on a sm 7.5 gpu. (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:213.)
+/usr/local/lib/python3.11/dist-packages/torch/nn/functional.py:5849: UserWarning: cuDNN attention kernel not used because: (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:780.)
+Traceback (most recent call last):
+  File "/content/train.py", line 14, in <module>
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+RuntimeError: No available kernel. Aborting execution.
+"""
+
+T4 = {"devices": [{"name": "Tesla T4", "capability": [7, 5], "shared_memory_per_block": 65536}], "driver": "550.54.15", "driver_cuda": "12.4", "source": "torch"}
+
+
+def turing_explain(monkeypatch) -> dict:
+    """flash_recipe.explain for a float16 call on a T4, as probe_backends records it: the
+    capability is mocked and the CUDA tensors are FakeTensors (no GPU here)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import flash_recipe
+    from flash_recipe import dispatch
+
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (7, 5))
+    monkeypatch.setattr(torch.version, "hip", None)
+    with FakeTensorMode():
+        q = torch.empty(1, 16, 2, 64, dtype=torch.float16, device="cuda")
+    return {"call": "q, k, v of shape (1, 16, 2, 64), float16, on cuda, causal=True", "explain": flash_recipe.explain(q, q, q, causal=True)}
+
+
+def turing_sdpa_probe() -> dict:
+    """What probe_sdpa records on a T4 (injected: torch's own messages, no GPU here)."""
+    return {
+        "device": {"name": "Tesla T4", "capability": [7, 5]},
+        "kernels": {
+            "FLASH_ATTENTION": {
+                "ok": False, "error": "RuntimeError: No available kernel. Aborting execution.",
+                "warnings": [
+                    "Memory efficient kernel not used because:", "Memory Efficient attention has been runtime disabled.",
+                    "Flash attention kernel not used because:",
+                    "Flash attention only supports gpu architectures in the range [sm80, sm90]. Attempting to run on a sm 7.5 gpu.",
+                ],
+            },
+            "EFFICIENT_ATTENTION": {"ok": True, "error": None, "warnings": []},
+        },
+    }
+
+
 def test_turing_gpu_is_too_old():
     """Injected: a Tesla T4 (sm75) with flash-attn installed."""
-    facts = gpu_facts(gpus={"devices": [{"name": "Tesla T4", "capability": [7, 5]}], "driver": "535.0"})
+    facts = gpu_facts(gpus=T4)
     f = rules_fired(Context(facts=facts))["gpu-too-old"]
-    assert f.severity == "error" and "sm75" in f.evidence[0]
-    assert "EFFICIENT_ATTENTION" in f.command
+    assert f.severity == "error" and "Tesla T4 is sm75 (Turing)" in f.evidence[0]
+    assert f.command.startswith("python -m pip uninstall -y flash-attn")
+    assert "sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])" in f.command
+
+
+def test_turing_finding_says_what_runs_there_and_why(monkeypatch):
+    """Injected T4 without flash-attn: flash_recipe runs, so the finding is information, naming the
+    backend flash_recipe picks (its real explain() on a mocked sm75) and why nothing faster runs."""
+    backends = turing_explain(monkeypatch)
+    facts = gpu_facts(gpus=T4, flash_attn={"installed": False}, backends=backends, sdpa=turing_sdpa_probe())
+    report = rules_fired(Context(facts=facts))
+    f = report["gpu-too-old"]
+    assert f.severity == "info" and "sdpa-no-kernel" not in report
+    assert "memory-efficient" in f.title
+    text = "\n".join(f.evidence)
+    assert "with its 'sdpa' backend" in text
+    assert f"flash_recipe's triton backend: {backends['explain']['triton']}" in text
+    assert "live: sdpa_kernel([SDPBackend.FLASH_ATTENTION]) here raises RuntimeError: No available kernel" in text
+    assert "Attempting to run on a sm 7.5 gpu" in text and "EFFICIENT_ATTENTION]) here runs" in text
+    for words in ("memory-efficient kernel", "tl.dot to FMA", "no tensor-core path", "sm80 or newer", "#330, #542, #720, #887"):
+        assert words in f.note and words in backends["explain"]["triton"], words
+    assert "from flash_recipe import scaled_dot_product_attention" in f.command
+
+
+def test_turing_issue_list_is_the_dispatchers():
+    from flash_recipe import dispatch
+    from flash_recipe.env import rules
+
+    assert rules.TURING_ISSUES == dispatch.TURING_ISSUES
+
+
+def test_healthy_turing_machine_stays_healthy(capsys):
+    """Injected T4 facts through the whole doctor: an info finding, exit status 0."""
+    import argparse
+
+    from flash_recipe.env import doctor
+
+    facts = gpu_facts(gpus=T4, flash_attn={"installed": False}, sdpa=turing_sdpa_probe(), project={"installer": "pip"})
+    args = argparse.Namespace(installer=None, log=None, wheel=None, flash_attn_wheel=None, flex=False, online=False, project=None)
+    report = doctor.diagnose(args, facts=facts)
+    assert report["healthy"] is True
+    assert [f["rule"] for f in report["findings"]] == ["gpu-too-old"]
+    text = doctor.format_report(report)
+    assert "[info] gpu-too-old" in text and "torch SDPA, one kernel at a time on this GPU: flash fails: RuntimeError: No available kernel" in text
+
+
+def test_sdpa_flash_only_on_t4_from_log():
+    """The log alone (no GPU facts: a CPU machine reading a Colab user's log)."""
+    facts = this_machine()
+    found = rules_fired(Context(facts=facts, log=T4_FLASH_ONLY_LOG))
+    f = found["sdpa-no-kernel"]
+    assert f.severity == "error" and f.failure == 12
+    assert f.evidence[0] == "log: RuntimeError: No available kernel. Aborting execution."
+    reasons = f.evidence[1:]
+    assert "log: torch says: Flash attention only supports gpu architectures in the range [sm80, sm90]. Attempting to run on a sm 7.5 gpu." in reasons
+    assert "log: torch says: Memory Efficient attention has been runtime disabled." in reasons
+    assert not any("not used because" in line or "Triggered internally" in line for line in reasons)
+    assert "the sm75 GPU the log names" in f.title and "flash kernel" in f.title
+    assert "sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])" in f.command
+    assert "from flash_recipe import scaled_dot_product_attention" in f.command
+    assert "memory-efficient" in f.note and "#330, #542, #720, #887" in f.note
+
+
+def test_sdpa_flash_only_log_read_on_the_t4_itself_names_the_gpu():
+    """doctor --log on the T4 machine (injected live GPU facts): the finding names the GPU."""
+    facts = gpu_facts(gpus=T4, flash_attn={"installed": False}, sdpa=turing_sdpa_probe())
+    f = rules_fired(Context(facts=facts, log=T4_FLASH_ONLY_LOG))["sdpa-no-kernel"]
+    assert "Tesla T4 (sm75)" in f.title
+    assert "this machine's GPU: Tesla T4 is sm75 (Turing)" in f.evidence
+
+
+def test_sdpa_no_kernel_with_one_space_and_no_gpu_in_the_log():
+    """A pasted error without torch's warnings, on an sm80+ machine: the general finding."""
+    log = "RuntimeError: No available kernel. Aborting execution.\n"
+    f = rules_fired(Context(facts=gpu_facts(), log=log))["sdpa-no-kernel"]
+    assert f.severity == "error" and "no kernel it was allowed to use" in f.title
+    assert "kernel not used because" in f.note and "EFFICIENT_ATTENTION" in f.command
+
+
+def test_sdpa_no_kernel_live_on_an_sm90_torch_without_flash():
+    """Injected: the live probe on an H100 whose torch has no flash kernel compiled in."""
+    probe = {
+        "device": {"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0]},
+        "kernels": {
+            "FLASH_ATTENTION": {"ok": False, "error": "RuntimeError: No available kernel. Aborting execution.",
+                                "warnings": ["Flash attention kernel not used because:", "Torch was not compiled with flash attention."]},
+            "EFFICIENT_ATTENTION": {"ok": True, "error": None, "warnings": []},
+        },
+    }
+    f = rules_fired(Context(facts=gpu_facts(sdpa=probe)))["sdpa-no-kernel"]
+    assert f.severity == "warning"
+    assert "live: torch says: Torch was not compiled with flash attention." in f.evidence
+
+
+def test_sdpa_probe_quiet_when_flash_runs():
+    probe = {"device": {"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0]},
+             "kernels": {"FLASH_ATTENTION": {"ok": True, "error": None, "warnings": []},
+                         "EFFICIENT_ATTENTION": {"ok": True, "error": None, "warnings": []}}}
+    assert evaluate(Context(facts=gpu_facts(sdpa=probe), installer="pip", flash_attn_version="2.8.3")) == []
 
 
 def test_fp32_inputs_from_log():
     log = "RuntimeError: FlashAttention only support fp16 and bf16 data type\n"
     f = rules_fired(Context(facts=gpu_facts(), log=log))["fp32-inputs"]
     assert "bfloat16" in f.command
+
+
+# -- Triton below the supported range (bounds read from flash_recipe.env.versions) --------------
+def _dotted(release) -> str:
+    return ".".join(str(x) for x in release)
+
+
+def old_stack(**overrides) -> dict:
+    """Injected: CUDA 12.1 torch 2.4 (pins Triton 3.0) on a GPU machine; no GPU here."""
+    facts = gpu_facts(torch__version="2.4.1+cu121", torch__cuda="12.1", torch__installer="pip",
+                      triton={"installed": True, "version": "3.0.0", "target": "cuda:90"}, flash_attn={"installed": False})
+    facts.update(overrides)
+    return facts
+
+
+def test_triton_too_old_upgrades_torch_with_pip():
+    from flash_recipe.env import versions
+
+    f = rules_fired(Context(facts=old_stack(), installer="pip"))["triton-too-old"]
+    torch_min, triton_min = _dotted(versions.TORCH_MIN), _dotted(versions.TRITON_MIN)
+    assert f.severity == "error" and f.recipe == "torch-index-pip"
+    assert f.command == f'python -m pip install --upgrade "torch>={torch_min}" --index-url https://download.pytorch.org/whl/cu121'
+    assert f"Triton 3.0.0 is installed; flash_recipe's kernels need Triton {triton_min} or newer" == f.evidence[0]
+    assert "torch 2.4.1+cu121 pins Triton 3.0: Triton comes with torch" in f.evidence[1]
+    assert "not Triton alone" in f.note and "CUDA 12.8" in f.note  # the driver's CUDA bounds the index to take
+
+
+@pytest.mark.parametrize(
+    "installer, project, expected",
+    [
+        ("uv", {"pyproject": True, "torch_index": {"name": "pytorch-cu121", "url": "https://download.pytorch.org/whl/cu121", "pinned": True}},
+         'uv add "torch>={torch_min}"   # [tool.uv.sources] keeps torch on the index \'pytorch-cu121\''),
+        ("uv", {"pyproject": True}, 'uv add "torch>={torch_min}" --index pytorch=https://download.pytorch.org/whl/cu121'),
+        ("uv", {"pyproject": False}, 'uv pip install --upgrade "torch>={torch_min}" --index-url https://download.pytorch.org/whl/cu121'),
+        ("poetry", {"pyproject": True, "torch_index": {"name": "torch-cu121", "url": "https://download.pytorch.org/whl/cu121", "pinned": True}},
+         'poetry add --source torch-cu121 "torch>={torch_min}"'),
+        ("poetry", {"pyproject": True},
+         'poetry source add --priority=explicit pytorch https://download.pytorch.org/whl/cu121 && poetry add --source pytorch "torch>={torch_min}"'),
+        ("pip", {"torch_index": {"name": "mirror", "url": "https://mirror.example/whl/cu121", "pinned": False}},
+         'python -m pip install --upgrade "torch>={torch_min}" --index-url https://mirror.example/whl/cu121'),
+    ],
+    ids=["uv-pinned-index", "uv-project", "uv-pip", "poetry-source", "poetry-new-source", "pip-project-index"],
+)
+def test_triton_too_old_command_per_installer(installer, project, expected):
+    from flash_recipe.env import versions
+
+    f = rules_fired(Context(facts=old_stack(), installer=installer, project=project))["triton-too-old"]
+    assert f.command == expected.format(torch_min=_dotted(versions.TORCH_MIN))
+
+
+def test_triton_too_old_under_conda_torch():
+    """Injected: torch installed by conda (its dist-info INSTALLER says conda)."""
+    from flash_recipe.env import versions
+
+    f = rules_fired(Context(facts=old_stack(torch=dict(old_stack()["torch"], installer="conda")), installer="pip"))["triton-too-old"]
+    assert f.command.startswith(f'conda install -c conda-forge "pytorch>={_dotted(versions.TORCH_MIN)}"')
+
+
+def test_triton_changed_under_a_recent_torch_gets_torchs_pin():
+    """Injected: torch at the supported minimum, but an older Triton installed over its pin."""
+    from flash_recipe.env import versions
+
+    torch_min = versions.TORCH_MIN
+    pinned = versions.TRITON_OF_TORCH.get(torch_min)
+    facts = old_stack(torch=dict(gpu_facts()["torch"], version=f"{_dotted(torch_min)}.0+cu124", cuda="12.4"))
+    f = rules_fired(Context(facts=facts, installer="pip"))["triton-too-old"]
+    assert "Triton was changed after torch was installed" in f.evidence[1]
+    spec = f"triton=={_dotted(pinned)}.*" if pinned else f"triton>={_dotted(versions.TRITON_MIN)}"
+    assert f.command == f'python -m pip install --upgrade "{spec}"'
+
+
+def test_triton_too_old_under_cpu_torch_upgrades_triton_alone():
+    """This machine's real probes (CPU torch), with an injected old Triton."""
+    from flash_recipe.env import versions
+
+    facts = this_machine(triton={"installed": True, "version": "3.0.0", "target": None})
+    f = rules_fired(Context(facts=facts, installer="pip"))["triton-too-old"]
+    assert f.severity == "warning" and "does not pin Triton" in f.evidence[1]
+    assert f.command == f'python -m pip install --upgrade "triton>={_dotted(versions.TRITON_MIN)}"'
+
+
+def test_triton_bounds_are_read_from_versions_at_run_time(monkeypatch):
+    """Another release of the bounds: the finding follows flash_recipe.env.versions, not a copy."""
+    from flash_recipe.env import versions
+
+    monkeypatch.setattr(versions, "TRITON_MIN", (3, 5))
+    monkeypatch.setattr(versions, "TORCH_MIN", (2, 9))
+    facts = old_stack(triton={"installed": True, "version": "3.4.0", "target": "cuda:90"},
+                      torch=dict(gpu_facts()["torch"], version="2.8.0+cu128", installer="pip"))
+    f = rules_fired(Context(facts=facts, installer="pip"))["triton-too-old"]
+    assert "need Triton 3.5 or newer" in f.evidence[0] and '"torch>=2.9"' in f.command
+    monkeypatch.setattr(versions, "TRITON_MIN", (3, 4))
+    assert "triton-too-old" not in rules_fired(Context(facts=facts, installer="pip"))
+
+
+def test_supported_triton_is_quiet():
+    from flash_recipe.env import versions
+
+    facts = gpu_facts(triton={"installed": True, "version": f"{_dotted(versions.TRITON_MIN)}.0+git35c6c7c6", "target": "cuda:90"})
+    assert "triton-too-old" not in rules_fired(Context(facts=facts))
 
 
 # -- the causes behind them --------------------------------------------------------------------

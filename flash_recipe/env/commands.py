@@ -72,6 +72,45 @@ def install_torch(facts: dict[str, Any], installer: str) -> str:
     return f"poetry source add --priority=explicit pytorch {url} && poetry add --source pytorch torch"
 
 
+def upgrade_torch(facts: dict[str, Any], installer: str, minimum: str, project: Optional[dict[str, Any]] = None) -> str:
+    """Upgrade torch to ``minimum`` or newer from the index this environment takes torch from: the
+    project's own torch index when the probes found one, else the download.pytorch.org index of
+    the installed build. Each torch wheel brings the Triton it pins. A torch that conda installed
+    is upgraded with conda (conda-forge: the pytorch channel publishes nothing after 2.5).
+    ``project``: the project probe's facts (default: ``facts["project"]``)."""
+    _check_installer(installer)
+    spec = f'"torch>={minimum}"'
+    if (facts.get("torch") or {}).get("installer") == "conda":
+        return f'conda install -c conda-forge "pytorch>={minimum}"   # conda-forge: the pytorch channel stops at 2.5'
+    project = project if project is not None else facts.get("project") or {}
+    index = project.get("torch_index") or {}
+    url = index.get("url") or torch_index_url(facts)
+    if installer == "poetry":
+        if index.get("url"):
+            return f"poetry add --source {index['name']} {spec}"
+        return f"poetry source add --priority=explicit pytorch {url} && poetry add --source pytorch {spec}"
+    if installer == "uv":
+        if not project.get("pyproject"):
+            return f"uv pip install --upgrade {spec} --index-url {url}"
+        if index.get("pinned"):
+            return f"uv add {spec}   # [tool.uv.sources] keeps torch on the index {index['name']!r}"
+        return f"uv add {spec} --index {index.get('name') or 'pytorch'}={url}"
+    return f"python -m pip install --upgrade {spec} --index-url {url}"
+
+
+def install_package(facts: dict[str, Any], installer: str, requirement: str, project: Optional[dict[str, Any]] = None) -> str:
+    """Install or upgrade one requirement (``"triton>=3.2"``) with the installer (uv: into the
+    project when there is one; ``project`` defaults to ``facts["project"]``)."""
+    _check_installer(installer)
+    spec = f'"{requirement}"'
+    if installer == "poetry":
+        return f"poetry add {spec}"
+    if installer == "uv":
+        project = project if project is not None else facts.get("project") or {}
+        return f"uv add {spec}" if project.get("pyproject") else f"uv pip install --upgrade {spec}"
+    return f"python -m pip install --upgrade {spec}"
+
+
 def install_flash_recipe(installer: str) -> str:
     _check_installer(installer)
     return {"pip": "python -m pip install flash-recipe", "uv": "uv add flash-recipe", "poetry": "poetry add flash-recipe"}[

@@ -205,6 +205,14 @@ def format_report(report: dict[str, Any]) -> str:
         )
     if not gpus.get("devices"):
         lines.append("  GPU: none found" + (f" ({gpus['error']})" if gpus.get("error") else ""))
+    kernels = facts.get("sdpa", {}).get("kernels") or {}
+    if kernels and "error" not in kernels:
+        parts = []
+        for name, label in (("FLASH_ATTENTION", "flash"), ("EFFICIENT_ATTENTION", "memory-efficient")):
+            result = kernels.get(name)
+            if result:
+                parts.append(f"{label} {'runs' if result.get('ok') else 'fails: ' + str(result.get('error'))}")
+        lines.append("  torch SDPA, one kernel at a time on this GPU: " + "; ".join(parts))
     if gpus.get("driver"):
         lines.append(f"  driver {gpus['driver']}" + (f" (CUDA {gpus['driver_cuda']})" if gpus.get("driver_cuda") else ""))
     nvcc = facts.get("nvcc", {})

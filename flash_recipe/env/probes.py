@@ -78,6 +78,8 @@ def probe_platform() -> dict[str, Any]:
         "implementation": sys.implementation.name,
         "executable": sys.executable,
         "virtualenv": sys.prefix != getattr(sys, "base_prefix", sys.prefix),
+        # a conda environment keeps its package records in conda-meta/
+        "conda": os.path.isdir(os.path.join(sys.prefix, "conda-meta")),
         "wheel_platform": wheel_platform,
         "cpu_count": os.cpu_count(),
         "mem_available_gib": _mem_available_gib(),
@@ -101,6 +103,7 @@ def probe_torch() -> dict[str, Any]:
     out: dict[str, Any] = {"installed": dist["installed"], "version": dist.get("version")}
     if not dist["installed"]:
         return out
+    out["installer"] = dist.get("installer")  # pip, uv, conda, ... (who must upgrade it)
     try:
         import torch
     except Exception as exc:  # a torch that is installed but cannot import is a fact, not a crash
@@ -224,7 +227,7 @@ def triton_compile_check(arch: str) -> dict[str, Any]:
     limit, and the time taken. Needs no GPU: Triton compiles for a named target anywhere."""
     try:
         from flash_recipe.ops import configs
-        from flash_recipe.ops.compile_check import Variant, compile_variant
+        from flash_recipe.ops.compile_check import Case, check_case
     except Exception as exc:
         return {"arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     if arch not in configs.SHARED_MEMORY_LIMIT:
@@ -232,10 +235,10 @@ def triton_compile_check(arch: str) -> dict[str, Any]:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return {"arch": arch, "ok": None, "error": "TRITON_INTERPRET is set: kernels run in Triton's CPU interpreter, nothing is compiled"}
     try:
-        row = compile_variant(Variant("fwd", "float16", 64, "causal", True), arch)
+        (row,) = check_case(Case("fwd", "float16", 64, "aligned"), arch)
     except Exception as exc:  # the compiler's own message is the useful fact
         return {"arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}".strip()[:500]}
-    row["ok"] = bool(row["fits"])
+    row["fits"] = row["shared_bytes"] <= row["shared_limit"]
     row["arch"] = arch
     return row
 
@@ -372,6 +375,61 @@ def probe_backends() -> dict[str, Any]:
     return out
 
 
+# torch's own words when SDPA finds no kernel it is allowed to use (sdp_utils.cpp: the error, then
+# one "... kernel not used because:" warning per kernel, each followed by its reasons).
+NO_KERNEL = r"No available kernel\.?\s*Aborting execution|No available kernel"
+
+
+def probe_sdpa() -> dict[str, Any]:
+    """torch SDPA on this machine's first GPU restricted to one kernel at a time: flash (what
+    ``sdpa_kernel([SDPBackend.FLASH_ATTENTION])`` gives) and memory-efficient. Each gets ``ok`` and,
+    when it fails, torch's error and the warnings that say why (a GPU below sm80 has no flash kernel:
+    "No available kernel. Aborting execution."). Without a usable GPU, nothing runs."""
+    out: dict[str, Any] = {"device": None, "kernels": {}}
+    if not distribution_info("torch")["installed"]:
+        out["reason"] = "torch is not installed"
+        return out
+    import torch
+
+    if not torch.cuda.is_available():
+        out["reason"] = "no GPU that torch can use"
+        return out
+    major, minor = torch.cuda.get_device_capability(0)
+    out["device"] = {"name": torch.cuda.get_device_name(0), "capability": [major, minor]}
+    out["kernels"] = sdpa_kernel_check("cuda")
+    return out
+
+
+def sdpa_kernel_check(device: str) -> dict[str, Any]:
+    """Run a small float16 causal SDPA call on ``device`` once per kernel (``FLASH_ATTENTION``,
+    ``EFFICIENT_ATTENTION``), each alone; kernel -> ``{"ok", "error", "warnings"}``."""
+    import warnings
+
+    import torch
+
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as exc:  # torch < 2.3
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.float16, device=device)
+    results: dict[str, Any] = {}
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with sdpa_kernel([getattr(SDPBackend, name)]):
+                    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                result: dict[str, Any] = {"ok": True, "error": None}
+            except RuntimeError as exc:  # torch's refusal ("No available kernel") is the fact sought
+                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}".strip()[:300]}
+        # torch appends "(Triggered internally at .../sdp_utils.cpp:NNN.)": keep the message
+        result["warnings"] = [re.sub(r"\s*\(Triggered internally at .*", "", str(w.message)).strip()[:240] for w in caught]
+        results[name] = result
+    return results
+
+
 def probe_network(url: Optional[str] = None, timeout: float = 5.0) -> dict[str, Any]:
     """Whether the upstream release download host answers (only run when asked: it goes online)."""
     import urllib.error
@@ -402,6 +460,7 @@ PROBES: dict[str, Callable[[], dict[str, Any]]] = {
     "env": probe_env_vars,
     "flash_attn": probe_flash_attn,
     "flex": probe_flex,
+    "sdpa": probe_sdpa,
     "backends": probe_backends,
 }
 
@@ -459,7 +518,44 @@ def probe_project(directory: Optional[str] = None) -> dict[str, Any]:
         "installer_reason": why,
         "declares_flash_attn": declares,
         "uv_flash_attn_build_config": uv_config,
+        "torch_index": _torch_index(text),
     }
+
+
+def _torch_index(text: str) -> Optional[dict[str, str]]:
+    """The package index this pyproject.toml takes torch from: ``{"name", "url", "pinned"}`` of the uv index
+    or Poetry source that ``[tool.uv.sources]`` / ``[tool.poetry.dependencies]`` names for torch,
+    else of one on download.pytorch.org; None when there is none (or no TOML parser). Credentials
+    in the URL are dropped."""
+    if not text:
+        return None
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:
+        return None
+    try:
+        tool = tomllib.loads(text).get("tool", {})
+    except ValueError:
+        return None
+    uv, poetry = tool.get("uv", {}), tool.get("poetry", {})
+    indexes = [i for i in list(uv.get("index", [])) + list(poetry.get("source", [])) if isinstance(i, dict) and i.get("url")]
+    wanted = set()
+    sources = uv.get("sources", {}).get("torch")
+    for entry in sources if isinstance(sources, list) else [sources]:
+        if isinstance(entry, dict) and entry.get("index"):
+            wanted.add(entry["index"])
+    dep = poetry.get("dependencies", {}).get("torch")
+    for entry in dep if isinstance(dep, list) else [dep]:
+        if isinstance(entry, dict) and entry.get("source"):
+            wanted.add(entry["source"])
+    chosen = next((i for i in indexes if i.get("name") in wanted), None)
+    pinned = chosen is not None
+    chosen = chosen or next((i for i in indexes if "download.pytorch.org" in str(i["url"])), None)
+    if chosen is None:
+        return None
+    url = re.sub(r"^(\w+://)[^/@]*@", r"\1", str(chosen["url"]))
+    # pinned: torch names this index (uv sources / Poetry source), so a plain `add` keeps it there
+    return {"name": str(chosen.get("name") or "pytorch"), "url": url, "pinned": pinned}
 
 
 _REQ_NAME = re.compile(r"^\s*flash[-_]attn\s*($|[\[<>=!~;@ (])", re.IGNORECASE)
