@@ -1,10 +1,32 @@
-"""Compile every kernel variant for a GPU architecture without a GPU, and check its resources.
+"""Compile the kernels for GPU architectures without a GPU, as a launch would, and check resources.
 
-``triton.compile`` builds real PTX/cubin (NVIDIA) or code objects (AMD) on any machine, so this
-proves that each variant the dispatcher can launch compiles for an architecture, fits its
-shared-memory limit and uses the matrix units. Run it as::
+A Triton kernel is compiled for the arguments it is launched with: 16-byte-aligned pointers and
+integers divisible by 16 get ``tt.divisibility`` hints (which enable vectorised, multi-buffered
+loads and so decide the shared memory a launch needs), and integers equal to 1 become constants.
+This check therefore does not build signatures by hand: it calls the real launchers
+(``attention_forward``, ``attention_backward``, ``attention_kvcache``) with CPU tensors shaped
+like a real call, and lets Triton's own launch path specialise and compile each kernel for the
+chosen target. The only stand-in is the GPU driver: an offline driver that names the target and
+launches nothing (Triton then compiles as for a warm-up).
 
-    python -m flash_recipe.ops.compile_check --target sm80 --target sm90 [--json]
+Each call is made in two forms:
+
+- ``aligned``: what most users run: head dim equal to its bucket, sequence lengths multiples of
+  the blocks, separate contiguous q/k/v, MHA, causal;
+- ``ragged``: the worst case the dispatcher can launch: head dim below its bucket (masked
+  columns), ragged lengths, GQA, every score option (window, softcap, ALiBi, dropout), and q/k/v
+  as strided views of one packed ``qkv`` tensor with odd row strides.
+
+For every compiled kernel it reports shared memory against the architecture's opt-in limit
+(``configs.SHARED_MEMORY_LIMIT``), registers and spilled bytes per thread (the cubin's resource
+usage on NVIDIA, the code object's metadata on AMD), and the matrix instruction its dots use. A
+kernel fails when it exceeds the shared-memory limit, when its fp16/bf16 dots miss the matrix
+units, or when, in the aligned form at a head dim up to 128, it spills more than
+``SPILL_BUDGET`` bytes. The ragged form's spills are reported, not failed: every score option at
+once (dropout's random numbers above all) and a head dim whose mask Triton cannot vectorise cost
+registers that no tile size in the tables avoids. Run it as::
+
+    python -m flash_recipe.ops.compile_check --target sm90 --target sm120 [--json]
 
 It must run with ``TRITON_INTERPRET`` unset (the interpreter replaces the compiler).
 """
@@ -13,196 +35,355 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Optional
 
 from flash_recipe.ops import configs
 
-DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "decode", "rotary_append", "split_combine")
-TARGETS = ("sm80", "sm86", "sm89", "sm90", "gfx90a", "gfx942")
-
-
-MODES = ("full", "causal", "all-options", "varlen-causal", "kvcache")
-FP32_POINTERS = ("LSE", "DELTA", "SLOPES", "O_SPLIT", "LSE_SPLIT")
-INT32_POINTERS = ("CU_Q", "CU_K", "K_START", "K_END", "PAGE_TABLE", "POS")
-CACHE_KERNELS = ("decode", "rotary_append", "split_combine")  # run only on a KV cache
-INT64_POINTERS = ("SEED",)
-FLOAT_SCALARS = ("sm_scale", "softcap", "dropout_p")
+# Launcher calls: "fwd" dense forward; "bwd" the backward (preprocess, dK/dV, dQ); "varlen" the
+# packed-sequence forward and backward; "decode" a KV-cache step (rotary/append, the forward with
+# decode tiles over a paged cache, split-KV merge); "paged" the forward over a paged cache with
+# more query rows than a decode step.
+CALLS = ("fwd", "bwd", "varlen", "decode", "paged")
+FORMS = ("aligned", "ragged")
+TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
+# Spilled bytes per thread allowed in the aligned form at head dims up to 128; the others report theirs.
+SPILL_BUDGET = 0
+SPILL_BUDGET_MAX_HEAD_DIM = 128
+# Kernels launched with a fixed configuration and no dots (no matrix units to check).
+ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine")
 
 
 @dataclasses.dataclass(frozen=True)
-class Variant:
-    kernel: str
+class Case:
+    """One launcher call: which call, in which dtype, head-dim bucket and form (see module doc)."""
+
+    call: str
     dtype: str
-    head_dim: int  # the padded bucket
-    mode: str  # "full": no mask; "causal": right edge; "all-options": window, softcap, ALiBi, dropout;
-    # "varlen-causal": packed sequences with the causal edge; "kvcache": a paged cache with per-batch
-    # key ranges, window, softcap and ALiBi, writing split-KV partials (float32)
-    even: bool  # sequence lengths multiples of the blocks and head dim == bucket
+    head_dim: int  # the bucket
+    form: str
 
     @property
     def id(self) -> str:
-        return f"{self.kernel}-{self.dtype}-d{self.head_dim}-{self.mode}-{'even' if self.even else 'ragged'}"
+        return f"{self.call}-{self.dtype}-d{self.head_dim}-{self.form}"
 
 
-def variants(kernels=KERNELS, dtypes=tuple(DTYPES), buckets=HEAD_DIM_BUCKETS, modes=MODES) -> Iterator[Variant]:
-    """The (kernel, dtype, head-dim bucket, mode, even) combinations the launchers can produce.
-
-    The modes span the option flags: none, the causal edge alone, all score options at once (the
-    most code and the most registers), packed variable-length sequences, and a paged KV cache
-    (the forward and decode kernels, the rotary/append kernel and the split-KV merge).
-    """
-    for kernel, dtype, head_dim, mode, even in itertools.product(kernels, dtypes, buckets, modes, (False, True)):
-        if kernel == "bwd_preprocess" and mode in ("causal", "all-options"):
-            continue  # the preprocess has no masking options
-        if (kernel in CACHE_KERNELS) != (mode == "kvcache") and not (kernel == "fwd" and mode == "kvcache"):
-            continue  # the cache kernels run on a cache only; the backward never does
-        if mode.startswith("varlen") and even:
-            continue  # packed sequence lengths are always ragged
-        yield Variant(kernel, dtype, head_dim, mode, even)
+def cases(calls=CALLS, dtypes=DTYPES, buckets=HEAD_DIM_BUCKETS, forms=FORMS) -> Iterator[Case]:
+    """Every combination; the backward of a paged cache or a decode step does not exist."""
+    for call, dtype, head_dim, form in itertools.product(calls, dtypes, buckets, forms):
+        yield Case(call, dtype, head_dim, form)
 
 
-KERNEL_NAMES = {"fwd": ("forward", "attn_fwd_kernel"), "bwd_preprocess": ("backward", "attn_bwd_preprocess_kernel"),
-                "bwd_dkdv": ("backward", "attn_bwd_dkdv_kernel"), "bwd_dq": ("backward", "attn_bwd_dq_kernel"),
-                "decode": ("forward", "attn_fwd_kernel"), "rotary_append": ("kvcache", "rotary_append_kernel"),
-                "split_combine": ("forward", "split_combine_kernel")}
+# -- the calls ---------------------------------------------------------------------------------
 
 
-def _source(variant: Variant, target: str):
-    """The jit function, its signature and constexprs for ``variant``, read off the kernel's parameters."""
-    import importlib
-
-    module, name = KERNEL_NAMES[variant.kernel]
-    fn = getattr(importlib.import_module(f"flash_recipe.ops.{module}"), name).fn  # inside triton.heuristics
-    element_size = 4 if variant.dtype == "float32" else 2
-    even, mode = variant.even, variant.mode
-    options = mode in ("all-options", "kvcache")
-    constexprs = {"BLOCK_D": variant.head_dim, "EVEN_M": even, "EVEN_N": even, "MASK_D": not even,
-                  "MASK_LEFT": options, "MASK_RIGHT": mode != "full", "SOFTCAP": options, "ALIBI": options,
-                  "DROPOUT": mode == "all-options", "IS_VARLEN": mode.startswith("varlen"),
-                  "KV_RANGES": mode.startswith("varlen") or mode == "kvcache", "PAGED": mode == "kvcache",
-                  "ROTARY": True, "INTERLEAVED": even, "TO_CACHE": True}  # both rotary pairings get compiled
-    fp32_pointers = FP32_POINTERS + (("O",) if mode == "kvcache" and variant.kernel in ("fwd", "decode") else ())
-    cfg = None
-    if variant.kernel in ("bwd_preprocess", "rotary_append", "split_combine"):
-        constexprs["BLOCK_M"] = 64 if variant.kernel == "bwd_preprocess" else 16
-    else:
-        cfg = configs.get_config(target, variant.kernel, variant.head_dim, element_size)
-        constexprs.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-    signature, used = {}, {}
-    for param in fn.params:
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            used[param.name] = constexprs[param.name]
-        elif param.name.isupper():
-            if param.name in fp32_pointers:
-                signature[param.name] = "*fp32"
-            elif param.name in INT32_POINTERS:
-                signature[param.name] = "*i32"
-            elif param.name in INT64_POINTERS:
-                signature[param.name] = "*i64"
-            else:
-                signature[param.name] = f"*{DTYPES[variant.dtype]}"
-        else:
-            signature[param.name] = "fp32" if param.name in FLOAT_SCALARS else "i32"
-    return fn, signature, used, cfg
+def _head_dim(case: Case) -> int:
+    """The real head dim: the bucket itself (aligned) or an odd one below it (ragged, masked)."""
+    if case.form == "aligned":
+        return case.head_dim
+    return case.head_dim - 5 if case.head_dim > 16 else 13
 
 
-def needs_matrix_units(variant: Variant) -> bool:
-    """fp16/bf16 dots must use the tensor cores; fp32 ones run in full precision on the FMA units."""
-    return variant.kernel not in ("bwd_preprocess", "rotary_append", "split_combine") and variant.dtype != "float32"
+def _qkv(case: Case, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int):
+    """q ``(B, Sq, H, D)`` and k, v ``(B, Sk, Hk, D)`` on the CPU: separate contiguous tensors
+    (aligned), or views of one packed ``(B, S, H + 2 Hk, D)`` tensor (ragged: odd strides, and k/v
+    pointers off the 16-byte alignment)."""
+    import torch
+
+    dtype, head_dim = getattr(torch, case.dtype), _head_dim(case)
+    if case.form == "aligned":
+        return (torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
+                torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+                torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype))
+    packed = torch.randn(batch, max(seqlen_q, seqlen_k), nheads + 2 * nheads_k, head_dim, dtype=dtype)
+    return (packed[:, :seqlen_q, :nheads], packed[:, :seqlen_k, nheads:nheads + nheads_k],
+            packed[:, :seqlen_k, nheads + nheads_k:])
 
 
-def compile_variant(variant: Variant, target: str) -> dict:
-    """Compile one variant for ``target`` (``"sm80"``, ``"gfx942"``, ...) and report its resources."""
-    import triton
+def _variant(case: Case, nheads: int, diag_offset: int):
+    """Causal (aligned), or window + softcap + ALiBi + dropout (ragged)."""
+    import torch
+
+    from flash_recipe.ops.forward import Variant
+
+    if case.form == "aligned":
+        return Variant(diag_offset, -1, 0, 0.0, None)
+    slopes = torch.rand(nheads, dtype=torch.float32)
+    dropout = 0.0 if case.call in ("decode", "paged") else 0.1  # the cache is forward-only: no dropout
+    seed = torch.zeros(1, dtype=torch.int64)
+    return Variant(diag_offset, 37, 5, 30.0, slopes, dropout, seed if dropout else None)
+
+
+def _run_call(case: Case) -> dict[str, str]:
+    """Run the launcher(s) of ``case``; returns which kernel label each launched jit function gets."""
+    import torch
+
+    from flash_recipe.ops import backward, forward, kvcache
+
+    ragged = case.form == "ragged"
+    nheads, nheads_k = (6, 2) if ragged else (4, 4)
+    scale = _head_dim(case) ** -0.5
+    if case.call in ("fwd", "bwd"):
+        seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
+        q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
+        var = _variant(case, nheads, seqlen_k - seqlen_q)
+        if case.call == "fwd":
+            forward.attention_forward(q, k, v, scale, var)
+            return {"attn_fwd_kernel": "fwd"}
+        out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
+        backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var)
+        return {"attn_bwd_preprocess_kernel": "bwd_preprocess", "attn_bwd_dkdv_kernel": "bwd_dkdv",
+                "attn_bwd_dq_kernel": "bwd_dq"}
+    if case.call == "varlen":
+        lengths = [113, 0, 257] if ragged else [512, 1024, 256]
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+        total = int(cu[-1])
+        q, k, v = (t[0] for t in _qkv(case, 1, total, total, nheads, nheads_k))
+        varlen = forward.Varlen(cu, cu, max(lengths), max(lengths))
+        var = _variant(case, nheads, 0)
+        forward.attention_forward(q, k, v, scale, var, varlen=varlen)
+        out, lse = torch.randn_like(q), torch.randn(nheads, total, dtype=torch.float32)
+        backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, varlen=varlen)
+        return {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "bwd_preprocess",
+                "attn_bwd_dkdv_kernel": "bwd_dkdv", "attn_bwd_dq_kernel": "bwd_dq"}
+    # A KV cache: 3 sequences in pages of 64 rows (aligned) or 16 (ragged), one new token each.
+    seqlen_q = 1 if case.call == "decode" else 64
+    page_size, width = (64, 16) if not ragged else (16, 40)
+    dtype, head_dim = getattr(torch, case.dtype), _head_dim(case)
+    q = _qkv(case, 3, seqlen_q, seqlen_q, nheads, nheads_k)[0]
+    k_new, v_new = (torch.randn(3, seqlen_q, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    pages = torch.randn(2, 3 * width, page_size, nheads_k, head_dim, dtype=dtype)
+    table = torch.arange(3 * width, dtype=torch.int32).reshape(3, width)
+    seqlens = torch.tensor([100, 333, 17], dtype=torch.int32)
+    leftpad = torch.tensor([0, 5, 3], dtype=torch.int32) if ragged else None
+    cache = kvcache.Cache(pages[0], pages[1], table, seqlens, leftpad)
+    rotary_dim = head_dim - head_dim % 2
+    angles = torch.rand(width * page_size, rotary_dim // 2)
+    rotary = kvcache.Rotary(angles.cos().to(dtype), angles.sin().to(dtype), interleaved=not ragged)
+    var = _variant(case, nheads, 0)
+    kvcache.attention_kvcache(q, k_new, v_new, cache, rotary, scale, var, num_splits=4)
+    return {"rotary_append_kernel": "rotary_append", "attn_fwd_kernel": case.call if case.call == "decode" else "fwd",
+            "split_combine_kernel": "split_combine"}
+
+
+# -- compiling through Triton's launch path ----------------------------------------------------
+
+
+def _gpu_target(target: str):
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    fn, sig, constexprs, cfg = _source(variant, target)
     if target.startswith("gfx"):
-        gpu, limit_key = GPUTarget("hip", target, 64), target
-    else:
-        gpu, limit_key = GPUTarget("cuda", int(target[2:]), 32), target
-    options = {}
-    if cfg is not None:
-        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    start = time.perf_counter()
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=gpu, options=options)
-    seconds = time.perf_counter() - start
-    shared = compiled.metadata.shared
-    if target.startswith("gfx"):
-        asm = compiled.asm.get("amdgcn", "")
-        uses_matrix = "mfma" in asm
-    else:
-        asm = compiled.asm.get("ptx", "")
-        uses_matrix = "mma" in asm  # mma.sync (sm80-89) or wgmma (sm90)
-    limit = configs.SHARED_MEMORY_LIMIT[limit_key]
-    return {
-        "variant": variant.id,
-        "target": target,
-        "shared_bytes": shared,
-        "shared_limit": limit,
-        "fits": shared <= limit,
-        "matrix_instructions": uses_matrix,
-        "seconds": round(seconds, 2),
-    }
+        return GPUTarget("hip", target, 64)
+    return GPUTarget("cuda", int(target[2:]), 32)
 
 
-def _check(job: tuple[Variant, str]) -> dict:
-    variant, target = job
+class _OfflineDriver:
+    """Stands in for the GPU driver: reports ``target`` as the current device and launches nothing.
+
+    The device is named after the target, so that Triton's per-device kernel caches keep each
+    target's kernels apart within one process.
+    """
+
+    def __init__(self, target: str):
+        self.name = target
+        self.target = _gpu_target(target)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return f"offline-{self.name}"
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+
+def _jit_kernels() -> dict:
+    """The launchable jit functions of ``flash_recipe.ops``, by name."""
+    from triton.runtime.jit import JITFunction
+
+    from flash_recipe.ops import backward, forward, kvcache
+
+    found = {}
+    for module in (forward, backward, kvcache):
+        for name, obj in vars(module).items():
+            fn = getattr(obj, "fn", obj)  # triton.heuristics wraps the jit function
+            if isinstance(fn, JITFunction) and name.endswith("_kernel"):
+                found[name] = fn
+    return found
+
+
+@contextlib.contextmanager
+def _offline_launches(target: str):
+    """Launches compile for ``target`` and run nothing; yields the list of ``(name, compiled)``."""
+    from triton.runtime.driver import driver
+
+    compiled = []
+    kernels = _jit_kernels()
+    original_target_of = configs.target_of
+
+    def capture(name, fn):
+        run = type(fn).run
+
+        def offline_run(*args, grid, warmup, **kwargs):
+            kernel = run(fn, *args, grid=grid, warmup=True, **kwargs)
+            compiled.append((name, kernel))
+            return kernel
+
+        return offline_run
+
+    previous = getattr(driver, "_active", None)  # None: created on first use, which needs a GPU
+    driver.set_active(_OfflineDriver(target))
+    configs.target_of = lambda device: target
+    for name, fn in kernels.items():
+        fn.run = capture(name, fn)
     try:
-        row = compile_variant(variant, target)
+        yield compiled
+    finally:
+        for fn in kernels.values():
+            del fn.run
+        configs.target_of = original_target_of
+        driver._active = previous
+
+
+def _nvidia_usage(kernel) -> dict:
+    """Registers and stack bytes per thread of the compiled cubin (``cuobjdump -res-usage``, the
+    tool Triton ships), and the matrix instruction its PTX uses. The kernels keep no arrays in
+    local memory, so their stack frame is where spilled registers go."""
+    import triton.backends.nvidia
+
+    cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    ptx = kernel.asm["ptx"]
+    return {"registers": int(found.group(1)), "spill_bytes": int(found.group(2)),
+            "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None)}
+
+
+def _amd_usage(kernel) -> dict:
+    """Registers and spill counts from the AMD code object's metadata (in 4-byte registers)."""
+    asm = kernel.asm.get("amdgcn", "")
+
+    def field(name):
+        found = re.search(rf"\.{name}:\s+(\d+)", asm)
+        return int(found.group(1)) if found else 0
+
+    spilled = field("vgpr_spill_count") + field("sgpr_spill_count")
+    return {"registers": field("vgpr_count"), "spill_bytes": 4 * spilled, "matrix_unit": "mfma" if "mfma" in asm else None}
+
+
+def check_case(case: Case, target: str) -> list[dict]:
+    """Compile ``case`` for ``target`` through the launch path; one report row per kernel launched."""
+    start = time.perf_counter()
+    with _offline_launches(target) as compiled:
+        labels = _run_call(case)
+    seconds = round(time.perf_counter() - start, 2)
+    rows = []
+    for name, kernel in compiled:
+        label = labels[name]
+        if target.startswith("gfx"):
+            usage = _amd_usage(kernel)
+        else:
+            usage = _nvidia_usage(kernel)
+        rows.append(_verdict({
+            "case": case.id, "kernel": label, "target": target, "dtype": case.dtype, "head_dim": case.head_dim,
+            "form": case.form, "shared_bytes": kernel.metadata.shared,
+            "shared_limit": configs.SHARED_MEMORY_LIMIT[target], "num_warps": kernel.metadata.num_warps,
+            "num_stages": kernel.metadata.num_stages, **usage, "seconds": seconds,
+        }))
+    return rows
+
+
+def needs_matrix_units(kernel: str, dtype: str) -> bool:
+    """fp16/bf16 dots must use the tensor cores; fp32 ones run in full precision on the FMA units."""
+    return kernel not in ELEMENTWISE and dtype != "float32"
+
+
+def _verdict(row: dict) -> dict:
+    """Add ``problems`` (empty when the kernel passes) and ``ok`` to a report row."""
+    problems = []
+    if row["shared_bytes"] > row["shared_limit"]:
+        problems.append(f"shared memory {row['shared_bytes']} B over the {row['shared_limit']} B limit")
+    budgeted = row["form"] == "aligned" and row["head_dim"] <= SPILL_BUDGET_MAX_HEAD_DIM
+    if budgeted and row["spill_bytes"] > SPILL_BUDGET:
+        problems.append(f"spills {row['spill_bytes']} B per thread (budget {SPILL_BUDGET} B at head dim <= "
+                        f"{SPILL_BUDGET_MAX_HEAD_DIM})")
+    if needs_matrix_units(row["kernel"], row["dtype"]) and not row["matrix_unit"]:
+        problems.append("fp16/bf16 dots do not use the matrix units")
+    return {**row, "problems": problems, "ok": not problems}
+
+
+def _check(job: tuple[Case, str]) -> list[dict]:
+    case, target = job
+    try:
+        return check_case(case, target)
     except Exception as exc:  # report and go on: one failure must not hide the others
-        row = {"variant": variant.id, "target": target, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-    row["ok"] = "error" not in row and row["fits"] and (row["matrix_instructions"] or not needs_matrix_units(variant))
-    return row
+        return [{"case": case.id, "kernel": case.call, "target": target, "ok": False,
+                 "problems": [f"{type(exc).__name__}: {exc}"[:2000]]}]
 
 
-def main(argv=None) -> int:
+def _line(row: dict) -> str:
+    if "shared_bytes" not in row:
+        return f"BAD {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {row['problems'][0]}"
+    detail = (f"{row['shared_bytes']:>6} / {row['shared_limit']:<6} B shared  {row['registers']:>3} regs  "
+              f"{row['spill_bytes']:>5} B spill  {row['matrix_unit'] or '-':<11} "
+              f"w{row['num_warps']} s{row['num_stages']}")
+    verdict = "ok " if row["ok"] else "BAD"
+    problems = f"  <- {'; '.join(row['problems'])}" if row["problems"] else ""
+    return f"{verdict} {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {detail}{problems}"
+
+
+def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flash_recipe.ops.compile_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", choices=TARGETS, help="architecture (repeatable); default: all")
-    parser.add_argument("--kernel", action="append", choices=KERNELS, help="kernel (repeatable); default: all")
-    parser.add_argument("--dtype", action="append", choices=tuple(DTYPES), help="dtype (repeatable); default: all")
-    parser.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIM_BUCKETS, help="head-dim bucket (repeatable); default: all")
-    parser.add_argument("--mode", action="append", choices=MODES, help="masking mode (repeatable); default: all")
-    parser.add_argument("--even", choices=("both", "yes", "no"), default="both",
-                        help="'no' compiles only the ragged variants, which hold every mask (same tiles, same shared memory)")
+    parser.add_argument("--call", action="append", choices=CALLS, help="launcher call (repeatable); default: all")
+    parser.add_argument("--dtype", action="append", choices=DTYPES, help="dtype (repeatable); default: all")
+    parser.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIM_BUCKETS,
+                        help="head-dim bucket (repeatable); default: all")
+    parser.add_argument("--form", action="append", choices=FORMS, help="aligned and/or ragged; default: both")
     parser.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per line")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per kernel")
     args = parser.parse_args(argv)
     if configs.interpreter_enabled():
         print("unset TRITON_INTERPRET: the compile check needs Triton's compiler", file=sys.stderr)
         return 2
-    flag = {"both": (False, True), "yes": (True,), "no": (False,)}
-    jobs = [
-        (variant, target)
-        for target in args.target or TARGETS
-        for variant in variants(kernels=args.kernel or KERNELS, dtypes=args.dtype or tuple(DTYPES),
-                                buckets=args.head_dim or HEAD_DIM_BUCKETS, modes=args.mode or MODES)
-        if variant.even in flag[args.even]
-    ]
-    failures = 0
+    jobs = [(case, target) for target in args.target or TARGETS
+            for case in cases(args.call or CALLS, args.dtype or DTYPES, args.head_dim or HEAD_DIM_BUCKETS,
+                              args.form or FORMS)]
+    rows, started = [], time.perf_counter()
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
-    rows = pool.map(_check, jobs) if pool else map(_check, jobs)
+    results = pool.map(_check, jobs) if pool else map(_check, jobs)
     try:
-        for row in rows:
-            failures += not row["ok"]
-            if args.json:
-                print(json.dumps(row), flush=True)
-            else:
-                detail = row.get("error") or f"{row['shared_bytes']:>6} / {row['shared_limit']} B shared, {row['seconds']} s"
-                print(f"{'ok ' if row['ok'] else 'BAD'} {row['target']:<7} {row['variant']:<40} {detail}", flush=True)
+        for result in results:
+            for row in result:
+                rows.append(row)
+                print(json.dumps(row) if args.json else _line(row), flush=True)
     finally:
         if pool:
             pool.shutdown()
-    print(f"{len(jobs) - failures} of {len(jobs)} variants compiled and fit", file=sys.stderr)
+    failures = sum(not row["ok"] for row in rows)
+    minutes = (time.perf_counter() - started) / 60
+    print(f"{len(rows) - failures} of {len(rows)} kernels from {len(jobs)} calls passed ({minutes:.1f} min)",
+          file=sys.stderr)
     return 1 if failures else 0
 
 

@@ -20,16 +20,25 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
-# Shared memory available to one block, in bytes (opt-in maximum).
+# Shared memory one block may use (the opt-in maximum), in bytes, per compile target. Sources:
+# CUDA C++ Programming Guide, "Technical Specifications per Compute Capability" (sm80 163 KiB,
+# sm86/sm89 99 KiB, sm90 227 KiB); CUTLASS ``sm100_smem_capacity_bytes`` (227 KiB) and
+# ``sm120_smem_capacity_bytes`` (99 KiB, also reported by devices in flashinfer#3568 and
+# cutlass#2692; the GB10 of DGX Spark, sm121, is the same design); AMD CDNA2/CDNA3 ISA guides (64 KiB
+# LDS per workgroup) and the CDNA4 ISA guide (160 KiB LDS on gfx950).
 SHARED_MEMORY_LIMIT = {
     "sm80": 166912,
     "sm86": 101376,
     "sm89": 101376,
     "sm90": 232448,
+    "sm100": 232448,
+    "sm120": 101376,
+    "sm121": 101376,
     "gfx90a": 65536,
     "gfx942": 65536,
+    "gfx950": 163840,
 }
 
 
@@ -43,6 +52,14 @@ class Config(NamedTuple):
 # (arch, kernel) -> list of (max head-dim bucket, max element size, Config); first match wins.
 _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
     ("sm90", "fwd"): [
+        (64, 2, Config(128, 64, 4, 3)),
+        (128, 2, Config(128, 64, 8, 3)),
+        (256, 2, Config(64, 64, 4, 2)),
+        (64, 4, Config(64, 64, 4, 2)),
+        (128, 4, Config(64, 32, 4, 2)),
+        (256, 4, Config(32, 32, 4, 1)),
+    ],
+    ("sm100", "fwd"): [
         (64, 2, Config(128, 64, 4, 3)),
         (128, 2, Config(128, 64, 8, 3)),
         (256, 2, Config(64, 64, 4, 2)),
@@ -66,7 +83,22 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (128, 4, Config(32, 32, 4, 2)),
         (256, 4, Config(32, 16, 4, 1)),
     ],
+    ("sm120", "fwd"): [
+        (64, 2, Config(128, 64, 4, 2)),
+        (128, 2, Config(64, 64, 4, 2)),
+        (256, 2, Config(64, 32, 4, 1)),
+        (64, 4, Config(64, 32, 4, 2)),
+        (128, 4, Config(32, 32, 4, 2)),
+        (256, 4, Config(32, 16, 4, 1)),
+    ],
     ("sm90", "bwd_dkdv"): [
+        (64, 2, Config(64, 128, 8, 2)),
+        (128, 2, Config(64, 128, 8, 2)),
+        (256, 2, Config(32, 64, 4, 1)),
+        (128, 4, Config(32, 64, 4, 1)),
+        (256, 4, Config(16, 32, 4, 1)),
+    ],
+    ("sm100", "bwd_dkdv"): [
         (64, 2, Config(64, 128, 8, 2)),
         (128, 2, Config(64, 128, 8, 2)),
         (256, 2, Config(32, 64, 4, 1)),
@@ -87,7 +119,21 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (64, 4, Config(32, 32, 4, 1)),
         (256, 4, Config(16, 16, 4, 1)),
     ],
+    ("sm120", "bwd_dkdv"): [
+        (64, 2, Config(32, 64, 4, 2)),
+        (128, 2, Config(32, 64, 4, 1)),
+        (256, 2, Config(16, 32, 4, 1)),
+        (64, 4, Config(32, 32, 4, 1)),
+        (256, 4, Config(16, 16, 4, 1)),
+    ],
     ("sm90", "bwd_dq"): [
+        (64, 2, Config(128, 64, 8, 2)),
+        (128, 2, Config(128, 64, 8, 2)),
+        (256, 2, Config(64, 32, 4, 1)),
+        (128, 4, Config(64, 32, 4, 1)),
+        (256, 4, Config(32, 16, 4, 1)),
+    ],
+    ("sm100", "bwd_dq"): [
         (64, 2, Config(128, 64, 8, 2)),
         (128, 2, Config(128, 64, 8, 2)),
         (256, 2, Config(64, 32, 4, 1)),
@@ -102,6 +148,13 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(32, 16, 4, 1)),
     ],
     ("sm86", "bwd_dq"): [
+        (64, 2, Config(64, 64, 4, 2)),
+        (128, 2, Config(64, 32, 4, 1)),
+        (256, 2, Config(32, 32, 4, 1)),
+        (64, 4, Config(32, 32, 4, 1)),
+        (256, 4, Config(16, 16, 4, 1)),
+    ],
+    ("sm120", "bwd_dq"): [
         (64, 2, Config(64, 64, 4, 2)),
         (128, 2, Config(64, 32, 4, 1)),
         (256, 2, Config(32, 32, 4, 1)),
@@ -139,6 +192,14 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (128, 4, Config(16, 32, 4, 2)),
         (256, 4, Config(16, 32, 4, 1)),
     ],
+    ("sm100", "decode"): [
+        (64, 2, Config(16, 128, 4, 3)),
+        (128, 2, Config(16, 64, 4, 3)),
+        (256, 2, Config(16, 64, 4, 2)),
+        (64, 4, Config(16, 64, 4, 2)),
+        (128, 4, Config(16, 32, 4, 2)),
+        (256, 4, Config(16, 32, 4, 1)),
+    ],
     ("sm80", "decode"): [
         (64, 2, Config(16, 128, 4, 3)),
         (128, 2, Config(16, 64, 4, 3)),
@@ -148,6 +209,14 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(16, 32, 4, 1)),
     ],
     ("sm86", "decode"): [
+        (64, 2, Config(16, 128, 4, 2)),
+        (128, 2, Config(16, 64, 4, 2)),
+        (256, 2, Config(16, 32, 4, 2)),
+        (64, 4, Config(16, 64, 4, 2)),
+        (128, 4, Config(16, 32, 4, 2)),
+        (256, 4, Config(16, 16, 4, 2)),
+    ],
+    ("sm120", "decode"): [
         (64, 2, Config(16, 128, 4, 2)),
         (128, 2, Config(16, 64, 4, 2)),
         (256, 2, Config(16, 32, 4, 2)),
@@ -169,23 +238,47 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
 }
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
-ARCHS = ("sm80", "sm86", "sm90", "amd", "interpreter")
+ARCHS = ("sm80", "sm86", "sm90", "sm100", "sm120", "amd", "interpreter")
+
+
+# Compile targets with a table of their own, and the table each uses.
+FAMILIES = {
+    "sm80": "sm80", "sm86": "sm86", "sm89": "sm86", "sm90": "sm90", "sm100": "sm100",
+    "sm120": "sm120", "sm121": "sm120", "gfx90a": "amd", "gfx942": "amd", "gfx950": "amd",
+}
+# The shared memory each family's configurations are sized for: a GPU must offer at least this
+# much per block. An architecture the tables do not know gets the family sized for the least
+# memory among its vendor's supported GPUs.
+FAMILY_SHARED_MEMORY = {"sm80": 166912, "sm86": 101376, "sm90": 232448, "sm100": 232448, "sm120": 101376, "amd": 65536}
+FALLBACK_FAMILY = {"cuda": "sm86", "hip": "amd"}
 
 
 def arch_family(target: str) -> str:
-    """Map a concrete target (``"sm89"``, ``"sm100"``, ``"gfx942"``, ``"interpreter"``) to a table key."""
-    if target == "interpreter":
-        return "interpreter"
+    """Map a compile target (``"sm89"``, ``"sm121"``, ``"gfx942"``, ``"interpreter"``) to a table key.
+
+    A target the tables do not know gets the vendor's most conservative family
+    (``FALLBACK_FAMILY``), never a neighbour's larger tiles; NVIDIA GPUs below sm80 are refused.
+    """
+    if target == "interpreter" or target in FAMILIES:
+        return FAMILIES.get(target, target)
     if target.startswith("gfx"):
-        return "amd"
+        return FALLBACK_FAMILY["hip"]
     if not target.startswith("sm") or not target[2:].isdigit():
         raise ValueError(f"target must look like 'sm80', 'gfx942' or 'interpreter', got {target!r}")
-    cc = int(target[2:])
-    if cc >= 90:
-        return "sm90"
-    if cc >= 86:
-        return "sm86"
-    return "sm80"
+    if int(target[2:]) < 80:
+        raise ValueError(f"the Triton kernels need sm80 or newer (tensor cores through mma), got {target}")
+    return FALLBACK_FAMILY["cuda"]
+
+
+def shared_memory_problem(target: str, available: int) -> Optional[str]:
+    """Why ``target``'s configurations cannot run on a GPU offering ``available`` bytes of shared
+    memory per block, or None when they fit."""
+    family = arch_family(target)
+    needed = FAMILY_SHARED_MEMORY.get(family)
+    if needed is None or available >= needed:
+        return None
+    return (f"{target} offers {available} bytes of shared memory per block; flash_recipe's configurations for it "
+            f"({family}) are sized for {needed}")
 
 
 def head_dim_bucket(head_dim: int) -> int:
