@@ -3,7 +3,8 @@
 - ``tests``: the test suite, run against the built wheel;
 - ``install_matrix``: every install recipe in ``recipes/``, one session per path, each in a fresh
   environment against loopback servers only; ``install_matrix_report`` follows automatically;
-- ``compile_check``: every kernel variant compiled for sm80/86/89/90 and gfx90a/gfx942, no GPU needed;
+- ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
+- ``compat``: the interpreter and the compiler path under each supported Triton release;
 - ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed.
 
 The matrix machinery lives in ``recipes/harness`` (``python -m recipes.harness --help``); the
@@ -37,9 +38,9 @@ RUN_ID = os.environ.get("FLASH_RECIPE_MATRIX_RUN") or f"{time.strftime('%Y%m%dT%
 HARNESS = (sys.executable, "-m", "recipes.harness")
 
 
-def install_built_wheel(session: nox.Session, extras: str = "") -> None:
-    """Install torch (``FLASH_RECIPE_TORCH``) first, then the wheel built from this checkout."""
-    session.install(TORCH)
+def install_built_wheel(session: nox.Session, extras: str = "", pins: tuple = ()) -> None:
+    """Install torch (``FLASH_RECIPE_TORCH``) and ``pins`` first, then the wheel built from this checkout."""
+    session.install(TORCH, *pins)
     dist = Path(session.create_tmp()) / "dist"
     session.run("python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), str(ROOT))
     wheels = sorted(dist.glob("flash_recipe-*.whl"))
@@ -110,23 +111,43 @@ def install_matrix_report(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def compile_check(session: nox.Session) -> None:
-    """Compile every kernel variant for every GPU target on this machine, no GPU needed.
+    """Compile the kernels for every GPU target as a real launch compiles them, no GPU needed.
 
-    Checks that each fits its architecture's shared memory and that fp16/bf16 dots use the matrix
-    units. Default (what CI runs): every target and dtype, head-dim buckets 64 and 256, every option
-    flag on (window, softcap, ALiBi, dropout), varlen, and the KV-cache kernels (paged forward and
-    decode tiles, rotary/append, split-KV merge), in the ragged form that holds every mask.
-    Arguments after ``--`` replace that selection; with
-    ``-- --jobs 2`` alone it compiles every variant, which takes hours on 2 cores
+    Each kernel is compiled through the real launchers and Triton's launch specialisation, and must
+    fit its architecture's shared memory, use the matrix units, and (aligned form, head dim up to
+    128) not spill. Default (what CI runs): the forward, the backward and a KV-cache decode step, in
+    bf16 and fp32, at the largest head dim of each configuration row (64, 128, 256), in the aligned
+    and the ragged form. Arguments after ``--`` replace that selection
     (``python -m flash_recipe.ops.compile_check --help``).
     """
     install_built_wheel(session)
     args = session.posargs or [
-        "--head-dim", "64", "--head-dim", "256", "--mode", "all-options", "--mode", "varlen-causal",
-        "--mode", "kvcache", "--even", "no", "--jobs", "2",
+        "--call", "fwd", "--call", "bwd", "--call", "decode", "--dtype", "bfloat16", "--dtype", "float32",
+        "--head-dim", "64", "--head-dim", "128", "--head-dim", "256", "--jobs", "2",
     ]
     session.chdir(session.create_tmp())
     session.run("python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", *args, env={"TRITON_INTERPRET": "0"})
+
+
+# One release per Triton minor version that pyproject admits (flash_recipe.env.versions.TRITON_MIN
+# and newer); CI runs the first and the last.
+TRITON_RELEASES = ("3.2.0", "3.3.1", "3.4.0", "3.5.1", "3.6.0", "3.7.1", "3.8.0", "3.9.0")
+
+
+@nox.session(default=False)
+@nox.parametrize("triton", TRITON_RELEASES, ids=list(TRITON_RELEASES))
+def compat(session: nox.Session, triton: str) -> None:
+    """One Triton release: ``flash-recipe verify`` through its interpreter (small grid, fp16 and
+    fp32), then the launch-specialised compile of the forward, backward and decode kernels for
+    sm80 and sm90 at head dim 128 in bf16. ``nox -s "compat(3.6.0)"`` runs one release."""
+    install_built_wheel(session, pins=(f"triton=={triton}",))
+    session.chdir(session.create_tmp())
+    session.run("python", "-c", f"import triton, sys; sys.exit(triton.__version__ != {triton!r})")
+    session.run("flash-recipe", "verify", "--backend", "triton", "--grid", "small", "--dtype", "float16",
+                "--dtype", "float32", env={"TRITON_INTERPRET": "1"})
+    session.run("python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", "--target", "sm80", "--target",
+                "sm90", "--call", "fwd", "--call", "bwd", "--call", "decode", "--dtype", "bfloat16", "--head-dim",
+                "128", "--form", "aligned", "--form", "ragged", "--jobs", "2", env={"TRITON_INTERPRET": "0"})
 
 
 @nox.session(default=False, venv_backend="venv")

@@ -167,6 +167,22 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+@_constant_under_compile
+def _shared_memory_problem(index: int) -> Optional[str]:
+    """Why the launch configurations for GPU ``index`` would not fit its shared memory, or None.
+
+    A GPU the configuration tables do not know gets their most conservative family; this refuses
+    it when even that needs more shared memory than the GPU reports (``shared_memory_per_block_optin``).
+    """
+    from flash_recipe.ops import configs
+
+    available = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+    if not available:
+        return None  # this torch does not report it; the known targets are checked offline
+    return configs.shared_memory_problem(configs.gpu_target(index), available)
+
+
 # Turing (sm75: T4, RTX 20xx) and older. The doctor's gpu-too-old finding says the same.
 TURING_ISSUES = "#330, #542, #720, #887"
 
@@ -211,6 +227,10 @@ class TritonBackend(Backend):
                 major, minor = _device_capability(q.device)
                 if major < 8:
                     return pre_ampere_reason(major, minor)
+            index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+            problem = _shared_memory_problem(index)
+            if problem is not None:
+                return problem
         else:
             return f"device type {q.device.type!r} is not supported (cuda or, with the interpreter, cpu)"
         if v.shape[-1] != q.shape[-1]:

@@ -257,13 +257,45 @@ def test_turing_falls_back_to_sdpa_and_explains_why(turing):
         dispatch.select(call)
 
 
-def test_ampere_is_not_refused_for_its_capability(monkeypatch):
-    from flash_recipe import dispatch
+@pytest.fixture
+def mocked_gpu(monkeypatch):
+    """A mocked CUDA GPU of a given compute capability and shared memory (no GPU exists here)."""
+    import types
 
-    monkeypatch.setattr(dispatch, "_capability", lambda index: (8, 0))
-    monkeypatch.setattr(torch.version, "hip", None)
+    from flash_recipe import dispatch
+    from flash_recipe.ops import configs
+
+    def install(major: int, minor: int, shared: int):
+        props = types.SimpleNamespace(major=major, minor=minor, shared_memory_per_block_optin=shared)
+        monkeypatch.setattr(dispatch, "_capability", lambda index: (major, minor))
+        monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        for cached in (dispatch._shared_memory_problem, configs.gpu_target):
+            cached.cache_clear()
+
+    yield install
+    for cached in (dispatch._shared_memory_problem, configs.gpu_target):
+        cached.cache_clear()
+
+
+def test_ampere_is_not_refused_for_its_capability(mocked_gpu):
+    mocked_gpu(8, 0, 166912)
     q = fake_cuda(1, 16, 2, 64)
     assert flash_recipe.explain(q, q, q)["triton"] is None
+
+
+def test_an_unknown_gpu_runs_with_the_conservative_configs_only_if_they_fit(mocked_gpu):
+    """A future sm130 gets the family sized for 99 KiB: accepted with 99 KiB, refused with less."""
+    q = fake_cuda(1, 16, 2, 64)
+    mocked_gpu(13, 0, 101376)
+    assert flash_recipe.explain(q, q, q)["triton"] is None
+    mocked_gpu(13, 0, 65536)
+    reason = flash_recipe.explain(q, q, q)["triton"]
+    assert "sm130 offers 65536 bytes of shared memory per block" in reason and "sized for 101376" in reason
+    # a known architecture whose GPU reports less than its family is sized for is refused too
+    mocked_gpu(9, 0, 101376)
+    assert "sized for 232448" in flash_recipe.explain(q, q, q)["triton"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)

@@ -93,22 +93,22 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
     ],
     ("sm90", "bwd_dkdv"): [
         (64, 2, Config(64, 128, 8, 2)),
-        (128, 2, Config(64, 128, 8, 2)),
+        (128, 2, Config(32, 128, 8, 2)),
         (256, 2, Config(32, 64, 4, 1)),
         (128, 4, Config(32, 64, 4, 1)),
         (256, 4, Config(16, 32, 4, 1)),
     ],
     ("sm100", "bwd_dkdv"): [
         (64, 2, Config(64, 128, 8, 2)),
-        (128, 2, Config(64, 128, 8, 2)),
+        (128, 2, Config(32, 128, 8, 2)),
         (256, 2, Config(32, 64, 4, 1)),
         (128, 4, Config(32, 64, 4, 1)),
         (256, 4, Config(16, 32, 4, 1)),
     ],
     ("sm80", "bwd_dkdv"): [
         (64, 2, Config(64, 128, 8, 2)),
-        (128, 2, Config(32, 128, 8, 2)),
-        (256, 2, Config(32, 64, 4, 1)),
+        (128, 2, Config(64, 64, 8, 2)),
+        (256, 2, Config(32, 64, 8, 1)),
         (128, 4, Config(32, 64, 4, 1)),
         (256, 4, Config(16, 32, 4, 1)),
     ],
@@ -318,7 +318,8 @@ def interpreter_imported_late() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_target(index: int) -> str:
+def gpu_target(index: int) -> str:
+    """The compile target of GPU ``index``: ``"sm90"``, ``"sm120"``, ``"gfx942"``."""
     import torch
 
     props = torch.cuda.get_device_properties(index)
@@ -336,4 +337,4 @@ def target_of(device) -> str:
         import torch
 
         index = torch.cuda.current_device()
-    return _cuda_target(index)
+    return gpu_target(index)
