@@ -30,7 +30,7 @@ from flash_recipe.ops import configs
 from flash_recipe.ops.forward import Variant, Varlen, kernel_options, layout, lse_buffer
 from flash_recipe.ops import tiles
 from flash_recipe.ops.tiles import (
-    dropout_keep, key_blocks, load_tile, query_blocks, scores, sequence, stage_bounds, store_tile,
+    dropout_keep, key_blocks, load_tile, loop_bound, query_blocks, scores, sequence, stage_bounds, store_tile,
 )
 
 
@@ -79,7 +79,7 @@ def _dkdv_inner(
     BLOCK_M: tl.constexpr,
 ):
     """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``."""
-    for start_m in range(start, end, BLOCK_M):
+    for start_m in range(loop_bound(start), loop_bound(end), BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         o_m = start_m + o_r  # query rows [BLOCK_M]
         b_q = load_tile(q_base, start_m, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
@@ -160,7 +160,7 @@ def attn_bwd_dkdv_kernel(
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     begin, full_begin, full_end, end = query_blocks(k_start, seqlen_q, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N)
 
-    for g in range(0, group_size):
+    for g in range(0, loop_bound(group_size)):
         i_h = (i_hk * group_size + g).to(tl.int64)
         q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h * stride_qh
         do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h * stride_doh
@@ -199,7 +199,7 @@ def _dq_inner(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks."""
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
         b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]

@@ -28,8 +28,8 @@ import triton.language as tl
 
 from flash_recipe.ops import configs
 from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import (dropout_keep, key_blocks, load_keys, load_tile, scores, sequence, stage_bounds,
-                                   store_tile)
+from flash_recipe.ops.tiles import (dropout_keep, key_blocks, load_keys, load_tile, loop_bound, scores, sequence,
+                                   stage_bounds, store_tile)
 
 
 
@@ -47,7 +47,7 @@ def _fwd_inner(
     With ``DROPOUT`` the normaliser ``l`` sums the kept and the dropped probabilities alike, and
     only the kept ones, scaled by ``1 / (1 - p)``, reach the accumulator.
     """
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, seqlen_k, head_dim, page_size, num_pages,
                         o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
@@ -380,14 +380,14 @@ def split_combine_kernel(
     m_rows = o_m < seqlen_q
     p_lse = LSE_SPLIT + i_b * stride_lb + i_h * stride_lh + bos_q + o_m  # [BLOCK_M]
     b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for i_s in range(0, num_splits):
+    for i_s in range(0, loop_bound(num_splits)):
         b_lse = tl.load(p_lse + i_s * stride_qs, mask=m_rows, other=float("inf"))
         b_max = tl.maximum(b_max, tl.where(b_lse == float("inf"), float("-inf"), b_lse))
     b_ref = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     o_base = O_SPLIT + i_b * stride_pb + bos_q * stride_pm + i_h * stride_ph
-    for i_s in range(0, num_splits):
+    for i_s in range(0, loop_bound(num_splits)):
         b_lse = tl.load(p_lse + i_s * stride_qs, mask=m_rows, other=float("inf"))
         b_w = tl.where(b_lse == float("inf"), 0.0, tl.exp(b_lse - b_ref))  # [BLOCK_M]
         b_o = load_tile(o_base + i_s * stride_ps, i_m * BLOCK_M, stride_pm, seqlen_q, head_dim, o_r, o_d, True, MASK_D)

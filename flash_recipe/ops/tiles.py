@@ -80,7 +80,8 @@ def load_keys(base, table, bos, row0, stride_page, stride_row, n_rows, head_dim,
         if MASK_D:
             m_x = m_x & (o_d[None, :] < head_dim)
         b_x = tl.load(p_x, mask=m_x, other=0.0)
-        return tl.where((in_seq & ~ok)[:, None], float("nan"), b_x)
+        # ``ok ^ True`` is ``~ok``, which the interpreters of Triton 3.2 and 3.3 cannot evaluate on booleans.
+        return tl.where((in_seq & (ok ^ True))[:, None], float("nan"), b_x)
     else:
         return load_tile(base, row0, stride_row, n_rows, head_dim, o_r, o_d, MASK_ROWS, MASK_D)
 
@@ -117,6 +118,34 @@ def key_blocks(q_start, seqlen_k, lo_offset, hi_offset,
         full_end = end
     full_end = tl.maximum((full_end // BLOCK_N) * BLOCK_N, full_begin)
     return begin, full_begin, full_end, end
+
+
+@triton.jit
+def loop_bound(x):
+    """A ``range`` bound computed in the kernel: ``x`` itself (inlined away by the compiler).
+
+    Under Triton's interpreter this name is ``_interpreted_loop_bound`` instead (see below).
+    """
+    return x
+
+
+def _interpreted_loop_bound(x):
+    """``x`` as a Python int, for a ``range`` run by Triton's interpreter.
+
+    The interpreter holds a scalar as a one-element numpy array and turns it into a Python int
+    with ``int(array)``, which NumPy 2.4 refuses for arrays of ndim > 0 ("only 0-dimensional
+    arrays can be converted to Python scalars"); only the interpreters of Triton 3.9 and later
+    squeeze the array first. ``item()`` reads any one-element array on every Triton and NumPy.
+    """
+    if isinstance(x, tl.tensor):
+        return x.handle.data.item()
+    if isinstance(x, tl.constexpr):
+        return x.value
+    return x
+
+
+if not isinstance(loop_bound, triton.runtime.JITFunction):  # triton.jit chose the interpreter
+    loop_bound = _interpreted_loop_bound
 
 
 @triton.jit
