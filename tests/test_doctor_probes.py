@@ -234,3 +234,14 @@ def test_torch_probe_records_who_installed_it():
 
     assert torch["installer"] == distribution_info("torch")["installer"]
     assert isinstance(probes.probe_platform()["conda"], bool)
+
+
+def test_compile_probe_explains_an_architecture_without_a_table():
+    """No GPU here: the probe is called with the architecture a GPU would report."""
+    from flash_recipe.env.probes import triton_compile_check
+
+    row = triton_compile_check("sm130")
+    assert row["ok"] is None and "no configuration table of its own" in row["error"]
+    assert "sm86" in row["error"] and "101376" in row["error"] and "SDPA otherwise" in row["error"]
+    old = triton_compile_check("sm75")
+    assert old["ok"] is False and "sm80 or newer" in old["error"]

@@ -232,8 +232,11 @@ def format_report(report: dict[str, Any]) -> str:
                     f"    compiles flash_recipe's forward kernel for {check['arch']}: {check['shared_bytes']} of "
                     f"{check['shared_limit']} bytes shared memory, {check['seconds']} s"
                 )
+            elif check.get("ok") is None:
+                lines.append(f"    {check.get('error')}")
             else:
-                lines.append(f"    cannot compile flash_recipe's forward kernel for {check['arch']}: {check.get('error') or 'shared memory over the limit'}")
+                error = check.get("error") or "shared memory over the limit"
+                lines.append(f"    cannot compile flash_recipe's forward kernel for {check['arch']}: {error}")
     else:
         lines.append(f"  Triton: {triton.get('error') or 'not installed'}")
     build = facts.get("build", {})

@@ -231,7 +231,14 @@ def triton_compile_check(arch: str) -> dict[str, Any]:
     except Exception as exc:
         return {"arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     if arch not in configs.SHARED_MEMORY_LIMIT:
-        return {"arch": arch, "ok": None, "error": f"no kernel configuration recorded for {arch}"}
+        try:
+            family = configs.arch_family(arch)
+        except ValueError as exc:
+            return {"arch": arch, "ok": False, "error": str(exc)}
+        return {"arch": arch, "ok": None, "error": (
+            f"{arch} has no configuration table of its own: flash_recipe uses its most conservative one ({family}, "
+            f"sized for {configs.FAMILY_SHARED_MEMORY[family]} bytes of shared memory per block) when this GPU offers "
+            f"that much, and torch SDPA otherwise (flash_recipe.explain says which)")}
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return {"arch": arch, "ok": None, "error": "TRITON_INTERPRET is set: kernels run in Triton's CPU interpreter, nothing is compiled"}
     try:
