@@ -109,24 +109,34 @@ def install_matrix_report(session: nox.Session) -> None:
     session.run(*HARNESS, "report", "--run-id", RUN_ID, *session.posargs, external=True)
 
 
+# One target per configuration family for the (slow) ragged form; sm89, sm121, gfx90a and gfx950
+# share their family's tables and get the aligned form.
+RAGGED_TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx942")
+
+
 @nox.session(default=False)
 def compile_check(session: nox.Session) -> None:
     """Compile the kernels for every GPU target as a real launch compiles them, no GPU needed.
 
     Each kernel is compiled through the real launchers and Triton's launch specialisation, and must
     fit its architecture's shared memory, use the matrix units, and (aligned form, head dim up to
-    128) not spill. Default (what CI runs): the forward, the backward and a KV-cache decode step, in
-    bf16 and fp32, at the largest head dim of each configuration row (64, 128, 256), in the aligned
-    and the ragged form. Arguments after ``--`` replace that selection
+    128) not spill. Default (what CI runs): the forward, the backward and a KV-cache decode step at
+    the largest head dim of each configuration row (64, 128, 256): every target in the aligned
+    form in bf16 and fp32, and one target per configuration family in the ragged form in bf16
+    (fp16 compiles to the same tiles as bf16). Arguments after ``--`` replace that selection
     (``python -m flash_recipe.ops.compile_check --help``).
     """
     install_built_wheel(session)
-    args = session.posargs or [
-        "--call", "fwd", "--call", "bwd", "--call", "decode", "--dtype", "bfloat16", "--dtype", "float32",
-        "--head-dim", "64", "--head-dim", "128", "--head-dim", "256", "--jobs", "2",
-    ]
     session.chdir(session.create_tmp())
-    session.run("python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", *args, env={"TRITON_INTERPRET": "0"})
+    common = ["--call", "fwd", "--call", "bwd", "--call", "decode", "--head-dim", "64", "--head-dim", "128",
+              "--head-dim", "256", "--jobs", "2"]
+    selections = [session.posargs] if session.posargs else [
+        [*common, "--form", "aligned", "--dtype", "bfloat16", "--dtype", "float32"],
+        [*common, "--form", "ragged", "--dtype", "bfloat16", *(a for t in RAGGED_TARGETS for a in ("--target", t))],
+    ]
+    for args in selections:
+        session.run("python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", *args,
+                    env={"TRITON_INTERPRET": "0"})
 
 
 # One release per Triton minor version that pyproject admits (flash_recipe.env.versions.TRITON_MIN
