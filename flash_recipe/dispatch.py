@@ -18,6 +18,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import re
 from typing import Iterator, Optional
 
 import torch
@@ -149,6 +150,23 @@ def _import_error(module: str) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 @_constant_under_compile
+def _triton_too_old() -> Optional[str]:
+    """Why the imported Triton is older than the kernels support, or None."""
+    import triton
+
+    from flash_recipe.env import versions
+
+    release = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+    if release >= versions.TRITON_MIN:
+        return None
+    oldest = ".".join(map(str, versions.TRITON_MIN))
+    return (f"Triton {triton.__version__} is older than {oldest}, the oldest these kernels support; Triton comes "
+            f"with torch: upgrade torch to {'.'.join(map(str, versions.TORCH_MIN))} or newer "
+            f"(flash-recipe doctor prints the command for your installer)")
+
+
+@functools.lru_cache(maxsize=None)
+@_constant_under_compile
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -212,7 +230,9 @@ class TritonBackend(Backend):
         error = _import_error("triton")
         if error == "triton is not installed":
             return f"{error} (Triton publishes wheels for Linux x86_64 and aarch64 only)"
-        return None if error is None else f"triton fails to import: {error}"
+        if error is not None:
+            return f"triton fails to import: {error}"
+        return _triton_too_old()
 
     def supports(self, call: AttentionCall) -> Optional[str]:
         q, k, v = call.q, call.k, call.v

@@ -351,3 +351,22 @@ def test_sdpa_backend_at_sm80_leaves_the_kernel_choice_to_torch(monkeypatch):
     with use_backend("sdpa"):
         flash_attn_func(Q, K, K)
     assert asked == []
+
+
+def test_a_triton_older_than_supported_is_refused_with_the_upgrade(monkeypatch):
+    import triton
+
+    from flash_recipe import dispatch
+    from flash_recipe.env import versions
+
+    monkeypatch.setattr(triton, "__version__", "3.1.0")
+    dispatch._triton_too_old.cache_clear()
+    try:
+        reason = dispatch.TritonBackend().is_available()
+        oldest = ".".join(map(str, versions.TRITON_MIN))
+        assert f"Triton 3.1.0 is older than {oldest}" in reason and "upgrade torch" in reason
+        monkeypatch.setattr(triton, "__version__", "3.9.0")
+        dispatch._triton_too_old.cache_clear()
+        assert dispatch.TritonBackend().is_available() is None
+    finally:
+        dispatch._triton_too_old.cache_clear()
