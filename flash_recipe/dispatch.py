@@ -187,18 +187,24 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 @_constant_under_compile
-def _shared_memory_problem(index: int) -> Optional[str]:
-    """Why the launch configurations for GPU ``index`` would not fit its shared memory, or None.
+def _configs_problem(index: int) -> Optional[str]:
+    """Why flash_recipe's launch configurations cannot serve GPU ``index``, or None.
 
     A GPU the configuration tables do not know gets their most conservative family; this refuses
-    it when even that needs more shared memory than the GPU reports (``shared_memory_per_block_optin``).
+    an architecture no family serves (NVIDIA below sm80, AMD other than CDNA) and a GPU that
+    reports less shared memory per block (``shared_memory_per_block_optin``) than its family needs.
     """
     from flash_recipe.ops import configs
 
+    target = configs.gpu_target(index)
+    try:
+        configs.arch_family(target)
+    except ValueError as exc:
+        return str(exc)
     available = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
     if not available:
         return None  # this torch does not report it; the known targets are checked offline
-    return configs.shared_memory_problem(configs.gpu_target(index), available)
+    return configs.shared_memory_problem(target, available)
 
 
 # Turing (sm75: T4, RTX 20xx) and older. The doctor's gpu-too-old finding says the same.
@@ -247,8 +253,7 @@ class TritonBackend(Backend):
                 major, minor = _device_capability(q.device)
                 if major < 8:
                     return pre_ampere_reason(major, minor)
-            index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-            problem = _shared_memory_problem(index)
+            problem = _configs_problem(q.device.index if q.device.index is not None else torch.cuda.current_device())
             if problem is not None:
                 return problem
         else:

@@ -265,17 +265,18 @@ def mocked_gpu(monkeypatch):
     from flash_recipe import dispatch
     from flash_recipe.ops import configs
 
-    def install(major: int, minor: int, shared: int):
-        props = types.SimpleNamespace(major=major, minor=minor, shared_memory_per_block_optin=shared)
+    def install(major: int, minor: int, shared: int, amd: str = ""):
+        props = types.SimpleNamespace(major=major, minor=minor, shared_memory_per_block_optin=shared,
+                                      gcnArchName=f"{amd}:sramecc+:xnack-")
         monkeypatch.setattr(dispatch, "_capability", lambda index: (major, minor))
-        monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(torch.version, "hip", "6.4" if amd else None)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        for cached in (dispatch._shared_memory_problem, configs.gpu_target):
+        for cached in (dispatch._configs_problem, configs.gpu_target):
             cached.cache_clear()
 
     yield install
-    for cached in (dispatch._shared_memory_problem, configs.gpu_target):
+    for cached in (dispatch._configs_problem, configs.gpu_target):
         cached.cache_clear()
 
 
@@ -296,6 +297,11 @@ def test_an_unknown_gpu_runs_with_the_conservative_configs_only_if_they_fit(mock
     # a known architecture whose GPU reports less than its family is sized for is refused too
     mocked_gpu(9, 0, 101376)
     assert "sized for 232448" in flash_recipe.explain(q, q, q)["triton"]
+    # AMD: CDNA runs the Triton kernels, RDNA (no matrix cores for these tiles) is refused
+    mocked_gpu(9, 4, 65536, amd="gfx942")
+    assert flash_recipe.explain(q, q, q)["triton"] is None
+    mocked_gpu(11, 0, 65536, amd="gfx1100")
+    assert "AMD CDNA GPU (gfx9xx" in flash_recipe.explain(q, q, q)["triton"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)

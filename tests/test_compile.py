@@ -49,10 +49,12 @@ def test_unknown_architectures_get_the_conservative_family_and_old_ones_are_refu
     assert configs.arch_family("sm89") == "sm86"
     for unknown in ("sm87", "sm103", "sm110", "sm130"):
         assert configs.arch_family(unknown) == configs.FALLBACK_FAMILY["cuda"]
-    assert configs.arch_family("gfx1100") == configs.FALLBACK_FAMILY["hip"]
+    assert configs.arch_family("gfx940") == configs.FALLBACK_FAMILY["hip"]
+    with pytest.raises(ValueError, match="AMD CDNA"):
+        configs.arch_family("gfx1100")
     assert configs.FAMILY_SHARED_MEMORY[configs.FALLBACK_FAMILY["cuda"]] == min(
         configs.SHARED_MEMORY_LIMIT[t] for t, f in configs.FAMILIES.items() if t.startswith("sm"))
-    with pytest.raises(ValueError, match="sm80 or newer"):
+    with pytest.raises(ValueError, match="must be sm80 or newer"):
         configs.arch_family("sm75")
     assert configs.shared_memory_problem("sm130", 101376) is None
     assert "sized for 101376" in configs.shared_memory_problem("sm130", 65536)
@@ -86,7 +88,16 @@ def test_launch_specialisation_is_applied():
         for target in ("sm90", "sm120", "gfx942"):
             for row in compile_check.check_case(compile_check.Case("fwd", "bfloat16", 128, "aligned"), target):
                 print(json.dumps(row))
+        for row in compile_check.check_case(compile_check.Case("fwd", "float32", 64, "aligned"), "sm80"):
+            print(json.dumps(row))
+        from triton.runtime.driver import driver
+        slots = vars(driver)  # the active driver's slot, named differently across Triton releases
+        print(json.dumps({"driver_after": type(slots.get("_active", slots.get("active"))).__name__}))
     """)
+    fp32 = rows.pop(-2)  # full-precision fp32 dots run on the FMA units, which the check sees and allows
+    assert fp32["dtype"] == "float32" and fp32["fma_dots"] > 0 and fp32["ok"], fp32
+    assert rows.pop()["driver_after"] != "_OfflineDriver"  # the stand-in driver is removed afterwards
+    assert all(row["fma_dots"] == 0 for row in rows), rows
     by_target = {row["target"]: row for row in rows}
     assert set(by_target) == {"sm90", "sm120", "gfx942"}
     assert by_target["sm90"]["shared_bytes"] > 49152 and by_target["sm90"]["matrix_unit"] == "wgmma"

@@ -68,3 +68,14 @@ def test_triton_bound_follows_from_the_torch_bound():
     """Each torch wheel pins one Triton: the oldest supported torch must pin a supported Triton."""
     pinned = versions.TRITON_OF_TORCH.get(tuple(versions.TORCH_MIN))
     assert pinned is not None and pinned >= tuple(versions.TRITON_MIN)
+
+
+def test_compat_session_starts_at_the_oldest_supported_triton():
+    """``nox -s compat`` covers every Triton minor release from TRITON_MIN on, one release each."""
+    import re
+
+    text = (ROOT / "noxfile.py").read_text(encoding="utf-8")
+    releases = re.search(r"^TRITON_RELEASES = \(([^)]*)\)", text, re.M).group(1)
+    minors = [tuple(int(p) for p in v.split(".")[:2]) for v in re.findall(r'"([\d.]+)"', releases)]
+    assert minors[0] == versions.TRITON_MIN
+    assert minors == [(3, minor) for minor in range(versions.TRITON_MIN[1], minors[-1][1] + 1)]

@@ -235,7 +235,7 @@ def format_report(report: dict[str, Any]) -> str:
             elif check.get("ok") is None:
                 lines.append(f"    {check.get('error')}")
             else:
-                error = check.get("error") or "shared memory over the limit"
+                error = check.get("error") or "; ".join(check.get("problems") or [])
                 lines.append(f"    cannot compile flash_recipe's forward kernel for {check['arch']}: {error}")
     else:
         lines.append(f"  Triton: {triton.get('error') or 'not installed'}")

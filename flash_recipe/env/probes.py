@@ -245,7 +245,8 @@ def triton_compile_check(arch: str) -> dict[str, Any]:
         (row,) = check_case(Case("fwd", "float16", 64, "aligned"), arch)
     except Exception as exc:  # the compiler's own message is the useful fact
         return {"arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}".strip()[:500]}
-    row["fits"] = row["shared_bytes"] <= row["shared_limit"]
+    if not row["ok"]:
+        row["error"] = "; ".join(row["problems"])
     row["arch"] = arch
     return row
 

@@ -6,8 +6,9 @@ loads and so decide the shared memory a launch needs), and integers equal to 1 b
 This check therefore does not build signatures by hand: it calls the real launchers
 (``attention_forward``, ``attention_backward``, ``attention_kvcache``) with CPU tensors shaped
 like a real call, and lets Triton's own launch path specialise and compile each kernel for the
-chosen target. The only stand-in is the GPU driver: an offline driver that names the target and
-launches nothing (Triton then compiles as for a warm-up).
+chosen target. The only stand-ins are for the GPU itself: an offline driver that names the target
+and launches nothing (Triton then compiles as for a warm-up), and ``configs.target_of``, which
+answers with that target instead of asking a device.
 
 Each call is made in two forms:
 
@@ -20,8 +21,8 @@ Each call is made in two forms:
 For every compiled kernel it reports shared memory against the architecture's opt-in limit
 (``configs.SHARED_MEMORY_LIMIT``), registers and spilled bytes per thread (the cubin's resource
 usage on NVIDIA, the code object's metadata on AMD), and the matrix instruction its dots use. A
-kernel fails when it exceeds the shared-memory limit, when its fp16/bf16 dots miss the matrix
-units, or when, in fp16/bf16 in the aligned form at a head dim up to 128, it spills more than
+kernel fails when it exceeds the shared-memory limit, when any of its fp16/bf16 dots is lowered to
+FMA instead of the matrix units, or when, in fp16/bf16 in the aligned form at a head dim up to 128, it spills more than
 ``SPILL_BUDGET`` bytes. The other spills are reported, not failed: in the ragged form every score
 option at once (dropout's random numbers above all) and a head dim whose mask Triton cannot
 vectorise cost registers that the tables' tiles do not avoid, and fp32 (full-precision dots on
@@ -249,7 +250,7 @@ def _offline_launches(target: str):
 
         return offline_run
 
-    previous = getattr(driver, "_active", None)  # None: created on first use, which needs a GPU
+    saved = dict(vars(driver))  # the active driver's slot is named differently across Triton releases
     driver.set_active(_OfflineDriver(target))
     configs.target_of = lambda device: target
     for name, fn in kernels.items():
@@ -260,7 +261,8 @@ def _offline_launches(target: str):
         for fn in kernels.values():
             del fn.run
         configs.target_of = original_target_of
-        driver._active = previous
+        vars(driver).clear()
+        vars(driver).update(saved)
 
 
 def _nvidia_usage(kernel) -> dict:
@@ -276,8 +278,16 @@ def _nvidia_usage(kernel) -> dict:
         usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
     ptx = kernel.asm["ptx"]
-    return {"registers": int(found.group(1)), "spill_bytes": int(found.group(2)),
+    return {"registers": int(found.group(1)), "spill_bytes": int(found.group(2)), "fma_dots": _fma_dots(kernel),
             "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None)}
+
+
+def _fma_dots(kernel) -> int:
+    """Dots that Triton lowered to FMA instructions: in the TTGIR, a ``tt.dot`` whose operands keep a
+    ``#blocked`` layout (matrix-unit dots get an ``#mma`` parent, or become ``warp_group_dot`` on
+    Hopper and ``tc_gen5_mma`` on Blackwell)."""
+    return sum(1 for line in kernel.asm["ttgir"].splitlines()
+               if re.search(r"= tt\.dot ", line) and "parent = #blocked" in line)
 
 
 def _amd_usage(kernel) -> dict:
@@ -288,10 +298,12 @@ def _amd_usage(kernel) -> dict:
 
     def field(name):
         found = re.search(rf"\.{name}:\s+(\d+)", asm)
-        return int(found.group(1)) if found else 0
+        if found is None:
+            raise RuntimeError(f"the AMD code object's metadata has no .{name}")
+        return int(found.group(1))
 
     return {"registers": field("vgpr_count"), "spill_bytes": field("private_segment_fixed_size"),
-            "matrix_unit": "mfma" if "mfma" in asm else None}
+            "fma_dots": _fma_dots(kernel), "matrix_unit": "mfma" if "mfma" in asm else None}
 
 
 def check_case(case: Case, target: str) -> list[dict]:
@@ -331,8 +343,8 @@ def _verdict(row: dict) -> dict:
     if budgeted and row["spill_bytes"] > SPILL_BUDGET:
         problems.append(f"spills {row['spill_bytes']} B per thread (budget {SPILL_BUDGET} B at head dim <= "
                         f"{SPILL_BUDGET_MAX_HEAD_DIM})")
-    if needs_matrix_units(row["kernel"], row["dtype"]) and not row["matrix_unit"]:
-        problems.append("fp16/bf16 dots do not use the matrix units")
+    if needs_matrix_units(row["kernel"], row["dtype"]) and (row["fma_dots"] or not row["matrix_unit"]):
+        problems.append(f"fp16/bf16 dots do not all use the matrix units ({row['fma_dots']} lowered to FMA)")
     return {**row, "problems": problems, "ok": not problems}
 
 
@@ -367,6 +379,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")
     parser.add_argument("--json", action="store_true", help="print one JSON object per kernel")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if configs.interpreter_enabled():
         print("unset TRITON_INTERPRET: the compile check needs Triton's compiler", file=sys.stderr)
         return 2

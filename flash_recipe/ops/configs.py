@@ -257,16 +257,19 @@ def arch_family(target: str) -> str:
     """Map a compile target (``"sm89"``, ``"sm121"``, ``"gfx942"``, ``"interpreter"``) to a table key.
 
     A target the tables do not know gets the vendor's most conservative family
-    (``FALLBACK_FAMILY``), never a neighbour's larger tiles; NVIDIA GPUs below sm80 are refused.
+    (``FALLBACK_FAMILY``), never a neighbour's larger tiles; NVIDIA GPUs below sm80 and AMD GPUs
+    other than CDNA (gfx9xx) are refused with a ValueError.
     """
     if target == "interpreter" or target in FAMILIES:
         return FAMILIES.get(target, target)
-    if target.startswith("gfx"):
+    if target.startswith("gfx9"):
         return FALLBACK_FAMILY["hip"]
+    if target.startswith("gfx"):
+        raise ValueError(f"target must be an AMD CDNA GPU (gfx9xx, with matrix cores) for the Triton kernels, got {target}")
     if not target.startswith("sm") or not target[2:].isdigit():
         raise ValueError(f"target must look like 'sm80', 'gfx942' or 'interpreter', got {target!r}")
     if int(target[2:]) < 80:
-        raise ValueError(f"the Triton kernels need sm80 or newer (tensor cores through mma), got {target}")
+        raise ValueError(f"target must be sm80 or newer for the Triton kernels (tensor cores through mma), got {target}")
     return FALLBACK_FAMILY["cuda"]
 
 
