@@ -54,7 +54,7 @@ def tests(session: nox.Session) -> None:
     """Run pytest against the built wheel (not the source tree). Extra arguments go to pytest.
 
     torch comes first (``FLASH_RECIPE_TORCH``, default ``torch==2.13.0``), so the wheel's
-    ``torch>=2.4`` is already satisfied and no other build is pulled in. The wheel is installed
+    ``torch>=2.6`` is already satisfied and no other build is pulled in. The wheel is installed
     with its ``transformers`` extra, so the integration tests run too.
     """
     install_built_wheel(session, "[transformers]")

@@ -3,5 +3,5 @@
 # the build backend, without an isolated build environment.
 set -euo pipefail
 "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --index-url "$INDEX_URL" "torch==$TORCH_VERSION" "triton>=3.0" "poetry-core>=2.0"
+.venv/bin/python -m pip install --index-url "$INDEX_URL" "torch==$TORCH_VERSION" "triton>=3.2" "poetry-core>=2.0"
 .venv/bin/python -m pip install --index-url "$INDEX_URL" --no-build-isolation "$SDIST"
