@@ -78,6 +78,23 @@ def test_an_oversized_config_is_rejected():
 
 
 @pytest.mark.slow
+def test_a_kernel_compiled_to_a_trap_is_rejected():
+    """The check can fail on code that would trap at run time: Triton 3.9 compiles the sm100 dK/dV
+    kernel with 64-key blocks at head dim 256, every option on, into a trap."""
+    rows = _compile_in_subprocess("""
+        import json
+        from flash_recipe.ops import compile_check, configs
+        configs._TABLE[("sm100", "bwd_dkdv")] = [(256, 4, configs.Config(32, 64, 4, 1))]
+        for row in compile_check.check_case(compile_check.Case("bwd", "bfloat16", 256, "ragged"), "sm100"):
+            print(json.dumps(row))
+    """)
+    (dkdv,) = [row for row in rows if row["kernel"] == "bwd_dkdv"]
+    if dkdv["stores"]:
+        pytest.skip("this Triton compiles that tile properly")
+    assert not dkdv["ok"] and any("trap" in problem for problem in dkdv["problems"])
+
+
+@pytest.mark.slow
 def test_launch_specialisation_is_applied():
     """Aligned pointers and strides divisible by 16 let Triton multi-buffer the loads: the sm90
     forward at head dim 128 needs far more shared memory than an unspecialised compile reports

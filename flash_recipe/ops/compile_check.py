@@ -21,12 +21,13 @@ Each call is made in two forms:
 For every compiled kernel it reports shared memory against the architecture's opt-in limit
 (``configs.SHARED_MEMORY_LIMIT``), registers and spilled bytes per thread (the cubin's resource
 usage on NVIDIA, the code object's metadata on AMD), and the matrix instruction its dots use. A
-kernel fails when it exceeds the shared-memory limit, when any of its fp16/bf16 dots is lowered to
-FMA instead of the matrix units, or when, in fp16/bf16 in the aligned form at a head dim up to 128, it spills more than
-``SPILL_BUDGET`` bytes. The other spills are reported, not failed: in the ragged form every score
-option at once (dropout's random numbers above all) and a head dim whose mask Triton cannot
-vectorise cost registers that the tables' tiles do not avoid, and fp32 (full-precision dots on
-the FMA units) is the slow path by design. Run it as::
+kernel fails when its compiled code stores nothing (Triton lowers what it cannot lower properly
+to a trap), when it exceeds the shared-memory limit, when any of its fp16/bf16 dots is lowered to
+FMA instead of the matrix units, or when, in fp16/bf16 in the aligned form at a head dim up to
+128, it spills more than ``SPILL_BUDGET`` bytes. The other spills are reported, not failed: in
+the ragged form every score option at once (dropout's random numbers above all) and a head dim
+whose mask Triton cannot vectorise cost registers that the tables' tiles do not avoid, and fp32
+(full-precision dots on the FMA units) is the slow path by design. Run it as::
 
     python -m flash_recipe.ops.compile_check --target sm90 --target sm120 [--json]
 
@@ -279,6 +280,7 @@ def _nvidia_usage(kernel) -> dict:
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
     ptx = kernel.asm["ptx"]
     return {"registers": int(found.group(1)), "spill_bytes": int(found.group(2)), "fma_dots": _fma_dots(kernel),
+            "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
             "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None)}
 
 
@@ -303,7 +305,8 @@ def _amd_usage(kernel) -> dict:
         return int(found.group(1))
 
     return {"registers": field("vgpr_count"), "spill_bytes": field("private_segment_fixed_size"),
-            "fma_dots": _fma_dots(kernel), "matrix_unit": "mfma" if "mfma" in asm else None}
+            "fma_dots": _fma_dots(kernel), "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
+            "matrix_unit": "mfma" if "mfma" in asm else None}
 
 
 def check_case(case: Case, target: str) -> list[dict]:
@@ -336,6 +339,8 @@ def needs_matrix_units(kernel: str, dtype: str) -> bool:
 def _verdict(row: dict) -> dict:
     """Add ``problems`` (empty when the kernel passes) and ``ok`` to a report row."""
     problems = []
+    if not row["stores"]:  # every kernel writes its output; one that cannot has been compiled to a trap
+        problems.append("the compiled kernel stores nothing (Triton compiled it to a trap)")
     if row["shared_bytes"] > row["shared_limit"]:
         problems.append(f"shared memory {row['shared_bytes']} B over the {row['shared_limit']} B limit")
     budgeted = (row["form"] == "aligned" and row["dtype"] != "float32"
@@ -369,7 +374,8 @@ def _line(row: dict) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flash_recipe.ops.compile_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m flash_recipe.ops.compile_check",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", choices=TARGETS, help="architecture (repeatable); default: all")
     parser.add_argument("--call", action="append", choices=CALLS, help="launcher call (repeatable); default: all")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="dtype (repeatable); default: all")
