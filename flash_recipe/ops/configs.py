@@ -94,7 +94,7 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
     ("sm90", "bwd_dkdv"): [
         (64, 2, Config(64, 128, 8, 2)),
         (128, 2, Config(32, 128, 8, 2)),
-        (256, 2, Config(32, 64, 4, 1)),
+        (256, 2, Config(32, 64, 8, 1)),
         (128, 4, Config(32, 64, 4, 1)),
         (256, 4, Config(16, 32, 4, 1)),
     ],
