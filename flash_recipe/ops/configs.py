@@ -2,17 +2,19 @@
 
 A configuration is chosen by ``(arch, kernel, head-dim bucket, element size)``:
 
-- ``arch``: ``"sm80"`` (A100: 163 KiB shared memory per block), ``"sm86"`` (consumer Ampere and
-  Ada, sm86/sm89: 99 KiB), ``"sm90"`` (Hopper and newer: 227 KiB), ``"amd"`` (CDNA gfx90a/gfx942:
-  64 KiB LDS) or ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU, where bigger blocks mean
-  fewer programs and so less Python overhead).
+- ``arch``: a family of compile targets (``FAMILIES``): ``"sm80"`` (A100: 163 KiB shared memory
+  per block), ``"sm86"`` (sm86/sm89, consumer Ampere and Ada: 99 KiB), ``"sm90"`` (Hopper: 227 KiB,
+  wgmma), ``"sm100"`` (B200: 227 KiB, tcgen05), ``"sm120"`` (sm120/sm121, RTX 50xx and DGX Spark:
+  99 KiB, no wgmma), ``"amd"`` (CDNA gfx90a/gfx942/gfx950, sized for 64 KiB of LDS) or
+  ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU, where bigger blocks mean fewer programs and
+  so less Python overhead). A GPU without a family of its own gets ``FALLBACK_FAMILY``.
 - ``kernel``: ``"fwd"`` (forward), ``"bwd_dkdv"``, ``"bwd_dq"``, ``"decode"`` (the forward kernel
   on a KV cache with few query rows).
 - head-dim bucket: the padded head dim, a power of two from 16 to 256.
 - element size: 2 for fp16/bf16, 4 for fp32 (fp32 tiles need twice the shared memory).
 
-Every entry is compiled for its architecture by the test suite, which checks that it fits the
-shared-memory limit below (tests/test_compile.py).
+Every entry is compiled for its targets, as a launch compiles it, by ``nox -s compile_check``
+(``flash_recipe.ops.compile_check``), which checks each kernel against ``SHARED_MEMORY_LIMIT``.
 """
 
 from __future__ import annotations
