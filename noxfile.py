@@ -149,7 +149,9 @@ TRITON_RELEASES = ("3.2.0", "3.3.1", "3.4.0", "3.5.1", "3.6.0", "3.7.1", "3.8.0"
 def compat(session: nox.Session, triton: str) -> None:
     """One Triton release: ``flash-recipe verify`` through its interpreter (small grid, fp16 and
     fp32), then the launch-specialised compile of the forward, backward and decode kernels for
-    sm80 and sm90 at head dim 128 in bf16. ``nox -s "compat(3.6.0)"`` runs one release."""
+    sm80 and sm90 at head dim 128 in bf16. ``nox -s "compat(3.6.0)"`` runs one release. It needs
+    a torch that does not pin Triton, such as the CPU build (``FLASH_RECIPE_TORCH``): a CUDA torch
+    from PyPI pins its own."""
     install_built_wheel(session, pins=(f"triton=={triton}",))
     session.chdir(session.create_tmp())
     session.run("python", "-c", f"import triton, sys; sys.exit(triton.__version__ != {triton!r})")
