@@ -23,11 +23,12 @@ For every compiled kernel it reports shared memory against the architecture's op
 usage on NVIDIA, the code object's metadata on AMD), and the matrix instruction its dots use. A
 kernel fails when its compiled code stores nothing (Triton lowers what it cannot lower properly
 to a trap), when it exceeds the shared-memory limit, when any of its fp16/bf16 dots is lowered to
-FMA instead of the matrix units, or when, in fp16/bf16 in the aligned form at a head dim up to
-128, it spills more than ``SPILL_BUDGET`` bytes. The other spills are reported, not failed: in
-the ragged form every score option at once (dropout's random numbers above all) and a head dim
-whose mask Triton cannot vectorise cost registers that the tables' tiles do not avoid, and fp32
-(full-precision dots on the FMA units) is the slow path by design. Run it as::
+FMA instead of the matrix units, or when, as one of the tiled attention kernels in fp16/bf16 in
+the aligned form at a head dim up to 128, it spills more than ``SPILL_BUDGET`` bytes. The other
+spills are reported, not failed: in the ragged form every score option at once (dropout's random
+numbers above all) and a head dim whose mask Triton cannot vectorise cost registers that the
+tables' tiles do not avoid, and fp32 (full-precision dots on the FMA units) is the slow path by
+design. Run it as::
 
     python -m flash_recipe.ops.compile_check --target sm90 --target sm120 [--json]
 
@@ -61,7 +62,8 @@ HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
 CALLS = ("fwd", "bwd", "varlen", "decode", "paged")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
-# Spilled bytes per thread allowed in fp16/bf16, aligned form, head dims up to 128; the rest report theirs.
+# Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
+# aligned form, head dims up to 128; the rest report theirs.
 SPILL_BUDGET = 0
 SPILL_BUDGET_MAX_HEAD_DIM = 128
 # Kernels launched with a fixed configuration and no dots (no matrix units to check).
@@ -343,7 +345,7 @@ def _verdict(row: dict) -> dict:
         problems.append("the compiled kernel stores nothing (Triton compiled it to a trap)")
     if row["shared_bytes"] > row["shared_limit"]:
         problems.append(f"shared memory {row['shared_bytes']} B over the {row['shared_limit']} B limit")
-    budgeted = (row["form"] == "aligned" and row["dtype"] != "float32"
+    budgeted = (row["form"] == "aligned" and row["dtype"] != "float32" and row["kernel"] not in ELEMENTWISE
                 and row["head_dim"] <= SPILL_BUDGET_MAX_HEAD_DIM)
     if budgeted and row["spill_bytes"] > SPILL_BUDGET:
         problems.append(f"spills {row['spill_bytes']} B per thread (budget {SPILL_BUDGET} B at head dim <= "

@@ -71,7 +71,7 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
     ],
     ("sm80", "fwd"): [
         (64, 2, Config(128, 64, 4, 3)),
-        (128, 2, Config(128, 64, 8, 2)),
+        (128, 2, Config(128, 64, 8, 3)),
         (256, 2, Config(64, 64, 4, 2)),
         (64, 4, Config(64, 64, 4, 2)),
         (128, 4, Config(64, 32, 4, 2)),
