@@ -85,7 +85,7 @@ class Case:
 
 
 def cases(calls=CALLS, dtypes=DTYPES, buckets=HEAD_DIM_BUCKETS, forms=FORMS) -> Iterator[Case]:
-    """Every combination; the backward of a paged cache or a decode step does not exist."""
+    """Every combination of call, dtype, head-dim bucket and form."""
     for call, dtype, head_dim, form in itertools.product(calls, dtypes, buckets, forms):
         yield Case(call, dtype, head_dim, form)
 
@@ -162,7 +162,8 @@ def _run_call(case: Case) -> dict[str, str]:
         backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, varlen=varlen)
         return {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "bwd_preprocess",
                 "attn_bwd_dkdv_kernel": "bwd_dkdv", "attn_bwd_dq_kernel": "bwd_dq"}
-    # A KV cache: 3 sequences in pages of 64 rows (aligned) or 16 (ragged), one new token each.
+    # A KV cache: 3 sequences in pages of 64 rows (aligned) or 16 (ragged), appended one new key
+    # and value row per query row.
     seqlen_q = 1 if case.call == "decode" else 64
     page_size, width = (64, 16) if not ragged else (16, 40)
     dtype, head_dim = getattr(torch, case.dtype), _head_dim(case)

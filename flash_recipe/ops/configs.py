@@ -61,14 +61,6 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (128, 4, Config(64, 32, 4, 2)),
         (256, 4, Config(32, 32, 4, 1)),
     ],
-    ("sm100", "fwd"): [
-        (64, 2, Config(128, 64, 4, 3)),
-        (128, 2, Config(128, 64, 8, 3)),
-        (256, 2, Config(64, 64, 4, 2)),
-        (64, 4, Config(64, 64, 4, 2)),
-        (128, 4, Config(64, 32, 4, 2)),
-        (256, 4, Config(32, 32, 4, 1)),
-    ],
     ("sm80", "fwd"): [
         (64, 2, Config(128, 64, 4, 3)),
         (128, 2, Config(128, 64, 8, 3)),
@@ -85,25 +77,10 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (128, 4, Config(32, 32, 4, 2)),
         (256, 4, Config(32, 16, 4, 1)),
     ],
-    ("sm120", "fwd"): [
-        (64, 2, Config(128, 64, 4, 2)),
-        (128, 2, Config(64, 64, 4, 2)),
-        (256, 2, Config(64, 32, 4, 1)),
-        (64, 4, Config(64, 32, 4, 2)),
-        (128, 4, Config(32, 32, 4, 2)),
-        (256, 4, Config(32, 16, 4, 1)),
-    ],
     ("sm90", "bwd_dkdv"): [
         (64, 2, Config(64, 128, 8, 2)),
         (128, 2, Config(32, 128, 8, 2)),
         (256, 2, Config(32, 64, 8, 1)),
-        (128, 4, Config(32, 64, 4, 1)),
-        (256, 4, Config(16, 32, 4, 1)),
-    ],
-    ("sm100", "bwd_dkdv"): [
-        (64, 2, Config(64, 128, 8, 2)),
-        (128, 2, Config(32, 128, 8, 2)),
-        (256, 2, Config(32, 32, 4, 1)),  # 64-key blocks: a trap in the ragged form
         (128, 4, Config(32, 64, 4, 1)),
         (256, 4, Config(16, 32, 4, 1)),
     ],
@@ -121,21 +98,7 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (64, 4, Config(32, 32, 4, 1)),
         (256, 4, Config(16, 16, 4, 1)),
     ],
-    ("sm120", "bwd_dkdv"): [
-        (64, 2, Config(32, 64, 4, 2)),
-        (128, 2, Config(32, 64, 4, 1)),
-        (256, 2, Config(16, 32, 4, 1)),
-        (64, 4, Config(32, 32, 4, 1)),
-        (256, 4, Config(16, 16, 4, 1)),
-    ],
     ("sm90", "bwd_dq"): [
-        (64, 2, Config(128, 64, 8, 2)),
-        (128, 2, Config(128, 64, 8, 2)),
-        (256, 2, Config(64, 32, 4, 1)),
-        (128, 4, Config(64, 32, 4, 1)),
-        (256, 4, Config(32, 16, 4, 1)),
-    ],
-    ("sm100", "bwd_dq"): [
         (64, 2, Config(128, 64, 8, 2)),
         (128, 2, Config(128, 64, 8, 2)),
         (256, 2, Config(64, 32, 4, 1)),
@@ -150,13 +113,6 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(32, 16, 4, 1)),
     ],
     ("sm86", "bwd_dq"): [
-        (64, 2, Config(64, 64, 4, 2)),
-        (128, 2, Config(64, 32, 4, 1)),
-        (256, 2, Config(32, 32, 4, 1)),
-        (64, 4, Config(32, 32, 4, 1)),
-        (256, 4, Config(16, 16, 4, 1)),
-    ],
-    ("sm120", "bwd_dq"): [
         (64, 2, Config(64, 64, 4, 2)),
         (128, 2, Config(64, 32, 4, 1)),
         (256, 2, Config(32, 32, 4, 1)),
@@ -194,14 +150,6 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (128, 4, Config(16, 32, 4, 2)),
         (256, 4, Config(16, 32, 4, 1)),
     ],
-    ("sm100", "decode"): [
-        (64, 2, Config(16, 128, 4, 3)),
-        (128, 2, Config(16, 64, 4, 3)),
-        (256, 2, Config(16, 64, 4, 2)),
-        (64, 4, Config(16, 64, 4, 2)),
-        (128, 4, Config(16, 32, 4, 2)),
-        (256, 4, Config(16, 32, 4, 1)),
-    ],
     ("sm80", "decode"): [
         (64, 2, Config(16, 128, 4, 3)),
         (128, 2, Config(16, 64, 4, 3)),
@@ -211,14 +159,6 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(16, 32, 4, 1)),
     ],
     ("sm86", "decode"): [
-        (64, 2, Config(16, 128, 4, 2)),
-        (128, 2, Config(16, 64, 4, 2)),
-        (256, 2, Config(16, 32, 4, 2)),
-        (64, 4, Config(16, 64, 4, 2)),
-        (128, 4, Config(16, 32, 4, 2)),
-        (256, 4, Config(16, 16, 4, 2)),
-    ],
-    ("sm120", "decode"): [
         (64, 2, Config(16, 128, 4, 2)),
         (128, 2, Config(16, 64, 4, 2)),
         (256, 2, Config(16, 32, 4, 2)),
@@ -240,6 +180,18 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
 }
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
+
+# sm120/sm121 have sm86's 99 KiB of shared memory and its matrix instruction (mma.sync, no wgmma):
+# they take its tiles, which the compile check proves for sm120 and sm121 themselves. sm100 takes
+# Hopper's tiles except dK/dV at head dim 256, whose 64-key blocks Triton 3.9 compiles to a trap
+# on sm100 (ragged form).
+for _kernel in KERNELS:
+    _TABLE[("sm120", _kernel)] = _TABLE[("sm86", _kernel)]
+    _TABLE[("sm100", _kernel)] = _TABLE[("sm90", _kernel)]
+_TABLE[("sm100", "bwd_dkdv")] = [
+    (bucket, size, Config(32, 32, 4, 1) if (bucket, size) == (256, 2) else config)
+    for bucket, size, config in _TABLE[("sm90", "bwd_dkdv")]
+]
 ARCHS = ("sm80", "sm86", "sm90", "sm100", "sm120", "amd", "interpreter")
 
 
@@ -248,10 +200,11 @@ FAMILIES = {
     "sm80": "sm80", "sm86": "sm86", "sm89": "sm86", "sm90": "sm90", "sm100": "sm100",
     "sm120": "sm120", "sm121": "sm120", "gfx90a": "amd", "gfx942": "amd", "gfx950": "amd",
 }
-# The shared memory each family's configurations are sized for: a GPU must offer at least this
-# much per block. An architecture the tables do not know gets the family sized for the least
-# memory among its vendor's supported GPUs.
-FAMILY_SHARED_MEMORY = {"sm80": 166912, "sm86": 101376, "sm90": 232448, "sm100": 232448, "sm120": 101376, "amd": 65536}
+# The shared memory each family's configurations are sized for (the least among its targets): a GPU
+# must offer at least this much per block. An architecture the tables do not know gets the family
+# sized for the least memory among its vendor's supported GPUs.
+FAMILY_SHARED_MEMORY = {family: min(SHARED_MEMORY_LIMIT[t] for t, f in FAMILIES.items() if f == family)
+                        for family in set(FAMILIES.values())}
 FALLBACK_FAMILY = {"cuda": "sm86", "hip": "amd"}
 
 
