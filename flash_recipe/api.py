@@ -7,6 +7,7 @@ This is the only layer that validates input and fills in defaults; it builds an
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Optional
 
 import torch
@@ -94,19 +95,45 @@ def _check_alibi(slopes, batch: int, nheads: int, device) -> None:
         raise ValueError(f"alibi_slopes must have a contiguous last dimension, got stride {slopes.stride(-1)}")
 
 
+def is_int(value) -> bool:
+    """Whether ``value`` is an integer as flash-attn takes one: anything usable as an index (a
+    Python or numpy int, a 0-dim integer tensor), but not a bool."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool)):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_int(name: str, value, minimum: Optional[int] = None, meaning: str = "") -> int:
+    """``value`` as a Python int (see ``is_int``), at least ``minimum``; raise naming ``name``."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}{f' ({meaning})' if meaning else ''}, got {value}")
+    return value
+
+
 def check_window(causal, window_size) -> tuple[int, int]:
-    """The ``(left, right)`` window, with ``right = 0`` when causal; -1 is unbounded."""
+    """The ``(left, right)`` window, with ``right = 0`` when causal; -1 is unbounded.
+
+    ``window_size`` is any pair of ints (see ``is_int``): a tuple or list, a 2-element integer
+    tensor or numpy array, as flash-attn's own tests pass it.
+    """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
-    ):
+    try:
+        pair = list(window_size) if getattr(window_size, "ndim", 1) == 1 else None
+    except TypeError:
+        pair = None
+    if pair is None or len(pair) != 2 or not all(is_int(w) for w in pair):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = window_size
+    left, right = (operator.index(w) for w in pair)
     if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be -1 (unbounded) or >= 0, got {tuple(window_size)}")
+        raise ValueError(f"window_size entries must be -1 (unbounded) or >= 0, got {(left, right)}")
     return left, 0 if causal else right  # causal is a window whose right edge is the diagonal
 
 
@@ -165,36 +192,41 @@ def _build_flash_call(
     )
 
 
+def _check_offsets(name: str, cu, total: Optional[int], device) -> torch.Tensor:
+    """Validate one ``cu_seqlens`` tensor (``total``: the rows it must end at, None unchecked) and
+    return it contiguous: the kernels read offsets with stride 1, so a strided view is copied
+    (it holds batch + 1 ints)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
+    cu = cu.contiguous()
+    if cu.device.type == "cpu":
+        values = cu.tolist()
+        if values[0] != 0 or values[-1] != (values[-1] if total is None else total) or any(
+            b < a for a, b in zip(values, values[1:])
+        ):
+            end = "" if total is None else f" to the total number of tokens ({total})"
+            raise ValueError(f"{name} must rise from 0{end} without decreasing, got {values}")
+    return cu
+
+
 def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
     """Validate packed-sequence offsets (``k`` None: paged keys, whose total is not checked). Their
     values are read only for CPU tensors: on a GPU that would cost a synchronisation per call, so
-    there (as in flash-attn) they are trusted."""
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
-                            ("cu_seqlens_k", cu_seqlens_k, None if k is None else k.shape[0])):
-        if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.numel() < 2:
-            raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}")
-        if cu.device != q.device:
-            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {cu.device}")
-        if cu.device.type == "cpu":
-            values = cu.tolist()
-            if values[0] != 0 or values[-1] != (values[-1] if total is None else total) or any(
-                b < a for a, b in zip(values, values[1:])
-            ):
-                end = "" if total is None else f" to the total number of tokens ({total})"
-                raise ValueError(f"{name} must rise from 0{end} without decreasing, got {values}")
+    there (as in flash-attn) they are trusted, and the kernels clamp them to the packed tensors."""
+    cu_seqlens_q = _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    cu_seqlens_k = _check_offsets("cu_seqlens_k", cu_seqlens_k, None if k is None else k.shape[0], q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_seqlens_q.numel()}), got {cu_seqlens_k.numel()}"
         )
+    max_seqlen_q, max_seqlen_k = check_int("max_seqlen_q", max_seqlen_q, 0), check_int("max_seqlen_k", max_seqlen_k, 0)
     for name, value, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
         if cu.device.type == "cpu":
             longest = max(b - a for a, b in zip(cu.tolist(), cu.tolist()[1:]))
             if value < longest:

@@ -15,7 +15,6 @@ memory access or a plausible wrong number.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Optional, Union
 
 import torch
@@ -44,14 +43,15 @@ class CacheCall:
     paged: bool
     attention: AttentionCall  # the score options; q, k_cache, v_cache stand in for the tensors
     num_splits: int
-    user_args: dict  # the arguments as given, for upstream flash-attn
+    user_args: dict  # the arguments for upstream flash-attn: as given, with metadata made contiguous
 
     @property
     def new_tokens(self) -> int:
         return 0 if self.k is None else self.k.shape[1]
 
 
-def _check_index(name: str, t, shape: tuple, device) -> None:
+def _check_index(name: str, t, shape: tuple, device) -> torch.Tensor:
+    """Check an int32 metadata tensor and return it contiguous (a copy only when it is a strided view)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if t.dtype != torch.int32:
@@ -60,6 +60,7 @@ def _check_index(name: str, t, shape: tuple, device) -> None:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}")
+    return t.contiguous()
 
 
 def _check_pages(name: str, table: torch.Tensor, num_pages: int, page_size: int, starts, ends) -> None:
@@ -116,14 +117,12 @@ def _check_cache_tensors(q, k_cache, v_cache, k, v) -> None:
 def _cache_seqlens(cache_seqlens, batch: int, full: int, device) -> torch.Tensor:
     if cache_seqlens is None:
         return torch.full((batch,), full, dtype=torch.int32, device=device)
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        if cache_seqlens < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
-        return torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
+    if api.is_int(cache_seqlens):
+        length = api.check_int("cache_seqlens", cache_seqlens, minimum=0)
+        return torch.full((batch,), length, dtype=torch.int32, device=device)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be an int, an int32 tensor (batch_size,) or None, got {type(cache_seqlens).__name__}")
-    _check_index("cache_seqlens", cache_seqlens, (batch,), device)
-    return cache_seqlens
+    return _check_index("cache_seqlens", cache_seqlens, (batch,), device)
 
 
 def build_cache_call(
@@ -144,8 +143,7 @@ def build_cache_call(
     softcap = api.check_softcap(softcap)
     if alibi_slopes is not None:
         api._check_alibi(alibi_slopes, batch, nheads, q.device)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 chooses automatically), got {num_splits!r}")
+    num_splits = api.check_int("num_splits", num_splits, minimum=0, meaning="0 chooses automatically")
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     if not isinstance(return_softmax_lse, bool):
@@ -161,7 +159,7 @@ def build_cache_call(
             raise ValueError("cache_batch_idx cannot be combined with block_table (the page table already maps batches)")
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
             raise ValueError("block_table must be an int32 tensor (batch_size, max_num_blocks_per_seq)")
-        _check_index("block_table", block_table, (batch, block_table.shape[1]), q.device)
+        block_table = _check_index("block_table", block_table, (batch, block_table.shape[1]), q.device)
         if page_size % PAGE_MULTIPLE != 0:
             raise ValueError(
                 f"the page size (k_cache.shape[1] with a block_table) must be a multiple of {PAGE_MULTIPLE}, got {page_size}"
@@ -169,7 +167,7 @@ def build_cache_call(
         table = block_table
     else:
         if cache_batch_idx is not None:
-            _check_index("cache_batch_idx", cache_batch_idx, (batch,), q.device)
+            cache_batch_idx = _check_index("cache_batch_idx", cache_batch_idx, (batch,), q.device)
             if cache_batch_idx.device.type == "cpu":
                 bad = [i for i in cache_batch_idx.tolist() if not 0 <= i < num_pages]
                 if bad:
@@ -184,12 +182,12 @@ def build_cache_call(
     capacity = table.shape[1] * page_size
     seqlens = _cache_seqlens(cache_seqlens, batch, capacity, q.device)
     if cache_leftpad is not None:
-        _check_index("cache_leftpad", cache_leftpad, (batch,), q.device)
+        cache_leftpad = _check_index("cache_leftpad", cache_leftpad, (batch,), q.device)
     new = 0 if k is None else k.shape[1]
 
     lengths = None  # known on the host: an int, None (the whole cache) or a CPU tensor
     if not isinstance(cache_seqlens, torch.Tensor):
-        lengths = [capacity if cache_seqlens is None else int(cache_seqlens)] * batch
+        lengths = [capacity if cache_seqlens is None else int(seqlens[0])] * batch
     elif seqlens.device.type == "cpu":
         lengths = seqlens.tolist()
     if lengths is not None:
@@ -219,6 +217,10 @@ def build_cache_call(
         diag_offset=k_cache.shape[1] - seqlen_q, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         return_lse=return_softmax_lse,
     )
+    if isinstance(cache_seqlens, torch.Tensor):
+        user_args["cache_seqlens"] = seqlens
+    user_args.update(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+                     window_size=window, num_splits=int(num_splits))
     return CacheCall(q, k_cache, v_cache, k, v, rotary, seqlens, cache_leftpad, table, block_table is not None,
                      attention, int(num_splits), user_args)
 
@@ -283,23 +285,44 @@ def flash_attn_with_kvcache(
         block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
         return_softmax_lse,
     )
-    _refuse_grad("flash_attn_with_kvcache", q, k, v)
     backend = dispatch.select(call.attention, extra=lambda b: _cache_refusal(b, call))
-    if backend.name == "triton":
-        out, lse = _run_triton(call)
-    elif backend.name == "flash_attn":
+    if backend.name == "flash_attn":
         import flash_attn
 
         return flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **call.user_args)
-    else:
-        out, lse = _run_torch(call, backend)
+    run = (lambda: _run_triton(call)) if backend.name == "triton" else (lambda: _run_torch(call, backend))
+    out, lse = forward_only("flash_attn_with_kvcache", run, q, k, v)
     return (out, lse) if return_softmax_lse else out
 
 
-def _refuse_grad(what: str, *tensors) -> None:
-    """Forward-only paths raise rather than hand back an output silently cut from the graph."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise NotImplementedError(f"{what} has no backward; call it under torch.no_grad() or on tensors without grad")
+class _ForwardOnly(torch.autograd.Function):
+    """A forward-only computation joined to the graph of its inputs: the backward raises."""
+
+    @staticmethod
+    def forward(ctx, what: str, run, *inputs):
+        ctx.what = what
+        return run()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{ctx.what} has no backward (it is an inference path, as in flash-attn); compute the loss through "
+            f"flash_attn_func or flash_attn_varlen_func without block_table, or detach its inputs"
+        )
+
+
+def forward_only(what: str, run, *inputs) -> tuple:
+    """``run()`` (returning ``(out, lse or None)``) for a path that has no backward.
+
+    As flash-attn, the forward runs on inputs that require grad; when they do (and grad mode is
+    on) the outputs are attached to them, so that a backward reaching ``what`` raises a clear
+    error instead of leaving the inputs silently without a gradient.
+    """
+    tensors = [t for t in inputs if t is not None]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        with torch.no_grad():
+            return run()
+    return _ForwardOnly.apply(what, run, *tensors)
 
 
 def _cache_refusal(backend: dispatch.Backend, call: CacheCall) -> Optional[str]:
@@ -318,8 +341,7 @@ def _run_triton(call: CacheCall):
     cache = Cache(call.k_cache, call.v_cache, call.table, call.seqlens, call.leftpad)
     rotary = Rotary(*call.rotary) if call.rotary is not None else None
     var = Variant(0, att.window[0], att.window[1], att.softcap, att.alibi_slopes)
-    with torch.no_grad():
-        return attention_kvcache(call.q, call.k, call.v, cache, rotary, att.softmax_scale, var, call.num_splits)
+    return attention_kvcache(call.q, call.k, call.v, cache, rotary, att.softmax_scale, var, call.num_splits)
 
 
 def _slots(pages: torch.Tensor, table_row: list, start: int, end: int) -> tuple:
@@ -382,13 +404,12 @@ def paged_varlen(call: AttentionCall, block_table) -> tuple:
     batch = call.cu_seqlens_q.numel() - 1
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         raise ValueError("block_table must be an int32 tensor (batch_size, max_num_blocks_per_seq)")
-    _check_index("block_table", block_table, (batch, block_table.shape[1]), q.device)
+    block_table = _check_index("block_table", block_table, (batch, block_table.shape[1]), q.device)
     num_pages, page_size = k.shape[0], k.shape[1]
     if page_size % PAGE_MULTIPLE != 0:
         raise ValueError(f"the page size (k.shape[1] with a block_table) must be a multiple of {PAGE_MULTIPLE}, got {page_size}")
     if call.dropout_p > 0.0:
         raise NotImplementedError("dropout is not supported with block_table (paged KV is for inference); pass dropout_p=0.0")
-    _refuse_grad("flash_attn_varlen_func with block_table", call.q, call.k, call.v)
     lengths_k = call.cu_seqlens_k[1:] - call.cu_seqlens_k[:-1]
     capacity = block_table.shape[1] * page_size
     if call.cu_seqlens_k.device.type == "cpu":
@@ -398,19 +419,29 @@ def paged_varlen(call: AttentionCall, block_table) -> tuple:
         _check_pages("block_table", block_table, num_pages, page_size, [0] * batch, ends)
     backend = dispatch.select(call, extra=lambda b: "paged keys run on the triton backend or in torch"
                               if b.name == "flash_attn" else None)
-    if backend.name == "triton":
-        from flash_recipe.ops.forward import KeyRanges, Variant, Varlen, attention_forward
+    run = (lambda: _paged_varlen_triton(call, block_table, lengths_k)) if backend.name == "triton" else (
+        lambda: _paged_varlen_torch(call, block_table, backend))
+    out, lse = forward_only("flash_attn_varlen_func with block_table", run, q, k, call.v)
+    return out, (lse if call.return_lse else None), None
 
-        var = Variant(0, call.window[0], 0 if call.causal else call.window[1], call.softcap, call.alibi_slopes)
-        keys = KeyRanges(torch.zeros_like(lengths_k), lengths_k, call.max_seqlen_k, block_table)
-        varlen = Varlen(call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k)
-        with torch.no_grad():
-            out, lse = attention_forward(q, k, call.v, call.softmax_scale, var, varlen, keys)
-        return out, (lse if call.return_lse else None), None
+
+def _paged_varlen_triton(call: AttentionCall, block_table: torch.Tensor, lengths_k: torch.Tensor) -> tuple:
+    from flash_recipe.ops.forward import KeyRanges, Variant, Varlen, attention_forward
+
+    var = Variant(0, call.window[0], 0 if call.causal else call.window[1], call.softcap, call.alibi_slopes)
+    keys = KeyRanges(torch.zeros_like(lengths_k), lengths_k, call.max_seqlen_k, block_table)
+    varlen = Varlen(call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k)
+    return attention_forward(call.q, call.k, call.v, call.softmax_scale, var, varlen, keys)
+
+
+def _paged_varlen_torch(call: AttentionCall, block_table: torch.Tensor, backend: dispatch.Backend) -> tuple:
+    """Gather each sequence's pages into packed keys and run the backend's varlen call."""
+    batch = call.cu_seqlens_q.numel() - 1
     table = block_table.tolist()
     starts = call.cu_seqlens_k.tolist()
-    keys = [_rows(k, table[b], 0, starts[b + 1] - starts[b]) for b in range(batch)]
+    keys = [_rows(call.k, table[b], 0, starts[b + 1] - starts[b]) for b in range(batch)]
     values = [_rows(call.v, table[b], 0, starts[b + 1] - starts[b]) for b in range(batch)]
-    total = torch.cat(keys) if keys else k.new_empty((0,) + tuple(k.shape[2:]))
+    total = torch.cat(keys) if keys else call.k.new_empty((0,) + tuple(call.k.shape[2:]))
     packed = dataclasses.replace(call, k=total, v=torch.cat(values) if values else total)
-    return backend.run_call(packed)
+    out, lse, _ = backend.run_call(packed)
+    return out, lse

@@ -26,7 +26,7 @@ def compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     """The precision of the reference: fp32 for fp16/bf16 (fp64 for fp32) when ``upcast``."""
     if not upcast:
         return dtype
-    return torch.float64 if dtype == torch.float32 else torch.float32
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def visible_keys(seqlen_q: int, seqlen_k: int, diag_offset: int, window: tuple, device) -> torch.Tensor:

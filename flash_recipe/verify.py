@@ -39,12 +39,14 @@ class Case:
     window: tuple = (-1, -1)
     softcap: float = 0.0
     alibi: str = ""  # "", "heads" for (H,) slopes, "batch" for (B, H) slopes
+    softmax_scale: Optional[float] = None  # None: 1 / sqrt(head_dim)
 
     @property
     def id(self) -> str:
         extras = "".join(
             [f"-win{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "",
-             f"-cap{self.softcap:g}" if self.softcap else "", f"-alibi_{self.alibi}" if self.alibi else ""]
+             f"-cap{self.softcap:g}" if self.softcap else "", f"-alibi_{self.alibi}" if self.alibi else "",
+             f"-scale{self.softmax_scale:g}" if self.softmax_scale is not None else ""]
         )
         return (
             f"B{self.batch}-Sq{self.seqlen_q}-Sk{self.seqlen_k}-H{self.nheads}-Hk{self.nheads_k}"
@@ -60,7 +62,8 @@ class Case:
             slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / self.nheads) for h in range(self.nheads)], device=device)
             if self.alibi == "batch":
                 slopes = torch.stack([slopes * (b + 1) for b in range(self.batch)])
-        return dict(causal=self.causal, window_size=self.window, softcap=self.softcap, alibi_slopes=slopes)
+        return dict(causal=self.causal, window_size=self.window, softcap=self.softcap, alibi_slopes=slopes,
+                    softmax_scale=self.softmax_scale)
 
 
 # Small enough for the Triton interpreter on a CPU: odd lengths and head dims, a single query,
@@ -171,8 +174,8 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     from flash_recipe.reference import attention_reference, compute_dtype
 
     q, k, v, dout = _inputs(case, dtype, device, seed)
-    scale = case.head_dim**-0.5
     options = case.options(device)
+    scale = case.head_dim**-0.5 if case.softmax_scale is None else case.softmax_scale
 
     def reference(upcast):
         return lambda q_, k_, v_: attention_reference(

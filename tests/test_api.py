@@ -39,6 +39,11 @@ BAD_CALLS = [
     ("dropout-range", lambda: flash_attn_func(Q, K, K, dropout_p=1.5), ValueError, ["dropout_p", "[0, 1)", "1.5"]),
     ("window-range", lambda: flash_attn_func(Q, K, K, window_size=(-2, 0)), ValueError, ["window_size", "-1", "(-2, 0)"]),
     ("window-type", lambda: flash_attn_func(Q, K, K, window_size=4), TypeError, ["window_size", "pair of ints", "4"]),
+    ("window-float-tensor", lambda: flash_attn_func(Q, K, K, window_size=torch.tensor([2.0, 1.0])), TypeError,
+     ["window_size", "pair of ints"]),
+    ("window-three", lambda: flash_attn_func(Q, K, K, window_size=torch.tensor([2, 1, 0])), TypeError,
+     ["window_size", "pair of ints"]),
+    ("window-bools", lambda: flash_attn_func(Q, K, K, window_size=(True, False)), TypeError, ["window_size", "pair of ints"]),
     ("softcap-negative", lambda: flash_attn_func(Q, K, K, softcap=-1.0), ValueError, ["softcap", ">= 0", "-1.0"]),
     ("alibi-shape", lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(3)), ValueError, ["alibi_slopes", "(4,)", "(2, 4)", "(3,)"]),
     ("alibi-dtype", lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, ["alibi_slopes", "float32", "torch.float16"]),
@@ -376,3 +381,21 @@ def test_a_triton_older_than_supported_is_refused_with_the_upgrade(monkeypatch):
         assert dispatch.TritonBackend().is_available() is None
     finally:
         dispatch._triton_too_old.cache_clear()
+
+
+def test_integer_arguments_take_any_index_like_value(monkeypatch):
+    """flash-attn takes integers as anything usable as an index: its own tests draw
+    ``window_size = torch.randint(0, seqlen_k, (2,))``. Each form gives the plain-int result."""
+    import numpy as np
+
+    monkeypatch.setenv("FLASH_RECIPE_BACKEND", "reference")
+    q, k = t(1, 9, 2, 16, seed=1), t(1, 12, 2, 16, seed=2)
+    want = flash_attn_func(q, k, k, window_size=(4, 2))
+    for window in (torch.tensor([4, 2]), torch.tensor([4, 2], dtype=torch.int32), [4, 2], np.array([4, 2]),
+                   (np.int64(4), np.int32(2)), (torch.tensor(4), 2)):
+        torch.testing.assert_close(flash_attn_func(q, k, k, window_size=window), want, atol=0, rtol=0)
+    cache = t(1, 16, 2, 16, seed=3)
+    want = flash_recipe.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=7, num_splits=1)
+    for seqlens, splits in ((np.int64(7), np.int16(1)), (torch.tensor(7), torch.tensor(1))):
+        got = flash_recipe.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=seqlens, num_splits=splits)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

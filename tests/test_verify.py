@@ -64,3 +64,17 @@ def test_verify_full_grid_on_gpu(capsys):
     report = json.loads(out)
     assert status == 0, [row for row in report["cases"] if not row["passed"]]
     assert {row["dtype"] for row in report["cases"]} >= {"float16", "float32"}
+
+
+def test_the_truth_for_fp32_inputs_is_computed_in_fp64(device):
+    """The accuracy rule's ground truth is one precision above the input: fp32 for fp16/bf16 and
+    fp64 for fp32. For fp32 the truth's own inputs are fp64, so the reference must stay in fp64
+    (an fp32 truth would measure PyTorch's fp32 error as 0 and every bound as the 1e-5 floor)."""
+    from flash_recipe.reference import compute_dtype
+
+    assert compute_dtype(torch.float16, upcast=True) == torch.float32
+    assert compute_dtype(torch.float32, upcast=True) == torch.float64
+    assert compute_dtype(torch.float64, upcast=True) == torch.float64
+    row = verify.check_case(verify.Case(1, 33, 40, 2, 1, 24, True), torch.float32, device, "reference", seed=0)
+    torch_error = (row["bounds"]["out"] - 1e-5) / 2
+    assert 1e-9 < torch_error < 1e-5, row

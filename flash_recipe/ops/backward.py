@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from flash_recipe.ops import configs
-from flash_recipe.ops.forward import Variant, Varlen, kernel_options, layout, lse_buffer
+from flash_recipe.ops.forward import Variant, Varlen, kernel_options, layout, lse_buffer, packed_rows
 from flash_recipe.ops import tiles
 from flash_recipe.ops.tiles import (
     dropout_keep, key_blocks, load_tile, loop_bound, query_blocks, scores, sequence, stage_bounds, store_tile,
@@ -42,14 +42,14 @@ def attn_bwd_preprocess_kernel(
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh,
-    seqlen_q, head_dim,
+    seqlen_q, total_q, head_dim,
     IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``: ``DELTA[b, h, i] = sum_d O[b, i, h, d] * DO[b, i, h, d]``."""
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     q_start = i_m * BLOCK_M
     if IS_VARLEN:
         if q_start >= seqlen_q:
@@ -127,8 +127,8 @@ def attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     stride_lb, stride_lh, stride_sb,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
-    dropout_p, rng_stride,
+    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+    window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
@@ -137,8 +137,8 @@ def attn_bwd_dkdv_kernel(
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1)
     i_b = tl.program_id(2)
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
-    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, IS_VARLEN)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
+    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, total_k, IS_VARLEN)
     k_start = i_n * BLOCK_N
     if IS_VARLEN:
         if k_start >= seqlen_k:
@@ -229,8 +229,8 @@ def attn_bwd_dq_kernel(
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_sb,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
-    dropout_p, rng_stride,
+    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+    window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
@@ -239,8 +239,8 @@ def attn_bwd_dq_kernel(
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
-    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, IS_VARLEN)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
+    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, total_k, IS_VARLEN)
     q_start = i_m * BLOCK_M
     if IS_VARLEN:
         if q_start >= seqlen_q:
@@ -326,14 +326,15 @@ def attention_backward(
     delta, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
     (slopes, seed, stride_sb, scalars), flags = kernel_options(var, delta, seqlen_k)
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (delta, delta)
-    common = (stride_lb, stride_lh, stride_sb, nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim,
+    totals = packed_rows(q, k, varlen)
+    common = (stride_lb, stride_lh, stride_sb, nheads, nheads // nheads_k, seqlen_q, seqlen_k, *totals, head_dim,
               softmax_scale, *scalars)
     is_varlen = varlen is not None
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64
         attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_m), nheads, batch)](
-            out, dout, delta, cu_q, *strides(out), *strides(dout), stride_lb, stride_lh, seqlen_q, head_dim,
-            IS_VARLEN=is_varlen, BLOCK_M=pre_m, BLOCK_D=block_d,
+            out, dout, delta, cu_q, *strides(out), *strides(dout), stride_lb, stride_lh, seqlen_q, totals[0],
+            head_dim, IS_VARLEN=is_varlen, BLOCK_M=pre_m, BLOCK_D=block_d,
         )
         cfg = configs.get_config(target, "bwd_dkdv", head_dim, q.element_size())
         attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_k, batch)](

@@ -87,8 +87,8 @@ def attn_fwd_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh, stride_os,
     stride_lb, stride_lh, stride_ls, stride_sb, stride_tb,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right,
-    dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
+    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+    window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -120,7 +120,7 @@ def attn_fwd_kernel(
     i_s = tl.program_id(0) % num_splits
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     q_start = i_m * BLOCK_M
     if IS_VARLEN:
         if q_start >= seqlen_q:
@@ -128,10 +128,14 @@ def attn_fwd_kernel(
     bos_k = tl.zeros([], dtype=tl.int64)
     if KV_RANGES:
         bos_k = tl.load(K_START + i_b).to(tl.int64)
-        seqlen_k = (tl.load(K_END + i_b) - bos_k).to(tl.int32)
+        eos_k = tl.load(K_END + i_b).to(tl.int64)
         if PAGED:
-            bad = (bos_k < 0) | (seqlen_k < 0) | (bos_k + seqlen_k > table_width.to(tl.int64) * page_size)
+            seqlen_k = (eos_k - bos_k).to(tl.int32)
+            bad = (bos_k < 0) | (seqlen_k < 0) | (eos_k > table_width.to(tl.int64) * page_size)
             seqlen_k = tl.where(bad, 0, seqlen_k)
+        else:  # packed keys, clamped to their total_k rows as ``sequence`` clamps
+            bos_k = tl.minimum(tl.maximum(bos_k, 0), total_k)
+            seqlen_k = (tl.minimum(tl.maximum(eos_k, bos_k), total_k) - bos_k).to(tl.int32)
         diag_offset = seqlen_k - seqlen_q
     lo_offset = diag_offset - window_left
     hi_offset = diag_offset + window_right
@@ -251,7 +255,8 @@ def kernel_options(var: Variant, placeholder: torch.Tensor, seqlen_k: int) -> tu
     seed = var.seed if var.seed is not None else placeholder
     flags = dict(MASK_LEFT=var.window_left >= 0, MASK_RIGHT=var.window_right >= 0,
                  SOFTCAP=var.softcap > 0.0, ALIBI=var.slopes is not None, DROPOUT=var.dropout_p > 0.0)
-    scalars = (max(var.softcap, 1.0), var.diag_offset, max(var.window_left, 0), max(var.window_right, 0),
+    softcap = var.softcap if var.softcap > 0.0 else 1.0  # any value serves when SOFTCAP is off
+    scalars = (softcap, var.diag_offset, max(var.window_left, 0), max(var.window_right, 0),
                var.dropout_p, seqlen_k)
     return (slopes, seed, stride_sb, scalars), flags
 
@@ -272,6 +277,14 @@ def layout(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], keys: Opt
     nheads_k = k.shape[2] if paged else k.shape[1]
     dims = (varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k, q.shape[1], nheads_k, q.shape[2])
     return dims, lambda t: (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(0), t.stride(1))
+
+
+def packed_rows(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], paged: bool = False) -> tuple[int, int]:
+    """``(total_q, total_k)``: the rows of packed varlen q and k, which bound every sequence's
+    offsets in the kernels (0 where unused: dense tensors, paged keys)."""
+    if varlen is None:
+        return 0, 0
+    return q.shape[0], 0 if paged else k.shape[0]
 
 
 def lse_buffer(q: torch.Tensor, varlen: Optional[Varlen], dims) -> tuple[torch.Tensor, int, int]:
@@ -330,6 +343,7 @@ def attention_forward(
         lse_split = tiles.output_buffer((num_splits,) + tuple(lse.shape), torch.float32, q.device)
     o_strides = strides(o_split[0]) + (o_split.stride(0),) if num_splits > 1 else strides(out) + (0,)
     l_strides = (stride_lb, stride_lh, lse_split.stride(0) if num_splits > 1 else 0)
+    totals = packed_rows(q, k, varlen, table is not None)
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * num_splits, nheads, batch)
     block_d = configs.head_dim_bucket(head_dim)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
@@ -337,7 +351,7 @@ def attention_forward(
             q, k, v, o_split, lse_split, slopes, cu_q, k_start, k_end, table if table is not None else lse, seed,
             *strides(q), *strides(k), *strides(v), *o_strides,
             *l_strides, stride_sb, paging[0],
-            nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, *scalars,
+            nheads, nheads // nheads_k, seqlen_q, seqlen_k, *totals, head_dim, softmax_scale, *scalars,
             *paging[1:], num_splits,
             IS_VARLEN=varlen is not None, KV_RANGES=keys is not None, PAGED=table is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
@@ -348,7 +362,7 @@ def attention_forward(
             split_combine_kernel[(triton.cdiv(seqlen_q, block_m), nheads, batch)](
                 o_split, lse_split, out, lse, cu_q,
                 o_split.stride(0), *strides(o_split[0]), lse_split.stride(0), stride_lb, stride_lh,
-                *strides(out), seqlen_q, head_dim, num_splits,
+                *strides(out), seqlen_q, totals[0], head_dim, num_splits,
                 IS_VARLEN=varlen is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
             )
     return out, lse
@@ -359,7 +373,7 @@ def attention_forward(
 def split_combine_kernel(
     O_SPLIT, LSE_SPLIT, O, LSE, CU_Q,
     stride_ps, stride_pb, stride_pm, stride_ph, stride_qs, stride_lb, stride_lh,
-    stride_ob, stride_om, stride_oh, seqlen_q, head_dim, num_splits,
+    stride_ob, stride_om, stride_oh, seqlen_q, total_q, head_dim, num_splits,
     IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Merge the split-KV partials of ``attn_fwd_kernel``. Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
@@ -372,7 +386,7 @@ def split_combine_kernel(
     i_m = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_b = tl.program_id(2)
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, IS_VARLEN)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     i_b = i_b.to(tl.int64)
     o_r = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
