@@ -283,11 +283,13 @@ def flash_attn_func(
         window_size: ``(left, right)``: query ``i`` sees keys
             ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; -1 is unbounded
             on that side; ``causal`` sets ``right = 0``. Key blocks outside every row's window are
-            skipped, so the work scales with the window.
+            skipped, so the work scales with the window. Any pair of ints (a 2-element integer
+            tensor too). An entry ``>= seqlen_k`` keeps this meaning (flash-attn's kernels make it
+            -1; README: "Where flash-attn's code and docstring disagree").
         softcap: > 0 turns the scores into ``softcap * tanh(scores / softcap)`` (Gemma 2); 0 disables.
         alibi_slopes: float32 ``(nheads,)`` or ``(batch_size, nheads)``; adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the score of query ``i`` and key ``j``
-            (after the softcap).
+            (after the softcap), with or without ``causal`` (the lse is that of these scores).
         deterministic: accepted; the backward of the Triton kernels is always deterministic.
         return_attn_probs: also return the log-sum-exp and, with dropout, the attention
             probabilities ``(batch_size, nheads, seqlen_q, seqlen_k)``, negative where dropped
@@ -495,8 +497,11 @@ def scaled_dot_product_attention(
         scale: defaults to ``1 / sqrt(headdim)``.
 
     Returns:
-        ``(batch, nheads, seqlen_q, headdim_v)``, a view in torch's layout. Calls that the Triton
-        kernels support (no attn_mask, no dropout) run there on a GPU; the rest go to torch.
+        ``(batch, nheads, seqlen_q, headdim_v)``, a view in torch's layout. Calls without an
+        ``attn_mask`` run on the Triton kernels where they can (a GPU, or the CPU through the
+        interpreter); the rest go to torch. Dropout on the Triton kernels draws its own
+        counter-based mask (reproducible under ``torch.manual_seed``, as ``flash_attn_func``'s),
+        not the one torch's kernels would draw; ``use_backend("sdpa")`` gives torch's.
     """
     names = ("query", "key", "value")
     tensors = (query, key, value)

@@ -399,3 +399,42 @@ def test_integer_arguments_take_any_index_like_value(monkeypatch):
     for seqlens, splits in ((np.int64(7), np.int16(1)), (torch.tensor(7), torch.tensor(1))):
         got = flash_recipe.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=seqlens, num_splits=splits)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_sdpa_dropout_runs_where_its_docstring_says():
+    """With dropout, scaled_dot_product_attention runs on the Triton kernels when they can run the
+    call (their own Philox mask, reproducible under torch.manual_seed), and on torch's when asked."""
+    query, key = t(1, 2, 24, 16, seed=1), t(1, 2, 30, 16, seed=2)
+
+    def sdpa(backend):
+        torch.manual_seed(7)
+        with use_backend(backend):
+            return scaled_dot_product_attention(query, key, key, dropout_p=0.3)
+
+    auto = sdpa("auto")
+    torch.testing.assert_close(auto, sdpa("triton"), atol=0, rtol=0)
+    assert not torch.equal(auto, sdpa("sdpa"))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_documented_window_and_alibi_where_upstream_code_differs(backend, monkeypatch):
+    """README, "Where flash-attn's code and docstring disagree": a right window edge >= seqlen_k
+    keeps its documented meaning (upstream's kernels make it unbounded), and causal ALiBi returns
+    the lse of the documented scores, equal to that of the same call written as a window (-1, 0)."""
+    monkeypatch.setenv("FLASH_RECIPE_BACKEND", backend)
+    q, k = t(1, 10, 2, 16, seed=1), t(1, 3, 2, 16, seed=2)
+    out = flash_attn_func(q, k, k, window_size=(-1, 4))  # row i sees keys j <= i - 7 + 4
+    assert (out[:, :3] == 0).all() and (out[:, 3:] != 0).all()
+    expected, _ = attention_reference(q, k, k, window=(-1, 4))
+    torch.testing.assert_close(out, expected.float(), atol=1e-6, rtol=1e-5)
+
+    q, k = t(1, 7, 2, 16, seed=3), t(1, 12, 2, 16, seed=4)
+    slopes = torch.tensor([0.5, 0.25])
+    causal = flash_attn_func(q, k, k, causal=True, alibi_slopes=slopes, return_attn_probs=True)[1]
+    window = flash_attn_func(q, k, k, window_size=(-1, 0), alibi_slopes=slopes, return_attn_probs=True)[1]
+    i, j = torch.arange(7)[:, None], torch.arange(12)[None, :]
+    scores = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) * 16**-0.5
+    scores = scores - slopes.double()[None, :, None, None] * (i + 5 - j).abs()
+    scores = scores.masked_fill(j > i + 5, float("-inf"))
+    torch.testing.assert_close(causal, window, atol=0, rtol=0)
+    torch.testing.assert_close(causal.double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-6)
