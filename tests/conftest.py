@@ -61,3 +61,44 @@ def nan_outputs(monkeypatch):
 def _no_backend_override(monkeypatch):
     """Tests start from automatic backend selection, whatever the caller's environment says."""
     monkeypatch.delenv("FLASH_RECIPE_BACKEND", raising=False)
+
+
+# Set on a test item whose call phase failed with the bounds checker's own exception.
+_FAILED_OUT_OF_BOUNDS = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Note which tests already failed with ``OutOfBoundsAccess``, so ``bounds_checked`` does
+    not report the same access again at teardown."""
+    report = yield
+    if report.when == "call" and call.excinfo is not None:
+        item.stash[_FAILED_OUT_OF_BOUNDS] = call.excinfo.typename == "OutOfBoundsAccess"
+    return report
+
+
+@pytest.fixture
+def bounds_checked(monkeypatch, request):
+    """Every load, store and atomic of the Triton kernels the test launches stays inside the
+    storage of a tensor passed to that launch (see ``tests/bounds.py``); yields the checker.
+
+    A stray access raises ``OutOfBoundsAccess`` where it happens; one that the code under test
+    swallowed fails the test at teardown. The check wraps Triton's CPU interpreter, so it runs
+    only without a GPU: on a machine with one the kernels are compiled and run on the GPU, which
+    cannot be instrumented this way, and the fixture does nothing (yields None). A failure to
+    install the hooks fails the test.
+    """
+    if HAS_CUDA:
+        yield None
+        return
+    import bounds
+
+    checker = bounds.BoundsChecker()
+    try:
+        checker.install(monkeypatch)
+    except bounds.HooksUnavailable as exc:
+        pytest.fail(f"cannot check kernel memory accesses: {exc}", pytrace=False)
+    yield checker
+    if request.node.stash.get(_FAILED_OUT_OF_BOUNDS, False):
+        checker.take_violations()  # the test already failed with it
+    checker.verify()

@@ -14,6 +14,9 @@ import flash_recipe
 from flash_recipe.reference import attention_reference
 from flash_recipe.verify import Case, check_case
 
+# Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
+pytestmark = pytest.mark.usefixtures("bounds_checked")
+
 DTYPES = [torch.float16, torch.float32]
 
 CASES = [

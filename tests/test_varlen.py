@@ -8,6 +8,9 @@ import torch
 import flash_recipe
 from flash_recipe.reference import attention_reference, compute_dtype
 
+# Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
+pytestmark = pytest.mark.usefixtures("bounds_checked")
+
 
 def _rand(*shape, dtype=torch.float32, device="cpu", seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
