@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flash_recipe
+from flash_recipe.ops import tiles
 from flash_recipe.reference import attention_reference
 from flash_recipe.verify import Case, check_case
 
@@ -42,6 +45,10 @@ CASES = [
     Case(2, 47, 61, 4, 2, 59, False, alibi="heads"),
     Case(2, 61, 47, 2, 1, 32, True, alibi="batch"),
     Case(1, 65, 65, 2, 2, 64, False, window=(16, 16), softcap=2.0, alibi="heads"),
+    # A softcap below 1 is applied as given; a large one needs tanh accurate to a few ulp in fp32.
+    Case(1, 33, 40, 2, 1, 24, True, softcap=0.3),
+    Case(1, 64, 64, 2, 2, 64, True, softcap=50.0, softmax_scale=0.5),
+    Case(1, 64, 64, 2, 2, 64, False, softcap=500.0),
 ]
 
 
@@ -169,3 +176,22 @@ def test_offsets_beyond_int32(device):
         out = flash_recipe.flash_attn_func(q, q, q, causal=True)
         expected = flash_recipe.flash_attn_func(small, small, small, causal=True)
     assert torch.equal(out, expected)
+
+
+@triton.jit
+def tanh_kernel(X, Y, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(Y + o, tiles.tanh(tl.load(X + o)))
+
+
+def test_tanh_is_accurate_to_a_few_ulp_everywhere(device):
+    """The softcap multiplies tanh's error by the softcap, so the kernels' tanh must be accurate
+    relative to its value near 0 too, not only in absolute terms (fp32 has 2**-24 ulp)."""
+    magnitudes = torch.cat([torch.logspace(-8, 1.2, 4096), torch.linspace(0.0, 12.0, 4096)])
+    x = torch.cat([magnitudes, -magnitudes]).float().to(device)
+    y = torch.empty_like(x)
+    tanh_kernel[(1,)](x, y, N=x.numel())
+    x, y = x.cpu(), y.cpu()
+    truth = torch.tanh(x.double())
+    ulps = (y.double() - truth).abs() / truth.abs().clamp_min(2.0**-126) / 2.0**-24
+    assert ulps.max().item() <= 3.0, f"tanh is off by {ulps.max().item():.1f} ulp at x = {x[ulps.argmax()].item()}"

@@ -269,7 +269,6 @@ BAD = [
     ("window", dict(window_size=(-2, 0)), ValueError, ["window_size", "-1"]),
     ("alibi-shape", dict(alibi_slopes=torch.zeros(3)), ValueError, ["alibi_slopes", "(nheads,) = (2,)"]),
     ("cache-dtype", dict(k_cache=torch.zeros(4, 16, 1, 16, dtype=torch.float16)), TypeError, ["k_cache", "dtype"]),
-    ("grad", dict(q=torch.zeros(1, 1, 2, 16, requires_grad=True)), NotImplementedError, ["no backward", "torch.no_grad()"]),
 ]
 
 
@@ -317,15 +316,68 @@ def test_paged_varlen_equals_packed(backend, device):
     torch.testing.assert_close(got_lse, want_lse, atol=1e-6, rtol=1e-5)
 
 
-def test_paged_varlen_refuses_backward_and_bad_tables():
-    q = torch.zeros(4, 2, 16, requires_grad=True)
+def test_paged_varlen_refuses_bad_tables():
+    q = torch.zeros(4, 2, 16)
     pages = torch.zeros(3, 16, 2, 16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        flash_recipe.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
-    with torch.no_grad():
-        with pytest.raises(ValueError, match=r"block_table\[0\] holds page indices \[3\]"):
-            flash_recipe.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4, block_table=torch.tensor([[3]], dtype=torch.int32))
-        with pytest.raises(ValueError, match="multiple of 16"):
-            flash_recipe.flash_attn_varlen_func(q, pages[:, :8], pages[:, :8], cu, cu, 4, 4,
-                                                block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_table\[0\] holds page indices \[3\]"):
+        flash_recipe.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4, block_table=torch.tensor([[3]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        flash_recipe.flash_attn_varlen_func(q, pages[:, :8], pages[:, :8], cu, cu, 4, 4,
+                                            block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_forward_only_paths_run_on_inputs_that_require_grad(backend, device):
+    """As flash-attn: paged varlen and the KV cache run their forward on inputs that require grad
+    (as in a training loop that also decodes); only a backward through them raises, and clearly."""
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 20, 30], dtype=torch.int32, device=device)
+    table = torch.tensor([[0, 2], [3, 1]], dtype=torch.int32, device=device)
+    q = _rand(7, 2, 16, device=device, seed=1)
+    pages = [_rand(4, 16, 2, 16, device=device, seed=s) for s in (2, 3)]
+    calls = {
+        "flash_attn_varlen_func with block_table": lambda q_, k_, v_: flash_recipe.flash_attn_varlen_func(
+            q_, k_, v_, cu, cu_k, 4, 20, causal=True, block_table=table, return_attn_probs=True)[:2],
+        "flash_attn_with_kvcache": lambda q_, k_, v_: flash_recipe.flash_attn_with_kvcache(
+            q_[:4].view(2, 2, 2, 16), k_, v_, cache_seqlens=9, return_softmax_lse=True),
+    }
+    for what, call in calls.items():
+        with flash_recipe.use_backend(backend), torch.no_grad():
+            want = call(q, *pages)
+        leaves = [t.clone().requires_grad_() for t in (q, *pages)]
+        with flash_recipe.use_backend(backend):
+            got = call(*leaves)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
+            assert g.requires_grad
+        for result in got:  # the output and the log-sum-exp
+            with pytest.raises(NotImplementedError, match=f"{what} has no backward"):
+                result.sum().backward(retain_graph=True)
+        assert all(t.grad is None for t in leaves)
+
+
+def test_strided_metadata_is_read_as_its_values(device):
+    """cache_seqlens, cache_leftpad, cache_batch_idx and block_table given as strided views (as
+    slices of larger tensors) give exactly the result of their contiguous copies."""
+    def strided(t: torch.Tensor) -> torch.Tensor:
+        """``t``'s values as a view with stride 2 in every dim: every other element of a larger tensor."""
+        big = torch.full([2 * n for n in t.shape], 10_000, dtype=t.dtype, device=t.device)
+        view = big[tuple(slice(None, None, 2) for _ in t.shape)]
+        view.copy_(t)
+        return view
+
+    for case in (KV(seqlen_q=3, new=3, batch_idx=True, leftpad=(2, 0), splits=2),
+                 KV(batch=3, seqlens=(5, 17, 33), page=16, leftpad=(1, 0, 6), splits=3)):
+        q, k_cache, v_cache, k_new, v_new, args = _make(case, torch.float32, device)
+        views = {name: strided(t) for name, t in args.items()
+                 if name in ("cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table")}
+        assert all(not t.is_contiguous() for t in views.values())
+        results = []
+        for metadata in (args, {**args, **views}):
+            caches = (k_cache.clone(), v_cache.clone())
+            with flash_recipe.use_backend("triton"):
+                results.append((flash_recipe.flash_attn_with_kvcache(q, *caches, k_new, v_new, **metadata), caches))
+        (want, want_caches), (got, got_caches) = results
+        for g, w in zip((*got, *got_caches), (*want, *want_caches)):
+            torch.testing.assert_close(g, w, atol=0, rtol=0)

@@ -107,6 +107,7 @@ BAD = [
     ("cu-batch", dict(cu_seqlens_k=torch.tensor([0, 2, 4], dtype=torch.int32)), ValueError, ["cu_seqlens_k", "as many entries"]),
     ("max-too-small", dict(max_seqlen_q=2), ValueError, ["max_seqlen_q", "longest", "(4)", "2"]),
     ("max-type", dict(max_seqlen_k=4.0), TypeError, ["max_seqlen_k", "int", "float"]),
+    ("max-float-tensor", dict(max_seqlen_k=torch.tensor(4.0)), TypeError, ["max_seqlen_k", "int", "Tensor"]),
     ("block-table-rank", dict(block_table=torch.zeros(1, dtype=torch.int32), k=torch.zeros(2, 16, 2, 8),
                               v=torch.zeros(2, 16, 2, 8)), ValueError, ["block_table", "(batch_size, max_num_blocks_per_seq)"]),
     ("paged-k-rank", dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), ValueError,
@@ -125,3 +126,30 @@ def test_varlen_bad_input(changes, exc, words):
         flash_recipe.flash_attn_varlen_func(**args)
     for word in words:
         assert word in str(info.value), f"{word!r} missing from: {info.value}"
+
+
+def test_strided_offsets_and_index_like_lengths(device):
+    """cu_seqlens given as strided views (every other entry of a larger tensor) and max_seqlen given
+    as a numpy int or a 0-dim tensor give exactly the result of plain arguments, backward included."""
+    import numpy as np
+
+    lengths_q, lengths_k = [5, 0, 37, 1], [7, 3, 33, 1]
+    q = _rand(sum(lengths_q), 2, 24, device=device, seed=1)
+    k, v = (_rand(sum(lengths_k), 1, 24, device=device, seed=s) for s in (2, 3))
+    dout = _rand(*q.shape, device=device, seed=4)
+
+    def run(cu_q, cu_k, max_q, max_k):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with flash_recipe.use_backend("triton"):
+            out = flash_recipe.flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=True)
+        out.backward(dout)
+        return out, *(t.grad for t in leaves)
+
+    cu_q, cu_k = _offsets(lengths_q, device), _offsets(lengths_k, device)
+    want = run(cu_q, cu_k, 37, 33)
+    gaps = 10_000  # what a stride-1 read of the views would see between the entries
+    strided = [torch.stack((cu, torch.full_like(cu, gaps)), 1).view(-1)[::2] for cu in (cu_q, cu_k)]
+    assert not any(cu.is_contiguous() for cu in strided)
+    got = run(*strided, np.int64(37), torch.tensor(33))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
