@@ -3,6 +3,7 @@
 - ``tests``: the test suite, run against the built wheel;
 - ``install_matrix``: every install recipe in ``recipes/``, one session per path, each in a fresh
   environment against loopback servers only; ``install_matrix_report`` follows automatically;
+- ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``compat``: the interpreter and the compiler path under each supported Triton release;
 - ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed.
@@ -80,6 +81,52 @@ def tests(session: nox.Session) -> None:
         "no:cacheprovider",
         str(ROOT / "tests"),
         *session.posargs,
+    )
+
+
+FUZZ_USAGE = "usage: nox -s fuzz [-- [--cases N] [--seed S] [--case I ...]]"
+
+
+@nox.session(default=False)
+def fuzz(session: nox.Session) -> None:
+    """Run the differential fuzz test (``tests/test_fuzz.py``) against the built wheel.
+
+    Random calls of every entry point, each compared with a plain-torch oracle by the accuracy
+    rule. Without arguments: 400 cases of seed 1 (about two minutes on a 2-core CPU through the
+    Triton interpreter), other cases than the test suite's own 150 of seed 0.
+    ``nox -s fuzz -- --cases 2000 --seed 5`` draws other cases; ``--case I`` (repeatable) replays
+    case I of the seed, as a failure message names it.
+    """
+    options = {"--cases": "400", "--seed": "1"}
+    cases = []
+    args = list(session.posargs)
+    if len(args) % 2:
+        session.error(FUZZ_USAGE)
+    for flag, value in zip(args[::2], args[1::2]):
+        if flag not in ("--cases", "--seed", "--case") or not value.isdigit():
+            session.error(FUZZ_USAGE)
+        if flag == "--case":
+            cases += ["--fuzz-case", value]
+        else:
+            options[flag] = value
+    install_built_wheel(session)
+    session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
+    # Outside the checkout, so `import flash_recipe` finds the installed wheel.
+    session.chdir(session.create_tmp())
+    session.run(
+        "pytest",
+        "--rootdir",
+        str(ROOT),
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "-p",
+        "no:cacheprovider",
+        str(ROOT / "tests" / "test_fuzz.py"),
+        "--fuzz-cases",
+        options["--cases"],
+        "--fuzz-seed",
+        options["--seed"],
+        *cases,
     )
 
 
