@@ -127,15 +127,13 @@ def attn_fwd_kernel(
             return
     bos_k = tl.zeros([], dtype=tl.int64)
     if KV_RANGES:
-        bos_k = tl.load(K_START + i_b).to(tl.int64)
-        eos_k = tl.load(K_END + i_b).to(tl.int64)
         if PAGED:
-            seqlen_k = (eos_k - bos_k).to(tl.int32)
-            bad = (bos_k < 0) | (seqlen_k < 0) | (eos_k > table_width.to(tl.int64) * page_size)
+            bos_k = tl.load(K_START + i_b).to(tl.int64)
+            seqlen_k = (tl.load(K_END + i_b) - bos_k).to(tl.int32)
+            bad = (bos_k < 0) | (seqlen_k < 0) | (bos_k + seqlen_k > table_width.to(tl.int64) * page_size)
             seqlen_k = tl.where(bad, 0, seqlen_k)
-        else:  # packed keys, clamped to their total_k rows as ``sequence`` clamps
-            bos_k = tl.minimum(tl.maximum(bos_k, 0), total_k)
-            seqlen_k = (tl.minimum(tl.maximum(eos_k, bos_k), total_k) - bos_k).to(tl.int32)
+        else:  # packed keys: rows K_START[b]:K_END[b], clamped to the total_k rows as ``sequence`` clamps
+            bos_k, seqlen_k = sequence(K_START, i_b, seqlen_k, total_k, True, K_END)
         diag_offset = seqlen_k - seqlen_q
     lo_offset = diag_offset - window_left
     hi_offset = diag_offset + window_right

@@ -249,16 +249,21 @@ def scores(b_qk, o_q, o_k, seqlen_k, lo_offset, hi_offset, diag_offset, sm_scale
 
 
 @triton.jit
-def sequence(CU_SEQLENS, i_b, seqlen, total, IS_VARLEN: tl.constexpr):
-    """``(first row, length)`` of sequence ``i_b``: from ``cu_seqlens`` when varlen, else ``(0, seqlen)``.
+def sequence(CU_SEQLENS, i_b, seqlen, total, IS_VARLEN: tl.constexpr, ENDS=None):
+    """``(first row, length)`` of sequence ``i_b``: rows ``CU_SEQLENS[i_b]:CU_SEQLENS[i_b + 1]``
+    (or ``:ENDS[i_b]``) when varlen, else ``(0, seqlen)``.
 
     The offsets are clamped to the ``total`` rows of the packed tensor, so offsets that were not
     checked (on a GPU they are trusted, as flash-attn trusts them) never address a row outside it.
     """
     if IS_VARLEN:
-        bos = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + i_b), 0), total)
-        eos = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + i_b + 1), bos), total)
-        return bos.to(tl.int64), eos - bos
+        if ENDS is None:
+            ENDS = CU_SEQLENS + 1
+        # As unsigned, a negative offset is above every total and is clamped to it.
+        limit = tl.zeros([], dtype=tl.uint32) + total  # (a total of 1 arrives as a constexpr)
+        bos = tl.minimum(tl.load(CU_SEQLENS + i_b).to(tl.uint32, bitcast=True), limit)
+        eos = tl.maximum(tl.minimum(tl.load(ENDS + i_b).to(tl.uint32, bitcast=True), limit), bos)
+        return bos.to(tl.int64), (eos - bos).to(tl.int32)
     else:
         return tl.zeros([], dtype=tl.int64), seqlen
 
