@@ -63,6 +63,16 @@ def _check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True, varlen: 
         raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
 
 
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t``, viewed with last-dim stride 1 when that dim has size 1: its stride is then never
+    used, and torch counts such a tensor as contiguous whatever it is (``x.transpose(-1, -2)`` of
+    an ``(..., 1, n)`` tensor), but the kernels and the checks read the stride. Any other tensor is
+    returned as it is."""
+    if t.shape[-1] == 1 and t.stride(-1) != 1:
+        return t.as_strided(t.shape, t.stride()[:-1] + (1,), t.storage_offset())
+    return t
+
+
 def _check_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
     if softmax_scale is None:
         return head_dim**-0.5
@@ -164,6 +174,7 @@ def _build_flash_call(
         _check_qkv(q, k[0], v[0], names, varlen=True)
     else:
         _check_qkv(q, k, v, names, varlen=varlen is not None)
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
     for name, t in zip(names, (q, k, v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
@@ -514,7 +525,7 @@ def scaled_dot_product_attention(
         query, key, value = (t.unsqueeze(0) for t in tensors)
     # flash layout views; a non-contiguous last dim is copied, as torch itself would.
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (unit_last_stride(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
     _check_qkv(q, k, v, names, same_v_dim=False)
     if not enable_gqa and q.shape[2] != k.shape[2]:
         raise ValueError(

@@ -97,21 +97,22 @@ def _check_rotary(rotary_cos, rotary_sin, q, k, head_dim: int) -> None:
         raise ValueError("rotary_cos and rotary_sin rotate the new keys: pass k and v with them")
 
 
-def _check_cache_tensors(q, k_cache, v_cache, k, v) -> None:
+def _check_cache_tensors(q, k_cache, v_cache, k, v) -> tuple:
+    """Check the tensors; return them with a last dim of size 1 given stride 1 (``api.unit_last_stride``)."""
     api._check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"), same_batch=False)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or both be None")
-    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if k is not None:
         api._check_qkv(q, k, v)
         if k.shape[2] != k_cache.shape[2]:
             raise ValueError(f"k must have nheads_k = {k_cache.shape[2]} like k_cache, got {k.shape[2]}")
-        tensors += [("k", k), ("v", v)]
-    for name, t in tensors:
-        if t.stride(-1) != 1:
+    q, k_cache, v_cache, k, v = (None if t is None else api.unit_last_stride(t) for t in (q, k_cache, v_cache, k, v))
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+    return q, k_cache, v_cache, k, v
 
 
 def _cache_seqlens(cache_seqlens, batch: int, full: int, device) -> torch.Tensor:
@@ -137,7 +138,7 @@ def build_cache_call(
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
         return_softmax_lse=return_softmax_lse,
     )
-    _check_cache_tensors(q, k_cache, v_cache, k, v)
+    q, k_cache, v_cache, k, v = _check_cache_tensors(q, k_cache, v_cache, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     window = api.check_window(causal, window_size)
     softcap = api.check_softcap(softcap)

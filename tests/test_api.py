@@ -438,3 +438,15 @@ def test_documented_window_and_alibi_where_upstream_code_differs(backend, monkey
     scores = scores.masked_fill(j > i + 5, float("-inf"))
     torch.testing.assert_close(causal, window, atol=0, rtol=0)
     torch.testing.assert_close(causal.double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-6)
+
+
+def test_a_last_dim_of_size_one_may_have_any_stride(monkeypatch):
+    """Torch counts a tensor whose last dim has size 1 as contiguous whatever that dim's stride
+    (``x.transpose(-1, -2)`` of an ``(..., 1, n)`` tensor); the Triton kernels take it too."""
+    monkeypatch.setenv("FLASH_RECIPE_BACKEND", "triton")
+    query = t(1, 2, 1, 8, seed=1).transpose(-1, -2)  # (1, 2, 8, 1), last-dim stride 8
+    assert query.stride(-1) == 8 and query.is_contiguous()
+    expected = F.scaled_dot_product_attention(query, query, query)
+    torch.testing.assert_close(scaled_dot_product_attention(query, query, query), expected, atol=1e-6, rtol=1e-5)
+    q = query.transpose(1, 2)  # flash layout (1, 8, 2, 1), last-dim stride 8
+    torch.testing.assert_close(flash_attn_func(q, q, q), expected.transpose(1, 2), atol=1e-6, rtol=1e-5)

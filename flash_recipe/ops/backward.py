@@ -13,8 +13,9 @@ Three kernels, none of which uses atomics, so gradients are bit-identical from r
    accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``.
 3. ``attn_bwd_dq_kernel``: one program per ``BLOCK_M`` queries of one head; ``dQ += dS K``.
 
-Probabilities are recomputed as ``exp2(S * scale * log2(e) - lse * log2(e))``; a row whose lse
-is +inf (it saw no key) gets P = 0 and so zero gradients.
+Probabilities are recomputed as ``exp2((S * scale - lse) * log2(e))`` (the difference taken in
+natural units, as the forward takes it); a row whose lse is +inf (it saw no key) gets P = 0 and so
+zero gradients.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from flash_recipe.ops import configs
 from flash_recipe.ops.forward import Variant, Varlen, kernel_options, layout, lse_buffer, packed_rows
 from flash_recipe.ops import tiles
 from flash_recipe.ops.tiles import (
-    dropout_keep, key_blocks, load_tile, loop_bound, query_blocks, scores, sequence, stage_bounds, store_tile,
+    dropout_keep, key_blocks, load_tile, loop_bound, query_blocks, scores, sees_one_key, sequence, stage_bounds, store_tile,
 )
 
 
@@ -86,15 +87,15 @@ def _dkdv_inner(
         b_do = load_tile(do_base, start_m, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
         # Rows past seqlen_q load q = dO = 0, lse = delta = 0: dV and dK get nothing from them.
         if EVEN_M:
-            b_lse = tl.load(lse_base + o_m) * 1.4426950408889634  # [BLOCK_M], base 2
+            b_lse = tl.load(lse_base + o_m)  # [BLOCK_M]
             b_delta = tl.load(delta_base + o_m)  # [BLOCK_M]
         else:
-            b_lse = tl.load(lse_base + o_m, mask=o_m < seqlen_q, other=0.0) * 1.4426950408889634
+            b_lse = tl.load(lse_base + o_m, mask=o_m < seqlen_q, other=0.0)
             b_delta = tl.load(delta_base + o_m, mask=o_m < seqlen_q, other=0.0)
         b_qk = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         b_st, b_tt = scores(b_qk, o_m[None, :], o_n[:, None], seqlen_k, lo_offset, hi_offset, diag_offset,
                             sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
-        b_pt = tl.math.exp2(b_st - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
+        b_pt = tl.math.exp2((b_st - b_lse[None, :]) * 1.4426950408889634)  # [BLOCK_N, BLOCK_M]
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
             # out uses P * keep / (1 - p): so do dV and, through dP, dS.
@@ -186,6 +187,10 @@ def attn_bwd_dkdv_kernel(
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
     dv_base = DV + i_b * stride_dvb + bos_k * stride_dvn + i_hk.to(tl.int64) * stride_dvh
+    if seqlen_k == 1:  # every row that sees the key sees only it: dS = 0 (see ``sees_one_key``)
+        # (A row that sees one key of several, at a window's or the diagonal's edge, still adds
+        # its dS rounding noise here: zeroing it per row would cost registers in the main loop.)
+        b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     store_tile(dk_base, k_start, stride_dkn, seqlen_k, head_dim, o_c, o_d, b_dk * sm_scale, not EVEN_N, MASK_D)
     store_tile(dv_base, k_start, stride_dvn, seqlen_k, head_dim, o_c, o_d, b_dv, not EVEN_N, MASK_D)
 
@@ -206,7 +211,7 @@ def _dq_inner(
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         b_s, b_t = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
                           sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
-        b_p = tl.math.exp2(b_s - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
+        b_p = tl.math.exp2((b_s - b_lse[:, None]) * 1.4426950408889634)  # [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], (start_n + o_n)[None, :], rng_stride, dropout_p)
@@ -263,11 +268,14 @@ def attn_bwd_dq_kernel(
     b_do = load_tile(do_base, q_start, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
     row_base = i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q
     if EVEN_M:
-        b_lse = tl.load(LSE + row_base + o_m) * 1.4426950408889634  # [BLOCK_M], base 2
+        b_lse = tl.load(LSE + row_base + o_m)  # [BLOCK_M]
         b_delta = tl.load(DELTA + row_base + o_m)  # [BLOCK_M]
     else:
-        b_lse = tl.load(LSE + row_base + o_m, mask=o_m < seqlen_q, other=0.0) * 1.4426950408889634
+        b_lse = tl.load(LSE + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
         b_delta = tl.load(DELTA + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
+    # A row that sees one key has dS = 0 exactly (see ``sees_one_key``): with lse = +inf its P, which
+    # here feeds dS only, is 0.
+    b_lse = tl.where(sees_one_key(o_m, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT), float("inf"), b_lse)
     slope = 0.0
     if ALIBI:
         slope = tl.load(SLOPES + i_b * stride_sb + i_h)

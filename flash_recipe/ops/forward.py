@@ -8,8 +8,8 @@ Query head ``h`` reads key/value head ``h // (H // Hk)`` (contiguous groups, as 
 
 Each program owns ``BLOCK_M`` query rows of one head and walks the key blocks it can see, keeping
 per row a running maximum ``m``, a running sum ``l`` and an accumulator rescaled whenever ``m``
-grows. Scores live in the base-2 domain: ``log2(e)`` is folded into the softmax scale once so
-the kernel uses ``exp2``; the log-sum-exp is converted back to natural log when stored. Every
+grows. Logits, ``m`` and the log-sum-exp are in natural units; ``exp2`` takes the difference of a
+logit and ``m`` times ``log2(e)`` (1.4426...), which keeps fp32 as exact as torch's ``exp``. Every
 dot runs with ``input_precision="ieee"``: fp16/bf16 still use the tensor cores, and fp32 is
 multiplied in full fp32, never TF32.
 
@@ -60,8 +60,8 @@ def _fwd_inner(
             # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid inf - inf
             # (only here: the running max itself stays -inf until the row sees a key).
             b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.math.exp2(b_s - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
-        b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
+        b_p = tl.math.exp2((b_s - b_m_use[:, None]) * 1.4426950408889634)  # [BLOCK_M, BLOCK_N]
+        b_alpha = tl.math.exp2((b_m - b_m_use) * 1.4426950408889634)  # [BLOCK_M]
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_v = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, seqlen_k, head_dim, page_size, num_pages,
                         o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
@@ -189,7 +189,7 @@ def attn_fwd_kernel(
     m_empty = b_l == 0.0  # rows that saw no key
     b_l_safe = tl.where(m_empty, 1.0, b_l)
     b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
-    b_lse = tl.where(m_empty, float("inf"), (b_m + tl.math.log2(b_l_safe)) * 0.6931471805599453)  # [BLOCK_M]
+    b_lse = tl.where(m_empty, float("inf"), b_m + tl.math.log2(b_l_safe) * 0.6931471805599453)  # [BLOCK_M]
     if PAGED:
         b_out = tl.where(bad, float("nan"), b_out)
         b_lse = tl.where(bad, float("nan"), b_lse)

@@ -220,13 +220,15 @@ def tanh(x):
 def scores(b_qk, o_q, o_k, seqlen_k, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
            MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
-    """Turn raw ``q . k`` products into base-2 softmax logits; returns ``(logits, tanh)``.
+    """Turn raw ``q . k`` products into softmax logits (natural units); returns ``(logits, tanh)``.
 
     ``o_q`` and ``o_k`` are query and key indices broadcastable to ``b_qk``'s shape, so the same
     code serves ``[queries, keys]`` tiles (forward, dQ) and ``[keys, queries]`` tiles (dK, dV).
     In natural units the logit is ``softcap * tanh(qk * sm_scale / softcap)`` (or ``qk * sm_scale``),
-    minus ``slope * |i + diag_offset - j|`` with ALiBi; it is then multiplied by ``log2(e)`` so
-    the kernels use ``exp2``. Masked entries are ``-inf``. ``tanh`` is returned for the softcap's
+    minus ``slope * |i + diag_offset - j|`` with ALiBi. Masked entries are ``-inf``. The kernels
+    subtract the row's maximum (forward) or log-sum-exp (backward) in these units and only then
+    multiply by ``log2(e)`` for ``exp2``: the difference is small, so scaling it rounds little,
+    where a logit scaled first would carry the rounding of a number 1.44 times as large. ``tanh`` is returned for the softcap's
     backward (``d logit / d qk = sm_scale * (1 - tanh^2)``); without softcap it is unused.
     """
     if SOFTCAP:
@@ -237,7 +239,6 @@ def scores(b_qk, o_q, o_k, seqlen_k, lo_offset, hi_offset, diag_offset, sm_scale
         b_s = b_qk * sm_scale
     if ALIBI:
         b_s = b_s - slope * tl.abs((o_q + diag_offset - o_k).to(tl.float32))
-    b_s = b_s * 1.4426950408889634
     if MASKED:
         m_valid = o_k < seqlen_k
         if MASK_RIGHT:
@@ -246,6 +247,24 @@ def scores(b_qk, o_q, o_k, seqlen_k, lo_offset, hi_offset, diag_offset, sm_scale
             m_valid = m_valid & (o_k >= o_q + lo_offset)
         b_s = tl.where(m_valid, b_s, float("-inf"))
     return b_s, b_t
+
+
+@triton.jit
+def sees_one_key(o_q, seqlen_k, lo_offset, hi_offset, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Whether query rows ``o_q`` see exactly one key (``key_blocks``' masks).
+
+    Such a row's softmax is exactly 1 on that key, so its ``dS = P * (dP - delta)`` is exactly 0.
+    Computed, it is not: ``dP = dO . v`` comes from the matrix product and ``delta = dO . out``
+    from a row sum, two fp32 sums of the same products in different orders, which leaves their
+    rounding noise in dQ and dK where the true gradient is 0. The backward stores the exact 0.
+    """
+    first = tl.zeros_like(o_q)
+    last = first + seqlen_k - 1
+    if MASK_LEFT:
+        first = tl.maximum(o_q + lo_offset, first)
+    if MASK_RIGHT:
+        last = tl.minimum(o_q + hi_offset, last)
+    return first == last
 
 
 @triton.jit
