@@ -62,8 +62,12 @@ def tests(session: nox.Session) -> None:
     session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
     # The harness tests start a real pypiserver.
     session.install(f"pypiserver=={TOOLS['pypiserver']}", f"waitress=={TOOLS['waitress']}")
-    # Run outside the checkout: `import flash_recipe` must find the installed wheel. (pytest puts
-    # only tests/ on sys.path, never the checkout's root.)
+    run_pytest(session, str(ROOT / "tests"), *session.posargs)
+
+
+def run_pytest(session: nox.Session, *args: str) -> None:
+    """pytest outside the checkout, so that `import flash_recipe` finds the installed wheel
+    (pytest puts only tests/ on sys.path, never the checkout's root); checked before it runs."""
     session.chdir(session.create_tmp())
     session.run(
         "python",
@@ -71,17 +75,7 @@ def tests(session: nox.Session) -> None:
         "import flash_recipe, sys; f = flash_recipe.__file__; print('flash_recipe from', f); "
         "sys.exit('site-packages' not in f)",
     )
-    session.run(
-        "pytest",
-        "--rootdir",
-        str(ROOT),
-        "-c",
-        str(ROOT / "pyproject.toml"),
-        "-p",
-        "no:cacheprovider",
-        str(ROOT / "tests"),
-        *session.posargs,
-    )
+    session.run("pytest", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "-p", "no:cacheprovider", *args)
 
 
 FUZZ_USAGE = "usage: nox -s fuzz [-- [--cases N] [--seed S] [--case I ...]]"
@@ -111,23 +105,8 @@ def fuzz(session: nox.Session) -> None:
             options[flag] = value
     install_built_wheel(session)
     session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
-    # Outside the checkout, so `import flash_recipe` finds the installed wheel.
-    session.chdir(session.create_tmp())
-    session.run(
-        "pytest",
-        "--rootdir",
-        str(ROOT),
-        "-c",
-        str(ROOT / "pyproject.toml"),
-        "-p",
-        "no:cacheprovider",
-        str(ROOT / "tests" / "test_fuzz.py"),
-        "--fuzz-cases",
-        options["--cases"],
-        "--fuzz-seed",
-        options["--seed"],
-        *cases,
-    )
+    run_pytest(session, str(ROOT / "tests" / "test_fuzz.py"), "--fuzz-cases", options["--cases"],
+               "--fuzz-seed", options["--seed"], *cases)
 
 
 @nox.session(venv_backend="none", default=False)
