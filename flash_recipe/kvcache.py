@@ -188,7 +188,7 @@ def build_cache_call(
 
     lengths = None  # known on the host: an int, None (the whole cache) or a CPU tensor
     if not isinstance(cache_seqlens, torch.Tensor):
-        lengths = [capacity if cache_seqlens is None else int(seqlens[0])] * batch
+        lengths = [capacity if cache_seqlens is None else api.check_int("cache_seqlens", cache_seqlens)] * batch
     elif seqlens.device.type == "cpu":
         lengths = seqlens.tolist()
     if lengths is not None:
