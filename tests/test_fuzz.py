@@ -35,6 +35,7 @@ import pytest
 import torch
 
 import flash_recipe
+from flash_recipe.reference import compute_dtype
 
 HAS_CUDA = torch.cuda.is_available()
 DEFAULT_CASES = 150  # about a minute on a 2-core CPU through the Triton interpreter
@@ -516,11 +517,6 @@ def _backend(case: Case):
     return flash_recipe.use_backend(case.backend) if case.backend else contextlib.nullcontext()
 
 
-def _high(dtype: torch.dtype) -> torch.dtype:
-    """The truth's precision: fp32 for 16-bit inputs, fp64 for fp32."""
-    return torch.float64 if dtype == torch.float32 else torch.float32
-
-
 def _differential(report: Report, inputs: Inputs, call: Callable, fn: Callable, tensors: dict,
                   backward: bool) -> None:
     """Run ``call()`` -> ``(out, lse or None)`` and ``fn(**tensors)`` -> ``(out, lse)`` (an oracle) in the
@@ -530,7 +526,7 @@ def _differential(report: Report, inputs: Inputs, call: Callable, fn: Callable, 
         t.requires_grad_(backward)
     out, lse = call()
     report.check(out.dtype == inputs.dtype, f"out dtype {out.dtype}")
-    high = _high(inputs.dtype)
+    high = compute_dtype(inputs.dtype, upcast=True)  # fp32 for 16-bit inputs, fp64 for fp32
     truth_in = {n: t.detach().to(high).requires_grad_(backward) for n, t in tensors.items()}
     same_in = {n: t.detach().clone().requires_grad_(backward) for n, t in tensors.items()}
     truth_out, truth_lse = fn(**truth_in)
@@ -561,7 +557,7 @@ def _forward_only(report: Report, inputs: Inputs, call: Callable, fn: Callable, 
         t.requires_grad_(grad)
     out, lse = call()
     report.check(out.dtype == inputs.dtype, f"out dtype {out.dtype}")
-    high = _high(inputs.dtype)
+    high = compute_dtype(inputs.dtype, upcast=True)  # fp32 for 16-bit inputs, fp64 for fp32
     with torch.no_grad():
         truth = fn(**{n: t.detach().to(high) for n, t in tensors.items()})
         same = fn(**{n: t.detach() for n, t in tensors.items()})

@@ -321,7 +321,8 @@ def test_paged_varlen_refuses_bad_tables():
     pages = torch.zeros(3, 16, 2, 16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"block_table\[0\] holds page indices \[3\]"):
-        flash_recipe.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4, block_table=torch.tensor([[3]], dtype=torch.int32))
+        flash_recipe.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4,
+                                            block_table=torch.tensor([[3]], dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple of 16"):
         flash_recipe.flash_attn_varlen_func(q, pages[:, :8], pages[:, :8], cu, cu, 4, 4,
                                             block_table=torch.zeros(1, 1, dtype=torch.int32))

@@ -31,7 +31,8 @@ from flash_recipe.ops import configs
 from flash_recipe.ops.forward import Variant, Varlen, kernel_options, layout, lse_buffer, packed_rows
 from flash_recipe.ops import tiles
 from flash_recipe.ops.tiles import (
-    dropout_keep, key_blocks, load_tile, loop_bound, query_blocks, scores, sees_one_key, sequence, stage_bounds, store_tile,
+    dropout_keep, key_blocks, load_tile, loop_bound, query_blocks, scores, sees_one_key, sequence, stage_bounds,
+    store_tile,
 )
 
 
