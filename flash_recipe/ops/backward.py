@@ -13,8 +13,8 @@ Three kernels, none of which uses atomics, so gradients are bit-identical from r
    accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``.
 3. ``attn_bwd_dq_kernel``: one program per ``BLOCK_M`` queries of one head; ``dQ += dS K``.
 
-Probabilities are recomputed as ``exp2((S * scale - lse) * log2(e))`` (the difference taken in
-natural units, as the forward takes it); a row whose lse is +inf (it saw no key) gets P = 0 and so
+Probabilities are recomputed as ``exp2((S * scale - lse) * log2(e))``: the difference is taken in
+natural units, so fp32 keeps its precision at large logits; a row whose lse is +inf (it saw no key) gets P = 0 and so
 zero gradients.
 """
 

@@ -225,10 +225,10 @@ def scores(b_qk, o_q, o_k, seqlen_k, lo_offset, hi_offset, diag_offset, sm_scale
     ``o_q`` and ``o_k`` are query and key indices broadcastable to ``b_qk``'s shape, so the same
     code serves ``[queries, keys]`` tiles (forward, dQ) and ``[keys, queries]`` tiles (dK, dV).
     In natural units the logit is ``softcap * tanh(qk * sm_scale / softcap)`` (or ``qk * sm_scale``),
-    minus ``slope * |i + diag_offset - j|`` with ALiBi. Masked entries are ``-inf``. The kernels
-    subtract the row's maximum (forward) or log-sum-exp (backward) in these units and only then
-    multiply by ``log2(e)`` for ``exp2``: the difference is small, so scaling it rounds little,
-    where a logit scaled first would carry the rounding of a number 1.44 times as large. ``tanh``
+    minus ``slope * |i + diag_offset - j|`` with ALiBi. Masked entries are ``-inf``. The backward
+    subtracts the log-sum-exp in these units and only then multiplies by ``log2(e)`` for ``exp2``:
+    the difference is small, so scaling it rounds little, where a logit scaled first would carry
+    the rounding of a number 1.44 times as large (the forward scales first; see there). ``tanh``
     is returned for the softcap's backward (``d logit / d qk = sm_scale * (1 - tanh^2)``); without
     softcap it is unused.
     """
