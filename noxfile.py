@@ -6,7 +6,8 @@
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``compat``: the interpreter and the compiler path under each supported Triton release;
-- ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed.
+- ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed
+  (``recipes/harness/reproduce.py``).
 
 The matrix machinery lives in ``recipes/harness`` (``python -m recipes.harness --help``); the
 sessions here only call it.
@@ -195,6 +196,6 @@ def reproduce_upstream(session: nox.Session) -> None:
     Downloads the flash-attn sdist from PyPI and installs torch (name a build to avoid a large
     download): ``nox -s reproduce_upstream -- torch==2.13.0 [FLASH_ATTN_VERSION]``.
     """
-    from flash_recipe.env import reproduce
+    from recipes.harness import reproduce
 
     reproduce.reproduce_upstream(session, session.posargs)

@@ -10,6 +10,9 @@ Modules, in the order a run uses them:
 - ``runner``: one path in its own directory, environment and caches, then its checks;
 - ``report``: the table (terminal, ``install-matrix.md``, ``install-matrix.json``).
 
+Beside the matrix, ``reproduce`` holds the ``reproduce_upstream`` nox session's steps (two upstream
+flash-attn install failures, reproduced and diagnosed): development tooling, kept out of the wheel.
+
 Everything here uses the standard library plus ``packaging`` (a dependency of nox), so it runs in
 nox's own interpreter. ``python -m recipes.harness --help`` shows the command line.
 """

@@ -1,7 +1,8 @@
 """Reproduce two upstream flash-attn install failures for real, and check the doctor's diagnosis.
 
-Called from an optional nox session (not run by default: it downloads the upstream source
-archive from PyPI and installs torch). In the session's fresh environment:
+Development tooling, not part of the wheel: the optional nox session ``reproduce_upstream``
+imports it from the checkout (not run by default: it downloads the upstream source archive from
+PyPI and installs torch). In the session's fresh environment:
 
 1. With torch installed in the environment, ``pip install flash-attn`` from source *with* build
    isolation still fails with ``No module named 'torch'`` (the isolated build environment does
@@ -27,7 +28,8 @@ DEFAULT_VERSION = "2.8.3"
 
 def _doctor_json(session: Any, *extra: str) -> dict[str, Any]:
     output = session.run(
-        "python", "-m", "flash_recipe", "doctor", "--json", "--installer", "pip", *extra, silent=True, success_codes=[0, 1]
+        "python", "-m", "flash_recipe", "doctor", "--json", "--installer", "pip", *extra,
+        silent=True, success_codes=[0, 1],
     )
     # the report is the JSON object starting at the first line that is exactly "{"; anything
     # before it is a warning some library printed on stderr
@@ -82,8 +84,8 @@ def reproduce_upstream(session: Any, posargs: Sequence[str] = (), install_projec
     session.log(f"2/2: FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE build of flash-attn=={version} against {torch_requirement}")
     session.run(
         # --no-cache-dir: pip would otherwise keep the hollow wheel and reuse it for later installs
-        "python", "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--no-build-isolation", "--no-binary", "flash-attn",
-        f"flash-attn=={version}",
+        "python", "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--no-build-isolation",
+        "--no-binary", "flash-attn", f"flash-attn=={version}",
         env={"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE", "FLASH_ATTENTION_FORCE_BUILD": "TRUE"},
     )
     report = _doctor_json(session)
