@@ -13,6 +13,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-from recipes.harness import config, prepare, report, runner, servers  # noqa: E402
+from recipes.harness import checks, config, prepare, report, runner, servers, workspace  # noqa: E402
 from recipes.harness.paths import PATHS, get  # noqa: E402
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -196,28 +197,31 @@ def test_compare_locks_allows_only_torch_coupled_differences():
     hermetic = LOCK.replace('version = "2.14.1"', 'version = "2.13.0+cpu"').replace(
         'name = "nvidia-cublas"\nversion = "13.1.0"', 'name = "triton"\nversion = "3.9.0"'
     )
-    problems, notes = runner.compare_locks(LOCK, hermetic, "3.11", [])
+    problems, notes = checks.compare_locks(LOCK, hermetic, "3.11", [])
     assert problems == []
     assert any("torch" in n and "2.13.0+cpu" in n for n in notes)
 
     drifted = LOCK.replace('version = "2.2.6"', 'version = "2.3.0"')
-    problems, _ = runner.compare_locks(LOCK, drifted, "3.11", [])
+    problems, _ = checks.compare_locks(LOCK, drifted, "3.11", [])
     assert problems == ["numpy: poetry.lock ['2.2.6'], local index ['2.3.0']"]
 
     extra = LOCK + '\n[[package]]\nname = "requests"\nversion = "2.0"\n'
-    problems, _ = runner.compare_locks(LOCK, extra, "3.11", [])
+    problems, _ = checks.compare_locks(LOCK, extra, "3.11", [])
     assert problems == ["requests ['2.0'] not in poetry.lock"]
 
     # A package the torch build under test needs (and the locked torch did not) is allowed.
-    for_torch = hermetic.replace('name = "torch"\nversion = "2.13.0+cpu"', 'name = "torch"\nversion = "2.13.0+cpu"\n\n[package.dependencies]\nrequests = "*"')
-    problems, notes = runner.compare_locks(LOCK, for_torch + extra.removeprefix(LOCK), "3.11", [])
+    for_torch = hermetic.replace(
+        'name = "torch"\nversion = "2.13.0+cpu"',
+        'name = "torch"\nversion = "2.13.0+cpu"\n\n[package.dependencies]\nrequests = "*"',
+    )
+    problems, notes = checks.compare_locks(LOCK, for_torch + extra.removeprefix(LOCK), "3.11", [])
     assert problems == [] and "requests ['2.0'] not in poetry.lock (needed by the torch build under test)" in notes
 
 
 def test_add_poetry_index_sets_primary_source_and_python(tmp_path):
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text('[project]\nname = "x"\nversion = "1"\n\n[tool.poetry]\npackages = []\n')
-    runner._add_poetry_index(pyproject, "http://127.0.0.1:1/simple/", "~3.11")
+    checks.add_poetry_index(pyproject, "http://127.0.0.1:1/simple/", "~3.11")
     import tomllib
 
     data = tomllib.loads(pyproject.read_text())
@@ -227,7 +231,7 @@ def test_add_poetry_index_sets_primary_source_and_python(tmp_path):
     assert data["tool"]["poetry"]["dependencies"] == {"python": "~3.11"}
 
     pyproject.write_text('[project]\nname = "x"\n\n[tool.poetry.dependencies]\ntorch = { source = "t" }\n')
-    runner._add_poetry_index(pyproject, "http://127.0.0.1:1/simple/", "~3.11")
+    checks.add_poetry_index(pyproject, "http://127.0.0.1:1/simple/", "~3.11")
     deps = tomllib.loads(pyproject.read_text())["tool"]["poetry"]["dependencies"]
     assert deps == {"python": "~3.11", "torch": {"source": "t"}}
 
@@ -249,8 +253,19 @@ def test_path_environment_is_clean(tmp_path):
         "LANG": "C.UTF-8",
     }
     tools = prepare.Tools(tmp_path / "tools")
-    env = runner.path_environment(base, home=tmp_path / "home", tools=tools, python="/usr/bin/python3", extra={"X": "1"})
-    for name in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "UV_INDEX_URL", "POETRY_VIRTUALENVS_CREATE", "VIRTUAL_ENV", "PYTHONPATH", "https_proxy", "HTTPS_PROXY"):
+    env = workspace.path_environment(
+        base, home=tmp_path / "home", tools=tools, python="/usr/bin/python3", extra={"X": "1"}
+    )
+    for name in (
+        "PIP_FIND_LINKS",
+        "PIP_INDEX_URL",
+        "UV_INDEX_URL",
+        "POETRY_VIRTUALENVS_CREATE",
+        "VIRTUAL_ENV",
+        "PYTHONPATH",
+        "https_proxy",
+        "HTTPS_PROXY",
+    ):
         assert name not in env, name
     assert env["LANG"] == "C.UTF-8" and env["X"] == "1"
     assert env["PIP_CONFIG_FILE"] == os.devnull
@@ -262,10 +277,16 @@ def test_path_environment_is_clean(tmp_path):
 
 def test_pip_sees_no_configuration_in_a_path_environment(tmp_path):
     tools = prepare.Tools(tmp_path / "tools")
-    env = runner.path_environment(
-        {**os.environ, "PIP_FIND_LINKS": "/opt/wheels"}, home=tmp_path / "home", tools=tools, python=sys.executable, extra={}
+    env = workspace.path_environment(
+        {**os.environ, "PIP_FIND_LINKS": "/opt/wheels"},
+        home=tmp_path / "home",
+        tools=tools,
+        python=sys.executable,
+        extra={},
     )
-    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], env=env, capture_output=True, text=True, check=True
+    )
     # Only the variables the harness sets itself: no configuration file, no inherited PIP_*.
     keys = {line.split("=")[0] for line in out.stdout.split()}
     assert keys == {":env:.cache-dir", ":env:.config-file", ":env:.disable-pip-version-check", ":env:.no-input"}
@@ -274,7 +295,7 @@ def test_pip_sees_no_configuration_in_a_path_environment(tmp_path):
 def test_dir_size_counts_hard_links_once(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 1_000_000)
     os.link(tmp_path / "a", tmp_path / "b")
-    assert 0.9 < runner.dir_size_mb(tmp_path) < 1.1
+    assert 0.9 < workspace.dir_size_mb(tmp_path) < 1.1
 
 
 # --- servers ---------------------------------------------------------------------------------
@@ -351,7 +372,11 @@ def test_tripwire_refuses_and_records(tmp_path):
             opener.open("http://pypi.org/simple/torch/", timeout=5)
         assert info.value.code == 403
         result = subprocess.run(
-            [sys.executable, "-c", "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/', timeout=5)"],
+            [
+                sys.executable,
+                "-c",
+                "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/', timeout=5)",
+            ],
             env={**os.environ, **env},
             capture_output=True,
             text=True,
@@ -392,7 +417,8 @@ def test_report_passes_when_all_agree(tmp_path):
     assert "| uv-pip | uv 1.0 | 10.0 | 5.0 | 900.0 | 2.13.0+cpu | 3.9.0 | triton | pass | abababababab |" in text
     assert json.loads(json_path.read_text())["paths"][1]["path"] == "pip-git"
     lines = report.table(rows).splitlines()
-    assert lines[0].split() == ["path", "tool", "install", "s", "verify", "s", "env", "MB", "torch", "triton", "backend", "verify", "fingerprint"]
+    header = ["path", "tool", "install", "s", "verify", "s", "env", "MB", "torch", "triton", "backend", "verify"]
+    assert lines[0].split() == [*header, "fingerprint"]
     assert len(lines) == 4
 
 
@@ -423,7 +449,7 @@ def test_report_fails_on_differing_fingerprints_or_failed_checks():
     ],
 )
 def test_installer_matches(tool, installer, ok):
-    assert runner.installer_matches(tool, installer) is ok
+    assert checks.installer_matches(tool, installer) is ok
 
 
 def test_every_path_expects_its_installer_and_a_regular_install():
@@ -458,7 +484,7 @@ def test_discard_moves_aside_and_deletes(tmp_path):
     (work / "env" / "lib").mkdir(parents=True)
     (work / "env" / "lib" / "f").write_text("x")
     trash = tmp_path / "trash"
-    runner.discard(work, trash)
+    workspace.discard(work, trash)
     assert not work.exists()
     import time
 
@@ -488,7 +514,250 @@ def test_stale_path_directories_are_swept(tmp_path):
     holder = open(live / ".in-use")
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
-        runner.sweep(tmp_path)
+        workspace.sweep(tmp_path)
         assert not stale.exists() and live.exists()
     finally:
         holder.close()
+
+
+# --- checks: each returns what it found ----------------------------------------------------------
+
+
+def _build(tmp_path: Path) -> prepare.Build:
+    """A Build whose dist/ holds a small wheel of two flash_recipe files and an sdist."""
+    build = prepare.Build(tmp_path / "build", "0.1.0", "a" * 40)
+    dist = build.root / "dist"
+    dist.mkdir(parents=True)
+    with zipfile.ZipFile(dist / "flash_recipe-0.1.0-py3-none-any.whl", "w") as archive:
+        archive.writestr("flash_recipe/__init__.py", "X = 1\n")
+        archive.writestr("flash_recipe/env/doctor.py", "Y = 2\n")
+        archive.writestr("flash_recipe-0.1.0.dist-info/METADATA", "Name: flash-recipe\n")
+    (dist / "flash_recipe-0.1.0.tar.gz").write_bytes(b"")
+    return build
+
+
+def _probe(build: prepare.Build, **changes) -> dict:
+    """What PROBE reports for a correct uv install of ``build`` from the index, with ``changes``."""
+    probe = {
+        "executable": "/env/bin/python",
+        "package_dir": "/env/lib/site-packages/flash_recipe",
+        "files": checks.wheel_file_hashes(build.wheel),
+        "version": build.version,
+        "installer": "uv",
+        "direct_url": None,
+        "torch": "2.13.0+cpu",
+        "triton": "3.9.0",
+    }
+    return {**probe, **changes}
+
+
+def test_wheel_file_hashes_cover_only_the_package(tmp_path):
+    hashes = checks.wheel_file_hashes(_build(tmp_path).wheel)
+    assert sorted(hashes) == ["flash_recipe/__init__.py", "flash_recipe/env/doctor.py"]
+
+
+def test_check_install_returns_the_versions_and_its_checks(tmp_path):
+    build = _build(tmp_path)
+    installed = checks.check_install(_probe(build), get("uv-pip"), build=build, torch_version="2.13.0")
+    assert (installed.torch, installed.triton) == ("2.13.0+cpu", "3.9.0")
+    assert [(c.name, c.ok) for c in installed.checks] == [
+        ("flash-recipe version", True),
+        ("files are the build under test", True),
+        ("INSTALLER names uv", True),
+        ("torch 2.13.0", True),
+        ("not editable", True),
+        ("source: index", True),
+    ]
+
+
+def test_check_install_names_what_differs(tmp_path):
+    build = _build(tmp_path)
+    direct = {"url": "file:///src", "dir_info": {"editable": True}}
+    probe = _probe(build, version="0.0.9", files={}, installer="pip", torch=None, triton=None, direct_url=direct)
+    installed = checks.check_install(probe, get("uv-pip"), build=build, torch_version="2.13.0")
+    assert (installed.torch, installed.triton) == (None, None)
+    assert {c.name: c.detail for c in installed.checks if not c.ok} == {
+        "flash-recipe version": "0.0.9",
+        "files are the build under test": "/env/lib/site-packages/flash_recipe",
+        "INSTALLER names uv": "pip",
+        "torch 2.13.0": "None",
+        "not editable": str(direct),
+        "source: index": "from the index",
+    }
+
+
+def test_check_install_git_and_file_sources(tmp_path):
+    build = _build(tmp_path)
+    url = "http://127.0.0.1:1/flash-recipe.git"
+    direct = {"url": url, "vcs_info": {"vcs": "git", "commit_id": build.rev}}
+    probe = _probe(build, installer="pip", direct_url=direct)
+    installed = checks.check_install(probe, get("pip-git"), build=build, torch_version="2.13.0", git_url=url)
+    assert all(c.ok for c in installed.checks)
+    assert installed.checks[-1] == checks.Check("source: git", True, f"{url} @ {build.rev}")
+    other_commit = {**direct, "vcs_info": {"commit_id": "b" * 40}}
+    probe = _probe(build, installer="pip", direct_url=other_commit)
+    installed = checks.check_install(probe, get("pip-git"), build=build, torch_version="2.13.0", git_url=url)
+    assert [c.name for c in installed.checks if not c.ok] == ["source: git"]
+
+    probe = _probe(build, installer="Poetry 2.5.1", direct_url={"url": "file:///tmp/checkout", "dir_info": {}})
+    installed = checks.check_install(probe, get("poetry-path"), build=build, torch_version="2.13.0")
+    assert installed.checks[-1] == checks.Check("source: file", True, "file:///tmp/checkout")
+
+
+VERIFY_REPORT = {
+    "passed": True,
+    "backends": ["sdpa", "triton"],
+    "fingerprint": "ab" * 32,
+    "install": {"installer": "uv", "version": "0.1.0", "editable": False},
+}
+
+
+def test_check_verify_returns_backends_fingerprint_and_checks():
+    run = checks.VerifyRun(0, "a warning first\n" + json.dumps(VERIFY_REPORT), "", 12.3)
+    verified = checks.check_verify(run, get("uv-pip"), "0.1.0")
+    assert verified.fingerprint == "ab" * 32
+    assert verified.backends == ["sdpa", "triton"] and verified.backend == "triton"
+    assert [(c.name, c.ok) for c in verified.checks] == [
+        ("verify passed", True),
+        ("triton among verified backends", True),
+        ("verify sees this install", True),
+        ("fingerprint", True),
+    ]
+    # poetry-lock-dev: Poetry's INSTALLER and an editable install
+    dev = {**VERIFY_REPORT, "install": {"installer": "Poetry 2.5.1", "version": "0.1.0", "editable": True}}
+    verified = checks.check_verify(checks.VerifyRun(0, json.dumps(dev), "", 1.0), get("poetry-lock-dev"), "0.1.0")
+    assert all(c.ok for c in verified.checks)
+
+
+def test_check_verify_failures():
+    report_ = {**VERIFY_REPORT, "passed": False, "backends": ["sdpa"], "fingerprint": None}
+    verified = checks.check_verify(checks.VerifyRun(1, json.dumps(report_), "", 1.0), get("uv-pip"), "0.2.0")
+    assert verified.backend == "sdpa" and verified.fingerprint is None
+    assert {c.name: c.detail for c in verified.checks if not c.ok} == {
+        "verify passed": "exit 1",
+        "triton among verified backends": "sdpa",
+        "verify sees this install": json.dumps(VERIFY_REPORT["install"], sort_keys=True),
+        "fingerprint": "None",
+    }
+
+    crashed = checks.VerifyRun(2, "", "Traceback\n  File x\nImportError: no torch\n", 0.5)
+    verified = checks.check_verify(crashed, get("uv-pip"), "0.1.0")
+    assert (verified.fingerprint, verified.backends, verified.backend) == (None, [], None)
+    detail = "exit 2, no JSON: Traceback |   File x | ImportError: no torch"
+    assert verified.checks == [checks.Check("flash-recipe verify --json", False, detail)]
+
+
+def test_run_verify_logs_and_times_the_command(tmp_path):
+    bin_dir = tmp_path / "env" / "bin"
+    bin_dir.mkdir(parents=True)
+    script = bin_dir / "flash-recipe"
+    script.write_text(
+        "#!/bin/sh\n"
+        """printf '{"interpret": "%s", "args": "%s"}\\n' "${TRITON_INTERPRET:-unset}" "$*"\n"""
+        "echo warn >&2\n"
+        "exit 3\n"
+    )
+    script.chmod(0o755)
+    log_file = tmp_path / "path.log"
+    env = {"PATH": "/usr/bin:/bin"}
+    run = checks.run_verify(tmp_path / "env", env=env, cwd=tmp_path, log_file=log_file, interpret="1")
+    assert run.returncode == 3 and run.stderr == "warn\n" and run.seconds >= 0
+    assert json.loads(run.stdout) == {"interpret": "1", "args": "verify --json"}
+    assert "verify --json  (TRITON_INTERPRET=1)" in log_file.read_text()
+    run = checks.run_verify(tmp_path / "env", env=env, cwd=tmp_path, log_file=log_file, interpret="0")
+    assert json.loads(run.stdout)["interpret"] == "unset"
+
+
+def test_probe_install_reports_this_interpreter(tmp_path):
+    from importlib.metadata import version
+
+    probe = checks.probe_install(Path(sys.executable), env=dict(os.environ), cwd=tmp_path, log_file=tmp_path / "log")
+    assert probe["version"] == version("flash-recipe")
+    assert probe["files"] and all(name.startswith("flash_recipe/") for name in probe["files"])
+    assert "$ " in (tmp_path / "log").read_text()
+
+
+def test_environment_network_and_lock_checks(tmp_path):
+    env_dir = tmp_path / ".venv"
+    assert checks.check_environment(env_dir) == checks.Check("environment in .venv", False, str(env_dir))
+    (env_dir / "bin").mkdir(parents=True)
+    (env_dir / "bin" / "python").write_text("")
+    assert checks.check_environment(env_dir).ok
+
+    assert checks.check_network([]) == checks.Check("no network access", True, "")
+    refused = checks.check_network([f"CONNECT host{i}:443" for i in range(7)])
+    assert not refused.ok and refused.detail.split("; ") == [f"CONNECT host{i}:443" for i in range(5)]
+
+    name = "local-index lock keeps poetry.lock's versions"
+    assert checks.check_lock_comparison([], []) == checks.Check(name, True, "identical")
+    assert checks.check_lock_comparison([], ["torch: a", "triton: b"]) == checks.Check(
+        name, True, "torch build under test: torch: a; triton: b"
+    )
+    assert checks.check_lock_comparison(["numpy: x"], ["torch: a"]) == checks.Check(name, False, "numpy: x")
+
+
+# --- workspace and row -------------------------------------------------------------------------
+
+
+def test_workspace_places_the_project_and_is_removed(tmp_path):
+    build = _build(tmp_path)
+    (build.checkout / "pkg").mkdir(parents=True)
+    (build.checkout / "pkg" / "a.py").write_text("A = 1\n")
+    root = tmp_path / "work"
+    root.mkdir()
+
+    plain = workspace.Workspace(root, "run", "uv-pip")
+    assert plain.dir.parent == root and plain.dir.name.startswith("run-uv-pip-")
+    assert plain.home.is_dir() and plain.neutral.is_dir()
+    checkout = plain.place_project(build, get("uv-pip"))
+    assert checkout == plain.dir / "checkout" and (checkout / "pkg" / "a.py").exists()
+    assert list(plain.project.iterdir()) == []
+    workspace.sweep(root)  # held while the path runs: not swept
+    assert plain.dir.exists() and plain.size_mb() >= 0
+    plain.release(keep=False)
+    assert not plain.dir.exists()
+
+    dev = workspace.Workspace(root, "run", "poetry-lock-dev")
+    assert dev.place_project(build, get("poetry-lock-dev")) is None
+    assert (dev.project / "pkg" / "a.py").exists()
+    dev.release(keep=True)
+    assert dev.dir.exists()
+
+
+def test_recipe_variables(tmp_path):
+    build = _build(tmp_path)
+    options = config.Options(python="/usr/bin/python3")
+    variables = workspace.recipe_variables(
+        options, "3.11", build, index_url="http://127.0.0.1:1/", torch_index_url="http://127.0.0.1:2/"
+    )
+    assert variables == {
+        "PYTHON": "/usr/bin/python3",
+        "PYTHON_VERSION": "3.11",
+        "INDEX_URL": "http://127.0.0.1:1/",
+        "TORCH_INDEX_URL": "http://127.0.0.1:2/",
+        "TORCH_VERSION": options.torch_version,
+        "FLASH_RECIPE_VERSION": "0.1.0",
+        "SDIST": str(build.sdist),
+    }
+    variables = workspace.recipe_variables(
+        options,
+        "3.11",
+        build,
+        index_url="http://127.0.0.1:1/",
+        torch_index_url="http://127.0.0.1:2/",
+        git_url="http://127.0.0.1:3/flash-recipe.git",
+        checkout=tmp_path / "checkout",
+    )
+    assert variables["GIT_URL"] == "http://127.0.0.1:3/flash-recipe.git" and variables["GIT_REV"] == build.rev
+    assert variables["CHECKOUT"] == str(tmp_path / "checkout")
+
+
+def test_new_row_holds_every_field_unset(tmp_path):
+    row = runner.new_row(get("uv-pip"), tmp_path / "uv-pip.log", None)
+    assert list(row) == [
+        "path", "tool", "tool_version", "summary", "install_s", "verify_s", "env_mb", "torch", "triton",
+        "backends", "backend", "passed", "fingerprint", "checks", "error", "log", "workdir", "workdir_mb",
+    ]
+    assert (row["path"], row["tool"], row["log"]) == ("uv-pip", "uv", str(tmp_path / "uv-pip.log"))
+    assert row["passed"] is False and row["backends"] == [] and row["checks"] == [] and row["workdir"] is None
+    assert runner.new_row(get("uv-pip"), tmp_path / "uv-pip.log", tmp_path)["workdir"] == str(tmp_path)

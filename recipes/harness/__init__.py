@@ -7,7 +7,9 @@ Modules, in the order a run uses them:
 - ``prepare``: tools environment, project snapshot (sdist, wheel, bare git repository) and the
   wheelhouse, each built once and cached;
 - ``servers``: pypiserver instances, the git HTTP server and the network tripwire, all on loopback;
-- ``runner``: one path in its own directory, environment and caches, then its checks;
+- ``workspace``: one path's directory, its clean environment and the commands run in it;
+- ``checks``: what a path installed, each check returning its findings;
+- ``runner``: one path from start to result row: workspace, servers, recipe, checks;
 - ``report``: the table (terminal, ``install-matrix.md``, ``install-matrix.json``).
 
 Beside the matrix, ``reproduce`` holds the ``reproduce_upstream`` nox session's steps (two upstream

@@ -21,10 +21,11 @@ import time
 from pathlib import Path
 
 from recipes.harness import report
+from recipes.harness.checks import triton_interpret
 from recipes.harness.config import add_option_arguments, add_source_argument, options_from_args
 from recipes.harness.paths import PATH_IDS, PATHS, get
 from recipes.harness.prepare import log, project_build, tools_env, wheelhouse
-from recipes.harness.runner import Context, run_path, triton_interpret
+from recipes.harness.runner import Context, run_path
 
 
 def new_run_id() -> str:
@@ -114,7 +115,8 @@ def cmd_report(args) -> int:
     print()
     for problem in summary["problems"]:
         print(f"problem: {problem}")
-    print(f"install matrix: {'pass' if summary['passed'] else 'FAIL'} ({len(rows)} paths); report: {md_path}, {json_path}")
+    status = "pass" if summary["passed"] else "FAIL"
+    print(f"install matrix: {status} ({len(rows)} paths); report: {md_path}, {json_path}")
     return 0 if summary["passed"] else 1
 
 
