@@ -13,6 +13,7 @@ import sys
 from typing import Any, Optional
 
 from flash_recipe.env import probes
+from flash_recipe.env.facts import Facts
 from flash_recipe.env.published import LATEST
 from flash_recipe.env.rules import Context, Finding, evaluate
 from flash_recipe.env.wheels import _release_tuple, inspect_wheel_file
@@ -33,17 +34,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="VERSION",
         help=f"print the upstream flash-attn wheel for this environment (default release {LATEST})",
     )
-    parser.add_argument("--flex", action="store_true", help="say what FlexAttention needs and whether this machine has it")
-    parser.add_argument("--log", metavar="FILE", help="also read an install log (pip, uv or Poetry output; '-' for stdin)")
+    parser.add_argument(
+        "--flex", action="store_true", help="say what FlexAttention needs and whether this machine has it"
+    )
+    parser.add_argument(
+        "--log", metavar="FILE", help="also read an install log (pip, uv or Poetry output; '-' for stdin)"
+    )
     parser.add_argument("--wheel", metavar="FILE", help="also check a downloaded flash-attn wheel file")
     parser.add_argument(
         "--online", action="store_true", help="check that the upstream release download host can be reached"
     )
-    parser.add_argument("--installer", choices=("pip", "uv", "poetry"), help="installer to write fixes for (default: detected)")
+    parser.add_argument(
+        "--installer", choices=("pip", "uv", "poetry"), help="installer to write fixes for (default: detected)"
+    )
     parser.add_argument("--project", metavar="DIR", help="project directory to detect the installer from (default: .)")
 
 
-def diagnose(args: argparse.Namespace, facts: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def diagnose(args: argparse.Namespace, facts: Optional[Facts] = None) -> dict[str, Any]:
     """Collect facts (unless given), evaluate the rules, and return the whole report as a dict."""
     if facts is None:
         facts = probes.collect()
@@ -91,7 +98,7 @@ def _read(path: str) -> str:
         return handle.read()
 
 
-def coupling(facts: dict[str, Any]) -> dict[str, Optional[str]]:
+def coupling(facts: Facts) -> dict[str, Optional[str]]:
     """The four things a compiled flash-attn wheel must match, read off this environment."""
     plat = facts.get("platform", {})
     torch = facts.get("torch", {})
@@ -113,17 +120,24 @@ def coupling(facts: dict[str, Any]) -> dict[str, Optional[str]]:
     }
 
 
-def flex_report(facts: dict[str, Any]) -> dict[str, Any]:
+def flex_report(facts: Facts) -> dict[str, Any]:
     """What FlexAttention needs, each requirement with whether this machine meets it."""
     flex = facts.get("flex", {})
     torch = facts.get("torch", {})
     needs = [
-        {"need": "torch >= 2.5 (torch.nn.attention.flex_attention)", "met": bool(flex.get("torch_ok") and flex.get("module"))},
+        {
+            "need": "torch >= 2.5 (torch.nn.attention.flex_attention)",
+            "met": bool(flex.get("torch_ok") and flex.get("module")),
+        },
         {"need": "a CUDA device for the compiled fast path", "met": bool(flex.get("device"))},
         {"need": "fp16 or bf16 inputs for the fast path; head dim >= 16", "met": None},
-        {"need": "Triton, used by torch.compile to generate the kernels on first use", "met": bool(facts.get("triton", {}).get("installed"))},
+        {
+            "need": "Triton, used by torch.compile to generate the kernels on first use",
+            "met": bool(facts.get("triton", {}).get("installed")),
+        },
     ]
-    return {"statement": FLEX_FACTS, "torch": torch.get("version"), "needs": needs, "ready": all(n["met"] is not False for n in needs)}
+    ready = all(n["met"] is not False for n in needs)
+    return {"statement": FLEX_FACTS, "torch": torch.get("version"), "needs": needs, "ready": ready}
 
 
 # -- terminal report ---------------------------------------------------------------------------
@@ -150,7 +164,8 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    facts = report["facts"]
+    """The report of :func:`diagnose` as the terminal text ``flash-recipe doctor`` prints."""
+    facts: Facts = report["facts"]
     lines = ["flash-recipe doctor"]
     _section(lines, "findings")
     if report["findings"]:
@@ -164,7 +179,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines += _table(
         [
             ["Python ABI", "torch", "CUDA", "C++11 ABI", "platform"],
-            [c["python_abi"] or "?", c["torch"] or "not installed", c["cuda"] or "-", c["cxx11abi"] or "-", c["platform"] or "?"],
+            [
+                c["python_abi"] or "?", c["torch"] or "not installed", c["cuda"] or "-", c["cxx11abi"] or "-",
+                c["platform"] or "?",
+            ],
         ]
     )
 
@@ -181,12 +199,16 @@ def format_report(report: dict[str, Any]) -> str:
             if n["differs"]:
                 lines.append(f"    differs: {'; '.join(n['differs'])} (it loads only where those match)")
         if w["status"] in ("not-published", "not-confirmed", "unknown-release"):
-            lines.append("  or build from source against this torch: see recipes/pip-no-build-isolation and recipes/upstream-flash-attn")
+            lines.append(
+                "  or build from source against this torch: see recipes/pip-no-build-isolation and "
+                "recipes/upstream-flash-attn"
+            )
 
     plat = facts.get("platform", {})
     _section(lines, "machine")
+    libc = f"{plat.get('libc') or 'libc ?'} {plat.get('libc_version') or ''}"
     lines.append(
-        f"  {plat.get('os', '?')} {plat.get('machine', '?')}, {plat.get('libc') or 'libc ?'} {plat.get('libc_version') or ''}".rstrip()
+        f"  {plat.get('os', '?')} {plat.get('machine', '?')}, {libc}".rstrip()
         + f", {plat.get('cpu_count', '?')} cores, {plat.get('mem_available_gib', '?')} GiB free"
     )
     lines.append(f"  Python {plat.get('python', '?')} ({plat.get('executable', '?')})")
@@ -194,14 +216,16 @@ def format_report(report: dict[str, Any]) -> str:
     if torch.get("error") or torch.get("import_error"):
         lines.append(f"  torch: {torch.get('error') or torch.get('import_error')}")
     elif torch.get("installed"):
-        lines.append(f"  torch {torch.get('version')}: {torch.get('build', '?')} build, GPU usable: {torch.get('cuda_available')}")
+        kind = torch.get("build", "?")
+        lines.append(f"  torch {torch.get('version')}: {kind} build, GPU usable: {torch.get('cuda_available')}")
     else:
         lines.append("  torch: not installed")
     gpus = facts.get("gpus", {})
     for d in gpus.get("devices") or []:
         smem = d.get("shared_memory_per_block")
         lines.append(
-            f"  GPU {d['name']}: sm{d['capability'][0]}{d['capability'][1]}" + (f", {smem} bytes shared memory per block" if smem else "")
+            f"  GPU {d['name']}: sm{d['capability'][0]}{d['capability'][1]}"
+            + (f", {smem} bytes shared memory per block" if smem else "")
         )
     if not gpus.get("devices"):
         lines.append("  GPU: none found" + (f" ({gpus['error']})" if gpus.get("error") else ""))
@@ -214,7 +238,9 @@ def format_report(report: dict[str, Any]) -> str:
                 parts.append(f"{label} {'runs' if result.get('ok') else 'fails: ' + str(result.get('error'))}")
         lines.append("  torch SDPA, one kernel at a time on this GPU: " + "; ".join(parts))
     if gpus.get("driver"):
-        lines.append(f"  driver {gpus['driver']}" + (f" (CUDA {gpus['driver_cuda']})" if gpus.get("driver_cuda") else ""))
+        lines.append(
+            f"  driver {gpus['driver']}" + (f" (CUDA {gpus['driver_cuda']})" if gpus.get("driver_cuda") else "")
+        )
     nvcc = facts.get("nvcc", {})
     lines.append(
         f"  nvcc: {nvcc.get('path') or 'not found'}"
@@ -240,7 +266,8 @@ def format_report(report: dict[str, Any]) -> str:
     else:
         lines.append(f"  Triton: {triton.get('error') or 'not installed'}")
     build = facts.get("build", {})
-    lines.append(f"  ninja: {build.get('ninja') or 'not found'}; missing build tools: {', '.join(build.get('missing') or []) or 'none'}")
+    missing = ", ".join(build.get("missing") or []) or "none"
+    lines.append(f"  ninja: {build.get('ninja') or 'not found'}; missing build tools: {missing}")
     env = facts.get("env", {})
     if env:
         lines.append("  build variables: " + ", ".join(f"{k}={v}" for k, v in env.items()))
@@ -252,12 +279,14 @@ def format_report(report: dict[str, Any]) -> str:
     elif not fa.get("installed"):
         lines.append("  not installed (flash_recipe does not need it)")
     else:
-        lines.append(f"  {fa.get('version')} installed by {fa.get('installer') or 'an unrecorded installer'} in {fa.get('location')}")
+        installer = fa.get("installer") or "an unrecorded installer"
+        lines.append(f"  {fa.get('version')} installed by {installer} in {fa.get('location')}")
         if fa.get("wheel_filename"):
             lines.append(f"  from wheel {fa['wheel_filename']}")
         if fa.get("wheel_tags"):
             lines.append(f"  wheel tags: {', '.join(fa['wheel_tags'])}")
-        lines.append("  compiled module flash_attn_2_cuda: " + ("loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"))
+        loads = "loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"
+        lines.append("  compiled module flash_attn_2_cuda: " + loads)
 
     backends = facts.get("backends", {})
     _section(lines, "flash_recipe backends")
@@ -279,7 +308,8 @@ def format_report(report: dict[str, Any]) -> str:
     proj = facts.get("project", {})
     if proj:
         lines.append("")
-        lines.append(f"installer: {report['installer']} ({proj.get('installer_reason')}); exit status {0 if report['healthy'] else 1}")
+        status = 0 if report["healthy"] else 1
+        lines.append(f"installer: {report['installer']} ({proj.get('installer_reason')}); exit status {status}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,8 +1,9 @@
 """Facts about this machine, each read by its own probe.
 
-Every probe is a function returning a dict of facts. :func:`collect` runs them one by one and
-catches anything a probe raises, recording ``{"error": "..."}`` for it, so one failing probe
-(no torch, no driver, a broken flash-attn) never stops the others. Nothing here imports torch at
+Every probe is a function returning a dict of facts, typed by its TypedDict in
+:mod:`flash_recipe.env.facts`. :func:`collect` runs them one by one and catches anything a probe
+raises, recording ``{"error": "..."}`` (:class:`~flash_recipe.env.facts.ProbeError`) for it, so one
+failing probe (no torch, no driver, a broken flash-attn) never stops the others. Nothing here imports torch at
 module level; probes that need it import it inside and report when it is missing.
 """
 
@@ -16,9 +17,31 @@ import subprocess
 import sys
 import sysconfig
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, TypeVar, Union, cast
 
 from flash_recipe.env.distinfo import distribution_info
+from flash_recipe.env.facts import (
+    BackendsFacts,
+    BuildToolsFacts,
+    CompileCheck,
+    EnvVarFacts,
+    Facts,
+    FlashAttnFacts,
+    FlexFacts,
+    GpuDevice,
+    GpusFacts,
+    NetworkFacts,
+    NvccFacts,
+    PlatformFacts,
+    ProbeError,
+    ProjectFacts,
+    SdpaFacts,
+    SdpaKernelResult,
+    SdpaKernels,
+    TorchFacts,
+    TorchIndex,
+    TritonFacts,
+)
 
 # Environment variables that change how flash-attn's setup.py or torch's extension builder behave.
 BUILD_ENV_VARS = (
@@ -50,7 +73,7 @@ def _run(cmd: list[str], timeout: float = 20.0, env: Optional[dict[str, str]] = 
     return proc.returncode, (proc.stdout or "") + (proc.stderr or "")
 
 
-def probe_platform() -> dict[str, Any]:
+def probe_platform() -> PlatformFacts:
     """OS, architecture, C library, Python version and ABI tag, interpreter and environment."""
     libc, libc_version = platform.libc_ver()
     abi = sysconfig.get_config_var("SOABI") or ""
@@ -97,10 +120,10 @@ def _mem_available_gib() -> Optional[float]:
     return None
 
 
-def probe_torch() -> dict[str, Any]:
+def probe_torch() -> TorchFacts:
     """torch's version, CUDA / HIP build, C++11 ABI flag, and whether a GPU is usable."""
     dist = distribution_info("torch")
-    out: dict[str, Any] = {"installed": dist["installed"], "version": dist.get("version")}
+    out: TorchFacts = {"installed": dist["installed"], "version": dist.get("version")}
     if not dist["installed"]:
         return out
     out["installer"] = dist.get("installer")  # pip, uv, conda, ... (who must upgrade it)
@@ -124,13 +147,13 @@ def probe_torch() -> dict[str, Any]:
     return out
 
 
-def probe_gpus() -> dict[str, Any]:
+def probe_gpus() -> GpusFacts:
     """Each GPU's name, compute capability, shared memory per block; the driver version.
 
     Read through torch when it has a usable GPU; otherwise through ``nvidia-smi`` (which knows the
     driver even when torch is missing or CPU-only).
     """
-    out: dict[str, Any] = {"devices": [], "driver": None, "driver_cuda": None, "source": None}
+    out: GpusFacts = {"devices": [], "driver": None, "driver_cuda": None, "source": None}
     smi = shutil.which("nvidia-smi")
     if smi:
         code, text = _run([smi])
@@ -148,7 +171,9 @@ def probe_gpus() -> dict[str, Any]:
                     major, minor = (int(x) for x in cap.strip().split("."))
                 except ValueError:
                     continue
-                out["devices"].append({"name": name.strip(), "capability": [major, minor], "shared_memory_per_block": None})
+                out["devices"].append(
+                    {"name": name.strip(), "capability": [major, minor], "shared_memory_per_block": None}
+                )
             out["source"] = "nvidia-smi"
     elif os.path.exists("/proc/driver/nvidia/version"):
         with open("/proc/driver/nvidia/version", encoding="utf-8", errors="replace") as handle:
@@ -162,7 +187,7 @@ def probe_gpus() -> dict[str, Any]:
 
         if not torch.cuda.is_available():
             return out
-        devices = []
+        devices: list[GpuDevice] = []
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
             devices.append(
@@ -181,7 +206,7 @@ def probe_gpus() -> dict[str, Any]:
     return out
 
 
-def probe_nvcc() -> dict[str, Any]:
+def probe_nvcc() -> NvccFacts:
     """Where nvcc is and which CUDA release it is; CUDA_HOME as torch's extension builder sees it."""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     candidates = []
@@ -192,7 +217,7 @@ def probe_nvcc() -> dict[str, Any]:
         candidates.append(found)
     candidates.append("/usr/local/cuda/bin/nvcc")
     path = next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
-    out: dict[str, Any] = {"path": path, "version": None, "cuda_home": cuda_home, "on_path": found is not None}
+    out: NvccFacts = {"path": path, "version": None, "cuda_home": cuda_home, "on_path": found is not None}
     if path:
         code, text = _run([path, "--version"])
         match = re.search(r"release (\d+\.\d+)", text)
@@ -202,10 +227,10 @@ def probe_nvcc() -> dict[str, Any]:
     return out
 
 
-def probe_triton() -> dict[str, Any]:
+def probe_triton() -> TritonFacts:
     """Triton's version and the GPU target it would compile for (none without a GPU)."""
     dist = distribution_info("triton")
-    out: dict[str, Any] = {"installed": dist["installed"], "version": dist.get("version"), "target": None}
+    out: TritonFacts = {"installed": dist["installed"], "version": dist.get("version"), "target": None}
     if not dist["installed"]:
         return out
     try:
@@ -221,7 +246,7 @@ def probe_triton() -> dict[str, Any]:
     return out
 
 
-def triton_compile_check(arch: str) -> dict[str, Any]:
+def triton_compile_check(arch: str) -> CompileCheck:
     """Compile flash_recipe's fp16 causal forward kernel (head dim 64) for ``arch`` (``"sm90"``,
     ``"gfx942"``) and report whether it compiled, its shared memory against the architecture's
     limit, and the time taken. Needs no GPU: Triton compiles for a named target anywhere."""
@@ -239,8 +264,11 @@ def triton_compile_check(arch: str) -> dict[str, Any]:
             f"{arch} has no configuration table of its own: flash_recipe uses its most conservative one ({family}, "
             f"sized for {configs.FAMILY_SHARED_MEMORY[family]} bytes of shared memory per block) when this GPU offers "
             f"that much, and torch SDPA otherwise (flash_recipe.explain says which)")}
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return {"arch": arch, "ok": None, "error": "TRITON_INTERPRET is set: kernels run in Triton's CPU interpreter, nothing is compiled"}
+    if configs.interpreter_enabled():
+        return {
+            "arch": arch, "ok": None,
+            "error": "TRITON_INTERPRET is set: kernels run in Triton's CPU interpreter, nothing is compiled",
+        }
     try:
         (row,) = check_case(Case("fwd", "float16", 64, "aligned"), arch)
     except Exception as exc:  # the compiler's own message is the useful fact
@@ -248,10 +276,10 @@ def triton_compile_check(arch: str) -> dict[str, Any]:
     if not row["ok"]:
         row["error"] = "; ".join(row["problems"])
     row["arch"] = arch
-    return row
+    return cast(CompileCheck, row)
 
 
-def probe_build_tools() -> dict[str, Any]:
+def probe_build_tools() -> BuildToolsFacts:
     """ninja on PATH and the Python build tools a non-isolated flash-attn build imports."""
     ninja = shutil.which("ninja")
     version = None
@@ -268,7 +296,7 @@ def probe_build_tools() -> dict[str, Any]:
     }
 
 
-def probe_env_vars() -> dict[str, Any]:
+def probe_env_vars() -> EnvVarFacts:
     """The build-related environment variables that are set, verbatim."""
     return {name: os.environ[name] for name in BUILD_ENV_VARS if name in os.environ}
 
@@ -293,10 +321,10 @@ print("\n" + MARKER + json.dumps(out))
 _LOAD_MARKER = "flash-recipe-probe: "
 
 
-def probe_flash_attn(load: bool = True) -> dict[str, Any]:
+def probe_flash_attn(load: bool = True) -> FlashAttnFacts:
     """Upstream flash-attn: installed or not, versions, wheel tags, compiled module, installer."""
     dist = distribution_info("flash-attn")
-    out: dict[str, Any] = dict(dist)
+    out = cast(FlashAttnFacts, dict(dist))
     if not dist["installed"]:
         return out
     from importlib import metadata
@@ -336,9 +364,9 @@ def probe_flash_attn(load: bool = True) -> dict[str, Any]:
     return out
 
 
-def probe_flex() -> dict[str, Any]:
+def probe_flex() -> FlexFacts:
     """What FlexAttention needs: torch >= 2.5 (the module), a CUDA device; it has no build step."""
-    out: dict[str, Any] = {"module": False, "torch_ok": False, "device": False}
+    out: FlexFacts = {"module": False, "torch_ok": False, "device": False}
     dist = distribution_info("torch")
     if not dist["installed"]:
         out["reason"] = "torch is not installed"
@@ -361,7 +389,7 @@ def probe_flex() -> dict[str, Any]:
     return out
 
 
-def probe_backends() -> dict[str, Any]:
+def probe_backends() -> BackendsFacts:
     """Which flash_recipe backends can run here, and why not, for a small fp16 causal call."""
     from flash_recipe.dispatch import BACKENDS
 
@@ -371,16 +399,17 @@ def probe_backends() -> dict[str, Any]:
             availability[backend.name] = backend.is_available()
         except Exception as exc:
             availability[backend.name] = f"is_available() raised {type(exc).__name__}: {exc}"
-    out: dict[str, Any] = {"available": availability}
     import torch
 
     from flash_recipe import explain
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.zeros(1, 16, 2, 64, dtype=torch.float16, device=device)
-    out["call"] = f"q, k, v of shape (1, 16, 2, 64), float16, on {device}, causal=True"
-    out["explain"] = explain(q, q, q, causal=True)
-    return out
+    return {
+        "available": availability,
+        "call": f"q, k, v of shape (1, 16, 2, 64), float16, on {device}, causal=True",
+        "explain": explain(q, q, q, causal=True),
+    }
 
 
 # torch's own words when SDPA finds no kernel it is allowed to use (sdp_utils.cpp: the error, then
@@ -388,12 +417,12 @@ def probe_backends() -> dict[str, Any]:
 NO_KERNEL = r"No available kernel\.?\s*Aborting execution|No available kernel"
 
 
-def probe_sdpa() -> dict[str, Any]:
+def probe_sdpa() -> SdpaFacts:
     """torch SDPA on this machine's first GPU restricted to one kernel at a time: flash (what
     ``sdpa_kernel([SDPBackend.FLASH_ATTENTION])`` gives) and memory-efficient. Each gets ``ok`` and,
     when it fails, torch's error and the warnings that say why (a GPU below sm80 has no flash kernel:
     "No available kernel. Aborting execution."). Without a usable GPU, nothing runs."""
-    out: dict[str, Any] = {"device": None, "kernels": {}}
+    out: SdpaFacts = {"device": None, "kernels": {}}
     if not distribution_info("torch")["installed"]:
         out["reason"] = "torch is not installed"
         return out
@@ -408,7 +437,7 @@ def probe_sdpa() -> dict[str, Any]:
     return out
 
 
-def sdpa_kernel_check(device: str) -> dict[str, Any]:
+def sdpa_kernel_check(device: str) -> SdpaKernels:
     """Run a small float16 causal SDPA call on ``device`` once per kernel (``FLASH_ATTENTION``,
     ``EFFICIENT_ATTENTION``), each alone; kernel -> ``{"ok", "error", "warnings"}``."""
     import warnings
@@ -420,7 +449,7 @@ def sdpa_kernel_check(device: str) -> dict[str, Any]:
     except ImportError as exc:  # torch < 2.3
         return {"error": f"{type(exc).__name__}: {exc}"}
     q = torch.zeros(1, 2, 16, 64, dtype=torch.float16, device=device)
-    results: dict[str, Any] = {}
+    results: SdpaKernels = {}
     for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -429,16 +458,17 @@ def sdpa_kernel_check(device: str) -> dict[str, Any]:
                     torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
-                result: dict[str, Any] = {"ok": True, "error": None}
+                ok, error = True, None
             except RuntimeError as exc:  # torch's refusal ("No available kernel") is the fact sought
-                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}".strip()[:300]}
+                ok, error = False, f"{type(exc).__name__}: {exc}".strip()[:300]
         # torch appends "(Triggered internally at .../sdp_utils.cpp:NNN.)": keep the message
-        result["warnings"] = [re.sub(r"\s*\(Triggered internally at .*", "", str(w.message)).strip()[:240] for w in caught]
+        messages = [re.sub(r"\s*\(Triggered internally at .*", "", str(w.message)).strip()[:240] for w in caught]
+        result: SdpaKernelResult = {"ok": ok, "error": error, "warnings": messages}
         results[name] = result
     return results
 
 
-def probe_network(url: Optional[str] = None, timeout: float = 5.0) -> dict[str, Any]:
+def probe_network(url: Optional[str] = None, timeout: float = 5.0) -> NetworkFacts:
     """Whether the upstream release download host answers (only run when asked: it goes online)."""
     import urllib.error
     import urllib.request
@@ -458,7 +488,11 @@ def probe_network(url: Optional[str] = None, timeout: float = 5.0) -> dict[str, 
         return {"url": target, "reachable": False, "error": f"{type(exc).__name__}: {reason}"}
 
 
-PROBES: dict[str, Callable[[], dict[str, Any]]] = {
+# A probe: no arguments, a dict of facts (its TypedDict in flash_recipe.env.facts).
+Probe = Callable[[], Mapping[str, Any]]
+FactsT = TypeVar("FactsT", bound=Mapping[str, Any])
+
+PROBES: dict[str, Probe] = {
     "platform": probe_platform,
     "torch": probe_torch,
     "gpus": probe_gpus,
@@ -473,7 +507,7 @@ PROBES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
-def run_probe(name: str, probe: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def run_probe(name: str, probe: Callable[[], FactsT]) -> Union[FactsT, ProbeError]:
     """Run one probe; whatever it raises becomes ``{"error": ...}`` instead of propagating."""
     try:
         return probe()
@@ -483,9 +517,10 @@ def run_probe(name: str, probe: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}".strip()[:500]}
 
 
-def collect(names: Optional[list[str]] = None, extra: Optional[dict[str, Callable[[], dict[str, Any]]]] = None) -> dict[str, Any]:
+def collect(names: Optional[list[str]] = None, extra: Optional[dict[str, Probe]] = None) -> Facts:
     """Run the probes named in ``names`` (all of :data:`PROBES` by default) plus every probe in
-    ``extra``; returns name -> facts."""
+    ``extra``; returns name -> facts (:class:`~flash_recipe.env.facts.Facts`; an ``extra`` probe's
+    entry is there too, under its own name)."""
     if names is None:
         probes = dict(PROBES)
     else:
@@ -494,10 +529,10 @@ def collect(names: Optional[list[str]] = None, extra: Optional[dict[str, Callabl
             raise ValueError(f"names must be among {sorted(PROBES)}, got unknown {unknown}")
         probes = {name: PROBES[name] for name in names}
     probes.update(extra or {})
-    return {name: run_probe(name, probe) for name, probe in probes.items()}
+    return cast(Facts, {name: run_probe(name, probe) for name, probe in probes.items()})
 
 
-def probe_project(directory: Optional[str] = None) -> dict[str, Any]:
+def probe_project(directory: Optional[str] = None) -> ProjectFacts:
     """The project in ``directory`` (default: the current one): which installer manages it and
     whether it declares flash-attn (and, for uv, a build setting for it)."""
     root = os.path.abspath(directory or os.getcwd())
@@ -530,7 +565,7 @@ def probe_project(directory: Optional[str] = None) -> dict[str, Any]:
     }
 
 
-def _torch_index(text: str) -> Optional[dict[str, str]]:
+def _torch_index(text: str) -> Optional[TorchIndex]:
     """The package index this pyproject.toml takes torch from: ``{"name", "url", "pinned"}`` of the uv index
     or Poetry source that ``[tool.uv.sources]`` / ``[tool.poetry.dependencies]`` names for torch,
     else of one on download.pytorch.org; None when there is none (or no TOML parser). Credentials
@@ -546,7 +581,8 @@ def _torch_index(text: str) -> Optional[dict[str, str]]:
     except ValueError:
         return None
     uv, poetry = tool.get("uv", {}), tool.get("poetry", {})
-    indexes = [i for i in list(uv.get("index", [])) + list(poetry.get("source", [])) if isinstance(i, dict) and i.get("url")]
+    declared = list(uv.get("index", [])) + list(poetry.get("source", []))
+    indexes = [i for i in declared if isinstance(i, dict) and i.get("url")]
     wanted = set()
     sources = uv.get("sources", {}).get("torch")
     for entry in sources if isinstance(sources, list) else [sources]:

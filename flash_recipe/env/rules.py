@@ -14,10 +14,29 @@ notes (flash-attention issues #246, #931, #940, #1736, #219, #389, #773, #489, #
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Optional
 
 from flash_recipe.env import commands, versions
+from flash_recipe.env.facts import (
+    BackendsFacts,
+    BuildToolsFacts,
+    EnvVarFacts,
+    Facts,
+    FlashAttnFacts,
+    FlexFacts,
+    GpuDevice,
+    GpusFacts,
+    NetworkFacts,
+    NvccFacts,
+    PlatformFacts,
+    ProjectFacts,
+    SdpaFacts,
+    TorchFacts,
+    TritonFacts,
+    WheelFileFacts,
+)
 from flash_recipe.env.probes import NO_KERNEL
 from flash_recipe.env.published import LATEST
 from flash_recipe.env.wheels import parse_wheel_filename, resolve
@@ -48,23 +67,78 @@ class Finding:
 
 @dataclasses.dataclass
 class Context:
-    """What the rules look at: probe facts plus what the user handed the doctor."""
+    """What the rules look at: probe facts plus what the user handed the doctor.
 
-    facts: dict[str, Any]
+    Rules read a probe's facts through the property of the same name (``ctx.torch``, ``ctx.gpus``),
+    typed by :mod:`flash_recipe.env.facts`; a test checks that every key a rule reads there is
+    declared. A probe that was not run reads as ``{}``, one that failed as ``{"error": ...}``, so
+    rules read keys with ``.get()`` unless they know the probe ran.
+    """
+
+    facts: Facts
     log: Optional[str] = None
-    wheel: Optional[dict[str, Any]] = None  # facts about a wheel file named with --wheel
+    wheel: Optional[WheelFileFacts] = None  # a wheel file named with --wheel ({"error": ...} when unreadable)
     flash_attn_version: Optional[str] = None  # asked with --flash-attn-wheel
     installer: str = "pip"
-    project: dict[str, Any] = dataclasses.field(default_factory=dict)
+    project: ProjectFacts = dataclasses.field(default_factory=dict)  # the project probe's facts ({} when none)
 
-    # -- shortcuts -------------------------------------------------------------------------------
-    def get(self, probe: str) -> dict[str, Any]:
-        value = self.facts.get(probe)
+    # -- each probe's facts ----------------------------------------------------------------------
+    def _probe(self, name: str) -> Any:
+        value = self.facts.get(name)
         return value if isinstance(value, dict) else {}
 
     @property
+    def platform(self) -> PlatformFacts:
+        return self._probe("platform")
+
+    @property
+    def torch(self) -> TorchFacts:
+        return self._probe("torch")
+
+    @property
+    def gpus(self) -> GpusFacts:
+        return self._probe("gpus")
+
+    @property
+    def nvcc(self) -> NvccFacts:
+        return self._probe("nvcc")
+
+    @property
+    def triton(self) -> TritonFacts:
+        return self._probe("triton")
+
+    @property
+    def build(self) -> BuildToolsFacts:
+        return self._probe("build")
+
+    @property
+    def env(self) -> EnvVarFacts:
+        return self._probe("env")
+
+    @property
+    def flash_attn(self) -> FlashAttnFacts:
+        return self._probe("flash_attn")
+
+    @property
+    def flex(self) -> FlexFacts:
+        return self._probe("flex")
+
+    @property
+    def sdpa(self) -> SdpaFacts:
+        return self._probe("sdpa")
+
+    @property
+    def backends(self) -> BackendsFacts:
+        return self._probe("backends")
+
+    @property
+    def network(self) -> NetworkFacts:
+        return self._probe("network")
+
+    # -- shortcuts -------------------------------------------------------------------------------
+    @property
     def version(self) -> str:
-        fa = self.get("flash_attn")
+        fa = self.flash_attn
         if self.flash_attn_version:
             return self.flash_attn_version
         if fa.get("installed") and fa.get("version"):
@@ -73,9 +147,9 @@ class Context:
 
     @property
     def flash_attn_in_play(self) -> bool:
-        env = self.get("env")
+        env = self.env
         return bool(
-            self.get("flash_attn").get("installed")
+            self.flash_attn.get("installed")
             or self.project.get("declares_flash_attn")
             or self.flash_attn_version
             or self.log
@@ -96,11 +170,14 @@ class Context:
         try:
             return self._resolve()
         except ValueError as exc:
-            return {"version": self.version, "filename": None, "url": None, "nearest": None, "status": "unknown-release", "reason": str(exc)}
+            return {
+                "version": self.version, "filename": None, "url": None, "nearest": None,
+                "status": "unknown-release", "reason": str(exc),
+            }
 
     def _resolve(self) -> dict[str, Any]:
-        torch = self.get("torch")
-        plat = self.get("platform")
+        torch = self.torch
+        plat = self.platform
         return resolve(
             self.version,
             python=plat.get("python") or "3",
@@ -116,33 +193,49 @@ class Context:
         res = self.resolved()
         if res["status"] == "published":
             return "upstream-flash-attn", commands.install_wheel_url(res["url"], self.installer)
-        return "upstream-flash-attn", commands.no_build_isolation(self.facts, self.installer, self.version, force_build=True)
+        command = commands.no_build_isolation(self.facts, self.installer, self.version, force_build=True)
+        return "upstream-flash-attn", command
 
 
+# A rule's finding, named after the rule: finding(title, severity, evidence, recipe, command, failure=, note=).
+Build = Callable[..., Finding]
+# A rule as written: it reads the context and returns finding(...) or None.
+RuleFunction = Callable[[Context, Build], Optional[Finding]]
+# A rule as registered: the context alone.
 Rule = Callable[[Context], Optional[Finding]]
 RULES: list[tuple[str, Rule]] = []
 
 
-def rule(name: str) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        RULES.append((name, fn))
+def rule(name: str) -> Callable[[RuleFunction], RuleFunction]:
+    """Register a rule under ``name``, its one spelling: :data:`RULES` gets ``(name, check)`` where
+    ``check(ctx)`` calls the rule with ``ctx`` and a ``finding`` builder, :class:`Finding` with
+    ``rule=name`` filled in. The rule function itself is returned unchanged."""
+
+    def register(fn: RuleFunction) -> RuleFunction:
+        named = functools.partial(Finding, name)
+        RULES.append((name, lambda ctx: fn(ctx, named)))
         return fn
 
     return register
 
 
-_BUILD_MARKERS = r"(Getting requirements to build|Preparing metadata|setup\.py|build_meta|pip-build-env|Building wheel|build backend|uv.*build)"
+_BUILD_MARKERS = (
+    r"(Getting requirements to build|Preparing metadata|setup\.py|build_meta|pip-build-env|Building wheel"
+    r"|build backend|uv.*build)"
+)
 
 
 # -- 1. torch missing inside an isolated build ----------------------------------------------------
 @rule("build-isolation-no-torch")
-def _build_isolation(ctx: Context) -> Optional[Finding]:
+def _build_isolation(ctx: Context, finding: Build) -> Optional[Finding]:
     lines = ctx.log_lines(r"No module named '?torch'?") if ctx.log and re.search(_BUILD_MARKERS, ctx.log) else []
     evidence = [f"install log: {line}" for line in lines[:2]]
     proj = ctx.project
-    if not evidence and proj.get("declares_flash_attn") and not ctx.get("flash_attn").get("installed"):
+    if not evidence and proj.get("declares_flash_attn") and not ctx.flash_attn.get("installed"):
         if ctx.installer == "poetry":
-            evidence.append("pyproject.toml declares flash-attn and Poetry always builds it in isolation (Poetry #9722)")
+            evidence.append(
+                "pyproject.toml declares flash-attn and Poetry always builds it in isolation (Poetry #9722)"
+            )
         elif ctx.installer == "uv" and not proj.get("uv_flash_attn_build_config"):
             evidence.append(
                 "pyproject.toml declares flash-attn but sets neither no-build-isolation-package nor "
@@ -154,12 +247,14 @@ def _build_isolation(ctx: Context) -> Optional[Finding]:
         # Poetry cannot switch build isolation off: install the published wheel by URL
         res = ctx.resolved()
         recipe = "upstream-flash-attn"
-        command = commands.install_wheel_url(res["url"], "poetry") if res["url"] else commands.no_build_isolation(ctx.facts, "poetry", ctx.version)
+        if res["url"]:
+            command = commands.install_wheel_url(res["url"], "poetry")
+        else:
+            command = commands.no_build_isolation(ctx.facts, "poetry", ctx.version)
     else:
         recipe = "upstream-flash-attn" if ctx.installer == "uv" else "pip-no-build-isolation"
         command = commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version)
-    return Finding(
-        "build-isolation-no-torch",
+    return finding(
         "flash-attn's setup.py imports torch, which an isolated build environment does not have",
         "error" if lines else "warning",
         evidence,
@@ -172,18 +267,17 @@ def _build_isolation(ctx: Context) -> Optional[Finding]:
 
 # -- 2. build tools missing once isolation is off -------------------------------------------------
 @rule("build-tools-missing")
-def _build_tools(ctx: Context) -> Optional[Finding]:
+def _build_tools(ctx: Context, finding: Build) -> Optional[Finding]:
     lines = ctx.log_lines(r"No module named '?(packaging|wheel|setuptools|psutil|ninja)'?")
     evidence = [f"install log: {line}" for line in lines[:3]]
-    fa = ctx.get("flash_attn")
+    fa = ctx.flash_attn
     needs_build = ctx.flash_attn_in_play and not fa.get("loads", False)
-    missing = ctx.get("build").get("missing") or []
+    missing = ctx.build.get("missing") or []
     if needs_build and missing and torch_ok(ctx):
         evidence.append(f"not installed here: {', '.join(missing)} (a --no-build-isolation build imports them)")
     if not evidence:
         return None
-    return Finding(
-        "build-tools-missing",
+    return finding(
         "the Python build tools flash-attn's setup.py needs are missing",
         "error" if lines else "warning",
         evidence,
@@ -196,13 +290,13 @@ def _build_tools(ctx: Context) -> Optional[Finding]:
 
 def torch_ok(ctx: Context) -> bool:
     """torch imports and is a GPU build, so a flash-attn build could go ahead."""
-    torch = ctx.get("torch")
+    torch = ctx.torch
     return bool(torch.get("installed")) and not torch.get("import_error") and torch.get("build") in ("cuda", "rocm")
 
 
 def _symbol_lines(ctx: Context) -> list[str]:
     found = []
-    error = ctx.get("flash_attn").get("module_error") or ""
+    error = ctx.flash_attn.get("module_error") or ""
     if "undefined symbol" in error:
         found.append(f"import flash_attn_2_cuda: {error[:240]}")
     found += [f"log: {line}" for line in ctx.log_lines(r"undefined symbol")[:2]]
@@ -220,18 +314,20 @@ def _symbol_is_abi(text: str) -> bool:
 
 # -- 3. built for another torch --------------------------------------------------------------------
 @rule("torch-version-mismatch")
-def _torch_mismatch(ctx: Context) -> Optional[Finding]:
+def _torch_mismatch(ctx: Context, finding: Build) -> Optional[Finding]:
     evidence = [line for line in _symbol_lines(ctx) if not _symbol_is_abi(line)]
-    parts = ctx.get("flash_attn").get("wheel_name_parts") or {}
-    torch_version = ctx.get("torch").get("version") or ""
+    parts = ctx.flash_attn.get("wheel_name_parts") or {}
+    torch_version = ctx.torch.get("version") or ""
     torch_mm = ".".join(torch_version.split("+")[0].split(".")[:2])
     if parts and torch_mm and parts.get("torch") != torch_mm:
-        evidence.append(f"installed wheel {ctx.get('flash_attn').get('wheel_filename')} is for torch {parts['torch']}, this is torch {torch_version}")
+        evidence.append(
+            f"installed wheel {ctx.flash_attn.get('wheel_filename')} is for torch {parts['torch']}, "
+            f"this is torch {torch_version}"
+        )
     if not evidence:
         return None
     recipe, command = ctx.wheel_fix()
-    return Finding(
-        "torch-version-mismatch",
+    return finding(
         "flash-attn was built for a different torch than the one installed",
         "error",
         evidence,
@@ -244,10 +340,10 @@ def _torch_mismatch(ctx: Context) -> Optional[Finding]:
 
 # -- 4. C++11 ABI mismatch -------------------------------------------------------------------------
 @rule("cxx11-abi-mismatch")
-def _abi_mismatch(ctx: Context) -> Optional[Finding]:
+def _abi_mismatch(ctx: Context, finding: Build) -> Optional[Finding]:
     evidence = [line for line in _symbol_lines(ctx) if _symbol_is_abi(line)]
-    parts = ctx.get("flash_attn").get("wheel_name_parts") or {}
-    torch = ctx.get("torch")
+    parts = ctx.flash_attn.get("wheel_name_parts") or {}
+    torch = ctx.torch
     if parts and torch.get("cxx11abi") is not None and parts.get("cxx11abi") != torch["cxx11abi"]:
         evidence.append(
             f"installed wheel says cxx11abi{str(parts['cxx11abi']).upper()}, "
@@ -256,8 +352,7 @@ def _abi_mismatch(ctx: Context) -> Optional[Finding]:
     if not evidence:
         return None
     recipe, command = ctx.wheel_fix()
-    return Finding(
-        "cxx11-abi-mismatch",
+    return finding(
         "flash-attn and torch were compiled with different C++ ABIs (std::string layouts)",
         "error",
         evidence,
@@ -270,11 +365,11 @@ def _abi_mismatch(ctx: Context) -> Optional[Finding]:
 
 # -- 5. nvcc missing -----------------------------------------------------------------------------
 @rule("nvcc-missing")
-def _nvcc_missing(ctx: Context) -> Optional[Finding]:
+def _nvcc_missing(ctx: Context, finding: Build) -> Optional[Finding]:
     lines = ctx.log_lines(r"(nvcc was not found|CUDA_HOME environment variable is not set|nvcc: (command )?not found)")
     evidence = [f"install log: {line}" for line in lines[:2]]
-    torch = ctx.get("torch")
-    nvcc = ctx.get("nvcc")
+    torch = ctx.torch
+    nvcc = ctx.nvcc
     if _building(ctx) and torch.get("build") == "cuda" and "path" in nvcc and not nvcc.get("path"):
         evidence.append("no nvcc on PATH, under CUDA_HOME or /usr/local/cuda (a source build needs it)")
     if not evidence:
@@ -282,9 +377,11 @@ def _nvcc_missing(ctx: Context) -> Optional[Finding]:
     recipe, command = ctx.wheel_fix()
     if ctx.resolved()["status"] != "published":
         cuda = torch.get("cuda") or "12.x"
-        command = f"conda install -c nvidia cuda-nvcc={cuda}   # or a CUDA 'devel' container image; then export CUDA_HOME\n{command}"
-    return Finding(
-        "nvcc-missing",
+        command = (
+            f"conda install -c nvidia cuda-nvcc={cuda}   # or a CUDA 'devel' container image; then export CUDA_HOME\n"
+            f"{command}"
+        )
+    return finding(
         "a flash-attn source build needs nvcc, and none was found",
         "error" if lines else "warning",
         evidence,
@@ -297,29 +394,30 @@ def _nvcc_missing(ctx: Context) -> Optional[Finding]:
 
 def _building(ctx: Context) -> bool:
     """Is a source build of flash-attn ahead? (in play, not loading, and no published wheel)"""
-    if not ctx.flash_attn_in_play or ctx.get("flash_attn").get("loads"):
+    if not ctx.flash_attn_in_play or ctx.flash_attn.get("loads"):
         return False
-    if ctx.get("env").get("FLASH_ATTENTION_FORCE_BUILD") == "TRUE":
+    if ctx.env.get("FLASH_ATTENTION_FORCE_BUILD") == "TRUE":
         return True
     return ctx.resolved()["status"] != "published"
 
 
 # -- 6. nvcc and torch on different CUDA ---------------------------------------------------------
 @rule("nvcc-torch-cuda-mismatch")
-def _nvcc_mismatch(ctx: Context) -> Optional[Finding]:
+def _nvcc_mismatch(ctx: Context, finding: Build) -> Optional[Finding]:
     lines = ctx.log_lines(r"detected CUDA version \(\S+\) mismatches the version that was used to compile")
     evidence = [f"install log: {line}" for line in lines[:1]]
-    torch_cuda = ctx.get("torch").get("cuda")
-    nvcc_version = ctx.get("nvcc").get("version")
+    torch_cuda = ctx.torch.get("cuda")
+    nvcc_version = ctx.nvcc.get("version")
     if _building(ctx) and torch_cuda and nvcc_version and torch_cuda.split(".")[0] != nvcc_version.split(".")[0]:
         evidence.append(f"nvcc is CUDA {nvcc_version}, torch was built with CUDA {torch_cuda}")
     if not evidence:
         return None
     recipe, command = ctx.wheel_fix()
     if ctx.resolved()["status"] != "published":
-        command = f"conda install -c nvidia cuda-nvcc={torch_cuda or 'X.Y'}   # nvcc matching torch.version.cuda\n{command}"
-    return Finding(
-        "nvcc-torch-cuda-mismatch",
+        command = (
+            f"conda install -c nvidia cuda-nvcc={torch_cuda or 'X.Y'}   # nvcc matching torch.version.cuda\n{command}"
+        )
+    return finding(
         "nvcc and torch use different CUDA major versions; torch's extension builder refuses that",
         "error" if lines else "warning",
         evidence,
@@ -331,10 +429,12 @@ def _nvcc_mismatch(ctx: Context) -> Optional[Finding]:
 
 # -- 7. compile runs out of memory ---------------------------------------------------------------
 @rule("compile-oom")
-def _compile_oom(ctx: Context) -> Optional[Finding]:
-    lines = ctx.log_lines(r"(Killed signal terminated program|died due to signal 9|\bKilled\b|out of memory|MemoryError)")
+def _compile_oom(ctx: Context, finding: Build) -> Optional[Finding]:
+    lines = ctx.log_lines(
+        r"(Killed signal terminated program|died due to signal 9|\bKilled\b|out of memory|MemoryError)"
+    )
     evidence = [f"install log: {line}" for line in lines[:2]]
-    env = ctx.get("env")
+    env = ctx.env
     safe = commands.max_jobs(ctx.facts)
     if ctx.flash_attn_in_play and "MAX_JOBS" in env:
         try:
@@ -343,21 +443,23 @@ def _compile_oom(ctx: Context) -> Optional[Finding]:
             evidence.append(f"MAX_JOBS={env['MAX_JOBS']!r} is not a whole number")
         else:
             if jobs > safe:
-                free = ctx.get("platform").get("mem_available_gib")
+                free = ctx.platform.get("mem_available_gib")
                 evidence.append(f"MAX_JOBS={jobs} but {free} GiB free allows about {safe} nvcc jobs of 8-9 GB each")
-    if _building(ctx) and not ctx.get("build").get("ninja"):
+    if _building(ctx) and not ctx.build.get("ninja"):
         evidence.append("ninja is not installed: without it the build compiles one file at a time (about 2 hours)")
     if not evidence:
         return None
-    return Finding(
-        "compile-oom",
+    return finding(
         "a flash-attn compile with too many parallel jobs runs out of memory (or crawls without ninja)",
         "error" if lines else "warning",
         evidence,
         "upstream-flash-attn",
         commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True),
         failure=7,
-        note=f"MAX_JOBS={safe} follows upstream's own rule (half the cores, one job per 9 GB free); lower NVCC_THREADS to save more.",
+        note=(
+            f"MAX_JOBS={safe} follows upstream's own rule (half the cores, one job per 9 GB free); "
+            "lower NVCC_THREADS to save more."
+        ),
     )
 
 
@@ -374,22 +476,28 @@ def _guessed_wheels(ctx: Context) -> list[dict[str, Any]]:
         digits = label[4:] if label.startswith("rocm") else label[2:]
         version = digits if len(digits) <= 2 else f"{digits[:-1]}.{digits[-1]}"
         device = {"hip": version} if label.startswith("rocm") else {"cuda": version}
-        res = resolve(parts["version"], python=parts["python"], torch=parts["torch"], cxx11abi=parts["cxx11abi"], platform=parts["platform"], **device)
+        res = resolve(
+            parts["version"], python=parts["python"], torch=parts["torch"], cxx11abi=parts["cxx11abi"],
+            platform=parts["platform"], **device,
+        )
         out.append(res)
     return out
 
 
 # -- 8. wheel download blocked -------------------------------------------------------------------
 @rule("wheel-download-blocked")
-def _download_blocked(ctx: Context) -> Optional[Finding]:
+def _download_blocked(ctx: Context, finding: Build) -> Optional[Finding]:
     evidence = []
     fell_back = bool(ctx.log_lines(r"Precompiled wheel not found"))
     for res in _guessed_wheels(ctx):
         if fell_back and res["status"] == "published":
-            evidence.append(f"install log: the wheel {res['filename']} is published, yet the build fell back to compiling")
-    net = ctx.get("network")
-    gpu_torch = ctx.get("torch").get("build") in ("cuda", "rocm")
-    if net and net.get("reachable") is False and gpu_torch and ctx.flash_attn_in_play and not ctx.get("flash_attn").get("loads"):
+            evidence.append(
+                f"install log: the wheel {res['filename']} is published, yet the build fell back to compiling"
+            )
+    net = ctx.network
+    gpu_torch = ctx.torch.get("build") in ("cuda", "rocm")
+    unreachable = bool(net) and net.get("reachable") is False
+    if unreachable and gpu_torch and ctx.flash_attn_in_play and not ctx.flash_attn.get("loads"):
         evidence.append(f"{net.get('url')} cannot be reached ({net.get('error')})")
     if not evidence:
         return None
@@ -400,8 +508,7 @@ def _download_blocked(ctx: Context) -> Optional[Finding]:
         if res["url"]
         else commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True)
     )
-    return Finding(
-        "wheel-download-blocked",
+    return finding(
         "setup.py could not download the prebuilt wheel and silently falls back to an hours-long compile",
         "error" if fell_back else "warning",
         evidence,
@@ -413,7 +520,7 @@ def _download_blocked(ctx: Context) -> Optional[Finding]:
 
 # -- 9. file name vs METADATA version ------------------------------------------------------------
 @rule("wheel-version-mismatch")
-def _version_mismatch(ctx: Context) -> Optional[Finding]:
+def _version_mismatch(ctx: Context, finding: Build) -> Optional[Finding]:
     evidence = [f"install log: {line}" for line in ctx.log_lines(r"inconsistent version")[:2]]
     wheel = ctx.wheel or {}
     if wheel.get("name_version") and wheel.get("metadata_version"):
@@ -421,28 +528,34 @@ def _version_mismatch(ctx: Context) -> Optional[Finding]:
         meta_public = wheel["metadata_version"].split("+")[0]
         if name_public != meta_public:
             evidence.append(
-                f"{wheel.get('filename')}: the file name says {wheel['name_version']}, its METADATA says {wheel['metadata_version']}"
+                f"{wheel.get('filename')}: the file name says {wheel['name_version']}, "
+                f"its METADATA says {wheel['metadata_version']}"
             )
     if not evidence:
         return None
     res = ctx.resolved()
-    command = commands.install_wheel_url(res["url"], ctx.installer) if res["url"] else "python -m pip install flash-attn==" + ctx.version
-    return Finding(
-        "wheel-version-mismatch",
+    if res["url"]:
+        command = commands.install_wheel_url(res["url"], ctx.installer)
+    else:
+        command = "python -m pip install flash-attn==" + ctx.version
+    return finding(
         "the wheel's file name and its METADATA disagree on the version (a renamed file)",
         "error",
         evidence,
         "upstream-flash-attn",
         command,
         failure=9,
-        note="Keep the release asset's name as published: METADATA says the plain version, the name adds the +cu..torch.. label.",
+        note=(
+            "Keep the release asset's name as published: METADATA says the plain version, "
+            "the name adds the +cu..torch.. label."
+        ),
     )
 
 
 # -- 10. hollow package ----------------------------------------------------------------------------
 @rule("hollow-package")
-def _hollow(ctx: Context) -> Optional[Finding]:
-    fa = ctx.get("flash_attn")
+def _hollow(ctx: Context, finding: Build) -> Optional[Finding]:
+    fa = ctx.flash_attn
     evidence = []
     error = fa.get("module_error") or ""
     if fa.get("installed") and "No module named 'flash_attn_2_cuda'" in error:
@@ -450,24 +563,26 @@ def _hollow(ctx: Context) -> Optional[Finding]:
         if fa.get("wheel_tags") == ["py3-none-any"]:
             evidence.append("the installed flash-attn wheel is tagged py3-none-any: it carries no compiled code")
     evidence += [f"log: {line}" for line in ctx.log_lines(r"No module named '?flash_attn_2_cuda'?")[:1]]
-    skip = ctx.get("env").get("FLASH_ATTENTION_SKIP_CUDA_BUILD")
+    skip = ctx.env.get("FLASH_ATTENTION_SKIP_CUDA_BUILD")
     if skip == "TRUE" and not fa.get("loads"):
-        evidence.append("FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE is set: a build now produces a package without its CUDA module")
+        evidence.append(
+            "FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE is set: a build now produces a package without its CUDA module"
+        )
     if not evidence:
         return None
     recipe, command = ctx.wheel_fix()
-    gpus = ctx.get("gpus")
-    if ctx.get("torch").get("build") == "cpu" and not (gpus.get("devices") or gpus.get("driver")):
+    gpus = ctx.gpus
+    if ctx.torch.get("build") == "cpu" and not (gpus.get("devices") or gpus.get("driver")):
         command = "# no GPU here: flash-attn cannot run at all; flash_recipe falls back to torch SDPA"
         recipe = "upstream-flash-attn"
-        command = f"{commands.uninstall_flash_attn(ctx.installer, drop_cache=False)}   {command}" if fa.get("installed") else command
+        if fa.get("installed"):
+            command = f"{commands.uninstall_flash_attn(ctx.installer, drop_cache=False)}   {command}"
     elif fa.get("installed"):
         # installers cache the wheel they built from the sdist: drop it or the hollow build comes back
         command = f"{commands.uninstall_flash_attn(ctx.installer)} && {command}"
     if skip is not None:
         command = f"unset FLASH_ATTENTION_SKIP_CUDA_BUILD && {command}"
-    return Finding(
-        "hollow-package",
+    return finding(
         "flash-attn is installed without its compiled CUDA module",
         "error" if fa.get("installed") else "warning",
         evidence,
@@ -479,14 +594,14 @@ def _hollow(ctx: Context) -> Optional[Finding]:
 
 # -- 11. no prebuilt wheel for this torch --------------------------------------------------------
 @rule("no-prebuilt-wheel")
-def _no_wheel(ctx: Context) -> Optional[Finding]:
+def _no_wheel(ctx: Context, finding: Build) -> Optional[Finding]:
     evidence = []
     fell_back = ctx.log_lines(r"Precompiled wheel not found")
     for res in _guessed_wheels(ctx):
         if fell_back and res["status"] == "not-published":
             evidence.append(f"install log: {res['filename']} was never published, so setup.py compiled from source")
-    fa = ctx.get("flash_attn")
-    torch = ctx.get("torch")
+    fa = ctx.flash_attn
+    torch = ctx.torch
     if ctx.flash_attn_in_play and not fa.get("loads") and torch.get("build") in ("cuda", "rocm"):
         res = ctx.resolved()
         if res["status"] == "not-published":
@@ -497,9 +612,9 @@ def _no_wheel(ctx: Context) -> Optional[Finding]:
     nearest = res.get("nearest")
     note = None
     if nearest:
-        note = f"nearest published: {nearest['filename']} ({'; '.join(nearest['differs']) or 'same coupling'}); it only loads with that torch."
-    return Finding(
-        "no-prebuilt-wheel",
+        differs = "; ".join(nearest["differs"]) or "same coupling"
+        note = f"nearest published: {nearest['filename']} ({differs}); it only loads with that torch."
+    return finding(
         "upstream published no wheel for this torch/Python/ABI: pip will compile flash-attn for hours",
         "warning",
         evidence,
@@ -523,7 +638,8 @@ PRE_AMPERE_NOTE = (
     "FLASH_ATTENTION]) alone raises 'No available kernel. Aborting execution.' here."
 )
 EFFICIENT_SDPA_SNIPPET = (
-    "# flash_recipe needs no change: flash_attn_func and scaled_dot_product_attention use the memory-efficient kernel here.\n"
+    "# flash_recipe needs no change: flash_attn_func and scaled_dot_product_attention use the memory-efficient "
+    "kernel here.\n"
     "# Calling torch SDPA yourself: allow the memory-efficient kernel, never FLASH_ATTENTION alone:\n"
     "from torch.nn.attention import SDPBackend, sdpa_kernel\n"
     "with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):\n"
@@ -545,14 +661,14 @@ def _arch_name(capability) -> str:
     return {6: "Pascal", 5: "Maxwell", 3: "Kepler"}.get(major, "pre-Ampere")
 
 
-def _old_gpus(ctx: Context) -> list[dict[str, Any]]:
+def _old_gpus(ctx: Context) -> list[GpuDevice]:
     """This machine's NVIDIA GPUs below sm80 (live facts: torch or nvidia-smi)."""
-    return [d for d in ctx.get("gpus").get("devices") or [] if d.get("capability") and tuple(d["capability"]) < (8, 0)]
+    return [d for d in ctx.gpus.get("devices") or [] if d.get("capability") and tuple(d["capability"]) < (8, 0)]
 
 
 def _sdpa_probe_evidence(ctx: Context) -> list[str]:
     """What the live SDPA probe saw: the flash kernel alone failing (and why), the memory-efficient one."""
-    kernels = ctx.get("sdpa").get("kernels") or {}
+    kernels = ctx.sdpa.get("kernels") or {}
     flash, efficient = kernels.get("FLASH_ATTENTION") or {}, kernels.get("EFFICIENT_ATTENTION") or {}
     out = []
     if flash.get("ok") is False:
@@ -577,56 +693,60 @@ def _sdpa_reasons(messages: list[str]) -> list[str]:
 
 
 @rule("gpu-too-old")
-def _gpu_old(ctx: Context) -> Optional[Finding]:
+def _gpu_old(ctx: Context, finding: Build) -> Optional[Finding]:
     old = _old_gpus(ctx)
     evidence = [
         f"{d['name']} is {_sm(d['capability'])} ({_arch_name(d['capability'])}): no tensor-core path in Triton, "
         "no FlashAttention-2 kernels (they need sm80 or newer)"
         for d in old
     ]
-    upstream_refused = [f"log: {line}" for line in ctx.log_lines(r"FlashAttention only supports Ampere GPUs or newer")[:2]]
+    refusals = ctx.log_lines(r"FlashAttention only supports Ampere GPUs or newer")
+    upstream_refused = [f"log: {line}" for line in refusals[:2]]
     evidence += upstream_refused
     if not evidence:
         return None
-    explain = ctx.get("backends").get("explain") or {}
+    explain = ctx.backends.get("explain") or {}
     if old and explain:
         chosen = next((name for name, why in explain.items() if why is None), None)
         if chosen:
-            evidence.append(f"flash_recipe runs {ctx.get('backends').get('call') or 'a float16 call'} with its {chosen!r} backend")
+            call = ctx.backends.get("call") or "a float16 call"
+            evidence.append(f"flash_recipe runs {call} with its {chosen!r} backend")
         if explain.get("triton"):
             evidence.append(f"flash_recipe's triton backend: {explain['triton']}")
     if old:
         evidence += _sdpa_probe_evidence(ctx)
-    installed = ctx.get("flash_attn").get("installed")
+    installed = ctx.flash_attn.get("installed")
     asked = ctx.project.get("declares_flash_attn") or ctx.flash_attn_version or upstream_refused
+    uninstall = ""
+    if installed:
+        uninstall = f"{commands.uninstall_flash_attn(ctx.installer, drop_cache=False)}   # it cannot run here\n"
     if installed and old:
         severity = "error"
     elif asked or installed:
         severity = "warning"
     else:
         severity = "info"  # flash_recipe runs here; the finding says how, and what not to ask for
-    return Finding(
-        "gpu-too-old",
+    return finding(
         "this GPU is older than Ampere (sm80): flash_recipe runs attention through torch SDPA's memory-efficient "
         "kernel; FlashAttention-2 kernels (upstream's or flash_recipe's Triton ones) cannot run on it",
         severity,
         evidence,
         "upstream-flash-attn",
-        (f"{commands.uninstall_flash_attn(ctx.installer, drop_cache=False)}   # it cannot run here\n" if installed else "")
-        + EFFICIENT_SDPA_SNIPPET,
+        uninstall + EFFICIENT_SDPA_SNIPPET,
         failure=12,
         note=PRE_AMPERE_NOTE,
     )
 
 
 @rule("sdpa-no-kernel")
-def _sdpa_no_kernel(ctx: Context) -> Optional[Finding]:
+def _sdpa_no_kernel(ctx: Context, finding: Build) -> Optional[Finding]:
     """torch SDPA limited (sdpa_kernel / enable_math=False) to kernels that cannot take the call."""
     lines = ctx.log_lines(NO_KERNEL)
     evidence = [f"log: {line}" for line in lines[:1]]
     if lines:
         warned = ctx.log_lines(
-            r"sdp_utils|only supports gpu architectures|Attempting to run on a sm|has been runtime disabled|not compiled with"
+            r"sdp_utils|only supports gpu architectures|Attempting to run on a sm|has been runtime disabled"
+            r"|not compiled with"
         )
         evidence += [f"log: torch says: {reason}" for reason in _sdpa_reasons(warned)[:3]]
     old = _old_gpus(ctx)
@@ -642,7 +762,9 @@ def _sdpa_no_kernel(ctx: Context) -> Optional[Finding]:
             return None
         evidence, live_only = live, True
     if lines and old:
-        evidence += [f"this machine's GPU: {d['name']} is {_sm(d['capability'])} ({_arch_name(d['capability'])})" for d in old]
+        evidence += [
+            f"this machine's GPU: {d['name']} is {_sm(d['capability'])} ({_arch_name(d['capability'])})" for d in old
+        ]
     if old:
         gpu = "this " + ", ".join(f"{d['name']} ({_sm(d['capability'])})" for d in old) + " GPU"
     else:
@@ -660,8 +782,7 @@ def _sdpa_no_kernel(ctx: Context) -> Optional[Finding]:
             "leaves on, and prints one 'kernel not used because' warning per kernel before this error: those "
             "warnings say why each refused. Allow the memory-efficient kernel and math as fallbacks."
         )
-    return Finding(
-        "sdpa-no-kernel",
+    return finding(
         title,
         "warning" if live_only else "error",
         evidence,
@@ -677,12 +798,11 @@ NO_KERNEL_RX = re.compile(NO_KERNEL)
 
 # -- 13. fp32 inputs -----------------------------------------------------------------------------
 @rule("fp32-inputs")
-def _fp32(ctx: Context) -> Optional[Finding]:
+def _fp32(ctx: Context, finding: Build) -> Optional[Finding]:
     lines = ctx.log_lines(r"(only supports? fp16 and bf16|only support fp16 and bf16)")
     if not lines:
         return None
-    return Finding(
-        "fp32-inputs",
+    return finding(
         "flash-attn was called with float32 tensors; it runs fp16 and bf16 only",
         "error",
         [f"log: {line}" for line in lines[:2]],
@@ -694,13 +814,15 @@ def _fp32(ctx: Context) -> Optional[Finding]:
 
 # -- beyond the list: facts that produce the failures above --------------------------------------
 @rule("torch-missing")
-def _torch_missing(ctx: Context) -> Optional[Finding]:
-    torch = ctx.get("torch")
+def _torch_missing(ctx: Context, finding: Build) -> Optional[Finding]:
+    torch = ctx.torch
     if torch.get("installed") and not torch.get("import_error"):
         return None
-    evidence = ["torch is not installed in this environment"] if not torch.get("installed") else [f"import torch: {torch['import_error']}"]
-    return Finding(
-        "torch-missing",
+    if not torch.get("installed"):
+        evidence = ["torch is not installed in this environment"]
+    else:
+        evidence = [f"import torch: {torch['import_error']}"]
+    return finding(
         "torch is missing or broken: neither flash_recipe nor flash-attn can run",
         "error",
         evidence,
@@ -711,14 +833,13 @@ def _torch_missing(ctx: Context) -> Optional[Finding]:
 
 
 @rule("cpu-torch-with-gpu")
-def _cpu_torch_gpu(ctx: Context) -> Optional[Finding]:
-    torch = ctx.get("torch")
-    gpus = ctx.get("gpus")
+def _cpu_torch_gpu(ctx: Context, finding: Build) -> Optional[Finding]:
+    torch = ctx.torch
+    gpus = ctx.gpus
     if torch.get("build") != "cpu" or not (gpus.get("devices") or gpus.get("driver")):
         return None
     names = ", ".join(d["name"] for d in gpus.get("devices") or []) or f"driver {gpus.get('driver')}"
-    return Finding(
-        "cpu-torch-with-gpu",
+    return finding(
         "an NVIDIA GPU is present but torch is a CPU-only build",
         "warning",
         [f"torch {torch.get('version')} has no CUDA; GPU: {names}"],
@@ -728,26 +849,31 @@ def _cpu_torch_gpu(ctx: Context) -> Optional[Finding]:
 
 
 @rule("cpu-torch-flash-attn")
-def _cpu_torch_flash_attn(ctx: Context) -> Optional[Finding]:
+def _cpu_torch_flash_attn(ctx: Context, finding: Build) -> Optional[Finding]:
     lines = ctx.log_lines(r"Invalid version: None")
-    torch = ctx.get("torch")
-    evidence = [f"install log: {line} (setup.py parses torch.version.cuda, which is None on a CPU torch)" for line in lines[:1]]
-    if ctx.flash_attn_in_play and torch.get("build") == "cpu" and not ctx.get("flash_attn").get("loads"):
-        evidence.append(f"torch {torch.get('version')} is CPU-only: flash-attn has no CPU build (flash_recipe falls back to SDPA here)")
+    torch = ctx.torch
+    evidence = [
+        f"install log: {line} (setup.py parses torch.version.cuda, which is None on a CPU torch)" for line in lines[:1]
+    ]
+    if ctx.flash_attn_in_play and torch.get("build") == "cpu" and not ctx.flash_attn.get("loads"):
+        evidence.append(
+            f"torch {torch.get('version')} is CPU-only: flash-attn has no CPU build "
+            "(flash_recipe falls back to SDPA here)"
+        )
     if not evidence:
         return None
-    gpus = ctx.get("gpus")
+    gpus = ctx.gpus
     if gpus.get("devices") or gpus.get("driver"):
         recipe, command = f"torch-index-{ctx.installer}", commands.install_torch(ctx.facts, ctx.installer)
     else:
         evidence.append("no NVIDIA GPU or driver found on this machine")
         recipe = "upstream-flash-attn"
         command = (
-            "# flash-attn cannot run without an NVIDIA (or AMD) GPU; here use flash_recipe, which falls back to torch SDPA:\n"
+            "# flash-attn cannot run without an NVIDIA (or AMD) GPU; here use flash_recipe, "
+            "which falls back to torch SDPA:\n"
             + commands.install_flash_recipe(ctx.installer)
         )
-    return Finding(
-        "cpu-torch-flash-attn",
+    return finding(
         "upstream flash-attn needs a CUDA (or ROCm) build of torch",
         "error" if lines else "warning",
         evidence,
@@ -757,8 +883,8 @@ def _cpu_torch_flash_attn(ctx: Context) -> Optional[Finding]:
 
 
 @rule("env-switch-not-true")
-def _env_switch(ctx: Context) -> Optional[Finding]:
-    env = ctx.get("env")
+def _env_switch(ctx: Context, finding: Build) -> Optional[Finding]:
+    env = ctx.env
     bad = {
         name: value
         for name, value in env.items()
@@ -769,8 +895,7 @@ def _env_switch(ctx: Context) -> Optional[Finding]:
     if not bad:
         return None
     fixed = " ".join(f"{name}=TRUE" for name in sorted(bad))
-    return Finding(
-        "env-switch-not-true",
+    return finding(
         "flash-attn's setup.py only honours the exact string TRUE; this switch is ignored",
         "warning",
         [f"{name}={value!r} has no effect upstream (it compares with 'TRUE')" for name, value in sorted(bad.items())],
@@ -790,13 +915,13 @@ def _dotted(release: tuple) -> str:
 
 
 @rule("triton-too-old")
-def _triton_old(ctx: Context) -> Optional[Finding]:
-    triton = ctx.get("triton")
+def _triton_old(ctx: Context, finding: Build) -> Optional[Finding]:
+    triton = ctx.triton
     have = _release(triton.get("version")) if triton.get("installed") else None
     if have is None or have >= versions.TRITON_MIN:
         return None
     need_triton, need_torch = _dotted(versions.TRITON_MIN), _dotted(versions.TORCH_MIN)
-    torch = ctx.get("torch")
+    torch = ctx.torch
     torch_release = _release(torch.get("version")) if torch.get("installed") else None
     evidence = [f"Triton {triton['version']} is installed; flash_recipe's kernels need Triton {need_triton} or newer"]
     recipe = f"torch-index-{ctx.installer}"
@@ -817,7 +942,7 @@ def _triton_old(ctx: Context) -> Optional[Finding]:
             )
             command = commands.upgrade_torch(ctx.facts, ctx.installer, need_torch, ctx.project)
             index = (ctx.project.get("torch_index") or {}).get("url") or commands.torch_index_url(ctx.facts)
-            driver_cuda = ctx.get("gpus").get("driver_cuda")
+            driver_cuda = ctx.gpus.get("driver_cuda")
             note = (
                 f"Upgrade torch, not Triton alone: a Triton other than the one torch pins conflicts with it. "
                 f"Each download.pytorch.org/whl/cuXYZ index carries a few torch releases: if {index} has none "
@@ -830,8 +955,7 @@ def _triton_old(ctx: Context) -> Optional[Finding]:
         if torch.get("installed"):
             evidence.append(f"torch {torch.get('version')} is a CPU build: it does not pin Triton")
         command = commands.install_package(ctx.facts, ctx.installer, f"triton>={need_triton}", ctx.project)
-    return Finding(
-        "triton-too-old",
+    return finding(
         f"Triton {triton['version']} is older than flash_recipe supports (Triton {need_triton}+, torch {need_torch}+)",
         "error" if torch.get("build") in ("cuda", "rocm") else "warning",
         evidence,
@@ -842,13 +966,12 @@ def _triton_old(ctx: Context) -> Optional[Finding]:
 
 
 @rule("no-backend")
-def _no_backend(ctx: Context) -> Optional[Finding]:
-    backends = ctx.get("backends")
+def _no_backend(ctx: Context, finding: Build) -> Optional[Finding]:
+    backends = ctx.backends
     explain = backends.get("explain")
     if not explain or any(reason is None for reason in explain.values()):
         return None
-    return Finding(
-        "no-backend",
+    return finding(
         "no flash_recipe backend can run even a plain fp16 call here",
         "error",
         [f"{name}: {reason}" for name, reason in explain.items()],
@@ -867,7 +990,8 @@ def evaluate(ctx: Context) -> list[Finding]:
         try:
             found = fn(ctx)
         except Exception as exc:  # one broken rule must not hide the others
-            found = Finding(name, f"rule {name} could not be evaluated", "info", [f"{type(exc).__name__}: {exc}"], "upstream-flash-attn", "")
+            evidence = [f"{type(exc).__name__}: {exc}"]
+            found = Finding(name, f"rule {name} could not be evaluated", "info", evidence, "upstream-flash-attn", "")
         if found is not None:
             findings.append(found)
     findings.sort(key=lambda f: SEVERITY_ORDER[f.severity])
