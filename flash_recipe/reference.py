@@ -29,6 +29,12 @@ def compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
 
 
+def effective_window(causal: bool, window: tuple) -> tuple[int, int]:
+    """The ``(left, right)`` window a call masks with: causal is a window whose right edge is the
+    diagonal (``right = 0``); ``-1`` is unbounded on that side."""
+    return (window[0], 0) if causal else (window[0], window[1])
+
+
 def visible_keys(seqlen_q: int, seqlen_k: int, diag_offset: int, window: tuple, device) -> torch.Tensor:
     """Bool ``(Sq, Sk)``: query ``i`` sees key ``j`` iff ``i + diag - left <= j <= i + diag + right``.
 
@@ -104,8 +110,8 @@ def attention_reference(
         scores = softcap * torch.tanh(scores / softcap)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, offset).to(dtype)
-    if causal or window != (-1, -1):
-        window = (window[0], 0 if causal else window[1])
+    window = effective_window(causal, window)
+    if window != (-1, -1):
         scores = scores.masked_fill(~visible_keys(seqlen_q, seqlen_k, offset, window, q.device), float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:

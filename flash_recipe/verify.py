@@ -9,8 +9,9 @@ computes the forward and backward of ``flash_attn_func``; both are compared with
 
 where ``truth`` is the reference in fp32 (fp64 for fp32 inputs) and ``*_torch`` is the same plain
 torch computation in the input dtype. The fingerprint is the sha256 of the output and gradient
-bytes of the deterministic backends (``triton`` and ``reference``): the same package with the
-same torch and Triton on the same device gives the same fingerprint, whatever installed it.
+bytes of the deterministic backends (``Backend.deterministic``: ``triton`` and ``reference``): the
+same package with the same torch and Triton on the same device gives the same fingerprint,
+whatever installed it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ import platform
 import sys
 from importlib import metadata
 from typing import Optional
-
-FINGERPRINT_BACKENDS = ("triton", "reference")
-
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -235,8 +233,9 @@ def verify(backends: Optional[list] = None, grid: str = "auto", dtypes: Optional
                 if progress:
                     progress(row)
     fingerprint = hashlib.sha256()
+    deterministic = dispatch.deterministic_backends()
     for row in rows:
-        if row["backend"] in FINGERPRINT_BACKENDS:
+        if row["backend"] in deterministic:
             fingerprint.update(f"{row['case']}|{row['dtype']}|{row['backend']}|{row['fingerprint']}\n".encode())
     verified = sorted({row["backend"] for row in rows}, key=dispatch.backend_names().index)
     missing = [name for name in (backends or []) if name not in verified]

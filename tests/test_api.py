@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -77,9 +78,10 @@ def test_bad_backend_env_var(monkeypatch):
 def test_cpu_goes_to_sdpa_without_interpreter(monkeypatch):
     # Triton reads TRITON_INTERPRET once, at import, so the variable stays and the check is patched.
     from flash_recipe import dispatch
+    from flash_recipe.ops import configs
 
-    monkeypatch.setattr(dispatch, "interpreter_enabled", lambda: False)
-    dispatch._import_error.cache_clear()
+    monkeypatch.setattr(configs, "interpreter_enabled", lambda: False)
+    dispatch.probes.import_error.cache_clear()
     reasons = flash_recipe.explain(Q, K, K)
     assert list(reasons) == ["flash_attn", "triton", "sdpa", "reference"]
     assert "TRITON_INTERPRET=1" in reasons["triton"]
@@ -227,13 +229,13 @@ def test_interpreter_switched_on_after_import_is_explained():
 
 
 # -- GPUs below sm80 (T4, RTX 20xx) ------------------------------------------------------------
-# No GPU exists on the test machine: the compute capability is mocked (dispatch._capability) and
+# No GPU exists on the test machine: the compute capability is mocked (dispatch.probes.capability) and
 # CUDA tensors are FakeTensors, which carry a device, dtype and shape but no data.
 @pytest.fixture
 def turing(monkeypatch):
     from flash_recipe import dispatch
 
-    monkeypatch.setattr(dispatch, "_capability", lambda index: (7, 5))
+    monkeypatch.setattr(dispatch.probes, "capability", lambda index: (7, 5))
     monkeypatch.setattr(torch.version, "hip", None)
 
 
@@ -274,15 +276,15 @@ def mocked_gpu(monkeypatch):
     def install(major: int, minor: int, shared: int, amd: str = ""):
         props = types.SimpleNamespace(major=major, minor=minor, shared_memory_per_block_optin=shared,
                                       gcnArchName=f"{amd}:sramecc+:xnack-")
-        monkeypatch.setattr(dispatch, "_capability", lambda index: (major, minor))
+        monkeypatch.setattr(dispatch.probes, "capability", lambda index: (major, minor))
         monkeypatch.setattr(torch.version, "hip", "6.4" if amd else None)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        for cached in (dispatch._configs_problem, configs.gpu_target):
+        for cached in (dispatch.probes.configs_problem, configs.gpu_target):
             cached.cache_clear()
 
     yield install
-    for cached in (dispatch._configs_problem, configs.gpu_target):
+    for cached in (dispatch.probes.configs_problem, configs.gpu_target):
         cached.cache_clear()
 
 
@@ -319,7 +321,7 @@ def test_sdpa_backend_below_sm80_uses_the_memory_efficient_kernel(dtype, monkeyp
 
     from flash_recipe import dispatch
 
-    monkeypatch.setattr(dispatch, "_pre_ampere_nvidia", lambda device: True)
+    monkeypatch.setattr(dispatch.probes, "pre_ampere_nvidia", lambda device: True)
     asked, seen = [], []
     real_kernel, real_sdpa = attention.sdpa_kernel, F.scaled_dot_product_attention
 
@@ -357,7 +359,7 @@ def test_sdpa_backend_at_sm80_leaves_the_kernel_choice_to_torch(monkeypatch):
 
     from flash_recipe import dispatch
 
-    monkeypatch.setattr(dispatch, "_pre_ampere_nvidia", lambda device: False)
+    monkeypatch.setattr(dispatch.probes, "pre_ampere_nvidia", lambda device: False)
     asked = []
     monkeypatch.setattr(attention, "sdpa_kernel", lambda backends, *a, **kw: asked.append(backends))
     with use_backend("sdpa"):
@@ -372,16 +374,16 @@ def test_a_triton_older_than_supported_is_refused_with_the_upgrade(monkeypatch):
     from flash_recipe.env import versions
 
     monkeypatch.setattr(triton, "__version__", "3.1.0")
-    dispatch._triton_too_old.cache_clear()
+    dispatch.probes.triton_too_old.cache_clear()
     try:
         reason = dispatch.TritonBackend().is_available()
         oldest = ".".join(map(str, versions.TRITON_MIN))
         assert f"Triton 3.1.0 is older than {oldest}" in reason and "upgrade torch" in reason
         monkeypatch.setattr(triton, "__version__", "3.9.0")
-        dispatch._triton_too_old.cache_clear()
+        dispatch.probes.triton_too_old.cache_clear()
         assert dispatch.TritonBackend().is_available() is None
     finally:
-        dispatch._triton_too_old.cache_clear()
+        dispatch.probes.triton_too_old.cache_clear()
 
 
 def test_integer_arguments_take_any_index_like_value(monkeypatch):
@@ -451,3 +453,73 @@ def test_a_last_dim_of_size_one_may_have_any_stride(monkeypatch):
     torch.testing.assert_close(scaled_dot_product_attention(query, query, query), expected, atol=1e-6, rtol=1e-5)
     q = query.transpose(1, 2)  # flash layout (1, 8, 2, 1), last-dim stride 8
     torch.testing.assert_close(flash_attn_func(q, q, q), expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
+def test_use_backend_belongs_to_the_thread_that_chose_it(monkeypatch):
+    """Two threads (two requests in a server) hold different backends at the same time: each
+    selects its own, and leaving one block does not end the other's choice."""
+    import threading
+
+    from flash_recipe import dispatch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    call = dispatch.AttentionCall(Q, K, K, 0.25)
+    both_inside, first_left = threading.Barrier(2), threading.Event()
+    seen, errors = {}, []
+
+    def request(name: str, leaves_first: bool) -> None:
+        try:
+            with use_backend(name):
+                both_inside.wait(timeout=30)
+                if not leaves_first:
+                    assert first_left.wait(timeout=30)
+                seen[name] = (dispatch.forced_backend(), dispatch.select(call).name)
+            if leaves_first:
+                first_left.set()
+        except Exception as exc:  # reported below: an assertion in a thread would pass silently
+            errors.append(exc)
+
+    threads = [threading.Thread(target=request, args=("sdpa", True)),
+               threading.Thread(target=request, args=("reference", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and seen == {"sdpa": ("sdpa", "sdpa"), "reference": ("reference", "reference")}
+    assert dispatch.forced_backend() is None
+
+
+def test_use_backend_belongs_to_the_asyncio_task_that_chose_it():
+    """Tasks of one event loop interleave inside their ``with use_backend`` blocks; each keeps its own."""
+    import asyncio
+
+    from flash_recipe import dispatch
+
+    async def request(name: str, seen: dict) -> None:
+        with use_backend(name):
+            await asyncio.sleep(0)  # the other task runs here, inside its own block
+            seen[name] = dispatch.forced_backend()
+            await asyncio.sleep(0)
+            seen[name] += "," + dispatch.forced_backend()
+
+    async def main() -> dict:
+        seen = {}
+        await asyncio.gather(request("sdpa", seen), request("reference", seen))
+        return seen
+
+    assert asyncio.run(main()) == {"sdpa": "sdpa,sdpa", "reference": "reference,reference"}
+    assert dispatch.forced_backend() is None
+
+
+def test_attention_call_sets_the_causal_window_itself():
+    """``causal`` is a window whose right edge is the diagonal: the call says so on construction,
+    whatever window it was given, so no backend works it out again."""
+    from flash_recipe import dispatch
+
+    for window, expected in (((-1, -1), (-1, 0)), ((5, 3), (5, 0)), ((2, -1), (2, 0))):
+        call = dispatch.AttentionCall(Q, K, K, 0.25, causal=True, window=window)
+        assert call.window == expected
+        assert dispatch.AttentionCall(Q, K, K, 0.25, window=window).window == window
+    sdpa_causal = dispatch.AttentionCall(Q, K, K, 0.25, causal=True)  # what the SDPA entry builds
+    assert sdpa_causal.window == (-1, 0)
+    assert dataclasses.replace(sdpa_causal, causal=False).window == (-1, 0)  # a window stays once set

@@ -211,7 +211,7 @@ CACHES = [
 def test_kvcache_bad_metadata_stays_in_bounds(table, seqlens, leftpad, splits, bounds_checked):
     """``attention_kvcache`` (append with rotary, then split-KV attention over pages) on bad tables,
     lengths and padding: the append kernel, the forward kernel and the split merge stay in bounds."""
-    from flash_recipe.ops.forward import Variant
+    from flash_recipe.ops.launch import ScoreOptions
     from flash_recipe.ops.kvcache import Cache, Rotary, attention_kvcache
 
     q = _rand(3, 2, 2, 16, seed=1)
@@ -220,7 +220,7 @@ def test_kvcache_bad_metadata_stays_in_bounds(table, seqlens, leftpad, splits, b
     angle = _rand(24, 4, seed=6)  # rotary positions [0, 24): fewer than the capacity
     rotary = Rotary(angle.cos(), angle.sin(), interleaved=False)
     cache = Cache(k_cache, v_cache, _i32(table), _i32(seqlens), None if leftpad is None else _i32(leftpad))
-    var = Variant(0, 8, 0, 0.0, None)  # causal with a left window: q moves with its positions
+    var = ScoreOptions(0, 8, 0, 0.0, None)  # causal with a left window: q moves with its positions
     out, lse = attention_kvcache(q, k_new, v_new, cache, rotary, 0.25, var, num_splits=splits)
     assert out.shape == q.shape and lse.shape == (3, 2, 2)
 
@@ -229,14 +229,14 @@ def test_kvcache_bad_metadata_stays_in_bounds(table, seqlens, leftpad, splits, b
 @pytest.mark.parametrize("table", [[[0], [99], [-1]], [[BIG], [1], [-(2**31)]]], ids=["index-out", "index-extreme"])
 def test_dense_cache_bad_batch_index_stays_in_bounds(table, bounds_checked):
     """A dense cache is one page per entry (``cache_batch_idx`` becomes a one-column table)."""
-    from flash_recipe.ops.forward import Variant
+    from flash_recipe.ops.launch import ScoreOptions
     from flash_recipe.ops.kvcache import Cache, attention_kvcache
 
     q = _rand(3, 1, 2, 16, seed=1)
     k_cache, v_cache = _rand(2, 32, 1, 16, seed=2), _rand(2, 32, 1, 16, seed=3)
     k_new, v_new = _rand(3, 1, 1, 16, seed=4), _rand(3, 1, 1, 16, seed=5)
     cache = Cache(k_cache, v_cache, _i32(table), _i32([4, 31, 7]), None)
-    attention_kvcache(q, k_new, v_new, cache, None, 0.25, Variant(0, -1, -1, 0.0, None), num_splits=2)
+    attention_kvcache(q, k_new, v_new, cache, None, 0.25, ScoreOptions(0, -1, -1, 0.0, None), num_splits=2)
 
 
 KEY_RANGES = [
@@ -251,12 +251,13 @@ KEY_RANGES = [
 @pytest.mark.parametrize("start,end", [c[1:] for c in KEY_RANGES], ids=[c[0] for c in KEY_RANGES])
 def test_forward_key_ranges_bad_stay_in_bounds(start, end, splits, bounds_checked):
     """``attention_forward`` with paged ``KeyRanges`` whose rows lie outside the page table."""
-    from flash_recipe.ops.forward import KeyRanges, Variant, attention_forward
+    from flash_recipe.ops.forward import attention_forward
+    from flash_recipe.ops.launch import KeyRanges, ScoreOptions
 
     q = _rand(3, 5, 2, 16, seed=1)
     k, v = _rand(NUM_PAGES, PAGE, 1, 16, seed=2), _rand(NUM_PAGES, PAGE, 1, 16, seed=3)
     keys = KeyRanges(_i32(start), _i32(end), 32, _i32(GOOD_TABLE))
-    attention_forward(q, k, v, 0.25, Variant(0, -1, 0, 0.0, None), keys=keys, num_splits=splits, kernel="decode")
+    attention_forward(q, k, v, 0.25, ScoreOptions(0, -1, 0, 0.0, None), keys=keys, num_splits=splits, kernel="decode")
 
 
 TOTAL_Q, TOTAL_K = 30, 40
@@ -272,12 +273,12 @@ CU_SEQLENS = [
 
 
 def _varlen_inputs(cu_q, cu_k):
-    from flash_recipe.ops.forward import Variant, Varlen
+    from flash_recipe.ops.launch import ScoreOptions, Varlen
 
     q = _rand(TOTAL_Q, 2, 16, seed=1)
     k, v = _rand(TOTAL_K, 1, 16, seed=2), _rand(TOTAL_K, 1, 16, seed=3)
     varlen = Varlen(_i32(cu_q), _i32(cu_k), 40, 40)
-    return q, k, v, Variant(0, -1, 0, 0.0, None), varlen
+    return q, k, v, ScoreOptions(0, -1, 0, 0.0, None), varlen
 
 
 @pytest.mark.parametrize("cu_q,cu_k", [c[1:] for c in CU_SEQLENS], ids=[c[0] for c in CU_SEQLENS])
@@ -303,7 +304,8 @@ def test_varlen_backward_bad_cu_seqlens_stays_in_bounds(cu_q, cu_k, bounds_check
 def test_paged_varlen_bad_metadata_stays_in_bounds(cu_q, cu_k, table, bounds_checked):
     """Paged varlen keys (as ``flash_attn_varlen_func`` with ``block_table`` launches them): key
     lengths from ``cu_seqlens_k``, rows through the page table."""
-    from flash_recipe.ops.forward import KeyRanges, attention_forward
+    from flash_recipe.ops.forward import attention_forward
+    from flash_recipe.ops.launch import KeyRanges
 
     q, _, _, var, varlen = _varlen_inputs(cu_q, cu_k)
     k, v = _rand(NUM_PAGES, PAGE, 1, 16, seed=2), _rand(NUM_PAGES, PAGE, 1, 16, seed=3)

@@ -223,7 +223,7 @@ def test_bad_metadata_on_the_device_gives_nan_not_stray_access(device):
     """The kernel-level guard for metadata the host does not read (GPU tensors): a page index out of
     range or an end past the table makes that batch entry NaN and writes nothing outside the cache;
     the other entries are untouched."""
-    from flash_recipe.ops.forward import Variant
+    from flash_recipe.ops.launch import ScoreOptions
     from flash_recipe.ops.kvcache import Cache, attention_kvcache
 
     q = _rand(3, 1, 2, 16, device=device, seed=1)
@@ -233,7 +233,7 @@ def test_bad_metadata_on_the_device_gives_nan_not_stray_access(device):
     seqlens = torch.tensor([3, 20, 32], dtype=torch.int32, device=device)  # entry 2: full, the new row overflows
     before_k = k_cache.clone()
     out, lse = attention_kvcache(q, k_new, v_new, Cache(k_cache, v_cache, table, seqlens, None), None, 0.25,
-                                 Variant(0, -1, 0, 0.0, None), num_splits=2)
+                                 ScoreOptions(0, -1, 0, 0.0, None), num_splits=2)
     assert out[0].isfinite().all() and lse[0].isfinite().all()
     assert out[1].isnan().all() and out[2].isnan().all()
     changed = (k_cache != before_k).any(dim=(2, 3)).nonzero().tolist()
@@ -382,3 +382,4 @@ def test_strided_metadata_is_read_as_its_values(device):
         (want, want_caches), (got, got_caches) = results
         for g, w in zip((*got, *got_caches), (*want, *want_caches)):
             torch.testing.assert_close(g, w, atol=0, rtol=0)
+

@@ -61,3 +61,25 @@ def test_compiled_model_has_no_graph_break(device):
     torch.testing.assert_close(result, eager)
     for t, g in zip((q, k, v), expected):
         torch.testing.assert_close(t.grad, g)
+
+
+def test_a_new_backend_choice_retraces_the_compiled_function():
+    """Under torch.compile the choice of ``use_backend`` is read from a thread-local that Dynamo
+    guards on (it cannot read the context variable): choosing another backend retraces, and the
+    new graph runs the new backend."""
+    q, k, v = (t.detach() for t in _inputs("cpu", seed=2))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append("scaled_dot_product_attention" in gm.code)  # the sdpa backend's op
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flash_recipe.flash_attn_func, backend=record, fullgraph=True)
+    with flash_recipe.use_backend("reference"):
+        first = compiled(q, k, v)
+        compiled(q, k, v)
+    with flash_recipe.use_backend("sdpa"):
+        second = compiled(q, k, v)
+    assert graphs == [False, True]
+    torch.testing.assert_close(first, second)

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from flash_recipe.ops.backward import attention_backward
-from flash_recipe.ops.forward import Variant, Varlen, attention_forward
+from flash_recipe.ops.forward import attention_forward
+from flash_recipe.ops.launch import ScoreOptions, Varlen
 
 
 def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left, window_right,
@@ -26,7 +27,8 @@ def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset,
     varlen = None
     if cu_seqlens_q is not None:
         varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return Variant(diag_offset, window_left, window_right, softcap, alibi_slopes, dropout_p, seed), varlen
+    options = ScoreOptions(diag_offset, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+    return options, varlen
 
 
 @torch.library.custom_op("flash_recipe::attn_fwd", mutates_args=())
@@ -51,9 +53,9 @@ def attn_fwd(
 
     Varlen: ``q (total_q, H, D)``, ``k, v (total_k, Hk, D)`` -> ``out (total_q, H, D)``, ``lse (H, total_q)``.
     """
-    var, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
-                          window_right, softcap, alibi_slopes, dropout_p, seed)
-    return attention_forward(q, k, v, softmax_scale, var, varlen)
+    options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
+                              window_right, softcap, alibi_slopes, dropout_p, seed)
+    return attention_forward(q, k, v, softmax_scale, options, varlen)
 
 
 @attn_fwd.register_fake
@@ -86,9 +88,9 @@ def attn_bwd(
     seed: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq, dk, dv`` (shapes of q, k, v) from ``dout`` (shape of q)."""
-    var, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
-                          window_right, softcap, alibi_slopes, dropout_p, seed)
-    return attention_backward(dout, q, k, v, out, lse, softmax_scale, var, varlen)
+    options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
+                              window_right, softcap, alibi_slopes, dropout_p, seed)
+    return attention_backward(dout, q, k, v, out, lse, softmax_scale, options, varlen)
 
 
 @attn_bwd.register_fake

@@ -27,12 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import configs
-from flash_recipe.ops.forward import Variant, Varlen, kernel_options, layout, lse_buffer, packed_rows
-from flash_recipe.ops import tiles
+from flash_recipe.ops import configs, tiles
+from flash_recipe.ops.launch import ScoreOptions, Varlen, layout, lse_buffer, packed_rows, score_args
 from flash_recipe.ops.tiles import (
-    dropout_keep, key_blocks, load_tile, loop_bound, query_blocks, scores, sees_one_key, sequence, stage_bounds,
-    store_tile,
+    LOG2E, dropout_keep, key_blocks, load_tile, loop_bound, query_blocks, scores, sees_one_key, sequence,
+    stage_bounds, store_tile,
 )
 
 
@@ -96,7 +95,7 @@ def _dkdv_inner(
         b_qk = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         b_st, b_tt = scores(b_qk, o_m[None, :], o_n[:, None], seqlen_k, lo_offset, hi_offset, diag_offset,
                             sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
-        b_pt = tl.math.exp2((b_st - b_lse[None, :]) * 1.4426950408889634)  # [BLOCK_N, BLOCK_M]
+        b_pt = tl.math.exp2((b_st - b_lse[None, :]) * LOG2E)  # [BLOCK_N, BLOCK_M]
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
             # out uses P * keep / (1 - p): so do dV and, through dP, dS.
@@ -212,7 +211,7 @@ def _dq_inner(
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         b_s, b_t = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
                           sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
-        b_p = tl.math.exp2((b_s - b_lse[:, None]) * 1.4426950408889634)  # [BLOCK_M, BLOCK_N]
+        b_p = tl.math.exp2((b_s - b_lse[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], (start_n + o_n)[None, :], rng_stride, dropout_p)
@@ -308,7 +307,7 @@ def attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     softmax_scale: float,
-    var: Variant,
+    options: ScoreOptions,
     varlen: Optional[Varlen] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the three backward kernels.
@@ -316,47 +315,50 @@ def attention_backward(
     Args:
         dout, q, out: ``(B, Sq, H, D)`` (varlen: ``(total_q, H, D)``); k, v: ``(B, Sk, Hk, D)``
             (varlen: ``(total_k, Hk, D)``); lse as returned by ``attention_forward`` with the same
-            ``softmax_scale``, ``var`` and ``varlen``. ``dout`` may have any strides.
+            ``softmax_scale``, ``options`` and ``varlen``. ``dout`` may have any strides.
 
     Returns:
         ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype.
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dims, strides = layout(q, k, varlen)
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = dims
+    dims = layout(q, k, varlen)
     dq = tiles.output_buffer(q.shape, q.dtype, q.device)
     dk = tiles.output_buffer(k.shape, k.dtype, k.device)
     dv = tiles.output_buffer(v.shape, v.dtype, v.device)
-    if dq.numel() == 0 or dk.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
+    if dq.numel() == 0 or dk.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     target = configs.target_of(q.device)
-    block_d = configs.head_dim_bucket(head_dim)
+    block_d = configs.head_dim_bucket(dims.head_dim)
     delta, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
-    (slopes, seed, stride_sb, scalars), flags = kernel_options(var, delta, seqlen_k)
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (delta, delta)
-    totals = packed_rows(q, k, varlen)
-    common = (stride_lb, stride_lh, stride_sb, nheads, nheads // nheads_k, seqlen_q, seqlen_k, *totals, head_dim,
-              softmax_scale, *scalars)
+    rows = packed_rows(q, k, varlen)
     is_varlen = varlen is not None
+    # What the dK/dV and dQ kernels share: inputs, sizes and score options.
+    common = dict(
+        Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, CU_Q=cu_q, CU_K=cu_k,
+        **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
+        **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
+        nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k,
+        **rows, head_dim=dims.head_dim, sm_scale=softmax_scale, **score_args(options, delta, dims.seqlen_k),
+        IS_VARLEN=is_varlen, BLOCK_D=block_d,
+    )
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64
-        attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_m), nheads, batch)](
-            out, dout, delta, cu_q, *strides(out), *strides(dout), stride_lb, stride_lh, seqlen_q, totals[0],
-            head_dim, IS_VARLEN=is_varlen, BLOCK_M=pre_m, BLOCK_D=block_d,
+        attn_bwd_preprocess_kernel[(triton.cdiv(dims.seqlen_q, pre_m), dims.nheads, dims.batch)](
+            O=out, DO=dout, DELTA=delta, CU_Q=cu_q, **dims.stride_args(out, "o", "m"),
+            **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
+            seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim,
+            IS_VARLEN=is_varlen, BLOCK_M=pre_m, BLOCK_D=block_d,
         )
-        cfg = configs.get_config(target, "bwd_dkdv", head_dim, q.element_size())
-        attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_k, batch)](
-            q, k, v, dout, lse, delta, dk, dv, slopes, cu_q, cu_k, seed,
-            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv), *common,
-            IS_VARLEN=is_varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        cfg = configs.get_config(target, "bwd_dkdv", dims.head_dim, q.element_size())
+        attn_bwd_dkdv_kernel[(triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch)](
+            DK=dk, DV=dv, **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"), **common,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        cfg = configs.get_config(target, "bwd_dq", head_dim, q.element_size())
-        attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
-            q, k, v, dout, lse, delta, dq, slopes, cu_q, cu_k, seed,
-            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), *common,
-            IS_VARLEN=is_varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        cfg = configs.get_config(target, "bwd_dq", dims.head_dim, q.element_size())
+        attn_bwd_dq_kernel[(triton.cdiv(dims.seqlen_q, cfg.block_m), dims.nheads, dims.batch)](
+            DQ=dq, **dims.stride_args(dq, "dq", "m"), **common,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dq, dk, dv

@@ -120,21 +120,21 @@ def _variant(case: Case, nheads: int, diag_offset: int):
     """Causal (aligned), or window + softcap + ALiBi + dropout (ragged)."""
     import torch
 
-    from flash_recipe.ops.forward import Variant
+    from flash_recipe.ops.launch import ScoreOptions
 
     if case.form == "aligned":
-        return Variant(diag_offset, -1, 0, 0.0, None)
+        return ScoreOptions(diag_offset, -1, 0, 0.0, None)
     slopes = torch.rand(nheads, dtype=torch.float32)
     dropout = 0.0 if case.call in ("decode", "paged") else 0.1  # the cache is forward-only: no dropout
     seed = torch.zeros(1, dtype=torch.int64)
-    return Variant(diag_offset, 37, 5, 30.0, slopes, dropout, seed if dropout else None)
+    return ScoreOptions(diag_offset, 37, 5, 30.0, slopes, dropout, seed if dropout else None)
 
 
 def _run_call(case: Case) -> dict[str, str]:
     """Run the launcher(s) of ``case``; returns which kernel label each launched jit function gets."""
     import torch
 
-    from flash_recipe.ops import backward, forward, kvcache
+    from flash_recipe.ops import backward, forward, kvcache, launch
 
     ragged = case.form == "ragged"
     nheads, nheads_k = (6, 2) if ragged else (4, 4)
@@ -155,7 +155,7 @@ def _run_call(case: Case) -> dict[str, str]:
         cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
         total = int(cu[-1])
         q, k, v = (t[0] for t in _qkv(case, 1, total, total, nheads, nheads_k))
-        varlen = forward.Varlen(cu, cu, max(lengths), max(lengths))
+        varlen = launch.Varlen(cu, cu, max(lengths), max(lengths))
         var = _variant(case, nheads, 0)
         forward.attention_forward(q, k, v, scale, var, varlen=varlen)
         out, lse = torch.randn_like(q), torch.randn(nheads, total, dtype=torch.float32)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from typing import NamedTuple, Optional
 
@@ -263,8 +264,29 @@ def get_config(target: str, kernel: str, head_dim: int, element_size: int) -> Co
 
 
 def interpreter_enabled() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    """True when ``TRITON_INTERPRET`` asks Triton to run kernels through its CPU interpreter, read
+    as the installed Triton reads it: from Triton 3.4 on, ``1``, ``true``, ``yes``, ``on`` or ``y``
+    in any case; before 3.4, only ``1``. The one definition in flash_recipe."""
+    value = os.environ.get("TRITON_INTERPRET", "")
+    if _triton_release() < (3, 4):
+        return value == "1"
+    return value.lower() in ("1", "true", "yes", "on", "y")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_release() -> tuple[int, int]:
+    """``(major, minor)`` of the installed Triton, read from its metadata without importing it
+    (the newest rules when no Triton distribution is found)."""
+    from importlib import metadata
+
+    for name in ("triton", "pytorch-triton", "pytorch-triton-rocm", "triton-windows"):
+        try:
+            found = re.match(r"(\d+)\.(\d+)", metadata.version(name))
+        except metadata.PackageNotFoundError:
+            continue
+        if found:
+            return int(found.group(1)), int(found.group(2))
+    return (99, 0)
 
 
 def interpreter_imported_late() -> bool:

@@ -22,18 +22,16 @@ makes every probability the backward recomputes from it exactly 0.
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import configs
-from flash_recipe.ops import tiles
-from flash_recipe.ops.tiles import (dropout_keep, key_blocks, load_keys, load_tile, loop_bound, scores, sequence,
-                                   stage_bounds, store_tile)
-
-
+from flash_recipe.ops import configs, tiles
+from flash_recipe.ops.launch import KeyRanges, ScoreOptions, Varlen, layout, lse_buffer, packed_rows, score_args
+from flash_recipe.ops.tiles import (LN2, LOG2E, dropout_keep, key_blocks, load_keys, load_tile, loop_bound, scores,
+                                   sequence, stage_bounds, store_tile)
 
 @triton.jit
 def _fwd_inner(
@@ -56,7 +54,7 @@ def _fwd_inner(
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         b_s, _ = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
                         sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
-        b_s = b_s * 1.4426950408889634  # base 2
+        b_s = b_s * LOG2E  # base 2
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M], the running max
         b_m_use = b_m_new
         if MASKED:
@@ -119,6 +117,7 @@ def attn_fwd_kernel(
     ``SLOPES[b * stride_sb + h]``. Dropout draws entry ``(i, j)`` from ``SEED[0]`` at offset
     ``(LSE index of row i) * rng_stride + j``.
     """
+    tl.static_assert(KV_RANGES or not PAGED, "PAGED addresses key ranges through the page table: it needs KV_RANGES")
     i_m = tl.program_id(0) // num_splits
     i_s = tl.program_id(0) % num_splits
     i_h = tl.program_id(1)
@@ -192,7 +191,7 @@ def attn_fwd_kernel(
     m_empty = b_l == 0.0  # rows that saw no key
     b_l_safe = tl.where(m_empty, 1.0, b_l)
     b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
-    b_lse = tl.where(m_empty, float("inf"), (b_m + tl.math.log2(b_l_safe)) * 0.6931471805599453)  # [BLOCK_M]
+    b_lse = tl.where(m_empty, float("inf"), (b_m + tl.math.log2(b_l_safe)) * LN2)  # [BLOCK_M]
     if PAGED:
         b_out = tl.where(bad, float("nan"), b_out)
         b_lse = tl.where(bad, float("nan"), b_lse)
@@ -206,100 +205,8 @@ def attn_fwd_kernel(
         tl.store(p_lse, b_lse, mask=o_m < seqlen_q)
 
 
-class Variant(NamedTuple):
-    """The per-call masking and score options, as the kernels take them.
-
-    Query ``i`` sees keys ``[i + diag_offset - window_left, i + diag_offset + window_right]``,
-    ``-1`` meaning unbounded on that side (causal: ``window_right = 0``). ``diag_offset`` is
-    ``Sk - Sq`` for flash-attn's bottom-right alignment and ``0`` for SDPA's top-left; varlen
-    sequences always align bottom-right, each with its own lengths.
-    """
-
-    diag_offset: int
-    window_left: int
-    window_right: int
-    softcap: float  # > 0 enables softcapping
-    slopes: Optional[torch.Tensor]  # ALiBi slopes, fp32 (H,) or (B, H)
-    dropout_p: float = 0.0
-    seed: Optional[torch.Tensor] = None  # int64 (1,) on the device: the dropout mask's Philox seed
-
-
-class Varlen(NamedTuple):
-    """Packed sequences: ``cu_seqlens`` int32 ``(B + 1,)`` and the longest length, per side."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-class KeyRanges(NamedTuple):
-    """Keys of batch ``b`` are rows ``start[b]:end[b]`` (int32 ``(B,)`` each), optionally paged.
-
-    With ``table`` (int32 ``(B, width)``) the key tensors are ``(num_pages, page_size, Hk, D)``
-    and row ``r`` of batch ``b`` lives in page ``table[b, r // page_size]``. ``max_len`` bounds
-    ``end - start`` (it sizes the split-KV shares, never the reads).
-    """
-
-    start: torch.Tensor
-    end: torch.Tensor
-    max_len: int
-    table: Optional[torch.Tensor] = None
-
-
-def kernel_options(var: Variant, placeholder: torch.Tensor, seqlen_k: int) -> tuple[tuple, dict]:
-    """The kernels' ``SLOPES`` and ``SEED`` pointers, the slopes' batch stride, the option scalars
-    (``softcap, diag_offset, window_left, window_right, dropout_p, rng_stride``) and the
-    constexpr flags."""
-    slopes = var.slopes if var.slopes is not None else placeholder
-    stride_sb = slopes.stride(0) if slopes.dim() == 2 else 0
-    seed = var.seed if var.seed is not None else placeholder
-    flags = dict(MASK_LEFT=var.window_left >= 0, MASK_RIGHT=var.window_right >= 0,
-                 SOFTCAP=var.softcap > 0.0, ALIBI=var.slopes is not None, DROPOUT=var.dropout_p > 0.0)
-    softcap = var.softcap if var.softcap > 0.0 else 1.0  # any value serves when SOFTCAP is off
-    scalars = (softcap, var.diag_offset, max(var.window_left, 0), max(var.window_right, 0),
-               var.dropout_p, seqlen_k)
-    return (slopes, seed, stride_sb, scalars), flags
-
-
-def layout(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], keys: Optional[KeyRanges] = None) -> tuple:
-    """``(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)`` and a function giving a tensor's
-    (batch, row, head) strides.
-
-    Varlen tensors ``(total, H, D)`` get batch stride 0 and the longest sequence lengths; paged
-    key tensors ``(num_pages, page_size, Hk, D)`` keep their page stride in the batch slot.
-    """
-    paged = keys is not None and keys.table is not None
-    if varlen is None:
-        batch, seqlen_q, nheads, head_dim = q.shape
-        seqlen_k = keys.max_len if keys is not None else k.shape[1]
-        dims = (batch, seqlen_q, seqlen_k, nheads, k.shape[2], head_dim)
-        return dims, lambda t: (t.stride(0), t.stride(1), t.stride(2))
-    nheads_k = k.shape[2] if paged else k.shape[1]
-    dims = (varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k, q.shape[1], nheads_k, q.shape[2])
-    return dims, lambda t: (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(0), t.stride(1))
-
-
-def packed_rows(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], paged: bool = False) -> tuple[int, int]:
-    """``(total_q, total_k)``: the rows of packed varlen q and k, which bound every sequence's
-    offsets in the kernels (0 where unused: dense tensors, paged keys)."""
-    if varlen is None:
-        return 0, 0
-    return q.shape[0], 0 if paged else k.shape[0]
-
-
-def lse_buffer(q: torch.Tensor, varlen: Optional[Varlen], dims) -> tuple[torch.Tensor, int, int]:
-    """The log-sum-exp buffer, ``(B, H, Sq)`` dense or ``(H, total_q)`` varlen, and its (batch, head) strides."""
-    batch, seqlen_q, _, nheads, _, _ = dims
-    if varlen is None:
-        lse = tiles.output_buffer((batch, nheads, seqlen_q), torch.float32, q.device)
-        return lse, lse.stride(0), lse.stride(1)
-    lse = tiles.output_buffer((nheads, q.shape[0]), torch.float32, q.device)
-    return lse, 0, lse.stride(0)
-
-
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, var: Variant,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, options: ScoreOptions,
     varlen: Optional[Varlen] = None, keys: Optional[KeyRanges] = None, num_splits: int = 1, kernel: str = "fwd",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Inputs are validated by the caller (see ``flash_recipe.api``).
@@ -309,7 +216,7 @@ def attention_forward(
             ``(total_k, Hk, D)``; or with a paged ``keys``: ``(num_pages, page_size, Hk, D)``.
             Last dim contiguous, ``H % Hk == 0``.
         softmax_scale: multiplies ``q @ k^T`` before the softmax.
-        var: masks and score options (see ``Variant``).
+        options: masks and score options (see ``ScoreOptions``).
         keys: per-batch key rows (a KV cache); each batch aligns its diagonal bottom-right.
         num_splits: > 1 (with ``keys``) splits every row's keys into that many shares run by
             separate programs, then merges them (``split_combine_kernel``): more parallelism for
@@ -325,45 +232,50 @@ def attention_forward(
     if varlen is not None and keys is None:
         cu_k = varlen.cu_seqlens_k
         keys = KeyRanges(cu_k[:-1], cu_k[1:], varlen.max_seqlen_k)
-    dims, strides = layout(q, k, varlen, keys)
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = dims
+    dims = layout(q, k, varlen, keys)
     out = tiles.output_buffer(q.shape, q.dtype, q.device)
     lse, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
-    if out.numel() == 0 or seqlen_q == 0:
+    if out.numel() == 0 or dims.seqlen_q == 0:
         lse.fill_(float("inf"))
         return out.zero_(), lse
-    cfg = configs.get_config(configs.target_of(q.device), kernel, head_dim, q.element_size())
-    (slopes, seed, stride_sb, scalars), flags = kernel_options(var, lse, seqlen_k)
-    cu_q = varlen.cu_seqlens_q if varlen is not None else lse
-    k_start, k_end = (keys.start, keys.end) if keys is not None else (lse, lse)
-    table = keys.table if keys is not None and keys.table is not None else None
-    paging = (table.stride(0), k.shape[1], k.shape[0], table.shape[1]) if table is not None else (0, 1, 1, 1)
+    cfg = configs.get_config(configs.target_of(q.device), kernel, dims.head_dim, q.element_size())
+    table = keys.table if keys is not None else None
+    if table is not None:
+        paging = dict(PAGE_TABLE=table, stride_tb=table.stride(0), page_size=k.shape[1], num_pages=k.shape[0],
+                      table_width=table.shape[1])
+    else:
+        paging = dict(PAGE_TABLE=lse, stride_tb=0, page_size=1, num_pages=1, table_width=1)
     o_split, lse_split = out, lse
     if num_splits > 1:
         o_split = tiles.output_buffer((num_splits,) + tuple(q.shape), torch.float32, q.device)
         lse_split = tiles.output_buffer((num_splits,) + tuple(lse.shape), torch.float32, q.device)
-    o_strides = strides(o_split[0]) + (o_split.stride(0),) if num_splits > 1 else strides(out) + (0,)
-    l_strides = (stride_lb, stride_lh, lse_split.stride(0) if num_splits > 1 else 0)
-    totals = packed_rows(q, k, varlen, table is not None)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m) * num_splits, nheads, batch)
-    block_d = configs.head_dim_bucket(head_dim)
+    cu_q = varlen.cu_seqlens_q if varlen is not None else lse
+    rows = packed_rows(q, k, varlen, table is not None)
+    block_d = configs.head_dim_bucket(dims.head_dim)
+    grid = (triton.cdiv(dims.seqlen_q, cfg.block_m) * num_splits, dims.nheads, dims.batch)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         attn_fwd_kernel[grid](
-            q, k, v, o_split, lse_split, slopes, cu_q, k_start, k_end, table if table is not None else lse, seed,
-            *strides(q), *strides(k), *strides(v), *o_strides,
-            *l_strides, stride_sb, paging[0],
-            nheads, nheads // nheads_k, seqlen_q, seqlen_k, *totals, head_dim, softmax_scale, *scalars,
-            *paging[1:], num_splits,
+            Q=q, K=k, V=v, O=o_split, LSE=lse_split, CU_Q=cu_q,
+            K_START=keys.start if keys is not None else lse, K_END=keys.end if keys is not None else lse,
+            **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
+            **dims.stride_args(o_split[0] if num_splits > 1 else out, "o", "m"),
+            stride_os=o_split.stride(0) if num_splits > 1 else 0,
+            stride_lb=stride_lb, stride_lh=stride_lh, stride_ls=lse_split.stride(0) if num_splits > 1 else 0,
+            nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q,
+            seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
+            **rows, **paging, **score_args(options, lse, dims.seqlen_k),
             IS_VARLEN=varlen is not None, KV_RANGES=keys is not None, PAGED=table is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if num_splits > 1:
             block_m = 16
-            split_combine_kernel[(triton.cdiv(seqlen_q, block_m), nheads, batch)](
-                o_split, lse_split, out, lse, cu_q,
-                o_split.stride(0), *strides(o_split[0]), lse_split.stride(0), stride_lb, stride_lh,
-                *strides(out), seqlen_q, totals[0], head_dim, num_splits,
+            split_combine_kernel[(triton.cdiv(dims.seqlen_q, block_m), dims.nheads, dims.batch)](
+                O_SPLIT=o_split, LSE_SPLIT=lse_split, O=out, LSE=lse, CU_Q=cu_q,
+                stride_ps=o_split.stride(0), **dims.stride_args(o_split[0], "p", "m"),
+                stride_qs=lse_split.stride(0), stride_lb=stride_lb, stride_lh=stride_lh,
+                **dims.stride_args(out, "o", "m"), seqlen_q=dims.seqlen_q, total_q=rows["total_q"],
+                head_dim=dims.head_dim, num_splits=num_splits,
                 IS_VARLEN=varlen is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
             )
     return out, lse

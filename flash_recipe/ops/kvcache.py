@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from flash_recipe.ops import configs, tiles
-from flash_recipe.ops.forward import KeyRanges, Variant, attention_forward
+from flash_recipe.ops.forward import attention_forward
+from flash_recipe.ops.launch import KeyRanges, ScoreOptions
 
 
 @triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
@@ -134,17 +135,18 @@ def _launch_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: O
     ``cache`` is given, else into ``out`` shaped like x."""
     batch, seqlen, heads, head_dim = x.shape
     if cache is not None:  # out's batch stride is the page stride
-        table, paging = cache.table, (cache.k.shape[1], cache.k.shape[0], cache.table.shape[1])
+        table = cache.table
+        paging = dict(page_size=cache.k.shape[1], num_pages=cache.k.shape[0], table_width=cache.table.shape[1])
     else:
-        table, paging = positions, (1, 1, 1)
-    out_strides = (out.stride(0), out.stride(1), out.stride(2))
+        table, paging = positions, dict(page_size=1, num_pages=1, table_width=1)
     cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (x, x)
-    rotary_dim = 2 * rotary.cos.shape[1] if rotary is not None else 0
-    rotary_kernel = rotary_append_kernel[(triton.cdiv(seqlen, _ROWS), heads, batch)]
-    rotary_kernel(
-        x, out, cos, sin, positions, table,
-        x.stride(0), x.stride(1), x.stride(2), *out_strides, cos.stride(0), sin.stride(0), table.stride(0),
-        seqlen, head_dim, rotary_dim, cos.shape[0] if rotary is not None else 0, pos_step, *paging,
+    rotary_append_kernel[(triton.cdiv(seqlen, _ROWS), heads, batch)](
+        X=x, OUT=out, COS=cos, SIN=sin, POS=positions, PAGE_TABLE=table,
+        stride_xb=x.stride(0), stride_xm=x.stride(1), stride_xh=x.stride(2),
+        stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
+        stride_cos=cos.stride(0), stride_sin=sin.stride(0), stride_tb=table.stride(0),
+        seqlen=seqlen, head_dim=head_dim, rotary_dim=2 * rotary.cos.shape[1] if rotary is not None else 0,
+        seqlen_rotary=cos.shape[0] if rotary is not None else 0, pos_step=pos_step, **paging,
         ROTARY=rotary is not None, INTERLEAVED=bool(rotary is not None and rotary.interleaved),
         TO_CACHE=cache is not None, BLOCK_M=_ROWS, BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=4,
     )
@@ -182,7 +184,7 @@ def auto_splits(batch: int, nheads: int, seqlen_q: int, capacity: int, device: t
 
 def attention_kvcache(
     q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], cache: Cache,
-    rotary: Optional[Rotary], softmax_scale: float, var: Variant, num_splits: int = 0,
+    rotary: Optional[Rotary], softmax_scale: float, options: ScoreOptions, num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache`` on validated input (see ``flash_recipe.kvcache``).
 
@@ -192,7 +194,7 @@ def attention_kvcache(
 
     Returns ``out (B, Sq, H, D)`` in q's dtype and ``lse (B, H, Sq)`` float32.
     """
-    q_moves = var.window_left >= 0 or var.window_right >= 0
+    q_moves = options.window_left >= 0 or options.window_right >= 0
     q = append_and_rotate(q, k_new, v_new, cache, rotary, q_moves)
     new = k_new.shape[1] if k_new is not None else 0
     end = cache.seqlens + new if new else cache.seqlens
@@ -202,4 +204,5 @@ def attention_kvcache(
     if num_splits == 0:
         num_splits = auto_splits(batch, nheads, seqlen_q, cache.capacity, q.device)
     kernel = "decode" if seqlen_q <= 16 else "fwd"
-    return attention_forward(q, cache.k, cache.v, softmax_scale, var, keys=keys, num_splits=num_splits, kernel=kernel)
+    return attention_forward(q, cache.k, cache.v, softmax_scale, options, keys=keys, num_splits=num_splits,
+                             kernel=kernel)

@@ -16,6 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+# The kernels' softmax runs in base 2 (``exp2``, ``log2``); these convert to and from natural units.
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
+
 
 def output_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Allocate a kernel output; every element is written by the kernel (tests fill it with NaN)."""

@@ -1,0 +1,119 @@
+"""The calls a backend runs, validated by the public layer (``flash_recipe.api``, ``flash_recipe.kvcache``).
+
+- ``AttentionCall``: one attention call in flash-attn's layout, dense or varlen;
+- ``CacheCall``: ``flash_attn_with_kvcache``: append to a KV cache, then attend over it;
+- ``PagedCall``: ``flash_attn_varlen_func`` with keys and values in pages (``block_table``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from flash_recipe.reference import effective_window
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One attention call in flash-attn's layout.
+
+    ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)``; query ``i`` sees key ``j``
+    iff ``i + diag_offset - left <= j <= i + diag_offset + right`` for ``window = (left, right)``
+    (``-1``: unbounded). ``causal`` is a window whose right edge is the diagonal: the call sets
+    ``right = 0`` itself on construction, so ``window`` is always the window that masks.
+    ``attn_mask`` (broadcastable to ``(B, H, Sq, Sk)``) comes from the SDPA API only.
+    ``return_lse`` asks for the log-sum-exp (and, with dropout, for the dropped-out probabilities,
+    as flash-attn's ``return_attn_probs``).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    softmax_scale: float
+    causal: bool = False
+    diag_offset: int = 0
+    window: tuple = (-1, -1)  # (left, right) around the diagonal, -1 unbounded; causal has right 0
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None  # float32 (H,) or (B, H)
+    attn_mask: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    return_lse: bool = False
+    # Varlen: q (total_q, H, D), k/v (total_k, Hk, D); int32 (B + 1,) offsets; diagonals bottom-right.
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "window", effective_window(self.causal, self.window))
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    def sequences(self) -> list:
+        """A varlen call as one dense call per sequence (for backends without varlen kernels)."""
+        starts_q = self.cu_seqlens_q.tolist()
+        starts_k = self.cu_seqlens_k.tolist()
+        calls = []
+        for b in range(len(starts_q) - 1):
+            q = self.q[starts_q[b]:starts_q[b + 1]].unsqueeze(0)
+            k, v = (t[starts_k[b]:starts_k[b + 1]].unsqueeze(0) for t in (self.k, self.v))
+            calls.append(dataclasses.replace(
+                self, q=q, k=k, v=v, diag_offset=k.shape[1] - q.shape[1], alibi_slopes=self.slopes_of(b),
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+            ))
+        return calls
+
+    def slopes_of(self, b: int) -> Optional[torch.Tensor]:
+        """The ALiBi slopes of batch entry ``b`` as a call of its own takes them: ``(1, H)`` from
+        per-batch ``(B, H)`` slopes, else the shared ``(H,)`` slopes (or None)."""
+        slopes = self.alibi_slopes
+        return slopes[b:b + 1] if slopes is not None and slopes.dim() == 2 else slopes
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheCall:
+    """A validated ``flash_attn_with_kvcache`` call; ``table`` int32 ``(B, width)`` addresses the
+    cache as pages of ``k_cache.shape[1]`` rows (a dense cache: one page per cache row).
+
+    ``q (B, Sq, H, D)``; ``k_cache, v_cache (num_pages, page_size, Hk, D)``; new ``k, v
+    (B, Snew, Hk, D)`` or None; ``seqlens`` and ``leftpad`` int32 ``(B,)``.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
+    rotary: Optional[tuple]  # (cos, sin, interleaved)
+    seqlens: torch.Tensor  # int32 (B,)
+    leftpad: Optional[torch.Tensor]
+    table: torch.Tensor
+    paged: bool
+    attention: AttentionCall  # the score options; q, k_cache, v_cache stand in for the tensors
+    num_splits: int
+    user_args: dict  # the arguments for upstream flash-attn: as given, with metadata made contiguous
+
+    @property
+    def new_tokens(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCall:
+    """``flash_attn_varlen_func`` with ``block_table``: ``attention`` is a varlen call whose ``k, v``
+    are pages ``(num_blocks, page_size, Hk, D)``; sequence ``b``'s key ``j`` is row
+    ``j % page_size`` of page ``block_table[b, j // page_size]``, and ``cu_seqlens_k`` gives only
+    the lengths."""
+
+    attention: AttentionCall
+    block_table: torch.Tensor  # int32 (B, width), contiguous
+
+    @property
+    def lengths_k(self) -> torch.Tensor:
+        """int32 ``(B,)``: each sequence's number of keys."""
+        cu_k = self.attention.cu_seqlens_k
+        return cu_k[1:] - cu_k[:-1]

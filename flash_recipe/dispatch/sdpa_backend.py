@@ -1,0 +1,100 @@
+"""The ``sdpa`` backend: ``torch.nn.functional.scaled_dot_product_attention``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flash_recipe.dispatch import probes
+from flash_recipe.dispatch.base import Backend
+from flash_recipe.dispatch.call import AttentionCall
+
+# torch SDPA takes enable_gqa from torch 2.5 on; older releases get repeated kv heads.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class SdpaBackend(Backend):
+    """``torch.nn.functional.scaled_dot_product_attention``.
+
+    torch picks its own kernel, except on NVIDIA GPUs below sm80 (T4, RTX 20xx), where torch's
+    flash kernel does not exist: there the call is restricted to the memory-efficient kernel (with
+    math as the last resort), so an enclosing ``sdpa_kernel([SDPBackend.FLASH_ATTENTION])`` cannot
+    make it fail with "No available kernel", and it is shaped so that kernel takes it: key/value
+    heads repeated for GQA (the kernel has no GQA) and bfloat16 computed in float32 (the kernel
+    takes float16 and float32 only below sm80; the result is cast back).
+    """
+
+    name = "sdpa"
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        if call.return_lse:
+            return "torch SDPA does not return the log-sum-exp"
+        if call.softcap > 0.0:
+            return "torch SDPA has no softcap"
+        if not call.is_varlen and call.k.shape[1] == 0:
+            return "no keys (seqlen_k = 0)"
+        return None
+
+    def run(self, call: AttentionCall):
+        from flash_recipe.reference import alibi_bias, visible_keys
+
+        q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # (B, H, S, D) views
+        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+        if seqlen_k == 0:  # rows that see no key output 0
+            return call.q.new_zeros(call.q.shape[:-1] + (call.v.shape[-1],)), None, None
+        mask, is_causal = call.attn_mask, False
+        efficient_only = probes.pre_ampere_nvidia(q.device)
+        if efficient_only and q.dtype == torch.bfloat16:
+            q, k, v = (t.float() for t in (q, k, v))
+            if mask is not None and mask.dtype != torch.bool:
+                mask = mask.float()
+        window = call.window
+        if call.causal and call.diag_offset == 0 and window[0] < 0 and mask is None and call.alibi_slopes is None:
+            is_causal = True
+        elif window != (-1, -1):
+            visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, window, q.device)
+            mask = visible if mask is None else _combine_masks(visible, mask)
+        if call.alibi_slopes is not None:
+            bias = alibi_bias(call.alibi_slopes, seqlen_q, seqlen_k, call.diag_offset).to(q.dtype)
+            if mask is None:
+                mask = bias
+            elif mask.dtype == torch.bool:
+                mask = _combine_masks(mask, bias)
+            else:
+                mask = mask + bias
+        options = dict(attn_mask=mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.softmax_scale)
+        if q.shape[1] != k.shape[1]:
+            if _SDPA_HAS_GQA and not efficient_only:
+                options["enable_gqa"] = True
+            else:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if efficient_only:
+            with _efficient_sdpa_kernels():
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
+            out = out.to(call.q.dtype).transpose(1, 2)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
+        left, right = window
+        first_row_blind = right >= 0 and call.diag_offset + right < 0
+        last_row_blind = left >= 0 and seqlen_q - 1 + call.diag_offset - left >= seqlen_k
+        if first_row_blind or last_row_blind:
+            # Rows that see no key: some torch kernels give NaN there, flash-attn gives 0.
+            visible = visible_keys(seqlen_q, seqlen_k, call.diag_offset, window, q.device)
+            out = out.masked_fill(~visible.any(dim=-1)[None, :, None, None], 0.0)
+        return out, None, None
+
+
+def _efficient_sdpa_kernels():
+    """torch SDPA restricted to its memory-efficient kernel, math as the last resort."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _combine_masks(visible: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Restrict ``mask`` (bool or additive) to the ``visible`` bool mask."""
+    if mask.dtype == torch.bool:
+        return mask & visible
+    return mask.masked_fill(~visible, float("-inf"))

@@ -1,0 +1,111 @@
+"""The ``triton`` backend: this package's Triton kernels (``flash_recipe.ops``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flash_recipe.dispatch import probes
+from flash_recipe.dispatch.base import Backend
+from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
+
+
+def key_range_options(call: AttentionCall):
+    """The kernels' ``ScoreOptions`` for a call on per-batch key ranges (a cache, paged keys), which
+    align each batch's diagonal bottom-right in the kernel: its window, softcap and ALiBi."""
+    from flash_recipe.ops.launch import ScoreOptions
+
+    return ScoreOptions(diag_offset=0, window_left=call.window[0], window_right=call.window[1],
+                        softcap=call.softcap, slopes=call.alibi_slopes)
+
+
+class TritonBackend(Backend):
+    """This package's Triton kernels: dense, varlen, KV cache and paged keys, on NVIDIA sm80+,
+    AMD CDNA, and the CPU through Triton's interpreter."""
+
+    name = "triton"
+    native_varlen = True
+    deterministic = True
+
+    def is_available(self) -> Optional[str]:
+        error = probes.import_error("triton")
+        if error == "triton is not installed":
+            return f"{error} (Triton publishes wheels for Linux x86_64 and aarch64 only)"
+        if error is not None:
+            return f"triton fails to import: {error}"
+        return probes.triton_too_old()
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        q, v = call.q, call.v
+        if q.device.type == "cpu":
+            problem = probes.interpreter_problem()
+            if problem is not None:
+                return problem
+            if q.dtype == torch.bfloat16:
+                return "the Triton interpreter computes bfloat16 dot products incorrectly; use float16 or float32 on the CPU"
+        elif q.device.type == "cuda":
+            if torch.version.hip is None:
+                major, minor = probes.device_capability(q.device)
+                if major < 8:
+                    return probes.pre_ampere_reason(major, minor)
+            problem = probes.configs_problem(probes.device_index(q.device))
+            if problem is not None:
+                return problem
+        else:
+            return f"device type {q.device.type!r} is not supported (cuda or, with the interpreter, cpu)"
+        if v.shape[-1] != q.shape[-1]:
+            return f"value head dim {v.shape[-1]} differs from query head dim {q.shape[-1]}"
+        if q.shape[-1] > 256:
+            return f"head dim {q.shape[-1]} is above 256"
+        if call.attn_mask is not None:
+            return "an explicit attn_mask is not supported (causal masking is)"
+        if call.dropout_p > 0.0 and call.return_lse and call.is_varlen:
+            return "the dropped-out probabilities are returned for dense calls only"
+        return probes.last_dim_strided(call)
+
+    def run(self, call: AttentionCall):
+        from flash_recipe.ops.attention import attention, new_seed
+
+        seed = new_seed(call.q.device) if call.dropout_p > 0.0 else None
+        out, lse = attention(call.q, call.k, call.v, call.softmax_scale, call.diag_offset, call.window, call.softcap,
+                             call.alibi_slopes, (call.cu_seqlens_q, call.cu_seqlens_k),
+                             (call.max_seqlen_q, call.max_seqlen_k), call.dropout_p, seed)
+        s_dmask = None
+        if seed is not None and call.return_lse:
+            s_dmask = self._dropped_probs(call, seed)
+        return out, lse, s_dmask
+
+    @staticmethod
+    def _dropped_probs(call: AttentionCall, seed) -> torch.Tensor:
+        """The probabilities ``(B, H, Sq, Sk)`` the kernel used, negated where dropout dropped them."""
+        from flash_recipe.ops.dropout import dropout_mask
+        from flash_recipe.reference import attention_reference
+
+        batch, seqlen_q, nheads, _ = call.q.shape
+        keep = dropout_mask(seed, batch, nheads, seqlen_q, call.k.shape[1], call.dropout_p)
+        with torch.no_grad():
+            _, probs = attention_reference(
+                call.q, call.k, call.v, call.softmax_scale, call.causal, call.diag_offset, window=call.window,
+                softcap=call.softcap, alibi_slopes=call.alibi_slopes, return_probs=True,
+            )
+        return torch.where(keep, probs, -probs).to(call.q.dtype)
+
+    def run_cache(self, call: CacheCall) -> tuple:
+        from flash_recipe.ops.kvcache import Cache, Rotary, attention_kvcache
+
+        cache = Cache(call.k_cache, call.v_cache, call.table, call.seqlens, call.leftpad)
+        rotary = Rotary(*call.rotary) if call.rotary is not None else None
+        att = call.attention
+        return attention_kvcache(call.q, call.k, call.v, cache, rotary, att.softmax_scale,
+                                 key_range_options(att), call.num_splits)
+
+    def run_paged(self, call: PagedCall) -> tuple:
+        from flash_recipe.ops.forward import attention_forward
+        from flash_recipe.ops.launch import KeyRanges, Varlen
+
+        att = call.attention
+        lengths_k = call.lengths_k
+        keys = KeyRanges(torch.zeros_like(lengths_k), lengths_k, att.max_seqlen_k, call.block_table)
+        varlen = Varlen(att.cu_seqlens_q, att.cu_seqlens_k, att.max_seqlen_q, att.max_seqlen_k)
+        return attention_forward(att.q, att.k, att.v, att.softmax_scale, key_range_options(att), varlen, keys)

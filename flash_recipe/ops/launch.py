@@ -1,0 +1,135 @@
+"""What the launchers share: the per-call option types and the keyword arguments they become.
+
+Shapes (B batch, Sq/Sk query/key length, H query heads, Hk key/value heads, D head dim)::
+
+    dense    q (B, Sq, H, D)    k, v (B, Sk, Hk, D)       lse (B, H, Sq)
+    varlen   q (total_q, H, D)  k, v (total_k, Hk, D)     lse (H, total_q)
+    paged    k, v (num_pages, page_size, Hk, D)
+
+Every kernel is launched by keyword: the helpers here return dicts keyed by the kernels'
+parameter names, so a parameter is named once, in the kernel signature and at its launch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from flash_recipe.ops import tiles
+
+
+class ScoreOptions(NamedTuple):
+    """The per-call masking and score options, as the kernels take them.
+
+    Query ``i`` sees keys ``[i + diag_offset - window_left, i + diag_offset + window_right]``,
+    ``-1`` meaning unbounded on that side (causal: ``window_right = 0``). ``diag_offset`` is
+    ``Sk - Sq`` for flash-attn's bottom-right alignment and ``0`` for SDPA's top-left; varlen
+    sequences and per-batch key ranges always align bottom-right, each with its own lengths.
+    """
+
+    diag_offset: int
+    window_left: int
+    window_right: int
+    softcap: float  # > 0 enables softcapping
+    slopes: Optional[torch.Tensor]  # ALiBi slopes, fp32 (H,) or (B, H)
+    dropout_p: float = 0.0
+    seed: Optional[torch.Tensor] = None  # int64 (1,) on the device: the dropout mask's Philox seed
+
+
+class Varlen(NamedTuple):
+    """Packed sequences: ``cu_seqlens`` int32 ``(B + 1,)`` and the longest length, per side."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class KeyRanges(NamedTuple):
+    """Keys of batch ``b`` are rows ``start[b]:end[b]`` (int32 ``(B,)`` each), optionally paged.
+
+    With ``table`` (int32 ``(B, width)``) the key tensors are ``(num_pages, page_size, Hk, D)``
+    and row ``r`` of batch ``b`` lives in page ``table[b, r // page_size]``. ``max_len`` bounds
+    ``end - start`` (it sizes the split-KV shares, never the reads).
+    """
+
+    start: torch.Tensor
+    end: torch.Tensor
+    max_len: int
+    table: Optional[torch.Tensor] = None
+
+
+class Layout(NamedTuple):
+    """The sizes of a launch and how its tensors are strided."""
+
+    batch: int
+    seqlen_q: int  # the longest query sequence with varlen
+    seqlen_k: int  # the longest key sequence with varlen, the key-range bound with a cache
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    strides: Callable[[torch.Tensor], tuple]  # a tensor's (batch, row, head) strides
+
+    def stride_args(self, t: torch.Tensor, prefix: str, row: str) -> dict:
+        """``t``'s strides as the kernel parameters ``stride_{prefix}b``, ``stride_{prefix}{row}``
+        and ``stride_{prefix}h``."""
+        batch, rows, heads = self.strides(t)
+        return {f"stride_{prefix}b": batch, f"stride_{prefix}{row}": rows, f"stride_{prefix}h": heads}
+
+
+def score_args(options: ScoreOptions, placeholder: torch.Tensor, seqlen_k: int) -> dict:
+    """The kernels' score arguments: the ``SLOPES`` and ``SEED`` pointers (``placeholder`` where
+    unused), the slopes' batch stride, the option scalars and the constexpr flags."""
+    slopes = options.slopes if options.slopes is not None else placeholder
+    return dict(
+        SLOPES=slopes,
+        SEED=options.seed if options.seed is not None else placeholder,
+        stride_sb=slopes.stride(0) if slopes.dim() == 2 else 0,
+        softcap=options.softcap if options.softcap > 0.0 else 1.0,  # any value serves when SOFTCAP is off
+        diag_offset=options.diag_offset,
+        window_left=max(options.window_left, 0),
+        window_right=max(options.window_right, 0),
+        dropout_p=options.dropout_p,
+        rng_stride=seqlen_k,
+        MASK_LEFT=options.window_left >= 0,
+        MASK_RIGHT=options.window_right >= 0,
+        SOFTCAP=options.softcap > 0.0,
+        ALIBI=options.slopes is not None,
+        DROPOUT=options.dropout_p > 0.0,
+    )
+
+
+def layout(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], keys: Optional[KeyRanges] = None) -> Layout:
+    """The sizes of a launch and a function giving a tensor's (batch, row, head) strides.
+
+    Varlen tensors ``(total, H, D)`` get batch stride 0 and the longest sequence lengths; paged
+    key tensors ``(num_pages, page_size, Hk, D)`` keep their page stride in the batch slot.
+    """
+    paged = keys is not None and keys.table is not None
+    if varlen is None:
+        batch, seqlen_q, nheads, head_dim = q.shape
+        seqlen_k = keys.max_len if keys is not None else k.shape[1]
+        return Layout(batch, seqlen_q, seqlen_k, nheads, k.shape[2], head_dim,
+                      lambda t: (t.stride(0), t.stride(1), t.stride(2)))
+    nheads_k = k.shape[2] if paged else k.shape[1]
+    return Layout(varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k, q.shape[1], nheads_k,
+                  q.shape[2],
+                  lambda t: (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(0), t.stride(1)))
+
+
+def packed_rows(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], paged: bool = False) -> dict:
+    """``total_q`` and ``total_k``: the rows of packed varlen q and k, which bound every sequence's
+    offsets in the kernels (0 where unused: dense tensors, paged keys)."""
+    if varlen is None:
+        return dict(total_q=0, total_k=0)
+    return dict(total_q=q.shape[0], total_k=0 if paged else k.shape[0])
+
+
+def lse_buffer(q: torch.Tensor, varlen: Optional[Varlen], dims: Layout) -> tuple[torch.Tensor, int, int]:
+    """The log-sum-exp buffer, ``(B, H, Sq)`` dense or ``(H, total_q)`` varlen, and its (batch, head) strides."""
+    if varlen is None:
+        lse = tiles.output_buffer((dims.batch, dims.nheads, dims.seqlen_q), torch.float32, q.device)
+        return lse, lse.stride(0), lse.stride(1)
+    lse = tiles.output_buffer((dims.nheads, q.shape[0]), torch.float32, q.device)
+    return lse, 0, lse.stride(0)

@@ -1,0 +1,176 @@
+"""The package's shape: no import cycle, kernels launched by keyword, backends named for branching
+only inside ``flash_recipe.dispatch`` (all three read from the source), and kernel flags that are
+only valid together guarded in the kernel.
+
+Each checker is also run on a small snippet that breaks its rule, so a checker that stopped
+seeing anything would fail here rather than pass in silence.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import flash_recipe
+import pytest
+import torch
+
+from flash_recipe import dispatch
+
+PACKAGE = Path(flash_recipe.__file__).parent
+
+
+def _modules() -> dict[str, ast.Module]:
+    """Every module of flash_recipe by dotted name, parsed."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = ast.parse(path.read_text(), filename=str(path))
+    return found
+
+
+def _run_time_nodes(tree: ast.AST):
+    """The nodes of ``tree`` outside ``if TYPE_CHECKING:`` blocks (those never import at run time)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Module -> the flash_recipe modules it imports, at module level or inside a function."""
+    graph = {name: set() for name in modules}
+    packages = {name for name in modules if any(other.startswith(name + ".") for other in modules)}
+    for name, tree in modules.items():
+        package = name if name in packages else name.rpartition(".")[0]
+        for node in _run_time_nodes(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, one level up per extra dot
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}"
+                    targets.append(submodule if submodule in modules else base)
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``, each as a path that returns to its start."""
+    found, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_flash_recipe_has_no_import_cycle():
+    modules = _modules()
+    assert "flash_recipe.dispatch.triton_backend" in modules and "flash_recipe.api" in modules
+    graph = import_graph(modules)
+    assert "flash_recipe.validate" in graph["flash_recipe.kvcache"]  # the graph sees imports
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import():
+    """The circle this package once had: kvcache imported api, api imported kvcache in a function."""
+    modules = {
+        "pkg": ast.parse(""),
+        "pkg.api": ast.parse("def f():\n    from pkg.kvcache import paged\n"),
+        "pkg.kvcache": ast.parse("from pkg import api\n"),
+    }
+    assert cycles(import_graph(modules)) == [["pkg.api", "pkg.kvcache", "pkg.api"]]
+
+
+def positional_launches(tree: ast.AST) -> list[str]:
+    """Kernel launches ``kernel[grid](...)`` that pass an argument by position."""
+    return [ast.unparse(node.func) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and node.args]
+
+
+def test_every_kernel_is_launched_by_keyword():
+    launches = 0
+    for path in sorted((PACKAGE / "ops").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        launches += sum(isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) for n in ast.walk(tree))
+        assert positional_launches(tree) == [], path.name
+    assert launches >= 7  # forward, split-combine, three backward, rotary-append, dropout mask
+
+
+def test_the_launch_check_finds_a_positional_argument():
+    snippet = "kernel[grid](q, K=k, BLOCK_M=64)\nother[grid](Q=q)\n"
+    assert positional_launches(ast.parse(snippet)) == ["kernel[grid]"]
+
+
+def backend_branches(tree: ast.AST, names) -> list[str]:
+    """Comparisons against a backend's name (``backend.name == "triton"``, ``name in ("sdpa", ...)``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            constants = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]
+            if constants:
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_only_dispatch_branches_on_a_backend_name():
+    names = set(dispatch.backend_names())
+    assert names == {"flash_attn", "triton", "sdpa", "reference"}
+    for module, tree in _modules().items():
+        if module == "flash_recipe.dispatch" or module.startswith("flash_recipe.dispatch."):
+            continue
+        assert backend_branches(tree, names) == [], module
+
+
+def test_the_branch_check_finds_a_backend_name_comparison():
+    snippet = textwrap.dedent("""
+        if backend.name == "flash_attn":
+            pass
+        run = fast if backend.name != "triton" else slow
+        ok = name in ("sdpa", "other")
+        fine = backend.name == "unrelated"
+    """)
+    found = backend_branches(ast.parse(snippet), {"flash_attn", "triton", "sdpa", "reference"})
+    assert sorted(found) == ["backend.name != 'triton'", "backend.name == 'flash_attn'", "name in ('sdpa', 'other')"]
+
+
+def test_a_paged_launch_without_key_ranges_is_refused_by_the_kernel(monkeypatch):
+    """``PAGED`` addresses keys through per-batch ranges: the kernel's ``tl.static_assert`` refuses
+    a launch that asks for pages without ``KV_RANGES``, instead of reading rows from a page table
+    it has no range for. The launcher never does that; the launch is altered here to show it."""
+    from flash_recipe.ops import forward
+    from flash_recipe.ops.launch import KeyRanges, ScoreOptions
+
+    kernel = forward.attn_fwd_kernel
+
+    class WithoutKeyRanges:
+        def __getitem__(self, grid):
+            return lambda **kwargs: kernel[grid](**{**kwargs, "KV_RANGES": False})
+
+    monkeypatch.setattr(forward, "attn_fwd_kernel", WithoutKeyRanges())
+    q, pages = torch.randn(1, 4, 2, 16), torch.randn(2, 16, 2, 16)
+    lengths = torch.tensor([5], dtype=torch.int32)
+    keys = KeyRanges(torch.zeros_like(lengths), lengths, 32, torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(Exception, match="PAGED addresses key ranges through the page table: it needs KV_RANGES"):
+        forward.attention_forward(q, pages, pages, 0.25, ScoreOptions(0, -1, 0, 0.0, None), keys=keys)
