@@ -6,6 +6,7 @@
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``compat``: the interpreter and the compiler path under each supported Triton release;
+- ``lint``: ruff's checks and its formatting, as ``[tool.ruff]`` in pyproject.toml sets them;
 - ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed
   (``recipes/harness/reproduce.py``).
 
@@ -82,6 +83,20 @@ def run_pytest(session: nox.Session, *args: str) -> None:
 FUZZ_USAGE = "usage: nox -s fuzz [-- [--cases N] [--seed S] [--case I ...]]"
 
 
+# The ruff that lint runs: pinned, so that a new release's rules or formatting cannot fail CI.
+RUFF = "ruff==0.17.6"
+
+
+@nox.session(default=False)
+def lint(session: nox.Session) -> None:
+    """``ruff check`` and ``ruff format --check`` over the checkout with the pinned ruff. To fix what
+    it reports: ``ruff check --fix . && ruff format .`` (then review the diff)."""
+    session.install(RUFF)
+    session.chdir(ROOT)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
 @nox.session(default=False)
 def fuzz(session: nox.Session) -> None:
     """Run the differential fuzz test (``tests/test_fuzz.py``) against the built wheel.
@@ -106,8 +121,15 @@ def fuzz(session: nox.Session) -> None:
             options[flag] = value
     install_built_wheel(session)
     session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
-    run_pytest(session, str(ROOT / "tests" / "test_fuzz.py"), "--fuzz-cases", options["--cases"],
-               "--fuzz-seed", options["--seed"], *cases)
+    run_pytest(
+        session,
+        str(ROOT / "tests" / "test_fuzz.py"),
+        "--fuzz-cases",
+        options["--cases"],
+        "--fuzz-seed",
+        options["--seed"],
+        *cases,
+    )
 
 
 @nox.session(venv_backend="none", default=False)
@@ -155,15 +177,34 @@ def compile_check(session: nox.Session) -> None:
     """
     install_built_wheel(session)
     session.chdir(session.create_tmp())
-    common = ["--call", "fwd", "--call", "bwd", "--call", "decode", "--head-dim", "64", "--head-dim", "128",
-              "--head-dim", "256", "--jobs", "2"]
-    selections = [session.posargs] if session.posargs else [
-        [*common, "--form", "aligned", "--dtype", "bfloat16", "--dtype", "float32"],
-        [*common, "--form", "ragged", "--dtype", "bfloat16", *(a for t in RAGGED_TARGETS for a in ("--target", t))],
+    common = [
+        "--call",
+        "fwd",
+        "--call",
+        "bwd",
+        "--call",
+        "decode",
+        "--head-dim",
+        "64",
+        "--head-dim",
+        "128",
+        "--head-dim",
+        "256",
+        "--jobs",
+        "2",
     ]
+    selections = (
+        [session.posargs]
+        if session.posargs
+        else [
+            [*common, "--form", "aligned", "--dtype", "bfloat16", "--dtype", "float32"],
+            [*common, "--form", "ragged", "--dtype", "bfloat16", *(a for t in RAGGED_TARGETS for a in ("--target", t))],
+        ]
+    )
     for args in selections:
-        session.run("python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", *args,
-                    env={"TRITON_INTERPRET": "0"})
+        session.run(
+            "python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", *args, env={"TRITON_INTERPRET": "0"}
+        )
 
 
 # One release per Triton minor version that pyproject admits (flash_recipe.env.versions.TRITON_MIN
@@ -182,11 +223,47 @@ def compat(session: nox.Session, triton: str) -> None:
     install_built_wheel(session, pins=(f"triton=={triton}",))
     session.chdir(session.create_tmp())
     session.run("python", "-c", f"import triton, sys; sys.exit(triton.__version__ != {triton!r})")
-    session.run("flash-recipe", "verify", "--backend", "triton", "--grid", "small", "--dtype", "float16",
-                "--dtype", "float32", env={"TRITON_INTERPRET": "1"})
-    session.run("python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", "--target", "sm80", "--target",
-                "sm90", "--call", "fwd", "--call", "bwd", "--call", "decode", "--dtype", "bfloat16", "--head-dim",
-                "128", "--form", "aligned", "--form", "ragged", "--jobs", "2", env={"TRITON_INTERPRET": "0"})
+    session.run(
+        "flash-recipe",
+        "verify",
+        "--backend",
+        "triton",
+        "--grid",
+        "small",
+        "--dtype",
+        "float16",
+        "--dtype",
+        "float32",
+        env={"TRITON_INTERPRET": "1"},
+    )
+    session.run(
+        "python",
+        "-W",
+        "ignore",
+        "-m",
+        "flash_recipe.ops.compile_check",
+        "--target",
+        "sm80",
+        "--target",
+        "sm90",
+        "--call",
+        "fwd",
+        "--call",
+        "bwd",
+        "--call",
+        "decode",
+        "--dtype",
+        "bfloat16",
+        "--head-dim",
+        "128",
+        "--form",
+        "aligned",
+        "--form",
+        "ragged",
+        "--jobs",
+        "2",
+        env={"TRITON_INTERPRET": "0"},
+    )
 
 
 @nox.session(default=False, venv_backend="venv")

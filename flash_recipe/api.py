@@ -15,9 +15,22 @@ from flash_recipe import dispatch, validate
 from flash_recipe.dispatch import AttentionCall
 from flash_recipe.kvcache import paged_varlen
 
+
 def _build_flash_call(
-    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_lse, names=("q", "k", "v"), varlen: Optional[tuple] = None, paged: bool = False,
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_lse,
+    names=("q", "k", "v"),
+    varlen: Optional[tuple] = None,
+    paged: bool = False,
 ) -> AttentionCall:
     """Validate flash-attn style arguments and build the call.
 
@@ -29,8 +42,10 @@ def _build_flash_call(
         for name, t in zip(names[1:], (k, v)):
             validate.check_tensor(name, t, 4, layout)
         if k.shape != v.shape or k.shape[0] == 0:
-            raise ValueError(f"{names[2]} must have the shape of {names[1]} {layout} with at least one block, "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"{names[2]} must have the shape of {names[1]} {layout} with at least one block, "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
         validate.check_qkv(q, k[0], v[0], names, varlen=True)
     else:
         validate.check_qkv(q, k, v, names, varlen=varlen is not None)
@@ -46,7 +61,9 @@ def _build_flash_call(
         validate.check_alibi(alibi_slopes, batch, q.shape[-2], q.device)
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     return AttentionCall(
-        q=q, k=k, v=v,
+        q=q,
+        k=k,
+        v=v,
         softmax_scale=validate.check_scale(softmax_scale, q.shape[-1]),
         causal=causal,
         diag_offset=0 if varlen is not None else k.shape[1] - q.shape[1],
@@ -55,7 +72,10 @@ def _build_flash_call(
         alibi_slopes=alibi_slopes,
         return_lse=bool(return_lse),
         dropout_p=dropout_p,
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
     )
 
 
@@ -130,7 +150,16 @@ def flash_attn_func(
         ``q @ k^T * softmax_scale`` (``+inf`` for a row that sees no key).
     """
     call = _build_flash_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
         return_attn_probs,
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -155,8 +184,18 @@ def flash_attn_qkvpacked_func(
     validate.check_packed("qkv", qkv, 2, 3, "(batch_size, seqlen, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=2)
     call = _build_flash_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _finish(dispatch.run(call), return_attn_probs)
 
@@ -181,8 +220,18 @@ def flash_attn_kvpacked_func(
     validate.check_packed("kv", kv, 2, 2, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(dim=2)
     call = _build_flash_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _finish(dispatch.run(call), return_attn_probs)
 
@@ -225,8 +274,18 @@ def flash_attn_varlen_func(
         ``(nheads, total_q)`` float32.
     """
     call = _build_flash_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         paged=block_table is not None,
     )
     if block_table is not None:
@@ -251,8 +310,18 @@ def flash_attn_varlen_qkvpacked_func(
     validate.check_packed("qkv", qkv, 1, 3, "(total_tokens, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=1)
     call = _build_flash_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
         varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -279,8 +348,18 @@ def flash_attn_varlen_kvpacked_func(
     validate.check_packed("kv", kv, 1, 2, "(total_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(dim=1)
     call = _build_flash_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, names=("q", "kv[:, 0]", "kv[:, 1]"),
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        names=("q", "kv[:, 0]", "kv[:, 1]"),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -341,7 +420,9 @@ def scaled_dot_product_attention(
         if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
             raise TypeError(f"attn_mask must be bool or have the query's dtype ({q.dtype}), got {attn_mask.dtype}")
     call = AttentionCall(
-        q=q, k=k, v=v,
+        q=q,
+        k=k,
+        v=v,
         softmax_scale=validate.check_scale(scale, q.shape[-1], name="scale"),
         causal=bool(is_causal),
         diag_offset=0,
@@ -359,15 +440,30 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> dict
     The backend that would run is the first with None, unless one is chosen explicitly.
     """
     options = dict(
-        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-        alibi_slopes=None, deterministic=False, return_attn_probs=False,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
     )
     unknown = set(kwargs) - set(options)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}; allowed: {sorted(options)}")
     options.update(kwargs)
     call = _build_flash_call(
-        q, k, v, options["dropout_p"], options["softmax_scale"], options["causal"], options["window_size"],
-        options["softcap"], options["alibi_slopes"], options["deterministic"], options["return_attn_probs"],
+        q,
+        k,
+        v,
+        options["dropout_p"],
+        options["softmax_scale"],
+        options["causal"],
+        options["window_size"],
+        options["softcap"],
+        options["alibi_slopes"],
+        options["deterministic"],
+        options["return_attn_probs"],
     )
     return dispatch.explain_call(call)

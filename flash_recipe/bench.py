@@ -42,7 +42,8 @@ class Shape:
     @property
     def id(self) -> str:
         kind = "mha" if self.nheads == self.nheads_k else f"gqa{self.nheads // self.nheads_k}"
-        return f"B{self.batch}-S{self.seqlen}-H{self.nheads}-{kind}-D{self.head_dim}-{'causal' if self.causal else 'full'}-{self.dtype}"
+        mask = "causal" if self.causal else "full"
+        return f"B{self.batch}-S{self.seqlen}-H{self.nheads}-{kind}-D{self.head_dim}-{mask}-{self.dtype}"
 
     def flops(self, mode: str) -> float:
         fwd = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.head_dim
@@ -124,8 +125,12 @@ def peers(device_type: str) -> dict[str, Callable]:
     found = {}
     if dispatch.TritonBackend().is_available() is None:
         found["flash_recipe"] = _flash_recipe("triton")
-    for name, backend in (("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_efficient", "EFFICIENT_ATTENTION"),
-                          ("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_math", "MATH")):
+    for name, backend in (
+        ("sdpa_flash", "FLASH_ATTENTION"),
+        ("sdpa_efficient", "EFFICIENT_ATTENTION"),
+        ("sdpa_cudnn", "CUDNN_ATTENTION"),
+        ("sdpa_math", "MATH"),
+    ):
         found[name] = _sdpa(backend)
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
         found["flex"] = _flex()
@@ -175,7 +180,10 @@ def measure(peer: Callable, shape: Shape, device, modes, timer: _Timer) -> dict:
 
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, shape.dtype)
-    make = lambda h: torch.randn(shape.batch, shape.seqlen, h, shape.head_dim, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+
+    def make(heads: int):
+        return torch.randn(shape.batch, shape.seqlen, heads, shape.head_dim, generator=gen).to(device, dtype)
+
     q, k, v = make(shape.nheads), make(shape.nheads_k), make(shape.nheads_k)
     result: dict = {}
     cuda = device.type == "cuda"
@@ -223,8 +231,17 @@ def shapes(seqlens, head_dims, causal_values, gqa_values, dtypes, tokens: int, n
             for causal in causal_values:
                 for gqa in gqa_values:
                     for seqlen in seqlens:
-                        out.append(Shape(max(1, tokens // seqlen), seqlen, nheads, nheads // 4 if gqa else nheads,
-                                         head_dim, causal, dtype))
+                        out.append(
+                            Shape(
+                                max(1, tokens // seqlen),
+                                seqlen,
+                                nheads,
+                                nheads // 4 if gqa else nheads,
+                                head_dim,
+                                causal,
+                                dtype,
+                            )
+                        )
     return out
 
 
@@ -255,6 +272,7 @@ def run_bench(args, progress=print) -> list[dict]:
 
 # ----------------------------------------------------------------------------- output
 
+
 def _row_text(row: dict, modes) -> str:
     if "error" in row:
         return f"{row['shape']:<44} {row['peer']:<15} n/a ({row['error']})"
@@ -268,9 +286,26 @@ def header(modes) -> str:
     return f"{'shape':<44} {'peer':<15} {cells} {'peak MB':>9} {'first ms':>10}  (TFLOP/s per mode)"
 
 
-COLUMNS = ["shape", "peer", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "causal", "dtype",
-           "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "peak_mb",
-           "first_call_ms", "error"]
+COLUMNS = [
+    "shape",
+    "peer",
+    "batch",
+    "seqlen",
+    "nheads",
+    "nheads_k",
+    "head_dim",
+    "causal",
+    "dtype",
+    "fwd_ms",
+    "bwd_ms",
+    "fwd_bwd_ms",
+    "fwd_tflops",
+    "bwd_tflops",
+    "fwd_bwd_tflops",
+    "peak_mb",
+    "first_call_ms",
+    "error",
+]
 
 
 def to_csv(rows: list[dict]) -> str:
@@ -282,8 +317,12 @@ def to_csv(rows: list[dict]) -> str:
 
 
 def to_markdown(rows: list[dict], modes, context: str) -> str:
-    lines = [context, "", "| shape | peer | " + " | ".join(f"{m} TFLOP/s" for m in modes) + " | peak MB |",
-             "|---|---|" + "---:|" * (len(modes) + 1)]
+    lines = [
+        context,
+        "",
+        "| shape | peer | " + " | ".join(f"{m} TFLOP/s" for m in modes) + " | peak MB |",
+        "|---|---|" + "---:|" * (len(modes) + 1),
+    ]
     for row in rows:
         if "error" in row:
             cells = ["n/a"] * len(modes) + ["n/a"]
@@ -333,9 +372,15 @@ def context_line() -> str:
     from flash_recipe.verify import versions
 
     v = versions()
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
-    return (f"device {device}, {time.strftime('%Y-%m-%d')}, flash_recipe {flash_recipe.__version__}, "
-            f"torch {v['torch']}, triton {v['triton']}, command: flash-recipe bench {' '.join(sys.argv[2:])}".rstrip())
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.processor() or platform.machine()})"
+    )
+    return (
+        f"device {device}, {time.strftime('%Y-%m-%d')}, flash_recipe {flash_recipe.__version__}, "
+        f"torch {v['torch']}, triton {v['triton']}, command: flash-recipe bench {' '.join(sys.argv[2:])}".rstrip()
+    )
 
 
 def _ints(text: str) -> list[int]:
@@ -346,15 +391,29 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seqlen", type=_ints, default=[512, 1024, 2048, 4096, 8192, 16384],
-                        help="comma-separated sequence lengths (default 512..16384)")
+    parser.add_argument(
+        "--seqlen",
+        type=_ints,
+        default=[512, 1024, 2048, 4096, 8192, 16384],
+        help="comma-separated sequence lengths (default 512..16384)",
+    )
     parser.add_argument("--head-dim", type=_ints, default=[64, 128, 256], help="comma-separated head dims")
-    parser.add_argument("--causal", type=lambda s: {"both": [False, True], "yes": [True], "no": [False]}[s],
-                        default=[False, True], metavar="{both,yes,no}")
-    parser.add_argument("--gqa", type=lambda s: {"both": [False, True], "yes": [True], "no": [False]}[s],
-                        default=[False, True], metavar="{both,yes,no}", help="GQA uses nheads/4 kv heads")
-    parser.add_argument("--dtype", type=lambda s: s.split(","), default=["float16", "bfloat16"],
-                        help="comma-separated dtypes")
+    parser.add_argument(
+        "--causal",
+        type=lambda s: {"both": [False, True], "yes": [True], "no": [False]}[s],
+        default=[False, True],
+        metavar="{both,yes,no}",
+    )
+    parser.add_argument(
+        "--gqa",
+        type=lambda s: {"both": [False, True], "yes": [True], "no": [False]}[s],
+        default=[False, True],
+        metavar="{both,yes,no}",
+        help="GQA uses nheads/4 kv heads",
+    )
+    parser.add_argument(
+        "--dtype", type=lambda s: s.split(","), default=["float16", "bfloat16"], help="comma-separated dtypes"
+    )
     parser.add_argument("--mode", type=lambda s: s.split(","), default=list(MODES), help="fwd,bwd,fwd_bwd")
     parser.add_argument("--peer", action="append", help="peer to run (repeatable); default: all available")
     parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen per shape")
@@ -368,9 +427,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    bad = [m for m in args.mode if m not in MODES] or [d for d in args.dtype if d not in ("float16", "bfloat16", "float32")]
+    bad = [m for m in args.mode if m not in MODES] or [
+        d for d in args.dtype if d not in ("float16", "bfloat16", "float32")
+    ]
     if bad:
-        print(f"flash-recipe bench: unknown mode or dtype {bad}; modes {MODES}, dtypes float16,bfloat16,float32", file=sys.stderr)
+        print(
+            f"flash-recipe bench: unknown mode or dtype {bad}; modes {MODES}, dtypes float16,bfloat16,float32",
+            file=sys.stderr,
+        )
         return 2
     context = context_line()
     print(context)

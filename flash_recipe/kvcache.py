@@ -49,15 +49,43 @@ def _cache_seqlens(cache_seqlens, batch: int, full: int, device) -> torch.Tensor
 
 
 def build_cache_call(
-    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-    softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    return_softmax_lse,
 ) -> CacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments (see there) and build the call."""
     user_args = dict(
-        k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
+        k=k,
+        v=v,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        block_table=block_table,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        rotary_interleaved=rotary_interleaved,
+        alibi_slopes=alibi_slopes,
+        num_splits=num_splits,
         return_softmax_lse=return_softmax_lse,
     )
     q, k_cache, v_cache, k, v = _check_cache_tensors(q, k_cache, v_cache, k, v)
@@ -70,8 +98,15 @@ def build_cache_call(
     validate.check_bool("rotary_interleaved", rotary_interleaved)
     validate.check_bool("return_softmax_lse", return_softmax_lse)
     attention = AttentionCall(
-        q=q, k=k_cache, v=v_cache, softmax_scale=validate.check_scale(softmax_scale, head_dim), causal=causal,
-        diag_offset=k_cache.shape[1] - seqlen_q, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        q=q,
+        k=k_cache,
+        v=v_cache,
+        softmax_scale=validate.check_scale(softmax_scale, head_dim),
+        causal=causal,
+        diag_offset=k_cache.shape[1] - seqlen_q,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
         return_lse=return_softmax_lse,
     )
     rotary = None
@@ -82,7 +117,9 @@ def build_cache_call(
     num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     if block_table is not None:
         if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with block_table (the page table already maps batches)")
+            raise ValueError(
+                "cache_batch_idx cannot be combined with block_table (the page table already maps batches)"
+            )
         block_table = validate.check_block_table(block_table, batch, page_size, q.device, "k_cache.shape[1]")
         table = block_table
     else:
@@ -96,7 +133,8 @@ def build_cache_call(
         else:
             if num_pages < batch:
                 raise ValueError(
-                    f"k_cache must hold at least batch_size = {batch} sequences without cache_batch_idx, got {num_pages}"
+                    f"k_cache must hold at least batch_size = {batch} sequences without cache_batch_idx, "
+                    f"got {num_pages}"
                 )
             table = torch.arange(batch, dtype=torch.int32, device=q.device).view(batch, 1)
     capacity = table.shape[1] * page_size
@@ -117,7 +155,8 @@ def build_cache_call(
                 raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch {b}")
             if n + new > capacity:
                 raise ValueError(
-                    f"cache overflow: cache_seqlens[{b}] + seqlen_new = {n} + {new} exceeds the cache capacity {capacity}"
+                    f"cache overflow: cache_seqlens[{b}] + seqlen_new = {n} + {new} exceeds the cache capacity "
+                    f"{capacity}"
                 )
             if pads is not None and not 0 <= pads[b] <= n:
                 raise ValueError(f"cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = {n}]")
@@ -133,10 +172,28 @@ def build_cache_call(
             validate.check_pages("block_table", block_table, num_pages, page_size, starts, [n + new for n in lengths])
     if isinstance(cache_seqlens, torch.Tensor):
         user_args["cache_seqlens"] = seqlens
-    user_args.update(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-                     window_size=attention.window, num_splits=int(num_splits))
-    return CacheCall(q, k_cache, v_cache, k, v, rotary, seqlens, cache_leftpad, table, block_table is not None,
-                     attention, int(num_splits), user_args)
+    user_args.update(
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        block_table=block_table,
+        window_size=attention.window,
+        num_splits=int(num_splits),
+    )
+    return CacheCall(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary,
+        seqlens,
+        cache_leftpad,
+        table,
+        block_table is not None,
+        attention,
+        int(num_splits),
+        user_args,
+    )
 
 
 def flash_attn_with_kvcache(
@@ -195,8 +252,24 @@ def flash_attn_with_kvcache(
         ``out (batch_size, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``.
     """
     call = build_cache_call(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        rotary_interleaved,
+        alibi_slopes,
+        num_splits,
         return_softmax_lse,
     )
     backend = dispatch.select_cache(call)

@@ -28,7 +28,8 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     """
     if hidden_states.dim() < 2 or attention_mask.shape != hidden_states.shape[:2]:
         raise ValueError(
-            f"attention_mask must have shape (batch, seqlen) = {tuple(hidden_states.shape[:2])}, got {tuple(attention_mask.shape)}"
+            f"attention_mask must have shape (batch, seqlen) = {tuple(hidden_states.shape[:2])}, "
+            f"got {tuple(attention_mask.shape)}"
         )
     keep = attention_mask.bool()
     all_masks = keep | unused_mask.bool() if unused_mask is not None else keep

@@ -134,8 +134,9 @@ def attention_reference(
     return out, lse if return_probs else lse.squeeze(-1).float()
 
 
-def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                     interleaved: bool) -> torch.Tensor:
+def rotary_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     """Rotary embedding of ``x (B, S, H, D)`` at ``positions`` (int ``(B, S)``), in fp32.
 
     ``cos, sin``: ``(S_rotary, R / 2)``; the first ``R`` dims rotate, in pairs ``(2j, 2j + 1)``
@@ -146,7 +147,7 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     c = cos.float()[positions].unsqueeze(2)  # (B, S, 1, R / 2)
     s = sin.float()[positions].unsqueeze(2)
     xf = x.float()
-    rot, rest = xf[..., :2 * half], xf[..., 2 * half:]
+    rot, rest = xf[..., : 2 * half], xf[..., 2 * half :]
     if interleaved:
         a, b = rot[..., 0::2], rot[..., 1::2]
         rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)

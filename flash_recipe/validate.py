@@ -42,8 +42,9 @@ def check_packed(name: str, t, dim: int, count: int, layout: str) -> None:
         raise ValueError(f"{name} must have size {count} in dimension {dim} {layout}, got shape {tuple(t.shape)}")
 
 
-def check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True, varlen: bool = False,
-              same_batch: bool = True) -> None:
+def check_qkv(
+    q, k, v, names=("q", "k", "v"), same_v_dim: bool = True, varlen: bool = False, same_batch: bool = True
+) -> None:
     """Shapes ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)`` (varlen: without
     the batch dim, ``(total, heads, headdim)``; a KV cache: ``same_batch=False``); raise on mismatch."""
     qn, kn, vn = names
@@ -69,8 +70,7 @@ def check_qkv(q, k, v, names=("q", "k", "v"), same_v_dim: bool = True, varlen: b
     nheads, nheads_k = q.shape[2], k.shape[2]
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(
-            f"the number of query heads ({nheads}) must be a multiple of the number of key/value heads, "
-            f"got {nheads_k}"
+            f"the number of query heads ({nheads}) must be a multiple of the number of key/value heads, got {nheads_k}"
         )
     head_dim = q.shape[3]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
@@ -204,8 +204,10 @@ def check_offsets(name: str, cu, total: Optional[int], device) -> torch.Tensor:
     cu = cu.contiguous()
     if cu.device.type == "cpu":
         values = cu.tolist()
-        if values[0] != 0 or values[-1] != (values[-1] if total is None else total) or any(
-            b < a for a, b in zip(values, values[1:])
+        if (
+            values[0] != 0
+            or values[-1] != (values[-1] if total is None else total)
+            or any(b < a for a, b in zip(values, values[1:]))
         ):
             end = "" if total is None else f" to the total number of tokens ({total})"
             raise ValueError(f"{name} must rise from 0{end} without decreasing, got {values}")
@@ -266,7 +268,7 @@ def check_pages(name: str, table: torch.Tensor, num_pages: int, page_size: int, 
     for b, (lo, hi) in enumerate(zip(starts, ends)):
         if hi <= lo:
             continue
-        used = rows[b][lo // page_size:(hi - 1) // page_size + 1]
+        used = rows[b][lo // page_size : (hi - 1) // page_size + 1]
         bad = [p for p in used if not 0 <= p < num_pages]
         if bad:
             raise ValueError(f"{name}[{b}] holds page indices {bad} outside [0, {num_pages}) (num_blocks)")

@@ -25,6 +25,7 @@ import sys
 from importlib import metadata
 from typing import Optional
 
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     batch: int
@@ -42,9 +43,12 @@ class Case:
     @property
     def id(self) -> str:
         extras = "".join(
-            [f"-win{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "",
-             f"-cap{self.softcap:g}" if self.softcap else "", f"-alibi_{self.alibi}" if self.alibi else "",
-             f"-scale{self.softmax_scale:g}" if self.softmax_scale is not None else ""]
+            [
+                f"-win{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "",
+                f"-cap{self.softcap:g}" if self.softcap else "",
+                f"-alibi_{self.alibi}" if self.alibi else "",
+                f"-scale{self.softmax_scale:g}" if self.softmax_scale is not None else "",
+            ]
         )
         return (
             f"B{self.batch}-Sq{self.seqlen_q}-Sk{self.seqlen_k}-H{self.nheads}-Hk{self.nheads_k}"
@@ -60,8 +64,13 @@ class Case:
             slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / self.nheads) for h in range(self.nheads)], device=device)
             if self.alibi == "batch":
                 slopes = torch.stack([slopes * (b + 1) for b in range(self.batch)])
-        return dict(causal=self.causal, window_size=self.window, softcap=self.softcap, alibi_slopes=slopes,
-                    softmax_scale=self.softmax_scale)
+        return dict(
+            causal=self.causal,
+            window_size=self.window,
+            softcap=self.softcap,
+            alibi_slopes=slopes,
+            softmax_scale=self.softmax_scale,
+        )
 
 
 # Small enough for the Triton interpreter on a CPU: odd lengths and head dims, a single query,
@@ -177,8 +186,16 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
 
     def reference(upcast):
         return lambda q_, k_, v_: attention_reference(
-            q_, k_, v_, scale, case.causal, upcast=upcast, window=options["window_size"],
-            softcap=options["softcap"], alibi_slopes=options["alibi_slopes"])[0]
+            q_,
+            k_,
+            v_,
+            scale,
+            case.causal,
+            upcast=upcast,
+            window=options["window_size"],
+            softcap=options["softcap"],
+            alibi_slopes=options["alibi_slopes"],
+        )[0]
 
     # The truth gets high-precision leaves too, so its gradients are not rounded to the input dtype.
     high = compute_dtype(dtype, upcast=True)
@@ -207,8 +224,14 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     }
 
 
-def verify(backends: Optional[list] = None, grid: str = "auto", dtypes: Optional[list] = None,
-           device: Optional[str] = None, seed: int = 0, progress=None) -> dict:
+def verify(
+    backends: Optional[list] = None,
+    grid: str = "auto",
+    dtypes: Optional[list] = None,
+    device: Optional[str] = None,
+    seed: int = 0,
+    progress=None,
+) -> dict:
     """Run the verification and return the report (see ``flash-recipe verify --json``)."""
     import torch
 
@@ -253,7 +276,9 @@ def verify(backends: Optional[list] = None, grid: str = "auto", dtypes: Optional
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'case':<38} {'dtype':<9} {'backend':<10} {'out err / bound':>22} {'worst grad err / bound':>24}  result"]
+    lines = [
+        f"{'case':<38} {'dtype':<9} {'backend':<10} {'out err / bound':>22} {'worst grad err / bound':>24}  result"
+    ]
     for row in report["cases"]:
         e, b = row["errors"], row["bounds"]
         grad = max(("dq", "dk", "dv"), key=lambda n: e[n] / b[n])
@@ -278,20 +303,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from flash_recipe.dispatch import backend_names
 
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    parser.add_argument("--backend", action="append", choices=backend_names(),
-                        help="verify only this backend (repeatable); it must be able to run")
-    parser.add_argument("--grid", choices=("auto", "small", "full"), default="auto",
-                        help="shape grid: small (CPU-sized), full (GPU-sized); auto picks by device")
-    parser.add_argument("--dtype", action="append", choices=("float16", "bfloat16", "float32"),
-                        help="dtype (repeatable); default: every dtype the device supports")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        choices=backend_names(),
+        help="verify only this backend (repeatable); it must be able to run",
+    )
+    parser.add_argument(
+        "--grid",
+        choices=("auto", "small", "full"),
+        default="auto",
+        help="shape grid: small (CPU-sized), full (GPU-sized); auto picks by device",
+    )
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        choices=("float16", "bfloat16", "float32"),
+        help="dtype (repeatable); default: every dtype the device supports",
+    )
     parser.add_argument("--device", help="torch device, default cuda if available else cpu")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args) -> int:
-    progress = None
-    if not args.json:
-        progress = lambda row: print(f"  {row['case']} {row['dtype']} {row['backend']}: {'ok' if row['passed'] else 'MISMATCH'}", file=sys.stderr, flush=True)  # noqa: E731
-    report = verify(args.backend, args.grid, args.dtype, args.device, args.seed, progress)
+    def progress(row: dict) -> None:
+        verdict = "ok" if row["passed"] else "MISMATCH"
+        print(f"  {row['case']} {row['dtype']} {row['backend']}: {verdict}", file=sys.stderr, flush=True)
+
+    report = verify(args.backend, args.grid, args.dtype, args.device, args.seed, None if args.json else progress)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0 if report["passed"] else 1

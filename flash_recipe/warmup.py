@@ -36,23 +36,41 @@ def warm(dtypes, head_dims, device, progress=print) -> list[dict]:
         for head_dim in head_dims:
             for causal in (False, True):
                 for seqlen in (128, 127):
-                    q, k, v = (torch.randn(1, seqlen, 2, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+                    q, k, v = (
+                        torch.randn(1, seqlen, 2, head_dim, device=device, dtype=dtype, requires_grad=True)
+                        for _ in range(3)
+                    )
                     torch.cuda.synchronize()
                     begin = time.perf_counter()
                     with flash_recipe.use_backend("triton"):
                         flash_recipe.flash_attn_func(q, k, v, causal=causal).sum().backward()
                     torch.cuda.synchronize()
-                    row = {"dtype": dtype_name, "head_dim": head_dim, "causal": causal, "seqlen": seqlen,
-                           "seconds": time.perf_counter() - begin}
+                    row = {
+                        "dtype": dtype_name,
+                        "head_dim": head_dim,
+                        "causal": causal,
+                        "seqlen": seqlen,
+                        "seconds": time.perf_counter() - begin,
+                    }
                     rows.append(row)
-                    progress(f"{dtype_name:<9} d{head_dim:<4} {'causal' if causal else 'full':<7} S{seqlen:<4} {row['seconds']:7.2f} s")
+                    progress(
+                        f"{dtype_name:<9} d{head_dim:<4} {'causal' if causal else 'full':<7} S{seqlen:<4} "
+                        f"{row['seconds']:7.2f} s"
+                    )
     return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", action="append", choices=DTYPES, help="dtype (repeatable); default: all the GPU supports")
-    parser.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIMS,
-                        help="head-dim bucket (repeatable); head dims compile to the next power of two; default: all")
+    parser.add_argument(
+        "--dtype", action="append", choices=DTYPES, help="dtype (repeatable); default: all the GPU supports"
+    )
+    parser.add_argument(
+        "--head-dim",
+        action="append",
+        type=int,
+        choices=HEAD_DIMS,
+        help="head-dim bucket (repeatable); head dims compile to the next power of two; default: all",
+    )
     parser.add_argument("--device", default="cuda", help="CUDA device to compile for (default: the current one)")
 
 
@@ -62,9 +80,12 @@ def run(args) -> int:
     import flash_recipe
 
     if not torch.cuda.is_available():
-        print("flash-recipe warmup: no CUDA or ROCm GPU is visible, so there is nothing to compile for; "
-              "run it on a machine with the target GPU (the offline compile check is "
-              "`python -m flash_recipe.ops.compile_check`).", file=sys.stderr)
+        print(
+            "flash-recipe warmup: no CUDA or ROCm GPU is visible, so there is nothing to compile for; "
+            "run it on a machine with the target GPU (the offline compile check is "
+            "`python -m flash_recipe.ops.compile_check`).",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device(args.device)
     dtypes = args.dtype or [d for d in DTYPES if d != "bfloat16" or torch.cuda.is_bf16_supported()]

@@ -243,8 +243,10 @@ class BoundsChecker:
         self.accesses += 1
         if not self._stack or self._stack[-1].starts is None:
             where = f"in kernel {self._stack[-1].kernel}" if self._stack else "outside any kernel launch"
-            self._fail(f"{kind} {where} before the launch's tensor arguments were recorded: "
-                       "triton.runtime.interpreter no longer matches the bounds checker")
+            self._fail(
+                f"{kind} {where} before the launch's tensor arguments were recorded: "
+                "triton.runtime.interpreter no longer matches the bounds checker"
+            )
         launch = self._stack[-1]
         addresses = np.asarray(ptr.data)
         if addresses.dtype != np.uint64:
@@ -270,8 +272,10 @@ class BoundsChecker:
     def _describe(self, kind, launch: Launch, address: int, size: int, n_bad: int, n_active: int, builder) -> str:
         program = getattr(builder, "grid_idx", None)
         where = f"kernel {launch.kernel}" + (f", program {tuple(int(i) for i in program)}" if program else "")
-        text = (f"out-of-bounds {kind} in {where}: address {address:#x} ({size} bytes) lies outside every tensor "
-                f"passed to the launch ({n_bad} of {n_active} active addresses)")
+        text = (
+            f"out-of-bounds {kind} in {where}: address {address:#x} ({size} bytes) lies outside every tensor "
+            f"passed to the launch ({n_bad} of {n_active} active addresses)"
+        )
         if launch.regions:
             nearest = min(launch.regions, key=lambda r: r.distance(address, size)[0])
             text += f"; nearest: {nearest}, {nearest.distance(address, size)[1]}"
@@ -296,8 +300,10 @@ class BoundsChecker:
         if self.violations:
             raise OutOfBoundsAccess(f"{len(self.violations)} out-of-bounds access(es); the first: {self.violations[0]}")
         if self.launches and not self.accesses:
-            raise HooksUnavailable(f"{self.launches} kernel launch(es) made no memory access the checker saw: "
-                                   "triton.runtime.interpreter no longer routes accesses through the wrapped methods")
+            raise HooksUnavailable(
+                f"{self.launches} kernel launch(es) made no memory access the checker saw: "
+                "triton.runtime.interpreter no longer routes accesses through the wrapped methods"
+            )
 
 
 def _out_of_bounds_in(exc: BaseException) -> OutOfBoundsAccess | None:

@@ -33,11 +33,17 @@ def _import_recipes():
 
 def pytest_addoption(parser):
     group = parser.getgroup("fuzz", "the differential fuzz test (tests/test_fuzz.py)")
-    group.addoption("--fuzz-cases", type=int, default=None,
-                    help="how many random cases to run (default: the bounded CI count)")
+    group.addoption(
+        "--fuzz-cases", type=int, default=None, help="how many random cases to run (default: the bounded CI count)"
+    )
     group.addoption("--fuzz-seed", type=int, default=0, help="the seed every case is drawn from")
-    group.addoption("--fuzz-case", type=int, action="append", default=None,
-                    help="run only this case index (repeatable): the replay of a reported failure")
+    group.addoption(
+        "--fuzz-case",
+        type=int,
+        action="append",
+        default=None,
+        help="run only this case index (repeatable): the replay of a reported failure",
+    )
 
 
 def pytest_configure(config):

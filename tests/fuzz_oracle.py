@@ -42,11 +42,22 @@ class Scores:
         return self.alibi[b]
 
 
-def _one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Scores, diag_offset: int,
-         slopes: torch.Tensor | None) -> tuple:
+def _one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Scores, diag_offset: int, slopes: torch.Tensor | None
+) -> tuple:
     """``attention_reference`` in the tensors' own dtype: q ``(1 or B, Sq, H, D)`` -> out, lse ``(., H, Sq)``."""
-    return attention_reference(q, k, v, opts.scale, opts.causal, diag_offset, upcast=False, window=opts.window,
-                               softcap=opts.softcap, alibi_slopes=slopes)
+    return attention_reference(
+        q,
+        k,
+        v,
+        opts.scale,
+        opts.causal,
+        diag_offset,
+        upcast=False,
+        window=opts.window,
+        softcap=opts.softcap,
+        alibi_slopes=slopes,
+    )
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Scores) -> tuple:
@@ -67,8 +78,8 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list, cu_k: 
     """``flash_attn_varlen_func``: q ``(Tq, H, D)``, k/v ``(Tk, Hk, D/Dv)``, ``cu_q``/``cu_k`` the offsets
     as Python lists ``(B + 1)``; each sequence alone, its masks aligned bottom-right with its own lengths.
     Returns out ``(Tq, H, Dv)``, lse ``(H, Tq)``."""
-    keys = [k[cu_k[b]:cu_k[b + 1]] for b in range(len(cu_k) - 1)]
-    values = [v[cu_k[b]:cu_k[b + 1]] for b in range(len(cu_k) - 1)]
+    keys = [k[cu_k[b] : cu_k[b + 1]] for b in range(len(cu_k) - 1)]
+    values = [v[cu_k[b] : cu_k[b + 1]] for b in range(len(cu_k) - 1)]
     return _per_sequence(q, keys, values, cu_q, opts)
 
 
@@ -81,8 +92,15 @@ def gather_pages(pages: torch.Tensor, table_row: list, start: int, end: int) -> 
     return pages[page, rows % page_size]
 
 
-def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cu_q: list, lengths_k: list,
-                 table: list, opts: Scores) -> tuple:
+def paged_varlen(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    cu_q: list,
+    lengths_k: list,
+    table: list,
+    opts: Scores,
+) -> tuple:
     """``flash_attn_varlen_func`` with ``block_table``: k/v pages ``(num_blocks, P, Hk, D)``, ``table`` the
     block table as nested lists ``(B, width)``, ``lengths_k`` the key lengths (from ``cu_seqlens_k``).
     Returns out ``(Tq, H, Dv)``, lse ``(H, Tq)``."""
@@ -94,15 +112,21 @@ def paged_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
 def _per_sequence(q: torch.Tensor, keys: list, values: list, cu_q: list, opts: Scores) -> tuple:
     outs, lses = [], []
     for b, (kb, vb) in enumerate(zip(keys, values)):
-        qb = q[cu_q[b]:cu_q[b + 1]]
+        qb = q[cu_q[b] : cu_q[b + 1]]
         out, lse = _one(qb[None], kb[None], vb[None], opts, kb.shape[0] - qb.shape[0], opts.slopes(b))
         outs.append(out[0])
         lses.append(lse[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-           interleaved: bool, dtype: torch.dtype) -> torch.Tensor:
+def rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Rotary embedding computed in ``dtype``: x ``(B, S, H, D)``, cos/sin ``(S_ro, R / 2)``, positions
     int ``(B, S)``. The first R dims rotate, in pairs ``(2j, 2j + 1)`` when ``interleaved`` and
     ``(j, j + R / 2)`` otherwise (GPT-NeoX): ``(a, b) -> (a cos - b sin, a sin + b cos)``; the rest pass
@@ -111,7 +135,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     c = cos.to(dtype)[positions][:, :, None, :]  # (B, S, 1, R / 2)
     s = sin.to(dtype)[positions][:, :, None, :]
     x = x.to(dtype)
-    rot, rest = x[..., :2 * half], x[..., 2 * half:]
+    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
     if interleaved:
         a, b = rot[..., 0::2], rot[..., 1::2]
         rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
@@ -134,9 +158,16 @@ class CacheLayout:
     leftpad: list  # (B,)
 
 
-def kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor | None,
-            v_new: torch.Tensor | None, layout: CacheLayout, opts: Scores,
-            rotary: tuple | None = None) -> tuple:
+def kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    layout: CacheLayout,
+    opts: Scores,
+    rotary: tuple | None = None,
+) -> tuple:
     """``flash_attn_with_kvcache`` on a cache of pages ``(num_blocks, P, Hk, D)`` (see ``CacheLayout``).
 
     The new keys/values ``(B, S_new, Hk, D)`` go to rows ``[seqlens[b], seqlens[b] + S_new)``; with
@@ -167,7 +198,7 @@ def kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new
         if new:
             keys = torch.cat((keys, k_stored[b].to(q.dtype)), dim=0)
             values = torch.cat((values, v_new[b].to(q.dtype)), dim=0)
-        out, lse = _one(q[b:b + 1], keys[None], values[None], opts, keys.shape[0] - seqlen_q, opts.slopes(b))
+        out, lse = _one(q[b : b + 1], keys[None], values[None], opts, keys.shape[0] - seqlen_q, opts.slopes(b))
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses), k_new, v_new

@@ -25,36 +25,120 @@ Q, K = t(2, 8, 4, 16), t(2, 10, 2, 16)
 # (id, call, exception type, words the message must contain)
 BAD_CALLS = [
     ("q-not-tensor", lambda: flash_attn_func(Q.tolist(), K, K), TypeError, ["q", "torch.Tensor", "list"]),
-    ("int-dtype", lambda: flash_attn_func(Q.int(), K, K), TypeError, ["q", "float16, bfloat16 or float32", "torch.int32"]),
+    (
+        "int-dtype",
+        lambda: flash_attn_func(Q.int(), K, K),
+        TypeError,
+        ["q", "float16, bfloat16 or float32", "torch.int32"],
+    ),
     ("float64", lambda: flash_attn_func(Q.double(), K, K), TypeError, ["q", "torch.float64"]),
     ("dtype-mismatch", lambda: flash_attn_func(Q, K.half(), K), TypeError, ["k", "same dtype", "torch.float16"]),
     ("device-mismatch", lambda: flash_attn_func(Q, K.to("meta"), K), ValueError, ["k", "same device", "meta"]),
-    ("batch-mismatch", lambda: flash_attn_func(Q, t(3, 10, 2, 16), t(3, 10, 2, 16)), ValueError, ["k", "batch size", "2", "3"]),
-    ("kv-seqlen-mismatch", lambda: flash_attn_func(Q, K, t(2, 11, 2, 16)), ValueError, ["v", "seqlen and nheads", "(11, 2)"]),
-    ("head-dim-mismatch", lambda: flash_attn_func(Q, t(2, 10, 2, 8), t(2, 10, 2, 8)), ValueError, ["k", "head dim", "16", "8"]),
+    (
+        "batch-mismatch",
+        lambda: flash_attn_func(Q, t(3, 10, 2, 16), t(3, 10, 2, 16)),
+        ValueError,
+        ["k", "batch size", "2", "3"],
+    ),
+    (
+        "kv-seqlen-mismatch",
+        lambda: flash_attn_func(Q, K, t(2, 11, 2, 16)),
+        ValueError,
+        ["v", "seqlen and nheads", "(11, 2)"],
+    ),
+    (
+        "head-dim-mismatch",
+        lambda: flash_attn_func(Q, t(2, 10, 2, 8), t(2, 10, 2, 8)),
+        ValueError,
+        ["k", "head dim", "16", "8"],
+    ),
     ("v-head-dim-mismatch", lambda: flash_attn_func(Q, K, t(2, 10, 2, 8)), ValueError, ["v", "head dim", "8"]),
-    ("heads-not-divisible", lambda: flash_attn_func(Q, t(2, 10, 3, 16), t(2, 10, 3, 16)), ValueError, ["query heads (4)", "multiple", "3"]),
-    ("head-dim-too-big", lambda: flash_attn_func(t(1, 2, 1, 257), t(1, 2, 1, 257), t(1, 2, 1, 257)), ValueError, ["head dim", "256", "257"]),
+    (
+        "heads-not-divisible",
+        lambda: flash_attn_func(Q, t(2, 10, 3, 16), t(2, 10, 3, 16)),
+        ValueError,
+        ["query heads (4)", "multiple", "3"],
+    ),
+    (
+        "head-dim-too-big",
+        lambda: flash_attn_func(t(1, 2, 1, 257), t(1, 2, 1, 257), t(1, 2, 1, 257)),
+        ValueError,
+        ["head dim", "256", "257"],
+    ),
     ("wrong-rank", lambda: flash_attn_func(t(8, 4, 16), K, K), ValueError, ["q", "4 dimensions", "(8, 4, 16)"]),
-    ("last-dim-strided", lambda: flash_attn_func(t(2, 8, 4, 32)[..., ::2], K, K), ValueError, ["q", "contiguous last dimension", "stride 2"]),
+    (
+        "last-dim-strided",
+        lambda: flash_attn_func(t(2, 8, 4, 32)[..., ::2], K, K),
+        ValueError,
+        ["q", "contiguous last dimension", "stride 2"],
+    ),
     ("dropout-range", lambda: flash_attn_func(Q, K, K, dropout_p=1.5), ValueError, ["dropout_p", "[0, 1)", "1.5"]),
-    ("window-range", lambda: flash_attn_func(Q, K, K, window_size=(-2, 0)), ValueError, ["window_size", "-1", "(-2, 0)"]),
+    (
+        "window-range",
+        lambda: flash_attn_func(Q, K, K, window_size=(-2, 0)),
+        ValueError,
+        ["window_size", "-1", "(-2, 0)"],
+    ),
     ("window-type", lambda: flash_attn_func(Q, K, K, window_size=4), TypeError, ["window_size", "pair of ints", "4"]),
-    ("window-float-tensor", lambda: flash_attn_func(Q, K, K, window_size=torch.tensor([2.0, 1.0])), TypeError,
-     ["window_size", "pair of ints"]),
-    ("window-three", lambda: flash_attn_func(Q, K, K, window_size=torch.tensor([2, 1, 0])), TypeError,
-     ["window_size", "pair of ints"]),
-    ("window-bools", lambda: flash_attn_func(Q, K, K, window_size=(True, False)), TypeError,
-     ["window_size", "pair of ints"]),
+    (
+        "window-float-tensor",
+        lambda: flash_attn_func(Q, K, K, window_size=torch.tensor([2.0, 1.0])),
+        TypeError,
+        ["window_size", "pair of ints"],
+    ),
+    (
+        "window-three",
+        lambda: flash_attn_func(Q, K, K, window_size=torch.tensor([2, 1, 0])),
+        TypeError,
+        ["window_size", "pair of ints"],
+    ),
+    (
+        "window-bools",
+        lambda: flash_attn_func(Q, K, K, window_size=(True, False)),
+        TypeError,
+        ["window_size", "pair of ints"],
+    ),
     ("softcap-negative", lambda: flash_attn_func(Q, K, K, softcap=-1.0), ValueError, ["softcap", ">= 0", "-1.0"]),
-    ("alibi-shape", lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(3)), ValueError, ["alibi_slopes", "(4,)", "(2, 4)", "(3,)"]),
-    ("alibi-dtype", lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, ["alibi_slopes", "float32", "torch.float16"]),
-    ("scale-type", lambda: flash_attn_func(Q, K, K, softmax_scale="0.1"), TypeError, ["softmax_scale", "real number", "str"]),
+    (
+        "alibi-shape",
+        lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(3)),
+        ValueError,
+        ["alibi_slopes", "(4,)", "(2, 4)", "(3,)"],
+    ),
+    (
+        "alibi-dtype",
+        lambda: flash_attn_func(Q, K, K, alibi_slopes=torch.ones(4, dtype=torch.float16)),
+        TypeError,
+        ["alibi_slopes", "float32", "torch.float16"],
+    ),
+    (
+        "scale-type",
+        lambda: flash_attn_func(Q, K, K, softmax_scale="0.1"),
+        TypeError,
+        ["softmax_scale", "real number", "str"],
+    ),
     ("causal-type", lambda: flash_attn_func(Q, K, K, causal="yes"), TypeError, ["causal", "bool", "str"]),
-    ("qkv-packed-shape", lambda: flash_recipe.flash_attn_qkvpacked_func(t(2, 8, 2, 4, 16)), ValueError, ["qkv", "size 3", "(2, 8, 2, 4, 16)"]),
+    (
+        "qkv-packed-shape",
+        lambda: flash_recipe.flash_attn_qkvpacked_func(t(2, 8, 2, 4, 16)),
+        ValueError,
+        ["qkv", "size 3", "(2, 8, 2, 4, 16)"],
+    ),
     ("kv-packed-rank", lambda: flash_recipe.flash_attn_kvpacked_func(Q, K), ValueError, ["kv", "5 dimensions"]),
-    ("sdpa-gqa-off", lambda: scaled_dot_product_attention(t(1, 4, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)), ValueError, ["key", "enable_gqa", "2"]),
-    ("sdpa-mask-and-causal", lambda: scaled_dot_product_attention(t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True), ValueError, ["attn_mask", "is_causal"]),
+    (
+        "sdpa-gqa-off",
+        lambda: scaled_dot_product_attention(t(1, 4, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16)),
+        ValueError,
+        ["key", "enable_gqa", "2"],
+    ),
+    (
+        "sdpa-mask-and-causal",
+        lambda: scaled_dot_product_attention(
+            t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True
+        ),
+        ValueError,
+        ["attn_mask", "is_causal"],
+    ),
     ("unknown-backend", lambda: use_backend("cuda").__enter__(), ValueError, ["backend", "'triton'", "'cuda'"]),
     ("explain-kwarg", lambda: flash_recipe.explain(Q, K, K, casual=True), TypeError, ["casual", "causal"]),
 ]
@@ -120,10 +204,16 @@ def test_flash_attn_causal_is_bottom_right(backend, sq, sk, monkeypatch):
     with use_backend(backend):
         out = flash_attn_func(q, k, v, causal=True)
     visible = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
-    expected = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1),
-        attn_mask=visible,
-    ).transpose(1, 2).nan_to_num(0.0)
+    expected = (
+        F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2).repeat_interleave(2, 1),
+            v.transpose(1, 2).repeat_interleave(2, 1),
+            attn_mask=visible,
+        )
+        .transpose(1, 2)
+        .nan_to_num(0.0)
+    )
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     if sq > sk:
         assert (out[:, : sq - sk] == 0).all()
@@ -191,7 +281,8 @@ def test_return_attn_probs_on_every_backend(monkeypatch):
 
 def test_import_selects_compiles_and_probes_nothing():
     code = (
-        "import json, sys, flash_recipe; before = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')); "
+        "import json, sys, flash_recipe; "
+        "before = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')); "
         "flash_recipe.flash_attn_func; "
         "print(json.dumps([before, sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'flash_attn') "
         "or m.startswith('flash_recipe.ops.') and m != 'flash_recipe.ops.configs')]))"
@@ -252,8 +343,17 @@ def test_turing_falls_back_to_sdpa_and_explains_why(turing):
     q, k = fake_cuda(1, 16, 4, 64), fake_cuda(1, 16, 2, 64)
     reasons = flash_recipe.explain(q, k, k, causal=True)
     triton = reasons["triton"]
-    for words in ("7.5", "sm75", "below 8.0", "tl.dot to FMA", "no tensor-core path", "sm80 or newer",
-                  "flash-attn 2 has no Turing support", "#330, #542, #720, #887", "memory-efficient"):
+    for words in (
+        "7.5",
+        "sm75",
+        "below 8.0",
+        "tl.dot to FMA",
+        "no tensor-core path",
+        "sm80 or newer",
+        "flash-attn 2 has no Turing support",
+        "#330, #542, #720, #887",
+        "memory-efficient",
+    ):
         assert words in triton, f"{words!r} missing from: {triton}"
     assert reasons["sdpa"] is None
     call = dispatch.AttentionCall(q, k, k, 0.125, causal=True)
@@ -274,8 +374,9 @@ def mocked_gpu(monkeypatch):
     from flash_recipe.ops import configs
 
     def install(major: int, minor: int, shared: int, amd: str = ""):
-        props = types.SimpleNamespace(major=major, minor=minor, shared_memory_per_block_optin=shared,
-                                      gcnArchName=f"{amd}:sramecc+:xnack-")
+        props = types.SimpleNamespace(
+            major=major, minor=minor, shared_memory_per_block_optin=shared, gcnArchName=f"{amd}:sramecc+:xnack-"
+        )
         monkeypatch.setattr(dispatch.probes, "capability", lambda index: (major, minor))
         monkeypatch.setattr(torch.version, "hip", "6.4" if amd else None)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
@@ -335,7 +436,11 @@ def test_sdpa_backend_below_sm80_uses_the_memory_efficient_kernel(dtype, monkeyp
 
     monkeypatch.setattr(attention, "sdpa_kernel", spy_kernel)
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy_sdpa)
-    q, k, v = t(2, 9, 4, 16, dtype=dtype, seed=1), t(2, 13, 2, 16, dtype=dtype, seed=2), t(2, 13, 2, 16, dtype=dtype, seed=3)
+    q, k, v = (
+        t(2, 9, 4, 16, dtype=dtype, seed=1),
+        t(2, 13, 2, 16, dtype=dtype, seed=2),
+        t(2, 13, 2, 16, dtype=dtype, seed=3),
+    )
     # an enclosing restriction to one kernel the call cannot use (EFFICIENT_ATTENTION has no CPU
     # kernel, as FLASH_ATTENTION has none on a T4) does not make the backend fail
     with use_backend("sdpa"), real_kernel([attention.SDPBackend.EFFICIENT_ATTENTION]):
@@ -394,8 +499,14 @@ def test_integer_arguments_take_any_index_like_value(monkeypatch):
     monkeypatch.setenv("FLASH_RECIPE_BACKEND", "reference")
     q, k = t(1, 9, 2, 16, seed=1), t(1, 12, 2, 16, seed=2)
     want = flash_attn_func(q, k, k, window_size=(4, 2))
-    for window in (torch.tensor([4, 2]), torch.tensor([4, 2], dtype=torch.int32), [4, 2], np.array([4, 2]),
-                   (np.int64(4), np.int32(2)), (torch.tensor(4), 2)):
+    for window in (
+        torch.tensor([4, 2]),
+        torch.tensor([4, 2], dtype=torch.int32),
+        [4, 2],
+        np.array([4, 2]),
+        (np.int64(4), np.int32(2)),
+        (torch.tensor(4), 2),
+    ):
         torch.testing.assert_close(flash_attn_func(q, k, k, window_size=window), want, atol=0, rtol=0)
     cache = t(1, 16, 2, 16, seed=3)
     want = flash_recipe.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=7, num_splits=1)
@@ -479,8 +590,10 @@ def test_use_backend_belongs_to_the_thread_that_chose_it(monkeypatch):
         except Exception as exc:  # reported below: an assertion in a thread would pass silently
             errors.append(exc)
 
-    threads = [threading.Thread(target=request, args=("sdpa", True)),
-               threading.Thread(target=request, args=("reference", False))]
+    threads = [
+        threading.Thread(target=request, args=("sdpa", True)),
+        threading.Thread(target=request, args=("reference", False)),
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -25,8 +25,29 @@ def test_flop_count_is_the_standard_one():
 def test_bench_runs_on_cpu_and_writes_csv_and_markdown(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # bench the CPU fallback, not the interpreter
     csv_path, md_path = tmp_path / "b.csv", tmp_path / "b.md"
-    status = cli.main(["bench", "--seqlen", "64,128", "--head-dim", "32", "--dtype", "float32", "--nheads", "4",
-                       "--tokens", "256", "--warmup", "1", "--reps", "3", "--csv", str(csv_path), "--markdown", str(md_path)])
+    status = cli.main(
+        [
+            "bench",
+            "--seqlen",
+            "64,128",
+            "--head-dim",
+            "32",
+            "--dtype",
+            "float32",
+            "--nheads",
+            "4",
+            "--tokens",
+            "256",
+            "--warmup",
+            "1",
+            "--reps",
+            "3",
+            "--csv",
+            str(csv_path),
+            "--markdown",
+            str(md_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0
     rows = list(csv.DictReader(io.StringIO(csv_path.read_text())))
@@ -42,8 +63,31 @@ def test_bench_runs_on_cpu_and_writes_csv_and_markdown(tmp_path, capsys, monkeyp
 def test_bench_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "b.png"
-    status = cli.main(["bench", "--seqlen", "64,128", "--head-dim", "32", "--dtype", "float32", "--causal", "no",
-                       "--gqa", "no", "--nheads", "2", "--tokens", "128", "--mode", "fwd", "--reps", "2", "--plot", str(path)])
+    status = cli.main(
+        [
+            "bench",
+            "--seqlen",
+            "64,128",
+            "--head-dim",
+            "32",
+            "--dtype",
+            "float32",
+            "--causal",
+            "no",
+            "--gqa",
+            "no",
+            "--nheads",
+            "2",
+            "--tokens",
+            "128",
+            "--mode",
+            "fwd",
+            "--reps",
+            "2",
+            "--plot",
+            str(path),
+        ]
+    )
     assert status == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -89,7 +133,10 @@ def test_dispatch_overhead_on_cpu_is_within_5_percent(monkeypatch, one_thread):
                 fn()
             times.append(time.perf_counter() - begin)
     ratio = min(rounds[ours]) / min(rounds[direct])
-    assert ratio <= 1.05, f"ratio {ratio:.3f} (medians {statistics.median(rounds[ours]):.5f} vs {statistics.median(rounds[direct]):.5f} s per 10 calls)"
+    assert ratio <= 1.05, (
+        f"ratio {ratio:.3f} (medians {statistics.median(rounds[ours]):.5f} vs "
+        f"{statistics.median(rounds[direct]):.5f} s per 10 calls)"
+    )
 
 
 def test_warmup_without_gpu_says_why(capsys):

@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
-                                reason="the bounds checker instruments Triton's CPU interpreter")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the bounds checker instruments Triton's CPU interpreter"
+)
 
 
 @triton.jit
@@ -84,20 +85,39 @@ def test_masked_off_addresses_are_not_flagged(bounds_checked):
 
 
 def test_load_past_the_end_is_flagged(bounds_checked):
-    message = _expect_violation(bounds_checked, lambda: _copy(16, 16, load_shift=1),
-                                "out-of-bounds load", "_shifted_copy_kernel", "program (0, 0, 0)",
-                                "nearest: X [", "ends 4 bytes past it", "(1 of 16 active addresses)")
+    message = _expect_violation(
+        bounds_checked,
+        lambda: _copy(16, 16, load_shift=1),
+        "out-of-bounds load",
+        "_shifted_copy_kernel",
+        "program (0, 0, 0)",
+        "nearest: X [",
+        "ends 4 bytes past it",
+        "(1 of 16 active addresses)",
+    )
     assert "address 0x" in message
 
 
 def test_unmasked_block_past_the_end_is_flagged(bounds_checked):
-    _expect_violation(bounds_checked, lambda: _copy(5, 16, masked=False), "out-of-bounds load",
-                      "(11 of 16 active addresses)", "ends 4 bytes past it")
+    _expect_violation(
+        bounds_checked,
+        lambda: _copy(5, 16, masked=False),
+        "out-of-bounds load",
+        "(11 of 16 active addresses)",
+        "ends 4 bytes past it",
+    )
 
 
 def test_store_before_the_start_is_flagged(bounds_checked):
-    _expect_violation(bounds_checked, lambda: _copy(16, 16, store_shift=-3), "out-of-bounds store",
-                      "_shifted_copy_kernel", "nearest: Y [", "starts 12 bytes before it", "(3 of 16")
+    _expect_violation(
+        bounds_checked,
+        lambda: _copy(16, 16, store_shift=-3),
+        "out-of-bounds store",
+        "_shifted_copy_kernel",
+        "nearest: Y [",
+        "starts 12 bytes before it",
+        "(3 of 16",
+    )
 
 
 def test_an_element_straddling_the_end_is_flagged(bounds_checked):
@@ -124,8 +144,9 @@ def test_views_may_reach_the_rest_of_their_storage(bounds_checked):
     x, y = base[8:16], torch.zeros(8)
     _shifted_copy_kernel[(1,)](x, y, 8, 16, 0, BLOCK=8, MASKED=True)  # reads base[24:32]
     assert torch.equal(y, base[24:32])
-    _expect_violation(bounds_checked, lambda: _shifted_copy_kernel[(1,)](x, y, 8, 17, 0, BLOCK=8, MASKED=True),
-                      "bytes past it")
+    _expect_violation(
+        bounds_checked, lambda: _shifted_copy_kernel[(1,)](x, y, 8, 17, 0, BLOCK=8, MASKED=True), "bytes past it"
+    )
 
 
 @pytest.mark.parametrize("cas", [False, True], ids=["atomic_add", "atomic_cas"])
@@ -134,8 +155,13 @@ def test_atomics_are_checked(bounds_checked, cas):
     _atomic_kernel[(1,)](x, 3, CAS=cas)
     assert x[3] == 1
     kind = "atomic_cas" if cas else "atomic_rmw"
-    _expect_violation(bounds_checked, lambda: _atomic_kernel[(1,)](x, 4, CAS=cas), f"out-of-bounds {kind}",
-                      "_atomic_kernel", "nearest: X [")
+    _expect_violation(
+        bounds_checked,
+        lambda: _atomic_kernel[(1,)](x, 4, CAS=cas),
+        f"out-of-bounds {kind}",
+        "_atomic_kernel",
+        "nearest: X [",
+    )
 
 
 def test_a_swallowed_violation_still_fails_the_test(bounds_checked):
@@ -211,8 +237,8 @@ CACHES = [
 def test_kvcache_bad_metadata_stays_in_bounds(table, seqlens, leftpad, splits, bounds_checked):
     """``attention_kvcache`` (append with rotary, then split-KV attention over pages) on bad tables,
     lengths and padding: the append kernel, the forward kernel and the split merge stay in bounds."""
-    from flash_recipe.ops.launch import ScoreOptions
     from flash_recipe.ops.kvcache import Cache, Rotary, attention_kvcache
+    from flash_recipe.ops.launch import ScoreOptions
 
     q = _rand(3, 2, 2, 16, seed=1)
     k_cache, v_cache = _rand(NUM_PAGES, PAGE, 1, 16, seed=2), _rand(NUM_PAGES, PAGE, 1, 16, seed=3)
@@ -229,8 +255,8 @@ def test_kvcache_bad_metadata_stays_in_bounds(table, seqlens, leftpad, splits, b
 @pytest.mark.parametrize("table", [[[0], [99], [-1]], [[BIG], [1], [-(2**31)]]], ids=["index-out", "index-extreme"])
 def test_dense_cache_bad_batch_index_stays_in_bounds(table, bounds_checked):
     """A dense cache is one page per entry (``cache_batch_idx`` becomes a one-column table)."""
-    from flash_recipe.ops.launch import ScoreOptions
     from flash_recipe.ops.kvcache import Cache, attention_kvcache
+    from flash_recipe.ops.launch import ScoreOptions
 
     q = _rand(3, 1, 2, 16, seed=1)
     k_cache, v_cache = _rand(2, 32, 1, 16, seed=2), _rand(2, 32, 1, 16, seed=3)

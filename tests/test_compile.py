@@ -22,8 +22,13 @@ from flash_recipe.ops import compile_check, configs
 
 def _compile_in_subprocess(script: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(script)], capture_output=True,
-                            text=True, env=env, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
@@ -52,7 +57,8 @@ def test_unknown_architectures_get_the_conservative_family_and_old_ones_are_refu
     with pytest.raises(ValueError, match="AMD CDNA"):
         configs.arch_family("gfx1100")
     assert configs.FAMILY_SHARED_MEMORY[configs.FALLBACK_FAMILY["cuda"]] == min(
-        configs.SHARED_MEMORY_LIMIT[t] for t, f in configs.FAMILIES.items() if t.startswith("sm"))
+        configs.SHARED_MEMORY_LIMIT[t] for t, f in configs.FAMILIES.items() if t.startswith("sm")
+    )
     with pytest.raises(ValueError, match="must be sm80 or newer"):
         configs.arch_family("sm75")
     assert configs.shared_memory_problem("sm130", 101376) is None

@@ -16,12 +16,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str, python: str = sys.executable, cwd: Path = ROOT, env_extra: dict | None = None, stdin: str | None = None):
+def cli(
+    *args: str, python: str = sys.executable, cwd: Path = ROOT, env_extra: dict | None = None, stdin: str | None = None
+):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT)
     env.update(env_extra or {})
     return subprocess.run(
-        [python, "-m", "flash_recipe", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, input=stdin
+        [python, "-m", "flash_recipe", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input=stdin,
     )
 
 
@@ -48,7 +56,9 @@ def test_doctor_here_is_healthy_with_sections_in_order(tmp_path):
     proc = cli("doctor", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    order = [out.index(s) for s in ("FINDINGS", "COUPLING", "MACHINE", "UPSTREAM FLASH-ATTN\n", "FLASH_RECIPE BACKENDS")]
+    order = [
+        out.index(s) for s in ("FINDINGS", "COUPLING", "MACHINE", "UPSTREAM FLASH-ATTN\n", "FLASH_RECIPE BACKENDS")
+    ]
     assert order == sorted(order)
     assert "none: no known install failure applies" in out
     assert "Python ABI" in out and "C++11 ABI" in out
@@ -70,7 +80,19 @@ def test_doctor_json_here(doctor_json):
     expected = "no-gpu-torch" if torch.version.cuda is None else wheel["status"]
     assert wheel["status"] == expected
     assert doctor_json["flex"]["statement"].startswith("FlexAttention has no ahead-of-time build step")
-    assert set(doctor_json["facts"]) >= {"platform", "torch", "gpus", "nvcc", "triton", "build", "env", "flash_attn", "flex", "backends", "project"}
+    assert set(doctor_json["facts"]) >= {
+        "platform",
+        "torch",
+        "gpus",
+        "nvcc",
+        "triton",
+        "build",
+        "env",
+        "flash_attn",
+        "flex",
+        "backends",
+        "project",
+    }
 
 
 def test_doctor_flash_attn_wheel_text_names_file_or_says_why(capsys):
@@ -84,7 +106,9 @@ def test_doctor_reads_a_log_and_exits_1(tmp_path, capsys, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     log = tmp_path / "install.log"
-    log.write_text("  Getting requirements to build wheel: started\n      ModuleNotFoundError: No module named 'torch'\n")
+    log.write_text(
+        "  Getting requirements to build wheel: started\n      ModuleNotFoundError: No module named 'torch'\n"
+    )
     code, out, _ = main(capsys, "doctor", "--log", str(log), "--installer", "pip")
     assert code == 1
     assert "[error] build-isolation-no-torch" in out
@@ -99,7 +123,9 @@ def test_doctor_checks_a_wheel_file(tmp_path, capsys, monkeypatch):
 
     path = tmp_path / "flash_attn-2.8.2+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
     with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("flash_attn-2.8.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n")
+        archive.writestr(
+            "flash_attn-2.8.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n"
+        )
     monkeypatch.chdir(tmp_path)
     code, out, _ = main(capsys, "doctor", "--json", "--wheel", str(path))
     report = json.loads(out)
@@ -189,9 +215,21 @@ def test_report_of_a_gpu_machine_from_injected_facts():
     from flash_recipe.env.doctor import diagnose, format_report
 
     facts = gpu_facts(project={"installer": "uv", "installer_reason": "uv.lock or [tool.uv] in pyproject.toml"})
-    facts["flash_attn"].update(loads=False, module_error="ModuleNotFoundError: No module named 'flash_attn_2_cuda'", wheel_tags=["py3-none-any"])
-    facts["triton"]["compile"] = {"arch": "sm90", "ok": True, "shared_bytes": 98304, "shared_limit": 232448, "seconds": 1.2}
-    args = argparse.Namespace(installer=None, log=None, wheel=None, flash_attn_wheel="2.8.3", flex=True, project=None, online=False)
+    facts["flash_attn"].update(
+        loads=False,
+        module_error="ModuleNotFoundError: No module named 'flash_attn_2_cuda'",
+        wheel_tags=["py3-none-any"],
+    )
+    facts["triton"]["compile"] = {
+        "arch": "sm90",
+        "ok": True,
+        "shared_bytes": 98304,
+        "shared_limit": 232448,
+        "seconds": 1.2,
+    }
+    args = argparse.Namespace(
+        installer=None, log=None, wheel=None, flash_attn_wheel="2.8.3", flex=True, project=None, online=False
+    )
     report = diagnose(args, facts=facts)
     assert report["healthy"] is False and report["installer"] == "uv"
     text = format_report(report)

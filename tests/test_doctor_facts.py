@@ -214,26 +214,38 @@ def test_the_checker_follows_the_rules_to_their_facts():
     type and loops, down to nested TypedDicts."""
     checked = check_module(rules).checked
     expected = {
-        ("TorchFacts", "cxx11abi"), ("TorchFacts", "import_error"), ("GpusFacts", "devices"),
-        ("GpuDevice", "capability"), ("GpuDevice", "name"), ("EnvVarFacts", "MAX_JOBS"), ("NvccFacts", "path"),
+        ("TorchFacts", "cxx11abi"),
+        ("TorchFacts", "import_error"),
+        ("GpusFacts", "devices"),
+        ("GpuDevice", "capability"),
+        ("GpuDevice", "name"),
+        ("EnvVarFacts", "MAX_JOBS"),
+        ("NvccFacts", "path"),
         ("FlashAttnFacts", "wheel_name_parts"),
-        ("WheelNameParts", "cxx11abi"), ("SdpaKernels", "FLASH_ATTENTION"), ("SdpaKernelResult", "warnings"),
-        ("BackendsFacts", "explain"), ("NetworkFacts", "reachable"), ("ProjectFacts", "torch_index"),
-        ("TorchIndex", "url"), ("WheelFileFacts", "metadata_version"), ("PlatformFacts", "mem_available_gib"),
-        ("TritonFacts", "version"), ("BuildToolsFacts", "missing"),
+        ("WheelNameParts", "cxx11abi"),
+        ("SdpaKernels", "FLASH_ATTENTION"),
+        ("SdpaKernelResult", "warnings"),
+        ("BackendsFacts", "explain"),
+        ("NetworkFacts", "reachable"),
+        ("ProjectFacts", "torch_index"),
+        ("TorchIndex", "url"),
+        ("WheelFileFacts", "metadata_version"),
+        ("PlatformFacts", "mem_available_gib"),
+        ("TritonFacts", "version"),
+        ("BuildToolsFacts", "missing"),
     }
     assert expected <= checked, sorted(expected - checked)
     assert {"CompileCheck", "FlexFacts", "SdpaFacts"} <= {name for name, _ in check_module(doctor).checked}
 
 
-MISSPELT_RULE = '''
+MISSPELT_RULE = """
 def _misspelt(ctx: Context, finding: Build) -> Optional[Finding]:
     torch = ctx.torch
     parts = ctx.flash_attn.get("wheel_name_parts") or {}
     if torch.get("verison") and parts["cxx11_abi"] and "MAX_JOB" in ctx.env and ctx.trch:
         return finding("t", "error", [d["capabilty"] for d in _old_gpus(ctx)], "upstream-flash-attn", "")
     return None
-'''
+"""
 
 
 def test_the_checker_reports_a_misspelt_key():
@@ -247,8 +259,13 @@ def test_the_checker_reports_a_misspelt_key():
         "WheelNameParts has no key 'cxx11_abi'",
     ]
     correct = MISSPELT_RULE
-    for wrong, right in (("verison", "version"), ("cxx11_abi", "cxx11abi"), ("MAX_JOB", "MAX_JOBS"), ("trch", "torch"),
-                         ("capabilty", "capability")):
+    for wrong, right in (
+        ("verison", "version"),
+        ("cxx11_abi", "cxx11abi"),
+        ("MAX_JOB", "MAX_JOBS"),
+        ("trch", "torch"),
+        ("capabilty", "capability"),
+    ):
         correct = correct.replace(wrong, right)
     assert KeyChecker(vars(rules)).check(correct).problems == []
 
@@ -299,10 +316,15 @@ def test_undeclared_finds_extra_and_missing_keys():
     assert undeclared({"installed": False, "version": None, "cuda": "12.8"}, facts.TorchFacts) == []
     assert undeclared({"installed": False, "version": None, "cudaa": "12.8"}, facts.TorchFacts) != []
     assert undeclared({"version": None}, facts.TorchFacts) != []
-    gpus = {"devices": [{"name": "T4", "capability": [7, 5], "shared_memory_per_block": 1, "smem": 1}],
-            "driver": None, "driver_cuda": None, "source": None}
-    assert undeclared(gpus, facts.GpusFacts) == ["devices[0]: keys ['capability', 'name', 'shared_memory_per_block', "
-                                                 "'smem'] do not fit GpuDevice"]
+    gpus = {
+        "devices": [{"name": "T4", "capability": [7, 5], "shared_memory_per_block": 1, "smem": 1}],
+        "driver": None,
+        "driver_cuda": None,
+        "source": None,
+    }
+    assert undeclared(gpus, facts.GpusFacts) == [
+        "devices[0]: keys ['capability', 'name', 'shared_memory_per_block', 'smem'] do not fit GpuDevice"
+    ]
 
 
 def loopback_network_facts() -> list[dict]:
@@ -362,8 +384,13 @@ def test_an_installed_flash_attn_returns_the_keys_its_type_declares(tmp_path, mo
     """A fake flash-attn installed for real on a tmp sys.path (as in test_doctor_rules), wheel URL and all."""
     from test_doctor_rules import PUBLISHED_URL, make_flash_attn
 
-    make_flash_attn(tmp_path, monkeypatch, cuda_module="raise ImportError('undefined symbol: x')\n",
-                    tag="cp311-cp311-linux_x86_64", direct_url=PUBLISHED_URL)
+    make_flash_attn(
+        tmp_path,
+        monkeypatch,
+        cuda_module="raise ImportError('undefined symbol: x')\n",
+        tag="cp311-cp311-linux_x86_64",
+        direct_url=PUBLISHED_URL,
+    )
     fa = probes.probe_flash_attn()
     assert fa["installed"] and fa["wheel_name_parts"] is not None and fa["loads"] is False
     assert undeclared(fa, facts.FlashAttnFacts) == []
@@ -408,11 +435,19 @@ def test_rule_names_come_from_the_registration(monkeypatch):
     def _toy(ctx, finding):
         return finding("a toy", "info", ["seen"], "upstream-flash-attn", "true", note="n")
 
-    (name, check), = rules.RULES
+    ((name, check),) = rules.RULES
     found = check(rules.Context(facts={}))
     assert name == "toy-rule" and found.rule == "toy-rule"
-    assert found.to_dict() == {"rule": "toy-rule", "title": "a toy", "severity": "info", "evidence": ["seen"],
-                               "recipe": "upstream-flash-attn", "command": "true", "failure": None, "note": "n"}
+    assert found.to_dict() == {
+        "rule": "toy-rule",
+        "title": "a toy",
+        "severity": "info",
+        "evidence": ["seen"],
+        "recipe": "upstream-flash-attn",
+        "command": "true",
+        "failure": None,
+        "note": "n",
+    }
 
 
 def test_no_rule_spells_its_name_twice():
@@ -421,6 +456,13 @@ def test_no_rule_spells_its_name_twice():
     names = [name for name, _ in rules.RULES]
     assert len(names) == len(set(names))
     tree = ast.parse(inspect.getsource(rules))
-    constructors = sorted({fn.name for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) for node in ast.walk(fn)
-                           if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Finding"})
+    constructors = sorted(
+        {
+            fn.name
+            for fn in ast.walk(tree)
+            if isinstance(fn, ast.FunctionDef)
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Finding"
+        }
+    )
     assert constructors == ["evaluate"]

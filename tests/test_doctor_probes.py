@@ -51,7 +51,9 @@ def test_no_module_level_torch_import_in_env_package():
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
-            assert not any(n.split(".")[0] in ("torch", "triton") for n in names), f"{path.name} imports {names} at module level"
+            assert not any(n.split(".")[0] in ("torch", "triton") for n in names), (
+                f"{path.name} imports {names} at module level"
+            )
 
 
 def test_env_vars_are_read_verbatim(monkeypatch):
@@ -97,7 +99,10 @@ def test_project_installer_detection(tmp_path, monkeypatch, files, installer):
         ('[project]\nname = "x"\ndependencies = ["flash-attn>=2.8; sys_platform == \'linux\'"]\n', True),
         ('[project]\nname = "x"\n[project.optional-dependencies]\nfa = ["flash_attn==2.8.3"]\n', True),
         ('[tool.poetry.dependencies]\npython = "^3.10"\nflash-attn = { url = "https://x/y.whl" }\n', True),
-        ('[project]\nname = "x"\ndescription = "drop-in for flash-attn users"\ndependencies = ["flash-recipe"]\n', False),
+        (
+            '[project]\nname = "x"\ndescription = "drop-in for flash-attn users"\ndependencies = ["flash-recipe"]\n',
+            False,
+        ),
     ],
     ids=["pep621", "extra", "poetry-table", "mention-only"],
 )
@@ -147,7 +152,10 @@ def test_torch_index_follows_torch_build():
 
 
 def test_uninstall_drops_the_cached_wheel_per_installer():
-    assert commands.uninstall_flash_attn("pip") == "python -m pip uninstall -y flash-attn && python -m pip cache remove flash_attn"
+    assert (
+        commands.uninstall_flash_attn("pip")
+        == "python -m pip uninstall -y flash-attn && python -m pip cache remove flash_attn"
+    )
     assert commands.uninstall_flash_attn("uv") == "uv pip uninstall flash-attn && uv cache clean flash-attn"
     assert commands.uninstall_flash_attn("poetry", drop_cache=False) == "poetry run pip uninstall -y flash-attn"
 
@@ -203,15 +211,27 @@ def test_no_kernel_pattern_matches_torchs_message():
 @pytest.mark.parametrize(
     "text, expected",
     [
-        (('[project]\nname = "x"\n[[tool.uv.index]]\nname = "pytorch-cu124"\nurl = "https://download.pytorch.org/whl/cu124"\nexplicit = true\n'
-          '[tool.uv.sources]\ntorch = [{ index = "pytorch-cu124", marker = "sys_platform == \'linux\'" }]\n'),
-         {"name": "pytorch-cu124", "url": "https://download.pytorch.org/whl/cu124", "pinned": True}),
-        (('[tool.poetry.dependencies]\ntorch = { version = "^2.6", source = "torchsrc" }\n'
-          '[[tool.poetry.source]]\nname = "other"\nurl = "https://pypi.example/simple"\n'
-          '[[tool.poetry.source]]\nname = "torchsrc"\nurl = "https://user:secret@mirror.example/whl/cu126"\npriority = "explicit"\n'),
-         {"name": "torchsrc", "url": "https://mirror.example/whl/cu126", "pinned": True}),
-        ('[[tool.uv.index]]\nname = "pt"\nurl = "https://download.pytorch.org/whl/cpu"\n',
-         {"name": "pt", "url": "https://download.pytorch.org/whl/cpu", "pinned": False}),
+        (
+            (
+                '[project]\nname = "x"\n[[tool.uv.index]]\nname = "pytorch-cu124"\n'
+                'url = "https://download.pytorch.org/whl/cu124"\nexplicit = true\n'
+                '[tool.uv.sources]\ntorch = [{ index = "pytorch-cu124", marker = "sys_platform == \'linux\'" }]\n'
+            ),
+            {"name": "pytorch-cu124", "url": "https://download.pytorch.org/whl/cu124", "pinned": True},
+        ),
+        (
+            (
+                '[tool.poetry.dependencies]\ntorch = { version = "^2.6", source = "torchsrc" }\n'
+                '[[tool.poetry.source]]\nname = "other"\nurl = "https://pypi.example/simple"\n'
+                '[[tool.poetry.source]]\nname = "torchsrc"\n'
+                'url = "https://user:secret@mirror.example/whl/cu126"\npriority = "explicit"\n'
+            ),
+            {"name": "torchsrc", "url": "https://mirror.example/whl/cu126", "pinned": True},
+        ),
+        (
+            '[[tool.uv.index]]\nname = "pt"\nurl = "https://download.pytorch.org/whl/cpu"\n',
+            {"name": "pt", "url": "https://download.pytorch.org/whl/cpu", "pinned": False},
+        ),
         ('[project]\nname = "x"\ndependencies = ["torch"]\n', None),
     ],
     ids=["uv-sources", "poetry-source-credentials-dropped", "uv-index-by-host", "none"],

@@ -59,17 +59,52 @@ def gpu_facts(**overrides):
     from flash_recipe.env.wheels import parse_wheel_filename
 
     facts = {
-        "platform": {"python": "3.12.7", "python_tag": "cp312", "wheel_platform": "linux_x86_64", "cpu_count": 32, "mem_available_gib": 200.0, "os": "Linux", "machine": "x86_64"},
-        "torch": {"installed": True, "version": "2.8.0+cu128", "cuda": "12.8", "hip": None, "cxx11abi": True, "build": "cuda", "cuda_available": True, "device_count": 1},
-        "gpus": {"devices": [{"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "shared_memory_per_block": 232448}], "driver": "570.86.15", "driver_cuda": "12.8", "source": "torch"},
-        "nvcc": {"path": "/usr/local/cuda/bin/nvcc", "version": "12.8", "cuda_home": "/usr/local/cuda", "on_path": True},
+        "platform": {
+            "python": "3.12.7",
+            "python_tag": "cp312",
+            "wheel_platform": "linux_x86_64",
+            "cpu_count": 32,
+            "mem_available_gib": 200.0,
+            "os": "Linux",
+            "machine": "x86_64",
+        },
+        "torch": {
+            "installed": True,
+            "version": "2.8.0+cu128",
+            "cuda": "12.8",
+            "hip": None,
+            "cxx11abi": True,
+            "build": "cuda",
+            "cuda_available": True,
+            "device_count": 1,
+        },
+        "gpus": {
+            "devices": [{"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "shared_memory_per_block": 232448}],
+            "driver": "570.86.15",
+            "driver_cuda": "12.8",
+            "source": "torch",
+        },
+        "nvcc": {
+            "path": "/usr/local/cuda/bin/nvcc",
+            "version": "12.8",
+            "cuda_home": "/usr/local/cuda",
+            "on_path": True,
+        },
         "triton": {"installed": True, "version": "3.4.0", "target": "cuda:90"},
         "build": {"ninja": "/usr/bin/ninja", "ninja_version": "1.11.1", "packages": {}, "missing": []},
         "env": {},
         "flash_attn": {
-            "installed": True, "name": "flash_attn", "version": "2.8.3", "installer": "pip", "direct_url": f"https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/{name}",
-            "wheel_filename": name, "wheel_name_parts": parse_wheel_filename(name), "wheel_tags": ["cp312-cp312-linux_x86_64"],
-            "module_error": None, "package_error": None, "loads": True,
+            "installed": True,
+            "name": "flash_attn",
+            "version": "2.8.3",
+            "installer": "pip",
+            "direct_url": f"https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/{name}",
+            "wheel_filename": name,
+            "wheel_name_parts": parse_wheel_filename(name),
+            "wheel_tags": ["cp312-cp312-linux_x86_64"],
+            "module_error": None,
+            "package_error": None,
+            "loads": True,
         },
         "flex": {"module": True, "torch_ok": True, "device": True},
         "backends": {"explain": {"flash_attn": None, "triton": None, "sdpa": None, "reference": None}},
@@ -95,7 +130,9 @@ def this_machine(**extra) -> dict:
 
 
 # -- fake upstream flash-attn distributions, built for real on a tmp sys.path --------------------
-def make_flash_attn(tmp_path: Path, monkeypatch, *, cuda_module: str | None, tag: str, direct_url: str | None = None) -> Path:
+def make_flash_attn(
+    tmp_path: Path, monkeypatch, *, cuda_module: str | None, tag: str, direct_url: str | None = None
+) -> Path:
     """Install a fake flash-attn 2.8.3 (dist-info + package) into ``tmp_path/site`` and put it on
     sys.path and PYTHONPATH. ``cuda_module``: source of ``flash_attn_2_cuda.py`` or None for none."""
     site = tmp_path / "site"
@@ -142,7 +179,9 @@ def test_build_isolation_from_real_log():
 
 
 def test_build_isolation_predicted_for_poetry_project_declaring_flash_attn(tmp_path):
-    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = ["flash-attn>=2.8"]\n[tool.poetry]\n')
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\ndependencies = ["flash-attn>=2.8"]\n[tool.poetry]\n'
+    )
     project = probes.probe_project(str(tmp_path))
     facts = gpu_facts(flash_attn={"installed": False})
     f = rules_fired(Context(facts=facts, installer=project["installer"], project=project))["build-isolation-no-torch"]
@@ -197,7 +236,9 @@ def test_build_tools_missing_from_log():
 # -- 3 and 4: undefined symbols, for real through a fake compiled module ------------------------
 def test_torch_mismatch_from_a_failing_compiled_module(tmp_path, monkeypatch):
     make_flash_attn(
-        tmp_path, monkeypatch, tag="cp311-cp311-linux_x86_64",
+        tmp_path,
+        monkeypatch,
+        tag="cp311-cp311-linux_x86_64",
         cuda_module="raise ImportError('/site/flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n",
     )
     fa = probes.probe_flash_attn()
@@ -223,7 +264,9 @@ def test_torch_mismatch_from_wheel_name():
 def test_abi_mismatch_from_a_failing_compiled_module(tmp_path, monkeypatch):
     # the symbol upstream's publish workflow quotes for a non-C++11-ABI build on a C++11 torch
     make_flash_attn(
-        tmp_path, monkeypatch, tag="cp311-cp311-linux_x86_64",
+        tmp_path,
+        monkeypatch,
+        tag="cp311-cp311-linux_x86_64",
         cuda_module="raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c105ErrorC2ENS_14SourceLocationESs')\n",
     )
     found = rules_fired(Context(facts=this_machine(flash_attn=probes.probe_flash_attn())))
@@ -237,8 +280,12 @@ def test_abi_mismatch_from_wheel_name_and_cxx11_symbol():
 
     name = "flash_attn-2.8.3+cu12torch2.8cxx11abiFALSE-cp312-cp312-linux_x86_64.whl"
     facts = gpu_facts()
-    facts["flash_attn"].update(wheel_filename=name, wheel_name_parts=parse_wheel_filename(name), loads=False,
-                               module_error="ImportError: undefined symbol: _ZNK3c1010TensorImpl4sizeB5cxx11Ev")
+    facts["flash_attn"].update(
+        wheel_filename=name,
+        wheel_name_parts=parse_wheel_filename(name),
+        loads=False,
+        module_error="ImportError: undefined symbol: _ZNK3c1010TensorImpl4sizeB5cxx11Ev",
+    )
     f = rules_fired(Context(facts=facts))["cxx11-abi-mismatch"]
     assert len(f.evidence) == 2 and "cxx11abiTRUE" in f.command
 
@@ -251,8 +298,11 @@ def test_nvcc_missing_from_real_log():
 
 def test_nvcc_missing_when_a_source_build_is_ahead():
     """Injected: CUDA torch 2.9 (no published wheel), no nvcc anywhere."""
-    facts = gpu_facts(torch__version="2.9.0+cu128", nvcc={"path": None, "version": None, "cuda_home": None, "on_path": False},
-                      flash_attn={"installed": False})
+    facts = gpu_facts(
+        torch__version="2.9.0+cu128",
+        nvcc={"path": None, "version": None, "cuda_home": None, "on_path": False},
+        flash_attn={"installed": False},
+    )
     found = rules_fired(Context(facts=facts, flash_attn_version="2.8.3"))
     assert "no nvcc" in found["nvcc-missing"].evidence[0]
     assert "cuda-nvcc=12.8" in found["nvcc-missing"].command
@@ -260,7 +310,9 @@ def test_nvcc_missing_when_a_source_build_is_ahead():
 
 
 def test_nvcc_quiet_when_the_published_wheel_fits():
-    facts = gpu_facts(nvcc={"path": None, "version": None, "cuda_home": None, "on_path": False}, flash_attn={"installed": False})
+    facts = gpu_facts(
+        nvcc={"path": None, "version": None, "cuda_home": None, "on_path": False}, flash_attn={"installed": False}
+    )
     assert "nvcc-missing" not in rules_fired(Context(facts=facts, flash_attn_version="2.8.3"))
 
 
@@ -351,7 +403,9 @@ def test_renamed_wheel_file_is_caught(tmp_path):
 
     path = tmp_path / "flash_attn-2.8.4+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
     with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("flash_attn-2.8.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n")
+        archive.writestr(
+            "flash_attn-2.8.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n"
+        )
     f = rules_fired(Context(facts=gpu_facts(), wheel=inspect_wheel_file(str(path))))["wheel-version-mismatch"]
     assert "2.8.4" in f.evidence[0] and "2.8.3" in f.evidence[0]
 
@@ -361,7 +415,9 @@ def test_published_wheel_file_with_local_label_is_fine(tmp_path):
 
     path = tmp_path / "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"
     with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("flash_attn-2.8.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n")
+        archive.writestr(
+            "flash_attn-2.8.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.8.3\n"
+        )
     assert "wheel-version-mismatch" not in rules_fired(Context(facts=gpu_facts(), wheel=inspect_wheel_file(str(path))))
 
 
@@ -376,7 +432,9 @@ def test_hollow_package_for_real(tmp_path, monkeypatch):
     assert f.command.startswith("python -m pip uninstall -y flash-attn")
     # the same hollow install on a GPU machine (injected facts) gets the published wheel
     gpu = rules_fired(Context(facts=gpu_facts(flash_attn=fa, platform__python="3.11.7")))["hollow-package"]
-    assert gpu.command.startswith("python -m pip uninstall -y flash-attn && python -m pip cache remove flash_attn && python -m pip install ")
+    assert gpu.command.startswith(
+        "python -m pip uninstall -y flash-attn && python -m pip cache remove flash_attn && python -m pip install "
+    )
     assert "flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl" in gpu.command
 
 
@@ -404,7 +462,12 @@ Traceback (most recent call last):
 RuntimeError: No available kernel. Aborting execution.
 """
 
-T4 = {"devices": [{"name": "Tesla T4", "capability": [7, 5], "shared_memory_per_block": 65536}], "driver": "550.54.15", "driver_cuda": "12.4", "source": "torch"}
+T4 = {
+    "devices": [{"name": "Tesla T4", "capability": [7, 5], "shared_memory_per_block": 65536}],
+    "driver": "550.54.15",
+    "driver_cuda": "12.4",
+    "source": "torch",
+}
 
 
 def turing_explain(monkeypatch) -> dict:
@@ -420,7 +483,10 @@ def turing_explain(monkeypatch) -> dict:
     monkeypatch.setattr(torch.version, "hip", None)
     with FakeTensorMode():
         q = torch.empty(1, 16, 2, 64, dtype=torch.float16, device="cuda")
-    return {"call": "q, k, v of shape (1, 16, 2, 64), float16, on cuda, causal=True", "explain": flash_recipe.explain(q, q, q, causal=True)}
+    return {
+        "call": "q, k, v of shape (1, 16, 2, 64), float16, on cuda, causal=True",
+        "explain": flash_recipe.explain(q, q, q, causal=True),
+    }
 
 
 def turing_sdpa_probe() -> dict:
@@ -429,9 +495,11 @@ def turing_sdpa_probe() -> dict:
         "device": {"name": "Tesla T4", "capability": [7, 5]},
         "kernels": {
             "FLASH_ATTENTION": {
-                "ok": False, "error": "RuntimeError: No available kernel. Aborting execution.",
+                "ok": False,
+                "error": "RuntimeError: No available kernel. Aborting execution.",
                 "warnings": [
-                    "Memory efficient kernel not used because:", "Memory Efficient attention has been runtime disabled.",
+                    "Memory efficient kernel not used because:",
+                    "Memory Efficient attention has been runtime disabled.",
                     "Flash attention kernel not used because:",
                     "Flash attention only supports gpu architectures in the range [sm80, sm90]. Attempting to run on a sm 7.5 gpu.",
                 ],
@@ -464,7 +532,13 @@ def test_turing_finding_says_what_runs_there_and_why(monkeypatch):
     assert f"flash_recipe's triton backend: {backends['explain']['triton']}" in text
     assert "live: sdpa_kernel([SDPBackend.FLASH_ATTENTION]) here raises RuntimeError: No available kernel" in text
     assert "Attempting to run on a sm 7.5 gpu" in text and "EFFICIENT_ATTENTION]) here runs" in text
-    for words in ("memory-efficient kernel", "tl.dot to FMA", "no tensor-core path", "sm80 or newer", "#330, #542, #720, #887"):
+    for words in (
+        "memory-efficient kernel",
+        "tl.dot to FMA",
+        "no tensor-core path",
+        "sm80 or newer",
+        "#330, #542, #720, #887",
+    ):
         assert words in f.note and words in backends["explain"]["triton"], words
     assert "from flash_recipe import scaled_dot_product_attention" in f.command
 
@@ -483,12 +557,17 @@ def test_healthy_turing_machine_stays_healthy(capsys):
     from flash_recipe.env import doctor
 
     facts = gpu_facts(gpus=T4, flash_attn={"installed": False}, sdpa=turing_sdpa_probe(), project={"installer": "pip"})
-    args = argparse.Namespace(installer=None, log=None, wheel=None, flash_attn_wheel=None, flex=False, online=False, project=None)
+    args = argparse.Namespace(
+        installer=None, log=None, wheel=None, flash_attn_wheel=None, flex=False, online=False, project=None
+    )
     report = doctor.diagnose(args, facts=facts)
     assert report["healthy"] is True
     assert [f["rule"] for f in report["findings"]] == ["gpu-too-old"]
     text = doctor.format_report(report)
-    assert "[info] gpu-too-old" in text and "torch SDPA, one kernel at a time on this GPU: flash fails: RuntimeError: No available kernel" in text
+    assert (
+        "[info] gpu-too-old" in text
+        and "torch SDPA, one kernel at a time on this GPU: flash fails: RuntimeError: No available kernel" in text
+    )
 
 
 def test_sdpa_flash_only_on_t4_from_log():
@@ -499,7 +578,10 @@ def test_sdpa_flash_only_on_t4_from_log():
     assert f.severity == "error" and f.failure == 12
     assert f.evidence[0] == "log: RuntimeError: No available kernel. Aborting execution."
     reasons = f.evidence[1:]
-    assert "log: torch says: Flash attention only supports gpu architectures in the range [sm80, sm90]. Attempting to run on a sm 7.5 gpu." in reasons
+    assert (
+        "log: torch says: Flash attention only supports gpu architectures in the range [sm80, sm90]. Attempting to run on a sm 7.5 gpu."
+        in reasons
+    )
     assert "log: torch says: Memory Efficient attention has been runtime disabled." in reasons
     assert not any("not used because" in line or "Triggered internally" in line for line in reasons)
     assert "the sm75 GPU the log names" in f.title and "flash kernel" in f.title
@@ -529,8 +611,14 @@ def test_sdpa_no_kernel_live_on_an_sm90_torch_without_flash():
     probe = {
         "device": {"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0]},
         "kernels": {
-            "FLASH_ATTENTION": {"ok": False, "error": "RuntimeError: No available kernel. Aborting execution.",
-                                "warnings": ["Flash attention kernel not used because:", "Torch was not compiled with flash attention."]},
+            "FLASH_ATTENTION": {
+                "ok": False,
+                "error": "RuntimeError: No available kernel. Aborting execution.",
+                "warnings": [
+                    "Flash attention kernel not used because:",
+                    "Torch was not compiled with flash attention.",
+                ],
+            },
             "EFFICIENT_ATTENTION": {"ok": True, "error": None, "warnings": []},
         },
     }
@@ -540,9 +628,13 @@ def test_sdpa_no_kernel_live_on_an_sm90_torch_without_flash():
 
 
 def test_sdpa_probe_quiet_when_flash_runs():
-    probe = {"device": {"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0]},
-             "kernels": {"FLASH_ATTENTION": {"ok": True, "error": None, "warnings": []},
-                         "EFFICIENT_ATTENTION": {"ok": True, "error": None, "warnings": []}}}
+    probe = {
+        "device": {"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0]},
+        "kernels": {
+            "FLASH_ATTENTION": {"ok": True, "error": None, "warnings": []},
+            "EFFICIENT_ATTENTION": {"ok": True, "error": None, "warnings": []},
+        },
+    }
     assert evaluate(Context(facts=gpu_facts(sdpa=probe), installer="pip", flash_attn_version="2.8.3")) == []
 
 
@@ -559,8 +651,13 @@ def _dotted(release) -> str:
 
 def old_stack(**overrides) -> dict:
     """Injected: CUDA 12.1 torch 2.4 (pins Triton 3.0) on a GPU machine; no GPU here."""
-    facts = gpu_facts(torch__version="2.4.1+cu121", torch__cuda="12.1", torch__installer="pip",
-                      triton={"installed": True, "version": "3.0.0", "target": "cuda:90"}, flash_attn={"installed": False})
+    facts = gpu_facts(
+        torch__version="2.4.1+cu121",
+        torch__cuda="12.1",
+        torch__installer="pip",
+        triton={"installed": True, "version": "3.0.0", "target": "cuda:90"},
+        flash_attn={"installed": False},
+    )
     facts.update(overrides)
     return facts
 
@@ -571,7 +668,10 @@ def test_triton_too_old_upgrades_torch_with_pip():
     f = rules_fired(Context(facts=old_stack(), installer="pip"))["triton-too-old"]
     torch_min, triton_min = _dotted(versions.TORCH_MIN), _dotted(versions.TRITON_MIN)
     assert f.severity == "error" and f.recipe == "torch-index-pip"
-    assert f.command == f'python -m pip install --upgrade "torch>={torch_min}" --index-url https://download.pytorch.org/whl/cu121'
+    assert (
+        f.command
+        == f'python -m pip install --upgrade "torch>={torch_min}" --index-url https://download.pytorch.org/whl/cu121'
+    )
     assert f"Triton 3.0.0 is installed; flash_recipe's kernels need Triton {triton_min} or newer" == f.evidence[0]
     assert "torch 2.4.1+cu121 pins Triton 3.0: Triton comes with torch" in f.evidence[1]
     assert "not Triton alone" in f.note and "CUDA 12.8" in f.note  # the driver's CUDA bounds the index to take
@@ -580,16 +680,46 @@ def test_triton_too_old_upgrades_torch_with_pip():
 @pytest.mark.parametrize(
     "installer, project, expected",
     [
-        ("uv", {"pyproject": True, "torch_index": {"name": "pytorch-cu121", "url": "https://download.pytorch.org/whl/cu121", "pinned": True}},
-         'uv add "torch>={torch_min}"   # [tool.uv.sources] keeps torch on the index \'pytorch-cu121\''),
-        ("uv", {"pyproject": True}, 'uv add "torch>={torch_min}" --index pytorch=https://download.pytorch.org/whl/cu121'),
-        ("uv", {"pyproject": False}, 'uv pip install --upgrade "torch>={torch_min}" --index-url https://download.pytorch.org/whl/cu121'),
-        ("poetry", {"pyproject": True, "torch_index": {"name": "torch-cu121", "url": "https://download.pytorch.org/whl/cu121", "pinned": True}},
-         'poetry add --source torch-cu121 "torch>={torch_min}"'),
-        ("poetry", {"pyproject": True},
-         'poetry source add --priority=explicit pytorch https://download.pytorch.org/whl/cu121 && poetry add --source pytorch "torch>={torch_min}"'),
-        ("pip", {"torch_index": {"name": "mirror", "url": "https://mirror.example/whl/cu121", "pinned": False}},
-         'python -m pip install --upgrade "torch>={torch_min}" --index-url https://mirror.example/whl/cu121'),
+        (
+            "uv",
+            {
+                "pyproject": True,
+                "torch_index": {
+                    "name": "pytorch-cu121",
+                    "url": "https://download.pytorch.org/whl/cu121",
+                    "pinned": True,
+                },
+            },
+            "uv add \"torch>={torch_min}\"   # [tool.uv.sources] keeps torch on the index 'pytorch-cu121'",
+        ),
+        (
+            "uv",
+            {"pyproject": True},
+            'uv add "torch>={torch_min}" --index pytorch=https://download.pytorch.org/whl/cu121',
+        ),
+        (
+            "uv",
+            {"pyproject": False},
+            'uv pip install --upgrade "torch>={torch_min}" --index-url https://download.pytorch.org/whl/cu121',
+        ),
+        (
+            "poetry",
+            {
+                "pyproject": True,
+                "torch_index": {"name": "torch-cu121", "url": "https://download.pytorch.org/whl/cu121", "pinned": True},
+            },
+            'poetry add --source torch-cu121 "torch>={torch_min}"',
+        ),
+        (
+            "poetry",
+            {"pyproject": True},
+            'poetry source add --priority=explicit pytorch https://download.pytorch.org/whl/cu121 && poetry add --source pytorch "torch>={torch_min}"',
+        ),
+        (
+            "pip",
+            {"torch_index": {"name": "mirror", "url": "https://mirror.example/whl/cu121", "pinned": False}},
+            'python -m pip install --upgrade "torch>={torch_min}" --index-url https://mirror.example/whl/cu121',
+        ),
     ],
     ids=["uv-pinned-index", "uv-project", "uv-pip", "poetry-source", "poetry-new-source", "pip-project-index"],
 )
@@ -604,7 +734,9 @@ def test_triton_too_old_under_conda_torch():
     """Injected: torch installed by conda (its dist-info INSTALLER says conda)."""
     from flash_recipe.env import versions
 
-    f = rules_fired(Context(facts=old_stack(torch=dict(old_stack()["torch"], installer="conda")), installer="pip"))["triton-too-old"]
+    f = rules_fired(Context(facts=old_stack(torch=dict(old_stack()["torch"], installer="conda")), installer="pip"))[
+        "triton-too-old"
+    ]
     assert f.command.startswith(f'conda install -c conda-forge "pytorch>={_dotted(versions.TORCH_MIN)}"')
 
 
@@ -637,8 +769,10 @@ def test_triton_bounds_are_read_from_versions_at_run_time(monkeypatch):
 
     monkeypatch.setattr(versions, "TRITON_MIN", (3, 5))
     monkeypatch.setattr(versions, "TORCH_MIN", (2, 9))
-    facts = old_stack(triton={"installed": True, "version": "3.4.0", "target": "cuda:90"},
-                      torch=dict(gpu_facts()["torch"], version="2.8.0+cu128", installer="pip"))
+    facts = old_stack(
+        triton={"installed": True, "version": "3.4.0", "target": "cuda:90"},
+        torch=dict(gpu_facts()["torch"], version="2.8.0+cu128", installer="pip"),
+    )
     f = rules_fired(Context(facts=facts, installer="pip"))["triton-too-old"]
     assert "need Triton 3.5 or newer" in f.evidence[0] and '"torch>=2.9"' in f.command
     monkeypatch.setattr(versions, "TRITON_MIN", (3, 4))
@@ -648,7 +782,9 @@ def test_triton_bounds_are_read_from_versions_at_run_time(monkeypatch):
 def test_supported_triton_is_quiet():
     from flash_recipe.env import versions
 
-    facts = gpu_facts(triton={"installed": True, "version": f"{_dotted(versions.TRITON_MIN)}.0+git35c6c7c6", "target": "cuda:90"})
+    facts = gpu_facts(
+        triton={"installed": True, "version": f"{_dotted(versions.TRITON_MIN)}.0+git35c6c7c6", "target": "cuda:90"}
+    )
     assert "triton-too-old" not in rules_fired(Context(facts=facts))
 
 
@@ -735,13 +871,25 @@ def test_cited_recipes_exist_as_folders():
 
 def test_every_recipe_a_finding_cites_is_in_cited_recipes(tmp_path):
     """Run the rules over a spread of situations; each recipe named must be a known one."""
-    contexts = [
-        Context(facts=gpu_facts(), log=ISOLATED_BUILD_LOG + NO_CUDA_HOME_LOG + CPU_TORCH_LOG, installer=i)
-        for i in ("pip", "uv", "poetry")
-    ] + [
-        Context(facts=gpu_facts(torch__version="2.9.1+cu128", flash_attn={"installed": False}, gpus={"devices": [{"name": "T4", "capability": [7, 5]}]}), flash_attn_version="2.8.3", installer=i)
-        for i in ("pip", "uv", "poetry")
-    ] + [Context(facts=this_machine(torch={"installed": False}), installer=i) for i in ("pip", "uv", "poetry")]
+    contexts = (
+        [
+            Context(facts=gpu_facts(), log=ISOLATED_BUILD_LOG + NO_CUDA_HOME_LOG + CPU_TORCH_LOG, installer=i)
+            for i in ("pip", "uv", "poetry")
+        ]
+        + [
+            Context(
+                facts=gpu_facts(
+                    torch__version="2.9.1+cu128",
+                    flash_attn={"installed": False},
+                    gpus={"devices": [{"name": "T4", "capability": [7, 5]}]},
+                ),
+                flash_attn_version="2.8.3",
+                installer=i,
+            )
+            for i in ("pip", "uv", "poetry")
+        ]
+        + [Context(facts=this_machine(torch={"installed": False}), installer=i) for i in ("pip", "uv", "poetry")]
+    )
     recipes = {f.recipe for ctx in contexts for f in evaluate(copy.deepcopy(ctx))}
     assert recipes and recipes <= cited_recipes()
 

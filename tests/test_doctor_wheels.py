@@ -24,12 +24,30 @@ REAL_ASSETS = [
     ("flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp311-cp311-linux_x86_64.whl", "3.11", "2.8.0+cu126", True, "12.6"),
     ("flash_attn-2.8.3+cu12torch2.8cxx11abiFALSE-cp310-cp310-linux_x86_64.whl", "3.10", "2.8.0", False, "12.8"),
     ("flash_attn-2.8.3+cu12torch2.5cxx11abiFALSE-cp312-cp312-linux_x86_64.whl", "3.12", "2.5.1+cu124", False, "12.4"),
-    ("flash_attn-2.7.4.post1+cu12torch2.6cxx11abiFALSE-cp312-cp312-linux_x86_64.whl", "3.12", "2.6.0+cu124", False, "12.4"),
+    (
+        "flash_attn-2.7.4.post1+cu12torch2.6cxx11abiFALSE-cp312-cp312-linux_x86_64.whl",
+        "3.12",
+        "2.6.0+cu124",
+        False,
+        "12.4",
+    ),
     ("flash_attn-2.7.4.post1+cu12torch2.6cxx11abiFALSE-cp311-cp311-linux_x86_64.whl", "3.11", "2.6.0", False, "12.4"),
     ("flash_attn-2.7.4.post1+cu12torch2.6cxx11abiTRUE-cp312-cp312-linux_x86_64.whl", "3.12", "2.6.0", True, "12.6"),
-    ("flash_attn-2.7.4.post1+cu12torch2.5cxx11abiFALSE-cp310-cp310-linux_x86_64.whl", "3.10", "2.5.1+cu121", False, "12.1"),
+    (
+        "flash_attn-2.7.4.post1+cu12torch2.5cxx11abiFALSE-cp310-cp310-linux_x86_64.whl",
+        "3.10",
+        "2.5.1+cu121",
+        False,
+        "12.1",
+    ),
     ("flash_attn-2.7.4.post1+cu12torch2.4cxx11abiFALSE-cp39-cp39-linux_x86_64.whl", "3.9", "2.4.1", False, "12.1"),
-    ("flash_attn-2.7.4.post1+cu12torch2.2cxx11abiFALSE-cp310-cp310-linux_x86_64.whl", "3.10", "2.2.2+cu121", False, "12.1"),
+    (
+        "flash_attn-2.7.4.post1+cu12torch2.2cxx11abiFALSE-cp310-cp310-linux_x86_64.whl",
+        "3.10",
+        "2.2.2+cu121",
+        False,
+        "12.1",
+    ),
     ("flash_attn-2.6.3+cu123torch2.4cxx11abiFALSE-cp310-cp310-linux_x86_64.whl", "3.10", "2.4.0+cu124", False, "12.4"),
     ("flash_attn-2.6.3+cu123torch2.4cxx11abiTRUE-cp311-cp311-linux_x86_64.whl", "3.11", "2.4.1", True, "12.4"),
     ("flash_attn-2.6.3+cu123torch2.1cxx11abiFALSE-cp310-cp310-linux_x86_64.whl", "3.10", "2.1.2+cu121", False, "12.1"),
@@ -161,8 +179,13 @@ def test_url_encoded_plus_is_accepted():
 
 def _write_wheel(path, metadata_version, tag="cp312-cp312-linux_x86_64"):
     with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("flash_attn-2.8.3.dist-info/METADATA", f"Metadata-Version: 2.1\nName: flash_attn\nVersion: {metadata_version}\n")
-        archive.writestr("flash_attn-2.8.3.dist-info/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {tag}\n")
+        archive.writestr(
+            "flash_attn-2.8.3.dist-info/METADATA",
+            f"Metadata-Version: 2.1\nName: flash_attn\nVersion: {metadata_version}\n",
+        )
+        archive.writestr(
+            "flash_attn-2.8.3.dist-info/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {tag}\n"
+        )
 
 
 def test_inspect_wheel_file_reads_name_and_metadata(tmp_path):

@@ -38,9 +38,13 @@ def test_dropout_matches_reference_with_the_same_mask(dtype, causal, device, nan
     same, _ = attention_reference(*same_in, causal=causal, dropout_p=p, dropout_mask=keep, upcast=False)
     truth.backward(dout.to(high))
     same.backward(dout)
-    for name, factor, g, w, s in zip(("out", "dq", "dk", "dv"), (2, 3, 3, 3),
-                                     (out, *(t.grad for t in leaves)), (truth, *(t.grad for t in truth_in)),
-                                     (same, *(t.grad for t in same_in))):
+    for name, factor, g, w, s in zip(
+        ("out", "dq", "dk", "dv"),
+        (2, 3, 3, 3),
+        (out, *(t.grad for t in leaves)),
+        (truth, *(t.grad for t in truth_in)),
+        (same, *(t.grad for t in same_in)),
+    ):
         err = (g.double() - w.double()).abs().max().item()
         bound = factor * (s.double() - w.double()).abs().max().item() + 1e-5
         assert err <= bound, f"{name}: {err:.2e} > {bound:.2e}"

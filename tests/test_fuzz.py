@@ -42,8 +42,15 @@ DEFAULT_CASES = 150  # about a minute on a 2-core CPU through the Triton interpr
 
 # Entry points and how often each is drawn.
 KINDS = {
-    "dense": 17, "qkvpacked": 5, "kvpacked": 5, "varlen": 12, "varlen_qkvpacked": 3, "varlen_kvpacked": 3,
-    "paged": 13, "kvcache": 28, "sdpa": 14,
+    "dense": 17,
+    "qkvpacked": 5,
+    "kvpacked": 5,
+    "varlen": 12,
+    "varlen_qkvpacked": 3,
+    "varlen_kvpacked": 3,
+    "paged": 13,
+    "kvcache": 28,
+    "sdpa": 14,
 }
 # The interpreter computes bf16 dot products wrongly: bf16 runs on a GPU only.
 DTYPES = ("float16", "float32", "bfloat16") if HAS_CUDA else ("float16", "float32")
@@ -59,6 +66,7 @@ FLOOR = 1e-5
 # ----------------------------------------------------------------------------------------------
 # Drawing a case: plain Python values only, so a case prints, and replays from (seed, index).
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Case:
@@ -156,8 +164,7 @@ def _draw_dense(rng: random.Random, p: dict, kind: str) -> None:
     p["seqlen_q"] = _length(rng, 1, 48)
     p["seqlen_k"] = p["seqlen_q"] if kind == "qkvpacked" or rng.random() < 0.3 else _length(rng, 1, 48)
     _heads(rng, p, gqa=kind != "qkvpacked")
-    p["shape"] = (f"B{p['batch']}-Sq{p['seqlen_q']}-Sk{p['seqlen_k']}-H{p['nheads']}-Hk{p['nheads_k']}"
-                  f"-D{p['head_dim']}")
+    p["shape"] = f"B{p['batch']}-Sq{p['seqlen_q']}-Sk{p['seqlen_k']}-H{p['nheads']}-Hk{p['nheads_k']}-D{p['head_dim']}"
     names = {"dense": ("q", "k", "v"), "qkvpacked": ("qkv",), "kvpacked": ("q", "kv")}[kind]
     for name in names:
         p[f"layout_{name}"] = _layout(rng)
@@ -175,8 +182,9 @@ def _draw_varlen(rng: random.Random, p: dict, kind: str) -> None:
     if kind == "varlen_qkvpacked":
         p["max_extra"] = (p["max_extra"][0], p["max_extra"][0])
     _heads(rng, p, gqa=kind != "varlen_qkvpacked")
-    p["shape"] = (f"B{batch}-Tq{sum(p['lengths_q'])}-Tk{sum(p['lengths_k'])}-H{p['nheads']}-Hk{p['nheads_k']}"
-                  f"-D{p['head_dim']}")
+    p["shape"] = (
+        f"B{batch}-Tq{sum(p['lengths_q'])}-Tk{sum(p['lengths_k'])}-H{p['nheads']}-Hk{p['nheads_k']}-D{p['head_dim']}"
+    )
     names = {"varlen": ("q", "k", "v"), "varlen_qkvpacked": ("qkv",), "varlen_kvpacked": ("q", "kv")}[kind]
     for name in names:
         p[f"layout_{name}"] = _layout(rng)
@@ -201,11 +209,13 @@ def _draw_paged(rng: random.Random, p: dict) -> None:
         p["block_table"] = [[rng.randrange(num_blocks) for _ in range(width)] for _ in range(batch)]
     else:
         pages = rng.sample(range(num_blocks), batch * width)
-        p["block_table"] = [pages[b * width:(b + 1) * width] for b in range(batch)]
+        p["block_table"] = [pages[b * width : (b + 1) * width] for b in range(batch)]
     p["max_extra"] = (0, 0) if rng.random() < 0.7 else (rng.randint(0, 7), rng.randint(0, 7))
     _heads(rng, p)
-    p["shape"] = (f"B{batch}-Tq{sum(p['lengths_q'])}-Tk{sum(p['lengths_k'])}-page{page}x{num_blocks}-H{p['nheads']}"
-                  f"-Hk{p['nheads_k']}-D{p['head_dim']}")
+    p["shape"] = (
+        f"B{batch}-Tq{sum(p['lengths_q'])}-Tk{sum(p['lengths_k'])}-page{page}x{num_blocks}-H{p['nheads']}"
+        f"-Hk{p['nheads_k']}-D{p['head_dim']}"
+    )
     for name in ("q", "k", "v"):
         p[f"layout_{name}"] = _layout(rng)
     p["table_layout"] = _table_layout(rng)
@@ -226,7 +236,7 @@ def _draw_kvcache(rng: random.Random, p: dict) -> None:
         width = rng.randint(max(1, -(-p["new"] // page)), 3)
         num_blocks = p["num_blocks"] = batch * width + rng.randint(0, 3)
         pages = rng.sample(range(num_blocks), batch * width)  # distinct: the new rows go to one place
-        p["block_table"] = [pages[b * width:(b + 1) * width] for b in range(batch)]
+        p["block_table"] = [pages[b * width : (b + 1) * width] for b in range(batch)]
         p["table_layout"] = _table_layout(rng)
         capacity = page * width
     else:
@@ -250,8 +260,7 @@ def _draw_kvcache(rng: random.Random, p: dict) -> None:
     if rng.random() < 0.3:
         p["leftpad"] = [rng.randint(0, n) for n in p["seqlens"]]
     cache = f"page{p['page_size']}x{p['num_blocks']}" if "page_size" in p else f"cache{p['batch_cache']}x{capacity}"
-    p["shape"] = (f"B{batch}-Sq{seqlen_q}-new{p['new']}-{cache}-H{p['nheads']}-Hk{p['nheads_k']}"
-                  f"-D{p['head_dim']}")
+    p["shape"] = f"B{batch}-Sq{seqlen_q}-new{p['new']}-{cache}-H{p['nheads']}-Hk{p['nheads_k']}-D{p['head_dim']}"
     for name in ("q", "cache", "new"):
         p[f"layout_{name}"] = _layout(rng)
     p["strided_meta"] = rng.random() < 0.35
@@ -280,8 +289,10 @@ def _draw_sdpa(rng: random.Random, p: dict) -> None:
     _heads(rng, p, gqa=p["enable_gqa"])
     p["head_dim_v"] = p["head_dim"] if rng.random() < 0.85 else _head_dim(rng)
     batch = "" if p["unbatched"] else f"B{p['batch']}-"
-    p["shape"] = (f"{batch}Sq{p['seqlen_q']}-Sk{p['seqlen_k']}"
-                  f"-H{p['nheads']}-Hk{p['nheads_k']}-D{p['head_dim']}-Dv{p['head_dim_v']}")
+    p["shape"] = (
+        f"{batch}Sq{p['seqlen_q']}-Sk{p['seqlen_k']}"
+        f"-H{p['nheads']}-Hk{p['nheads_k']}-D{p['head_dim']}-Dv{p['head_dim_v']}"
+    )
     for name in ("q", "k", "v"):  # SDPA also takes a strided last dim (it is copied)
         p[f"layout_{name}"] = _layout(rng, extra=("lastdim",))
     p["causal"] = rng.random() < 0.4
@@ -321,6 +332,7 @@ def draw_case(seed: int, index: int) -> Case:
 # ----------------------------------------------------------------------------------------------
 # Building the inputs.
 # ----------------------------------------------------------------------------------------------
+
 
 class Inputs:
     """Builds the tensors of one case from its torch generator and remembers every tensor's backing
@@ -367,7 +379,7 @@ class Inputs:
         if layout == "heads":
             view = base.narrow(-2, 1, shape[-2])
         elif layout == "pad":
-            view = base[..., :shape[-1]]
+            view = base[..., : shape[-1]]
         elif layout == "swap" and len(shape) >= 3:
             view = base.transpose(-3, -2)
         elif layout == "step" and len(shape) >= 3:
@@ -420,8 +432,8 @@ class Inputs:
         values = (torch.rand(shape, generator=self.gen) * 0.9 + 0.05).to(self.device)
         if kind == "BH-strided":
             base = torch.full((batch, nheads + 3), float("nan"), device=self.device)
-            base[:, 1:nheads + 1] = values
-            return self._keep("alibi_slopes", base[:, 1:nheads + 1], base)
+            base[:, 1 : nheads + 1] = values
+            return self._keep("alibi_slopes", base[:, 1 : nheads + 1], base)
         return self._keep("alibi_slopes", values, values)
 
     def randn_like(self, t: torch.Tensor) -> torch.Tensor:
@@ -429,8 +441,11 @@ class Inputs:
 
     def unchanged(self, skip: tuple = ()) -> list:
         """Names of the remembered tensors whose storage changed (bit for bit)."""
-        return [name for name, (_, base, before) in self.bases.items()
-                if name not in skip and not torch.equal(_bits(base), _bits(before))]
+        return [
+            name
+            for name, (_, base, before) in self.bases.items()
+            if name not in skip and not torch.equal(_bits(base), _bits(before))
+        ]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -471,6 +486,7 @@ def _offsets(lengths: list) -> list:
 # Comparing.
 # ----------------------------------------------------------------------------------------------
 
+
 class Report:
     """Every comparison of one case, one line each; ``problems`` are the failing ones."""
 
@@ -491,16 +507,19 @@ class Report:
         got, truth, same = (t.detach().double().cpu() for t in (got, truth, same))
         finite = torch.isfinite(truth)
         if not torch.equal(got[~finite], truth[~finite]):
-            self.fail(f"{name}: {int((got[~finite] != truth[~finite]).sum())} entries differ where the truth "
-                      f"is infinite")
+            self.fail(
+                f"{name}: {int((got[~finite] != truth[~finite]).sum())} entries differ where the truth is infinite"
+            )
         if not torch.isfinite(same[finite]).all():
             self.fail(f"{name}: the input-precision torch computation is not finite (oracle problem)")
             return
         bad = int((~torch.isfinite(got[finite])).sum())
         err = math.inf if bad else (got[finite] - truth[finite]).abs().max().item() if finite.any() else 0.0
         bound = factor * ((same[finite] - truth[finite]).abs().max().item() if finite.any() else 0.0) + FLOOR
-        line = (f"{name}: max error {err:.3g}{f' ({bad} entries NaN or infinite)' if bad else ''} vs bound "
-                f"{bound:.3g} ({factor}x torch in the input dtype + 1e-5)")
+        line = (
+            f"{name}: max error {err:.3g}{f' ({bad} entries NaN or infinite)' if bad else ''} vs bound "
+            f"{bound:.3g} ({factor}x torch in the input dtype + 1e-5)"
+        )
         if err <= bound:
             self.lines.append(f"ok   {line}")
         else:
@@ -517,8 +536,7 @@ def _backend(case: Case):
     return flash_recipe.use_backend(case.backend) if case.backend else contextlib.nullcontext()
 
 
-def _differential(report: Report, inputs: Inputs, call: Callable, fn: Callable, tensors: dict,
-                  backward: bool) -> None:
+def _differential(report: Report, inputs: Inputs, call: Callable, fn: Callable, tensors: dict, backward: bool) -> None:
     """Run ``call()`` -> ``(out, lse or None)`` and ``fn(**tensors)`` -> ``(out, lse)`` (an oracle) in the
     truth's precision and in the input dtype, and compare the outputs, the lse and (``backward``) the
     gradients with respect to ``tensors`` under the accuracy rule."""
@@ -548,8 +566,7 @@ def _grads(out: torch.Tensor, tensors: dict, dout: torch.Tensor) -> dict:
     return {n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(tensors.items(), grads)}
 
 
-def _forward_only(report: Report, inputs: Inputs, call: Callable, fn: Callable, tensors: dict,
-                  grad: bool) -> tuple:
+def _forward_only(report: Report, inputs: Inputs, call: Callable, fn: Callable, tensors: dict, grad: bool) -> tuple:
     """A forward-only path: with ``grad`` the inputs require grad, the forward must run and
     ``.backward()`` must raise ``NotImplementedError``. Compares out and lse; returns the oracle's truth
     and input-dtype results ``(truth, same)``, each ``fn``'s full return value."""
@@ -580,6 +597,7 @@ def _forward_only(report: Report, inputs: Inputs, call: Callable, fn: Callable, 
 # The entry points.
 # ----------------------------------------------------------------------------------------------
 
+
 def _run_dense(case: Case, inputs: Inputs, report: Report) -> None:
     p = case.params
     b, sq, sk, h, hk, d = (p[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "head_dim"))
@@ -591,9 +609,11 @@ def _run_dense(case: Case, inputs: Inputs, report: Report) -> None:
         return (r[0], r[1]) if p["lse"] else (r, None)
 
     if case.kind == "dense":
-        tensors = {"q": inputs.tensor("q", (b, sq, h, d), p["layout_q"]),
-                   "k": inputs.tensor("k", (b, sk, hk, d), p["layout_k"]),
-                   "v": inputs.tensor("v", (b, sk, hk, d), p["layout_v"])}
+        tensors = {
+            "q": inputs.tensor("q", (b, sq, h, d), p["layout_q"]),
+            "k": inputs.tensor("k", (b, sk, hk, d), p["layout_k"]),
+            "v": inputs.tensor("v", (b, sk, hk, d), p["layout_v"]),
+        }
 
         def call():
             with _backend(case):
@@ -611,8 +631,10 @@ def _run_dense(case: Case, inputs: Inputs, report: Report) -> None:
         def fn(qkv):
             return oracle.dense(*qkv.unbind(2), opts)
     else:
-        tensors = {"q": inputs.tensor("q", (b, sq, h, d), p["layout_q"]),
-                   "kv": inputs.tensor("kv", (b, sk, 2, hk, d), p["layout_kv"])}
+        tensors = {
+            "q": inputs.tensor("q", (b, sq, h, d), p["layout_q"]),
+            "kv": inputs.tensor("kv", (b, sk, 2, hk, d), p["layout_kv"]),
+        }
 
         def call():
             with _backend(case):
@@ -620,6 +642,7 @@ def _run_dense(case: Case, inputs: Inputs, report: Report) -> None:
 
         def fn(q, kv):
             return oracle.dense(q, *kv.unbind(2), opts)
+
     _differential(report, inputs, call, fn, tensors, p["backward"])
 
 
@@ -639,14 +662,19 @@ def _run_varlen(case: Case, inputs: Inputs, report: Report) -> None:
         return (r[0], r[1]) if p["lse"] else (r, None)
 
     if case.kind == "varlen":
-        tensors = {"q": inputs.tensor("q", (tq, h, d), p["layout_q"]),
-                   "k": inputs.tensor("k", (tk, hk, d), p["layout_k"]),
-                   "v": inputs.tensor("v", (tk, hk, d), p["layout_v"])}
+        tensors = {
+            "q": inputs.tensor("q", (tq, h, d), p["layout_q"]),
+            "k": inputs.tensor("k", (tk, hk, d), p["layout_k"]),
+            "v": inputs.tensor("v", (tk, hk, d), p["layout_v"]),
+        }
 
         def call():
             with _backend(case):
-                return result(flash_recipe.flash_attn_varlen_func(
-                    tensors["q"], tensors["k"], tensors["v"], cu_q_t, cu_k_t, max_q, max_k, **kwargs))
+                return result(
+                    flash_recipe.flash_attn_varlen_func(
+                        tensors["q"], tensors["k"], tensors["v"], cu_q_t, cu_k_t, max_q, max_k, **kwargs
+                    )
+                )
 
         def fn(q, k, v):
             return oracle.varlen(q, k, v, cu_q, cu_k, opts)
@@ -660,16 +688,22 @@ def _run_varlen(case: Case, inputs: Inputs, report: Report) -> None:
         def fn(qkv):
             return oracle.varlen(*qkv.unbind(1), cu_q, cu_q, opts)
     else:
-        tensors = {"q": inputs.tensor("q", (tq, h, d), p["layout_q"]),
-                   "kv": inputs.tensor("kv", (tk, 2, hk, d), p["layout_kv"])}
+        tensors = {
+            "q": inputs.tensor("q", (tq, h, d), p["layout_q"]),
+            "kv": inputs.tensor("kv", (tk, 2, hk, d), p["layout_kv"]),
+        }
 
         def call():
             with _backend(case):
-                return result(flash_recipe.flash_attn_varlen_kvpacked_func(
-                    tensors["q"], tensors["kv"], cu_q_t, cu_k_t, max_q, max_k, **kwargs))
+                return result(
+                    flash_recipe.flash_attn_varlen_kvpacked_func(
+                        tensors["q"], tensors["kv"], cu_q_t, cu_k_t, max_q, max_k, **kwargs
+                    )
+                )
 
         def fn(q, kv):
             return oracle.varlen(q, *kv.unbind(1), cu_q, cu_k, opts)
+
     _differential(report, inputs, call, fn, tensors, p["backward"])
 
 
@@ -678,9 +712,11 @@ def _run_paged(case: Case, inputs: Inputs, report: Report) -> None:
     lq, lk, h, hk, d = (p[n] for n in ("lengths_q", "lengths_k", "nheads", "nheads_k", "head_dim"))
     cu_q, cu_k = _offsets(lq), _offsets(lk)
     pages = (p["num_blocks"], p["page_size"], hk, d)
-    tensors = {"q": inputs.tensor("q", (cu_q[-1], h, d), p["layout_q"]),
-               "k": inputs.tensor("k", pages, p["layout_k"]),
-               "v": inputs.tensor("v", pages, p["layout_v"])}
+    tensors = {
+        "q": inputs.tensor("q", (cu_q[-1], h, d), p["layout_q"]),
+        "k": inputs.tensor("k", pages, p["layout_k"]),
+        "v": inputs.tensor("v", pages, p["layout_v"]),
+    }
     cu_q_t = inputs.index("cu_seqlens_q", cu_q, p["strided_meta"], cu_q[-1])
     cu_k_t = inputs.index("cu_seqlens_k", cu_k, p["strided_meta"], cu_k[-1])
     table = inputs.table("block_table", p["block_table"], p["table_layout"], p["num_blocks"])
@@ -691,8 +727,9 @@ def _run_paged(case: Case, inputs: Inputs, report: Report) -> None:
 
     def call():
         with _backend(case):
-            r = flash_recipe.flash_attn_varlen_func(tensors["q"], tensors["k"], tensors["v"], cu_q_t, cu_k_t,
-                                                    max_q, max_k, block_table=table, **kwargs)
+            r = flash_recipe.flash_attn_varlen_func(
+                tensors["q"], tensors["k"], tensors["v"], cu_q_t, cu_k_t, max_q, max_k, block_table=table, **kwargs
+            )
         return (r[0], r[1]) if p["lse"] else (r, None)
 
     def fn(q, k, v):
@@ -703,12 +740,15 @@ def _run_paged(case: Case, inputs: Inputs, report: Report) -> None:
 
 def _run_sdpa(case: Case, inputs: Inputs, report: Report) -> None:
     p = case.params
-    b, sq, sk, h, hk, d, dv = (p[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "head_dim",
-                                               "head_dim_v"))
+    b, sq, sk, h, hk, d, dv = (
+        p[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "head_dim", "head_dim_v")
+    )
     lead = () if p["unbatched"] else (b,)
-    tensors = {"query": inputs.tensor("query", (*lead, h, sq, d), p["layout_q"]),
-               "key": inputs.tensor("key", (*lead, hk, sk, d), p["layout_k"]),
-               "value": inputs.tensor("value", (*lead, hk, sk, dv), p["layout_v"])}
+    tensors = {
+        "query": inputs.tensor("query", (*lead, h, sq, d), p["layout_q"]),
+        "key": inputs.tensor("key", (*lead, hk, sk, d), p["layout_k"]),
+        "value": inputs.tensor("value", (*lead, hk, sk, dv), p["layout_v"]),
+    }
     kwargs = {"is_causal": p["causal"], "enable_gqa": p["enable_gqa"]}
     if p["scale"] is not None:
         kwargs["scale"] = p["scale"]
@@ -762,8 +802,10 @@ def _run_kvcache(case: Case, inputs: Inputs, report: Report) -> None:
     if p.get("rotary"):
         angle = torch.rand(p["seqlen_rotary"], p["rotary"] // 2, generator=inputs.gen) * (2 * math.pi) - math.pi
         rot_dtype = inputs.dtype if p["rotary_dtype"] == "q" else torch.float32
-        cos, sin = (inputs.keep(name, t.to(rot_dtype).to(inputs.device))
-                    for name, t in (("rotary_cos", angle.cos()), ("rotary_sin", angle.sin())))
+        cos, sin = (
+            inputs.keep(name, t.to(rot_dtype).to(inputs.device))
+            for name, t in (("rotary_cos", angle.cos()), ("rotary_sin", angle.sin()))
+        )
         kwargs.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=p["interleaved"])
         rotary = (cos, sin, p["interleaved"])
     layout = oracle.CacheLayout(table_rows, p["seqlens"], p.get("leftpad", [0] * b))
@@ -771,8 +813,7 @@ def _run_kvcache(case: Case, inputs: Inputs, report: Report) -> None:
 
     def call():
         with _backend(case):
-            r = flash_recipe.flash_attn_with_kvcache(q, k_cache, v_cache, tensors.get("k"), tensors.get("v"),
-                                                     **kwargs)
+            r = flash_recipe.flash_attn_with_kvcache(q, k_cache, v_cache, tensors.get("k"), tensors.get("v"), **kwargs)
         return r if p["lse"] else (r, None)
 
     def fn(q, k=None, v=None):
@@ -804,22 +845,34 @@ def _check_cache(report: Report, inputs: Inputs, p: dict, table_rows: list, trut
         rotated = name == "k_cache" and p.get("rotary")
         exact = ~written if rotated else torch.ones_like(written)
         same = torch.equal(_bits(base)[exact], _bits(expected)[exact])
-        report.check(same, f"{name}: {'rows other than the new ones' if rotated else 'every row'} as expected "
-                           f"(bit for bit, padding of strided views included)")
+        report.check(
+            same,
+            f"{name}: {'rows other than the new ones' if rotated else 'every row'} as expected "
+            f"(bit for bit, padding of strided views included)",
+        )
         if rotated and written.any():
             err = (base.double() - want)[written].abs().max().item()
             bound = torch.finfo(inputs.dtype).eps * max(1.0, want[written].abs().max().item()) + FLOOR
             report.check(err <= bound, f"{name}: new rotated rows, max error {err:.3g} vs bound {bound:.3g}")
 
 
-RUNNERS = {"dense": _run_dense, "qkvpacked": _run_dense, "kvpacked": _run_dense, "varlen": _run_varlen,
-           "varlen_qkvpacked": _run_varlen, "varlen_kvpacked": _run_varlen, "paged": _run_paged,
-           "kvcache": _run_kvcache, "sdpa": _run_sdpa}
+RUNNERS = {
+    "dense": _run_dense,
+    "qkvpacked": _run_dense,
+    "kvpacked": _run_dense,
+    "varlen": _run_varlen,
+    "varlen_qkvpacked": _run_varlen,
+    "varlen_kvpacked": _run_varlen,
+    "paged": _run_paged,
+    "kvcache": _run_kvcache,
+    "sdpa": _run_sdpa,
+}
 
 
 # ----------------------------------------------------------------------------------------------
 # pytest
 # ----------------------------------------------------------------------------------------------
+
 
 def pytest_generate_tests(metafunc):
     if "fuzz_case" not in metafunc.fixturenames:

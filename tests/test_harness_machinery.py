@@ -755,8 +755,24 @@ def test_recipe_variables(tmp_path):
 def test_new_row_holds_every_field_unset(tmp_path):
     row = runner.new_row(get("uv-pip"), tmp_path / "uv-pip.log", None)
     assert list(row) == [
-        "path", "tool", "tool_version", "summary", "install_s", "verify_s", "env_mb", "torch", "triton",
-        "backends", "backend", "passed", "fingerprint", "checks", "error", "log", "workdir", "workdir_mb",
+        "path",
+        "tool",
+        "tool_version",
+        "summary",
+        "install_s",
+        "verify_s",
+        "env_mb",
+        "torch",
+        "triton",
+        "backends",
+        "backend",
+        "passed",
+        "fingerprint",
+        "checks",
+        "error",
+        "log",
+        "workdir",
+        "workdir_mb",
     ]
     assert (row["path"], row["tool"], row["log"]) == ("uv-pip", "uv", str(tmp_path / "uv-pip.log"))
     assert row["passed"] is False and row["backends"] == [] and row["checks"] == [] and row["workdir"] is None

@@ -24,22 +24,22 @@ DTYPES = [torch.float16, torch.float32]
 
 CASES = [
     # batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal
-    Case(1, 1, 17, 2, 2, 8, False),      # a single query
+    Case(1, 1, 17, 2, 2, 8, False),  # a single query
     Case(1, 1, 17, 2, 2, 8, True),
     Case(2, 17, 17, 2, 2, 40, True),
     Case(1, 113, 203, 2, 1, 59, False),  # flash-attn's (113, 203) pair, MQA, odd head dim
-    Case(1, 113, 203, 2, 1, 59, True),   # Sq < Sk: bottom-right diagonal
-    Case(1, 203, 113, 2, 2, 32, True),   # Sq > Sk: the first 90 rows see no key
+    Case(1, 113, 203, 2, 1, 59, True),  # Sq < Sk: bottom-right diagonal
+    Case(1, 203, 113, 2, 2, 32, True),  # Sq > Sk: the first 90 rows see no key
     Case(1, 203, 113, 4, 2, 96, False),  # GQA
-    Case(1, 64, 64, 2, 2, 64, True),     # block-aligned: the unmasked fast paths
-    Case(1, 33, 47, 1, 1, 1, True),      # head dim 1
-    Case(1, 47, 33, 2, 1, 256, True),    # the largest head dim
-    Case(2, 31, 64, 6, 2, 16, False),    # contiguous GQA groups: 3 query heads per kv head
+    Case(1, 64, 64, 2, 2, 64, True),  # block-aligned: the unmasked fast paths
+    Case(1, 33, 47, 1, 1, 1, True),  # head dim 1
+    Case(1, 47, 33, 2, 1, 256, True),  # the largest head dim
+    Case(2, 31, 64, 6, 2, 16, False),  # contiguous GQA groups: 3 query heads per kv head
     # Sliding windows (left edge, right edge, both; causal sets the right edge to the diagonal).
     Case(1, 113, 113, 2, 1, 32, True, window=(17, 0)),
     Case(1, 70, 130, 2, 2, 40, False, window=(40, 9)),
-    Case(1, 130, 70, 2, 2, 24, False, window=(-1, 3)),   # right edge only; Sq > Sk: rows that see nothing
-    Case(1, 50, 90, 2, 1, 16, True, window=(0, -1)),     # window of one key
+    Case(1, 130, 70, 2, 2, 24, False, window=(-1, 3)),  # right edge only; Sq > Sk: rows that see nothing
+    Case(1, 50, 90, 2, 1, 16, True, window=(0, -1)),  # window of one key
     # Softcap (Gemma 2) and ALiBi (per head and per batch and head), alone and together.
     Case(2, 47, 61, 2, 2, 32, True, softcap=5.0),
     Case(2, 47, 61, 4, 2, 59, False, alibi="heads"),
@@ -56,7 +56,11 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_forward_backward_accuracy(case, dtype, device, nan_outputs):
     row = check_case(case, dtype, device, "triton", seed=hash(case.id) % 1000)
-    detail = {n: f"{row['errors'][n]:.2e} > {row['bounds'][n]:.2e}" for n in row["errors"] if row["errors"][n] > row["bounds"][n]}
+    detail = {
+        n: f"{row['errors'][n]:.2e} > {row['bounds'][n]:.2e}"
+        for n in row["errors"]
+        if row["errors"][n] > row["bounds"][n]
+    }
     assert row["passed"], f"accuracy rule broken: {detail or 'non-finite values'}"
 
 
@@ -105,8 +109,15 @@ def test_packed_views_without_copy_match_unpacked(device, nan_outputs):
     assert not q.is_contiguous()
     with flash_recipe.use_backend("triton"):
         out_packed, (dqkv,) = _grads(lambda t: flash_recipe.flash_attn_qkvpacked_func(t, causal=True), qkv)
-        out, (dq, dk, dv) = _grads(lambda a, b, c: flash_recipe.flash_attn_func(a, b, c, causal=True), q.contiguous(), k.contiguous(), v.contiguous())
-        out_kv, (dq2, dkv) = _grads(lambda a, b: flash_recipe.flash_attn_kvpacked_func(a, b, causal=True), q, qkv[:, :, 1:])
+        out, (dq, dk, dv) = _grads(
+            lambda a, b, c: flash_recipe.flash_attn_func(a, b, c, causal=True),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+        )
+        out_kv, (dq2, dkv) = _grads(
+            lambda a, b: flash_recipe.flash_attn_kvpacked_func(a, b, causal=True), q, qkv[:, :, 1:]
+        )
     assert torch.equal(out_packed, out) and torch.equal(out_kv, out)
     assert torch.equal(dqkv, torch.stack([dq, dk, dv], dim=2))
     assert torch.equal(dq2, dq) and torch.equal(dkv, torch.stack([dk, dv], dim=2))

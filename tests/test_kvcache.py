@@ -50,8 +50,13 @@ class KV:
     def id(self) -> str:
         parts = [f"q{self.seqlen_q}", f"new{self.new}", f"H{self.nheads}-{self.nheads_k}", f"D{self.head_dim}"]
         parts.append(f"page{self.page}" if self.page else "dense")
-        for flag, name in ((self.batch_idx, "batchidx"), (self.leftpad, "leftpad"), (self.causal, "causal"),
-                           (self.alibi, "alibi"), (self.softcap, "softcap")):
+        for flag, name in (
+            (self.batch_idx, "batchidx"),
+            (self.leftpad, "leftpad"),
+            (self.causal, "causal"),
+            (self.alibi, "alibi"),
+            (self.softcap, "softcap"),
+        ):
             if flag:
                 parts.append(name)
         if self.rotary:
@@ -66,8 +71,20 @@ CASES = [
     KV(),  # one token decoding step, GQA
     KV(seqlen_q=3, new=3, batch_idx=True, leftpad=(2, 0), rotary=16, splits=3),
     KV(page=16, rotary=16, interleaved=False, window=(8, 0), splits=2),
-    KV(batch=3, seqlen_q=4, new=4, seqlens=(0, 17, 30), page=32, rotary=8, causal=False, softcap=3.0,
-       alibi=True, nheads=2, nheads_k=1, head_dim=24),
+    KV(
+        batch=3,
+        seqlen_q=4,
+        new=4,
+        seqlens=(0, 17, 30),
+        page=32,
+        rotary=8,
+        causal=False,
+        softcap=3.0,
+        alibi=True,
+        nheads=2,
+        nheads_k=1,
+        head_dim=24,
+    ),
     KV(new=0, seqlens=(64, 64), causal=False, splits=4),  # attention over a full cache, nothing appended
     KV(seqlen_q=20, new=20, seqlens=(3, 20), page=16, leftpad=(1, 7), nheads=2, nheads_k=2, head_dim=16),
     KV(head_dim=40, rotary=16, seqlens=(9, 0), capacity=48, page=16, batch_idx=False, splits=2),
@@ -80,8 +97,14 @@ def _make(case: KV, dtype, device):
     q = _rand(b, case.seqlen_q, case.nheads, d, dtype=dtype, device=device, seed=1)
     k_new = _rand(b, case.new, hk, d, dtype=dtype, device=device, seed=2) if case.new else None
     v_new = _rand(b, case.new, hk, d, dtype=dtype, device=device, seed=3) if case.new else None
-    args = dict(cache_seqlens=torch.tensor(case.seqlens, dtype=torch.int32, device=device), causal=case.causal,
-                window_size=case.window, softcap=case.softcap, num_splits=case.splits, return_softmax_lse=True)
+    args = dict(
+        cache_seqlens=torch.tensor(case.seqlens, dtype=torch.int32, device=device),
+        causal=case.causal,
+        window_size=case.window,
+        softcap=case.softcap,
+        num_splits=case.splits,
+        return_softmax_lse=True,
+    )
     if case.page:
         width = case.capacity // case.page
         num_pages = b * width + 3
@@ -99,8 +122,11 @@ def _make(case: KV, dtype, device):
         args["cache_leftpad"] = torch.tensor(case.leftpad, dtype=torch.int32, device=device)
     if case.rotary:
         angle = _rand(case.capacity, case.rotary // 2, seed=7) * 3.0
-        args.update(rotary_cos=angle.cos().to(device=device, dtype=dtype), rotary_sin=angle.sin().to(device=device, dtype=dtype),
-                    rotary_interleaved=case.interleaved)
+        args.update(
+            rotary_cos=angle.cos().to(device=device, dtype=dtype),
+            rotary_sin=angle.sin().to(device=device, dtype=dtype),
+            rotary_interleaved=case.interleaved,
+        )
     if case.alibi:
         args["alibi_slopes"] = (_rand(b, case.nheads, seed=8).abs() * 0.3).to(device)
     return q, k_cache, v_cache, k_new, v_new, args
@@ -119,7 +145,9 @@ def _rotate(x: torch.Tensor, cos, sin, positions, interleaved: bool) -> torch.Te
     r = cos.shape[1] * 2
     xd = x.double()
     head, tail = xd[..., :r], xd[..., r:]
-    pairs = head.unflatten(-1, (r // 2, 2)) if interleaved else torch.stack((head[..., : r // 2], head[..., r // 2:]), -1)
+    pairs = (
+        head.unflatten(-1, (r // 2, 2)) if interleaved else torch.stack((head[..., : r // 2], head[..., r // 2 :]), -1)
+    )
     z = torch.view_as_complex(pairs.contiguous())
     rot = torch.complex(cos.double()[positions], sin.double()[positions])[:, :, None, :]
     w = torch.view_as_real(z * rot)
@@ -134,22 +162,37 @@ def _oracle(case: KV, q, k_cache, v_cache, k_new, v_new, args, upcast: bool):
     for b in range(case.batch):
         n, pad = case.seqlens[b], case.leftpad[b] if case.leftpad else 0
         ke, ve = _entry(k_cache, case, args, b).clone(), _entry(v_cache, case, args, b).clone()
-        qb = q[b:b + 1]
+        qb = q[b : b + 1]
         if case.new:
-            kb = k_new[b:b + 1]
+            kb = k_new[b : b + 1]
             if case.rotary:
                 positions = torch.arange(n, n + case.new)[None]
-                kb = _rotate(kb.cpu(), args["rotary_cos"].cpu(), args["rotary_sin"].cpu(), positions, case.interleaved).to(q.device)
-            ke[n:n + case.new], ve[n:n + case.new] = kb[0], v_new[b]
+                kb = _rotate(
+                    kb.cpu(), args["rotary_cos"].cpu(), args["rotary_sin"].cpu(), positions, case.interleaved
+                ).to(q.device)
+            ke[n : n + case.new], ve[n : n + case.new] = kb[0], v_new[b]
         if case.rotary:
-            positions = (n + (torch.arange(case.seqlen_q) if moves else torch.zeros(case.seqlen_q, dtype=torch.long)))[None]
-            qb = _rotate(qb.cpu(), args["rotary_cos"].cpu(), args["rotary_sin"].cpu(), positions, case.interleaved).to(q.device)
-        keys, values = ke[pad:n + case.new][None], ve[pad:n + case.new][None]
+            positions = (n + (torch.arange(case.seqlen_q) if moves else torch.zeros(case.seqlen_q, dtype=torch.long)))[
+                None
+            ]
+            qb = _rotate(qb.cpu(), args["rotary_cos"].cpu(), args["rotary_sin"].cpu(), positions, case.interleaved).to(
+                q.device
+            )
+        keys, values = ke[pad : n + case.new][None], ve[pad : n + case.new][None]
         slopes = args["alibi_slopes"][b] if case.alibi else None
         high = compute_dtype(q.dtype, upcast)
-        out, lse = attention_reference(qb.to(high), keys.to(high), values.to(high), case.head_dim**-0.5, case.causal,
-                                       keys.shape[1] - case.seqlen_q, window=case.window, softcap=case.softcap,
-                                       alibi_slopes=slopes, upcast=upcast)
+        out, lse = attention_reference(
+            qb.to(high),
+            keys.to(high),
+            values.to(high),
+            case.head_dim**-0.5,
+            case.causal,
+            keys.shape[1] - case.seqlen_q,
+            window=case.window,
+            softcap=case.softcap,
+            alibi_slopes=slopes,
+            upcast=upcast,
+        )
         outs.append(out)
         lses.append(lse)
         k_entries.append(ke)
@@ -158,8 +201,11 @@ def _oracle(case: KV, q, k_cache, v_cache, k_new, v_new, args, upcast: bool):
 
 
 # One rounding of a value of magnitude up to ~4 to the dtype (half an ulp, relative and absolute).
-ROUNDING = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+ROUNDING = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
 
 
 def _check(case: KV, dtype, device, backend: str):
@@ -176,12 +222,18 @@ def _check(case: KV, dtype, device, backend: str):
     torch.testing.assert_close(lse, truth_lse.float(), **ROUNDING[dtype])
     for b in range(case.batch):  # the update went exactly where the oracle put it, nowhere else
         rot_tol = ROUNDING[dtype]  # the rotated keys are rounded to the cache dtype once
-        torch.testing.assert_close(_entry(k_cache, case, args, b), k_want[b], **(rot_tol if case.rotary else dict(atol=0, rtol=0)))
+        torch.testing.assert_close(
+            _entry(k_cache, case, args, b), k_want[b], **(rot_tol if case.rotary else dict(atol=0, rtol=0))
+        )
         assert torch.equal(_entry(v_cache, case, args, b), v_want[b])
 
 
-BF16_ON_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the Triton interpreter computes bf16 dot products incorrectly"))
+BF16_ON_GPU = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="the Triton interpreter computes bf16 dot products incorrectly"
+    ),
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, BF16_ON_GPU], ids=["float16", "float32", "bfloat16"])
@@ -207,7 +259,9 @@ def test_kvcache_torch_backends(case, backend, device):
 
 def test_split_kv_matches_unsplit(device):
     """Splitting the keys over programs and merging gives the unsplit result (fp32)."""
-    case = KV(batch=2, seqlens=(100, 37), capacity=128, page=16, causal=True, splits=1, nheads=2, nheads_k=1, head_dim=16)
+    case = KV(
+        batch=2, seqlens=(100, 37), capacity=128, page=16, causal=True, splits=1, nheads=2, nheads_k=1, head_dim=16
+    )
     results = []
     for splits in (1, 2, 5, 16):  # 16 shares of 7 blocks: some shares are empty
         q, k_cache, v_cache, k_new, v_new, args = _make(case, torch.float32, device)
@@ -223,8 +277,8 @@ def test_bad_metadata_on_the_device_gives_nan_not_stray_access(device):
     """The kernel-level guard for metadata the host does not read (GPU tensors): a page index out of
     range or an end past the table makes that batch entry NaN and writes nothing outside the cache;
     the other entries are untouched."""
-    from flash_recipe.ops.launch import ScoreOptions
     from flash_recipe.ops.kvcache import Cache, attention_kvcache
+    from flash_recipe.ops.launch import ScoreOptions
 
     q = _rand(3, 1, 2, 16, device=device, seed=1)
     k_cache, v_cache = (_rand(6, 16, 2, 16, device=device, seed=s) for s in (2, 3))
@@ -232,8 +286,16 @@ def test_bad_metadata_on_the_device_gives_nan_not_stray_access(device):
     table = torch.tensor([[0, 1], [2, 99], [4, 5]], dtype=torch.int32, device=device)  # entry 1: page 99
     seqlens = torch.tensor([3, 20, 32], dtype=torch.int32, device=device)  # entry 2: full, the new row overflows
     before_k = k_cache.clone()
-    out, lse = attention_kvcache(q, k_new, v_new, Cache(k_cache, v_cache, table, seqlens, None), None, 0.25,
-                                 ScoreOptions(0, -1, 0, 0.0, None), num_splits=2)
+    out, lse = attention_kvcache(
+        q,
+        k_new,
+        v_new,
+        Cache(k_cache, v_cache, table, seqlens, None),
+        None,
+        0.25,
+        ScoreOptions(0, -1, 0, 0.0, None),
+        num_splits=2,
+    )
     assert out[0].isfinite().all() and lse[0].isfinite().all()
     assert out[1].isnan().all() and out[2].isnan().all()
     changed = (k_cache != before_k).any(dim=(2, 3)).nonzero().tolist()
@@ -241,30 +303,97 @@ def test_bad_metadata_on_the_device_gives_nan_not_stray_access(device):
 
 
 BAD = [
-    ("page-size", dict(k_cache=torch.zeros(4, 8, 1, 16), v_cache=torch.zeros(4, 8, 1, 16),
-                       block_table=torch.zeros(1, 2, dtype=torch.int32)), ValueError, ["page size", "multiple of 16", "8"]),
-    ("page-index", dict(block_table=torch.tensor([[0, 7]], dtype=torch.int32), cache_seqlens=20), ValueError,
-     ["block_table[0]", "[7]", "[0, 4)"]),
+    (
+        "page-size",
+        dict(
+            k_cache=torch.zeros(4, 8, 1, 16),
+            v_cache=torch.zeros(4, 8, 1, 16),
+            block_table=torch.zeros(1, 2, dtype=torch.int32),
+        ),
+        ValueError,
+        ["page size", "multiple of 16", "8"],
+    ),
+    (
+        "page-index",
+        dict(block_table=torch.tensor([[0, 7]], dtype=torch.int32), cache_seqlens=20),
+        ValueError,
+        ["block_table[0]", "[7]", "[0, 4)"],
+    ),
     ("table-dtype", dict(block_table=torch.zeros(1, 2, dtype=torch.int64)), TypeError, ["block_table", "int32"]),
-    ("overflow", dict(cache_seqlens=torch.tensor([32], dtype=torch.int32), k=torch.zeros(1, 1, 1, 16),
-                      v=torch.zeros(1, 1, 1, 16), block_table=torch.tensor([[0, 1]], dtype=torch.int32)),
-     ValueError, ["cache overflow", "32 + 1", "capacity 32"]),
-    ("overflow-int", dict(cache_seqlens=64, k=torch.zeros(1, 1, 1, 16), v=torch.zeros(1, 1, 1, 16)),
-     ValueError, ["cache overflow", "64 + 1"]),
+    (
+        "overflow",
+        dict(
+            cache_seqlens=torch.tensor([32], dtype=torch.int32),
+            k=torch.zeros(1, 1, 1, 16),
+            v=torch.zeros(1, 1, 1, 16),
+            block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+        ),
+        ValueError,
+        ["cache overflow", "32 + 1", "capacity 32"],
+    ),
+    (
+        "overflow-int",
+        dict(cache_seqlens=64, k=torch.zeros(1, 1, 1, 16), v=torch.zeros(1, 1, 1, 16)),
+        ValueError,
+        ["cache overflow", "64 + 1"],
+    ),
     ("seqlens-dtype", dict(cache_seqlens=torch.tensor([3], dtype=torch.int64)), TypeError, ["cache_seqlens", "int32"]),
-    ("seqlens-shape", dict(cache_seqlens=torch.tensor([3, 4], dtype=torch.int32)), ValueError, ["cache_seqlens", "(1,)"]),
-    ("leftpad", dict(cache_seqlens=3, cache_leftpad=torch.tensor([5], dtype=torch.int32)), ValueError,
-     ["cache_leftpad[0] = 5", "[0, cache_seqlens[0] = 3]"]),
-    ("batch-idx", dict(cache_batch_idx=torch.tensor([4], dtype=torch.int32)), ValueError, ["cache_batch_idx", "[4]", "[0, 4)"]),
-    ("batch-idx-and-table", dict(cache_batch_idx=torch.tensor([0], dtype=torch.int32),
-                                 block_table=torch.zeros(1, 2, dtype=torch.int32)), ValueError, ["cache_batch_idx", "block_table"]),
+    (
+        "seqlens-shape",
+        dict(cache_seqlens=torch.tensor([3, 4], dtype=torch.int32)),
+        ValueError,
+        ["cache_seqlens", "(1,)"],
+    ),
+    (
+        "leftpad",
+        dict(cache_seqlens=3, cache_leftpad=torch.tensor([5], dtype=torch.int32)),
+        ValueError,
+        ["cache_leftpad[0] = 5", "[0, cache_seqlens[0] = 3]"],
+    ),
+    (
+        "batch-idx",
+        dict(cache_batch_idx=torch.tensor([4], dtype=torch.int32)),
+        ValueError,
+        ["cache_batch_idx", "[4]", "[0, 4)"],
+    ),
+    (
+        "batch-idx-and-table",
+        dict(cache_batch_idx=torch.tensor([0], dtype=torch.int32), block_table=torch.zeros(1, 2, dtype=torch.int32)),
+        ValueError,
+        ["cache_batch_idx", "block_table"],
+    ),
     ("k-without-v", dict(k=torch.zeros(1, 1, 1, 16)), ValueError, ["k and v"]),
     ("k-heads", dict(k=torch.zeros(1, 1, 2, 16), v=torch.zeros(1, 1, 2, 16)), ValueError, ["nheads_k = 1"]),
-    ("rotary-without-k", dict(rotary_cos=torch.zeros(64, 4), rotary_sin=torch.zeros(64, 4)), ValueError, ["pass k and v"]),
-    ("rotary-too-wide", dict(rotary_cos=torch.zeros(64, 9), rotary_sin=torch.zeros(64, 9), k=torch.zeros(1, 1, 1, 16),
-                             v=torch.zeros(1, 1, 1, 16), cache_seqlens=3), ValueError, ["rotary_dim", "18", "headdim = 16"]),
-    ("rotary-too-short", dict(rotary_cos=torch.zeros(8, 4), rotary_sin=torch.zeros(8, 4), k=torch.zeros(1, 1, 1, 16),
-                              v=torch.zeros(1, 1, 1, 16), cache_seqlens=10), ValueError, ["[0, 8)", "position 10"]),
+    (
+        "rotary-without-k",
+        dict(rotary_cos=torch.zeros(64, 4), rotary_sin=torch.zeros(64, 4)),
+        ValueError,
+        ["pass k and v"],
+    ),
+    (
+        "rotary-too-wide",
+        dict(
+            rotary_cos=torch.zeros(64, 9),
+            rotary_sin=torch.zeros(64, 9),
+            k=torch.zeros(1, 1, 1, 16),
+            v=torch.zeros(1, 1, 1, 16),
+            cache_seqlens=3,
+        ),
+        ValueError,
+        ["rotary_dim", "18", "headdim = 16"],
+    ),
+    (
+        "rotary-too-short",
+        dict(
+            rotary_cos=torch.zeros(8, 4),
+            rotary_sin=torch.zeros(8, 4),
+            k=torch.zeros(1, 1, 1, 16),
+            v=torch.zeros(1, 1, 1, 16),
+            cache_seqlens=10,
+        ),
+        ValueError,
+        ["[0, 8)", "position 10"],
+    ),
     ("num-splits", dict(num_splits=-1), ValueError, ["num_splits", ">= 0", "-1"]),
     ("window", dict(window_size=(-2, 0)), ValueError, ["window_size", "-1"]),
     ("alibi-shape", dict(alibi_slopes=torch.zeros(3)), ValueError, ["alibi_slopes", "(nheads,) = (2,)"]),
@@ -311,7 +440,9 @@ def test_paged_varlen_equals_packed(backend, device):
     options = dict(causal=True, window_size=(6, -1), return_attn_probs=True)
     with flash_recipe.use_backend(backend):
         want, want_lse, _ = flash_recipe.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 33, **options)
-        got, got_lse, _ = flash_recipe.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 17, 33, block_table=table, **options)
+        got, got_lse, _ = flash_recipe.flash_attn_varlen_func(
+            q, k_pages, v_pages, cu_q, cu_k, 17, 33, block_table=table, **options
+        )
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got_lse, want_lse, atol=1e-6, rtol=1e-5)
 
@@ -321,11 +452,13 @@ def test_paged_varlen_refuses_bad_tables():
     pages = torch.zeros(3, 16, 2, 16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"block_table\[0\] holds page indices \[3\]"):
-        flash_recipe.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4,
-                                            block_table=torch.tensor([[3]], dtype=torch.int32))
+        flash_recipe.flash_attn_varlen_func(
+            q, pages, pages, cu, cu, 4, 4, block_table=torch.tensor([[3]], dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="multiple of 16"):
-        flash_recipe.flash_attn_varlen_func(q, pages[:, :8], pages[:, :8], cu, cu, 4, 4,
-                                            block_table=torch.zeros(1, 1, dtype=torch.int32))
+        flash_recipe.flash_attn_varlen_func(
+            q, pages[:, :8], pages[:, :8], cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32)
+        )
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -339,9 +472,11 @@ def test_forward_only_paths_run_on_inputs_that_require_grad(backend, device):
     pages = [_rand(4, 16, 2, 16, device=device, seed=s) for s in (2, 3)]
     calls = {
         "flash_attn_varlen_func with block_table": lambda q_, k_, v_: flash_recipe.flash_attn_varlen_func(
-            q_, k_, v_, cu, cu_k, 4, 20, causal=True, block_table=table, return_attn_probs=True)[:2],
+            q_, k_, v_, cu, cu_k, 4, 20, causal=True, block_table=table, return_attn_probs=True
+        )[:2],
         "flash_attn_with_kvcache": lambda q_, k_, v_: flash_recipe.flash_attn_with_kvcache(
-            q_[:4].view(2, 2, 2, 16), k_, v_, cache_seqlens=9, return_softmax_lse=True),
+            q_[:4].view(2, 2, 2, 16), k_, v_, cache_seqlens=9, return_softmax_lse=True
+        ),
     }
     for what, call in calls.items():
         with flash_recipe.use_backend(backend), torch.no_grad():
@@ -361,6 +496,7 @@ def test_forward_only_paths_run_on_inputs_that_require_grad(backend, device):
 def test_strided_metadata_is_read_as_its_values(device):
     """cache_seqlens, cache_leftpad, cache_batch_idx and block_table given as strided views (as
     slices of larger tensors) give exactly the result of their contiguous copies."""
+
     def strided(t: torch.Tensor) -> torch.Tensor:
         """``t``'s values as a view with stride 2 in every dim: every other element of a larger tensor."""
         big = torch.full([2 * n for n in t.shape], 10_000, dtype=t.dtype, device=t.device)
@@ -368,11 +504,16 @@ def test_strided_metadata_is_read_as_its_values(device):
         view.copy_(t)
         return view
 
-    for case in (KV(seqlen_q=3, new=3, batch_idx=True, leftpad=(2, 0), splits=2),
-                 KV(batch=3, seqlens=(5, 17, 33), page=16, leftpad=(1, 0, 6), splits=3)):
+    for case in (
+        KV(seqlen_q=3, new=3, batch_idx=True, leftpad=(2, 0), splits=2),
+        KV(batch=3, seqlens=(5, 17, 33), page=16, leftpad=(1, 0, 6), splits=3),
+    ):
         q, k_cache, v_cache, k_new, v_new, args = _make(case, torch.float32, device)
-        views = {name: strided(t) for name, t in args.items()
-                 if name in ("cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table")}
+        views = {
+            name: strided(t)
+            for name, t in args.items()
+            if name in ("cache_seqlens", "cache_leftpad", "cache_batch_idx", "block_table")
+        }
         assert all(not t.is_contiguous() for t in views.values())
         results = []
         for metadata in (args, {**args, **views}):
@@ -382,4 +523,3 @@ def test_strided_metadata_is_read_as_its_values(device):
         (want, want_caches), (got, got_caches) = results
         for g, w in zip((*got, *got_caches), (*want, *want_caches)):
             torch.testing.assert_close(g, w, atol=0, rtol=0)
-

@@ -72,4 +72,3 @@ def test_index_lists_every_path():
     index = (ROOT / "recipes" / "README.md").read_text()
     for path_id in PATH_IDS:
         assert f"({path_id}/README.md)" in index, path_id
-

@@ -12,10 +12,10 @@ import ast
 import textwrap
 from pathlib import Path
 
-import flash_recipe
 import pytest
 import torch
 
+import flash_recipe
 from flash_recipe import dispatch
 
 PACKAGE = Path(flash_recipe.__file__).parent
@@ -58,7 +58,7 @@ def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:  # relative: from the package, one level up per extra dot
                     parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 for alias in node.names:
                     submodule = f"{base}.{alias.name}"
                     targets.append(submodule if submodule in modules else base)
@@ -74,7 +74,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = "open"
         for target in sorted(graph[node]):
             if state.get(target) == "open":
-                found.append(path[path.index(target):] + [target])
+                found.append(path[path.index(target) :] + [target])
             elif target not in state:
                 visit(target, path + [target])
         state[node] = "done"
@@ -105,8 +105,11 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import():
 
 def positional_launches(tree: ast.AST) -> list[str]:
     """Kernel launches ``kernel[grid](...)`` that pass an argument by position."""
-    return [ast.unparse(node.func) for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and node.args]
+    return [
+        ast.unparse(node.func)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and node.args
+    ]
 
 
 def test_every_kernel_is_launched_by_keyword():

@@ -30,8 +30,16 @@ BACKENDS = ["sdpa", "triton"]
 def _config(kind: str):
     """Two layers, hidden 64, 4 query heads over 2 kv heads (GQA), head dim 16."""
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD, eos_token_id=None, bos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        eos_token_id=None,
+        bos_token_id=None,
     )
     if kind == "llama":
         return transformers.LlamaConfig(**common), "sdpa"
@@ -39,8 +47,12 @@ def _config(kind: str):
         return transformers.MistralConfig(sliding_window=4, **common), "sdpa"
     if kind == "gemma2-softcap":  # softcap 1.0 bends every score; layer 0 has a window of 5, layer 1 none
         config = transformers.Gemma2Config(
-            head_dim=16, query_pre_attn_scalar=16, sliding_window=5, attn_logit_softcapping=1.0,
-            final_logit_softcapping=None, **common,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=5,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=None,
+            **common,
         )
         return config, "eager"  # transformers' Gemma 2 has no sdpa path (no softcap there)
     raise ValueError(f"unknown model kind {kind!r}")
@@ -87,7 +99,7 @@ def _logits_row_by_row(model, ids, mask):
     positions = torch.arange(ids.shape[1], device=ids.device)
     for b in range(ids.shape[0]):
         keep = mask[b].bool()
-        out[b, keep] = model(ids[b:b + 1, keep], position_ids=positions[keep][None]).logits[0]
+        out[b, keep] = model(ids[b : b + 1, keep], position_ids=positions[keep][None]).logits[0]
     return out
 
 
@@ -104,7 +116,8 @@ def _check_rule(name: str, got, same, truth, factor: int, keep=None) -> None:
 # torch SDPA has no softcap: flash_recipe's CPU fallback for Gemma 2 is its reference backend.
 MODEL_BACKENDS = [
     *((kind, backend) for kind in ("llama", "mistral-window4") for backend in BACKENDS),
-    ("gemma2-softcap", "reference"), ("gemma2-softcap", "triton"),
+    ("gemma2-softcap", "reference"),
+    ("gemma2-softcap", "triton"),
 ]
 
 
@@ -139,7 +152,11 @@ def test_generate_with_kv_cache_matches(kind, padding, backend, device):
     ours, same, truth = _models(kind, device)
     ids, mask = _inputs(padding, device, seqlen=6)
     options = dict(
-        attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
         pad_token_id=PAD,
     )
     with torch.no_grad():

@@ -40,7 +40,13 @@ def test_varlen_matches_each_sequence_alone(case, dtype, device, nan_outputs):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with flash_recipe.use_backend("triton"):
         out, lse, _ = flash_recipe.flash_attn_varlen_func(
-            *leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal, window_size=window,
+            *leaves,
+            cu_q,
+            cu_k,
+            max(lengths_q),
+            max(lengths_k),
+            causal=causal,
+            window_size=window,
             return_attn_probs=True,
         )
     out.backward(dout)
@@ -101,26 +107,60 @@ def test_unpad_then_varlen_then_pad_equals_masked_dense(device):
 
 
 BAD = [
-    ("cu-dtype", dict(cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int64)), TypeError, ["cu_seqlens_q", "int32", "torch.int64"]),
-    ("cu-values", dict(cu_seqlens_q=torch.tensor([0, 2, 1, 4], dtype=torch.int32)), ValueError, ["cu_seqlens_q", "from 0", "[0, 2, 1, 4]"]),
-    ("cu-total", dict(cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32)), ValueError, ["cu_seqlens_k", "(4)", "[0, 5]"]),
-    ("cu-batch", dict(cu_seqlens_k=torch.tensor([0, 2, 4], dtype=torch.int32)), ValueError, ["cu_seqlens_k", "as many entries"]),
+    (
+        "cu-dtype",
+        dict(cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int64)),
+        TypeError,
+        ["cu_seqlens_q", "int32", "torch.int64"],
+    ),
+    (
+        "cu-values",
+        dict(cu_seqlens_q=torch.tensor([0, 2, 1, 4], dtype=torch.int32)),
+        ValueError,
+        ["cu_seqlens_q", "from 0", "[0, 2, 1, 4]"],
+    ),
+    (
+        "cu-total",
+        dict(cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32)),
+        ValueError,
+        ["cu_seqlens_k", "(4)", "[0, 5]"],
+    ),
+    (
+        "cu-batch",
+        dict(cu_seqlens_k=torch.tensor([0, 2, 4], dtype=torch.int32)),
+        ValueError,
+        ["cu_seqlens_k", "as many entries"],
+    ),
     ("max-too-small", dict(max_seqlen_q=2), ValueError, ["max_seqlen_q", "longest", "(4)", "2"]),
     ("max-type", dict(max_seqlen_k=4.0), TypeError, ["max_seqlen_k", "int", "float"]),
     ("max-float-tensor", dict(max_seqlen_k=torch.tensor(4.0)), TypeError, ["max_seqlen_k", "int", "Tensor"]),
-    ("block-table-rank", dict(block_table=torch.zeros(1, dtype=torch.int32), k=torch.zeros(2, 16, 2, 8),
-                              v=torch.zeros(2, 16, 2, 8)), ValueError, ["block_table", "(batch_size, max_num_blocks_per_seq)"]),
-    ("paged-k-rank", dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), ValueError,
-     ["k", "4 dimensions", "(num_blocks, page_block_size, nheads_k, headdim)"]),
+    (
+        "block-table-rank",
+        dict(block_table=torch.zeros(1, dtype=torch.int32), k=torch.zeros(2, 16, 2, 8), v=torch.zeros(2, 16, 2, 8)),
+        ValueError,
+        ["block_table", "(batch_size, max_num_blocks_per_seq)"],
+    ),
+    (
+        "paged-k-rank",
+        dict(block_table=torch.zeros(1, 1, dtype=torch.int32)),
+        ValueError,
+        ["k", "4 dimensions", "(num_blocks, page_block_size, nheads_k, headdim)"],
+    ),
     ("rank", dict(q=torch.zeros(1, 4, 2, 8)), ValueError, ["q", "3 dimensions", "(total_tokens, nheads, headdim)"]),
 ]
 
 
 @pytest.mark.parametrize("changes,exc,words", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_varlen_bad_input(changes, exc, words):
-    args = dict(q=torch.zeros(4, 2, 8), k=torch.zeros(4, 2, 8), v=torch.zeros(4, 2, 8),
-                cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
-                max_seqlen_q=4, max_seqlen_k=4)
+    args = dict(
+        q=torch.zeros(4, 2, 8),
+        k=torch.zeros(4, 2, 8),
+        v=torch.zeros(4, 2, 8),
+        cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32),
+        max_seqlen_q=4,
+        max_seqlen_k=4,
+    )
     args.update(changes)
     with pytest.raises(exc) as info:
         flash_recipe.flash_attn_varlen_func(**args)

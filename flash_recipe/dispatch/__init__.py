@@ -29,9 +29,26 @@ from flash_recipe.dispatch.sdpa_backend import SdpaBackend
 from flash_recipe.dispatch.triton_backend import TritonBackend
 
 __all__ = [
-    "AttentionCall", "Backend", "BackendUnavailableError", "BACKENDS", "CacheCall", "FlashAttnBackend", "PagedCall",
-    "ReferenceBackend", "SdpaBackend", "TritonBackend", "TURING_ISSUES", "available_backends", "backend_names",
-    "explain_call", "forced_backend", "pre_ampere_reason", "reason", "run", "select", "use_backend",
+    "AttentionCall",
+    "Backend",
+    "BackendUnavailableError",
+    "BACKENDS",
+    "CacheCall",
+    "FlashAttnBackend",
+    "PagedCall",
+    "ReferenceBackend",
+    "SdpaBackend",
+    "TritonBackend",
+    "TURING_ISSUES",
+    "available_backends",
+    "backend_names",
+    "explain_call",
+    "forced_backend",
+    "pre_ampere_reason",
+    "reason",
+    "run",
+    "select",
+    "use_backend",
 ]
 
 ENV_VAR = "FLASH_RECIPE_BACKEND"

@@ -59,19 +59,29 @@ class AttentionCall:
         starts_k = self.cu_seqlens_k.tolist()
         calls = []
         for b in range(len(starts_q) - 1):
-            q = self.q[starts_q[b]:starts_q[b + 1]].unsqueeze(0)
-            k, v = (t[starts_k[b]:starts_k[b + 1]].unsqueeze(0) for t in (self.k, self.v))
-            calls.append(dataclasses.replace(
-                self, q=q, k=k, v=v, diag_offset=k.shape[1] - q.shape[1], alibi_slopes=self.slopes_of(b),
-                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-            ))
+            q = self.q[starts_q[b] : starts_q[b + 1]].unsqueeze(0)
+            k, v = (t[starts_k[b] : starts_k[b + 1]].unsqueeze(0) for t in (self.k, self.v))
+            calls.append(
+                dataclasses.replace(
+                    self,
+                    q=q,
+                    k=k,
+                    v=v,
+                    diag_offset=k.shape[1] - q.shape[1],
+                    alibi_slopes=self.slopes_of(b),
+                    cu_seqlens_q=None,
+                    cu_seqlens_k=None,
+                    max_seqlen_q=0,
+                    max_seqlen_k=0,
+                )
+            )
         return calls
 
     def slopes_of(self, b: int) -> Optional[torch.Tensor]:
         """The ALiBi slopes of batch entry ``b`` as a call of its own takes them: ``(1, H)`` from
         per-batch ``(B, H)`` slopes, else the shared ``(H,)`` slopes (or None)."""
         slopes = self.alibi_slopes
-        return slopes[b:b + 1] if slopes is not None and slopes.dim() == 2 else slopes
+        return slopes[b : b + 1] if slopes is not None and slopes.dim() == 2 else slopes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,14 +54,25 @@ class FlashAttnBackend(Backend):
         import flash_attn
 
         if call.is_varlen:
-            fn = functools.partial(flash_attn.flash_attn_varlen_func, cu_seqlens_q=call.cu_seqlens_q,
-                                   cu_seqlens_k=call.cu_seqlens_k, max_seqlen_q=call.max_seqlen_q,
-                                   max_seqlen_k=call.max_seqlen_k)
+            fn = functools.partial(
+                flash_attn.flash_attn_varlen_func,
+                cu_seqlens_q=call.cu_seqlens_q,
+                cu_seqlens_k=call.cu_seqlens_k,
+                max_seqlen_q=call.max_seqlen_q,
+                max_seqlen_k=call.max_seqlen_k,
+            )
         else:
             fn = flash_attn.flash_attn_func
         result = fn(
-            call.q, call.k, call.v, dropout_p=call.dropout_p, softmax_scale=call.softmax_scale,
-            causal=call.causal, window_size=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
+            call.q,
+            call.k,
+            call.v,
+            dropout_p=call.dropout_p,
+            softmax_scale=call.softmax_scale,
+            causal=call.causal,
+            window_size=call.window,
+            softcap=call.softcap,
+            alibi_slopes=call.alibi_slopes,
             return_attn_probs=call.return_lse,
         )
         if call.return_lse:

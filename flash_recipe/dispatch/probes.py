@@ -56,9 +56,11 @@ def triton_too_old() -> Optional[str]:
     if release >= versions.TRITON_MIN:
         return None
     oldest = ".".join(map(str, versions.TRITON_MIN))
-    return (f"Triton {triton.__version__} is older than {oldest}, the oldest these kernels support; Triton comes "
-            f"with torch: upgrade torch to {'.'.join(map(str, versions.TORCH_MIN))} or newer "
-            f"(flash-recipe doctor prints the command for your installer)")
+    return (
+        f"Triton {triton.__version__} is older than {oldest}, the oldest these kernels support; Triton comes "
+        f"with torch: upgrade torch to {'.'.join(map(str, versions.TORCH_MIN))} or newer "
+        f"(flash-recipe doctor prints the command for your installer)"
+    )
 
 
 @functools.lru_cache(maxsize=None)

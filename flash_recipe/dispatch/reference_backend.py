@@ -23,8 +23,16 @@ class ReferenceBackend(Backend):
         from flash_recipe.reference import attention_reference
 
         out, lse = attention_reference(
-            call.q, call.k, call.v, call.softmax_scale, call.causal, call.diag_offset,
-            attn_mask=call.attn_mask, dropout_p=call.dropout_p,
-            window=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
+            call.q,
+            call.k,
+            call.v,
+            call.softmax_scale,
+            call.causal,
+            call.diag_offset,
+            attn_mask=call.attn_mask,
+            dropout_p=call.dropout_p,
+            window=call.window,
+            softcap=call.softcap,
+            alibi_slopes=call.alibi_slopes,
         )
         return out.to(call.q.dtype), (lse if call.return_lse else None), None

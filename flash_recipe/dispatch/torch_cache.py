@@ -55,8 +55,9 @@ def run_cache(backend, call: CacheCall) -> tuple:
         for b in range(batch):
             k = rows(call.k_cache, table[b], pads[b], lengths[b] + new)[None]
             v = rows(call.v_cache, table[b], pads[b], lengths[b] + new)[None]
-            part = dataclasses.replace(att, q=q[b:b + 1], k=k, v=v, diag_offset=k.shape[1] - seqlen_q,
-                                       alibi_slopes=att.slopes_of(b))
+            part = dataclasses.replace(
+                att, q=q[b : b + 1], k=k, v=v, diag_offset=k.shape[1] - seqlen_q, alibi_slopes=att.slopes_of(b)
+            )
             out, lse, _ = backend.run(part)
             outs.append(out)
             lses.append(lse)

@@ -16,8 +16,13 @@ def key_range_options(call: AttentionCall):
     align each batch's diagonal bottom-right in the kernel: its window, softcap and ALiBi."""
     from flash_recipe.ops.launch import ScoreOptions
 
-    return ScoreOptions(diag_offset=0, window_left=call.window[0], window_right=call.window[1],
-                        softcap=call.softcap, slopes=call.alibi_slopes)
+    return ScoreOptions(
+        diag_offset=0,
+        window_left=call.window[0],
+        window_right=call.window[1],
+        softcap=call.softcap,
+        slopes=call.alibi_slopes,
+    )
 
 
 class TritonBackend(Backend):
@@ -43,7 +48,10 @@ class TritonBackend(Backend):
             if problem is not None:
                 return problem
             if q.dtype == torch.bfloat16:
-                return "the Triton interpreter computes bfloat16 dot products incorrectly; use float16 or float32 on the CPU"
+                return (
+                    "the Triton interpreter computes bfloat16 dot products incorrectly; "
+                    "use float16 or float32 on the CPU"
+                )
         elif q.device.type == "cuda":
             if torch.version.hip is None:
                 major, minor = probes.device_capability(q.device)
@@ -68,9 +76,20 @@ class TritonBackend(Backend):
         from flash_recipe.ops.attention import attention, new_seed
 
         seed = new_seed(call.q.device) if call.dropout_p > 0.0 else None
-        out, lse = attention(call.q, call.k, call.v, call.softmax_scale, call.diag_offset, call.window, call.softcap,
-                             call.alibi_slopes, (call.cu_seqlens_q, call.cu_seqlens_k),
-                             (call.max_seqlen_q, call.max_seqlen_k), call.dropout_p, seed)
+        out, lse = attention(
+            call.q,
+            call.k,
+            call.v,
+            call.softmax_scale,
+            call.diag_offset,
+            call.window,
+            call.softcap,
+            call.alibi_slopes,
+            (call.cu_seqlens_q, call.cu_seqlens_k),
+            (call.max_seqlen_q, call.max_seqlen_k),
+            call.dropout_p,
+            seed,
+        )
         s_dmask = None
         if seed is not None and call.return_lse:
             s_dmask = self._dropped_probs(call, seed)
@@ -86,8 +105,16 @@ class TritonBackend(Backend):
         keep = dropout_mask(seed, batch, nheads, seqlen_q, call.k.shape[1], call.dropout_p)
         with torch.no_grad():
             _, probs = attention_reference(
-                call.q, call.k, call.v, call.softmax_scale, call.causal, call.diag_offset, window=call.window,
-                softcap=call.softcap, alibi_slopes=call.alibi_slopes, return_probs=True,
+                call.q,
+                call.k,
+                call.v,
+                call.softmax_scale,
+                call.causal,
+                call.diag_offset,
+                window=call.window,
+                softcap=call.softcap,
+                alibi_slopes=call.alibi_slopes,
+                return_probs=True,
             )
         return torch.where(keep, probs, -probs).to(call.q.dtype)
 
@@ -97,8 +124,9 @@ class TritonBackend(Backend):
         cache = Cache(call.k_cache, call.v_cache, call.table, call.seqlens, call.leftpad)
         rotary = Rotary(*call.rotary) if call.rotary is not None else None
         att = call.attention
-        return attention_kvcache(call.q, call.k, call.v, cache, rotary, att.softmax_scale,
-                                 key_range_options(att), call.num_splits)
+        return attention_kvcache(
+            call.q, call.k, call.v, cache, rotary, att.softmax_scale, key_range_options(att), call.num_splits
+        )
 
     def run_paged(self, call: PagedCall) -> tuple:
         from flash_recipe.ops.forward import attention_forward

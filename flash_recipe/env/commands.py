@@ -67,7 +67,8 @@ def install_torch(facts: dict[str, Any], installer: str) -> str:
         return f"python -m pip install torch --index-url {url}"
     if installer == "uv":
         return (
-            f'uv add torch --index pytorch={url}   # writes [[tool.uv.index]] and [tool.uv.sources] torch = {{ index = "pytorch" }}'
+            f"uv add torch --index pytorch={url}   "
+            '# writes [[tool.uv.index]] and [tool.uv.sources] torch = { index = "pytorch" }'
         )
     return f"poetry source add --priority=explicit pytorch {url} && poetry add --source pytorch torch"
 
@@ -98,7 +99,9 @@ def upgrade_torch(facts: dict[str, Any], installer: str, minimum: str, project: 
     return f"python -m pip install --upgrade {spec} --index-url {url}"
 
 
-def install_package(facts: dict[str, Any], installer: str, requirement: str, project: Optional[dict[str, Any]] = None) -> str:
+def install_package(
+    facts: dict[str, Any], installer: str, requirement: str, project: Optional[dict[str, Any]] = None
+) -> str:
     """Install or upgrade one requirement (``"triton>=3.2"``) with the installer (uv: into the
     project when there is one; ``project`` defaults to ``facts["project"]``)."""
     _check_installer(installer)
@@ -113,9 +116,11 @@ def install_package(facts: dict[str, Any], installer: str, requirement: str, pro
 
 def install_flash_recipe(installer: str) -> str:
     _check_installer(installer)
-    return {"pip": "python -m pip install flash-recipe", "uv": "uv add flash-recipe", "poetry": "poetry add flash-recipe"}[
-        installer
-    ]
+    return {
+        "pip": "python -m pip install flash-recipe",
+        "uv": "uv add flash-recipe",
+        "poetry": "poetry add flash-recipe",
+    }[installer]
 
 
 def install_wheel_url(url: str, installer: str) -> str:
@@ -131,9 +136,11 @@ def install_wheel_url(url: str, installer: str) -> str:
 def build_tools(installer: str) -> str:
     _check_installer(installer)
     tools = "packaging wheel setuptools psutil ninja"
-    return {"pip": f"python -m pip install {tools}", "uv": f"uv pip install {tools}", "poetry": f"poetry run pip install {tools}"}[
-        installer
-    ]
+    return {
+        "pip": f"python -m pip install {tools}",
+        "uv": f"uv pip install {tools}",
+        "poetry": f"poetry run pip install {tools}",
+    }[installer]
 
 
 def no_build_isolation(facts: dict[str, Any], installer: str, version: str, force_build: bool = False) -> str:
@@ -164,4 +171,6 @@ def uninstall_flash_attn(installer: str, drop_cache: bool = True) -> str:
         return "uv pip uninstall flash-attn" + (" && uv cache clean flash-attn" if drop_cache else "")
     run = "poetry run " if installer == "poetry" else ""
     python = "pip" if run else "python -m pip"
-    return f"{run}{python} uninstall -y flash-attn" + (f" && {run}{python} cache remove flash_attn" if drop_cache else "")
+    return f"{run}{python} uninstall -y flash-attn" + (
+        f" && {run}{python} cache remove flash_attn" if drop_cache else ""
+    )

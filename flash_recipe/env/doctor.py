@@ -180,7 +180,10 @@ def format_report(report: dict[str, Any]) -> str:
         [
             ["Python ABI", "torch", "CUDA", "C++11 ABI", "platform"],
             [
-                c["python_abi"] or "?", c["torch"] or "not installed", c["cuda"] or "-", c["cxx11abi"] or "-",
+                c["python_abi"] or "?",
+                c["torch"] or "not installed",
+                c["cuda"] or "-",
+                c["cxx11abi"] or "-",
                 c["platform"] or "?",
             ],
         ]

@@ -260,13 +260,19 @@ def triton_compile_check(arch: str) -> CompileCheck:
             family = configs.arch_family(arch)
         except ValueError as exc:
             return {"arch": arch, "ok": False, "error": str(exc)}
-        return {"arch": arch, "ok": None, "error": (
-            f"{arch} has no configuration table of its own: flash_recipe uses its most conservative one ({family}, "
-            f"sized for {configs.FAMILY_SHARED_MEMORY[family]} bytes of shared memory per block) when this GPU offers "
-            f"that much, and torch SDPA otherwise (flash_recipe.explain says which)")}
+        return {
+            "arch": arch,
+            "ok": None,
+            "error": (
+                f"{arch} has no configuration table of its own: flash_recipe uses its most conservative one "
+                f"({family}, sized for {configs.FAMILY_SHARED_MEMORY[family]} bytes of shared memory per block) "
+                f"when this GPU offers that much, and torch SDPA otherwise (flash_recipe.explain says which)"
+            ),
+        }
     if configs.interpreter_enabled():
         return {
-            "arch": arch, "ok": None,
+            "arch": arch,
+            "ok": None,
             "error": "TRITON_INTERPRET is set: kernels run in Triton's CPU interpreter, nothing is compiled",
         }
     try:
@@ -355,7 +361,7 @@ def probe_flash_attn(load: bool = True) -> FlashAttnFacts:
         try:
             import json
 
-            result = json.loads(line[len(_LOAD_MARKER):])
+            result = json.loads(line[len(_LOAD_MARKER) :])
         except ValueError:
             result = {"flash_attn_2_cuda": f"the import check exited with status {code}: {text.strip()[-300:]}"}
         out["module_error"] = result.get("flash_attn_2_cuda")

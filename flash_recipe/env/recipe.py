@@ -18,7 +18,9 @@ from flash_recipe.env import commands, probes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--installer", choices=commands.INSTALLERS, help="installer to write the recipe for (default: detected)")
+    parser.add_argument(
+        "--installer", choices=commands.INSTALLERS, help="installer to write the recipe for (default: detected)"
+    )
     parser.add_argument("--project", metavar="DIR", help="project directory to detect the installer from (default: .)")
     parser.add_argument("--json", action="store_true", help="print the recipe as one JSON object")
 
@@ -45,7 +47,10 @@ def recommend(facts: dict[str, Any], installer: Optional[str] = None) -> dict[st
     else:
         uv_recipe = "uv-project" if project.get("pyproject") else "uv-pip"
         recipe = {"pip": "torch-index-pip", "uv": uv_recipe, "poetry": "poetry-index"}[chosen]
-        why.append(f"torch {torch.get('version')} ({torch.get('build', '?')} build) is already installed; flash-recipe is pure Python")
+        why.append(
+            f"torch {torch.get('version')} ({torch.get('build', '?')} build) is already installed; "
+            f"flash-recipe is pure Python"
+        )
     steps.append(commands.install_flash_recipe(chosen))
     steps.append("flash-recipe doctor   # check the result")
     return {

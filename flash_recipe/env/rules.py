@@ -171,8 +171,12 @@ class Context:
             return self._resolve()
         except ValueError as exc:
             return {
-                "version": self.version, "filename": None, "url": None, "nearest": None,
-                "status": "unknown-release", "reason": str(exc),
+                "version": self.version,
+                "filename": None,
+                "url": None,
+                "nearest": None,
+                "status": "unknown-release",
+                "reason": str(exc),
             }
 
     def _resolve(self) -> dict[str, Any]:
@@ -477,8 +481,12 @@ def _guessed_wheels(ctx: Context) -> list[dict[str, Any]]:
         version = digits if len(digits) <= 2 else f"{digits[:-1]}.{digits[-1]}"
         device = {"hip": version} if label.startswith("rocm") else {"cuda": version}
         res = resolve(
-            parts["version"], python=parts["python"], torch=parts["torch"], cxx11abi=parts["cxx11abi"],
-            platform=parts["platform"], **device,
+            parts["version"],
+            python=parts["python"],
+            torch=parts["torch"],
+            cxx11abi=parts["cxx11abi"],
+            platform=parts["platform"],
+            **device,
         )
         out.append(res)
     return out
@@ -870,8 +878,7 @@ def _cpu_torch_flash_attn(ctx: Context, finding: Build) -> Optional[Finding]:
         recipe = "upstream-flash-attn"
         command = (
             "# flash-attn cannot run without an NVIDIA (or AMD) GPU; here use flash_recipe, "
-            "which falls back to torch SDPA:\n"
-            + commands.install_flash_recipe(ctx.installer)
+            "which falls back to torch SDPA:\n" + commands.install_flash_recipe(ctx.installer)
         )
     return finding(
         "upstream flash-attn needs a CUDA (or ROCm) build of torch",

@@ -171,7 +171,13 @@ def _distance(want: dict[str, Any], have: dict[str, Any]) -> tuple:
 
 
 def _differences(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
-    labels = {"python": "Python", "torch": "torch", "cxx11abi": "C++11 ABI", "platform": "platform", "cuda_label": "CUDA"}
+    labels = {
+        "python": "Python",
+        "torch": "torch",
+        "cxx11abi": "C++11 ABI",
+        "platform": "platform",
+        "cuda_label": "CUDA",
+    }
     out = []
     for key, label in labels.items():
         if want.get(key) is not None and want[key] != have[key]:
@@ -206,7 +212,10 @@ def resolve(
     if cxx11abi is not None:
         want["cxx11abi"] = bool(cxx11abi)
     if not torch:
-        out.update(status="no-torch", reason="torch is not installed: the wheel name depends on torch's version, CUDA and C++ ABI")
+        out.update(
+            status="no-torch",
+            reason="torch is not installed: the wheel name depends on torch's version, CUDA and C++ ABI",
+        )
     elif cuda is None and hip is None:
         want["cuda_label"] = "cpu"
         out.update(
@@ -225,18 +234,28 @@ def resolve(
         elif name in names:
             out.update(status="published", reason="this exact wheel is a published release asset")
         elif "matrix" in RELEASES[version]:
-            out.update(status="not-published", reason=f"flash-attn {version} never published a wheel for this combination")
+            out.update(
+                status="not-published", reason=f"flash-attn {version} never published a wheel for this combination"
+            )
         else:
             out.update(
                 status="not-confirmed",
-                reason=f"this name is not among the recorded assets of flash-attn {version} (its full list is not recorded)",
+                reason=(
+                    f"this name is not among the recorded assets of flash-attn {version} "
+                    f"(its full list is not recorded)"
+                ),
             )
     names = published_filenames(version) or []
     if out.get("status") != "published" and names and "torch" in want:
         want.setdefault("cxx11abi", True)
         best = min(names, key=lambda n: _distance(want, parse_wheel_filename(n)))
         have = parse_wheel_filename(best)
-        out["nearest"] = {"filename": best, "url": wheel_url(version, best), "differs": _differences(want, have), **have}
+        out["nearest"] = {
+            "filename": best,
+            "url": wheel_url(version, best),
+            "differs": _differences(want, have),
+            **have,
+        }
     return out
 
 

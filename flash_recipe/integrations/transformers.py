@@ -219,10 +219,15 @@ def attention_forward(
     from flash_recipe import api
 
     if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("s_aux (attention sinks) is not supported by flash_recipe; use attn_implementation='sdpa'")
+        raise NotImplementedError(
+            "s_aux (attention sinks) is not supported by flash_recipe; use attn_implementation='sdpa'"
+        )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     options = dict(
-        dropout_p=float(dropout), softmax_scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
+        dropout_p=float(dropout),
+        softmax_scale=scaling,
+        causal=causal,
+        window_size=_window(sliding_window, causal),
         softcap=float(softcap) if softcap else 0.0,
     )
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
@@ -232,7 +237,12 @@ def attention_forward(
                 "pass a 2D padding mask or use attn_implementation='sdpa'"
             )
         out = api.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=float(dropout), scale=scaling,
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=float(dropout),
+            scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )
         return out.transpose(1, 2), None
@@ -245,8 +255,8 @@ def attention_forward(
     if attention_mask is not None:
         mask = attention_mask.bool()
         if mask.shape[1] < k.shape[1]:  # a static cache: slots after the mask are empty
-            k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
-        mask = mask[:, -k.shape[1]:]
+            k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
+        mask = mask[:, -k.shape[1] :]
         seqlen_k = k.shape[1]
         indices_k, cu_k, max_k = _indices(mask)
         if seqlen_q == seqlen_k:
@@ -256,7 +266,14 @@ def attention_forward(
         else:  # cross-attention: the mask covers the keys only
             indices_q, cu_q, max_q = _indices(mask.new_ones(batch, seqlen_q))
         out = api.flash_attn_varlen_func(
-            _gather(q, indices_q), _gather(k, indices_k), _gather(v, indices_k), cu_q, cu_k, max_q, max_k, **options,
+            _gather(q, indices_q),
+            _gather(k, indices_k),
+            _gather(v, indices_k),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            **options,
         )
         from flash_recipe.padding import pad_input
 

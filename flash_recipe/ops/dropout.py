@@ -28,12 +28,15 @@ def dropout_mask_kernel(KEEP, SEED, seqlen_q, seqlen_k, dropout_p, BLOCK_M: tl.c
     tl.store(p_keep, m_keep.to(tl.int8), mask=(o_m[:, None] < seqlen_q) & (o_n[None, :] < seqlen_k))
 
 
-def dropout_mask(seed: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float) -> torch.Tensor:
+def dropout_mask(
+    seed: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float
+) -> torch.Tensor:
     """The keep mask ``(B, H, Sq, Sk)`` bool that the dense kernels apply for ``seed``."""
     keep = torch.empty((batch * nheads, seqlen_q, seqlen_k), dtype=torch.int8, device=seed.device)
     if keep.numel():
         grid = (triton.cdiv(seqlen_q, 32), triton.cdiv(seqlen_k, 32), batch * nheads)
         with torch.cuda.device(seed.device) if seed.is_cuda else contextlib.nullcontext():
-            dropout_mask_kernel[grid](KEEP=keep, SEED=seed, seqlen_q=seqlen_q, seqlen_k=seqlen_k, dropout_p=dropout_p,
-                                      BLOCK_M=32, BLOCK_N=32)
+            dropout_mask_kernel[grid](
+                KEEP=keep, SEED=seed, seqlen_q=seqlen_q, seqlen_k=seqlen_k, dropout_p=dropout_p, BLOCK_M=32, BLOCK_N=32
+            )
     return keep.view(batch, nheads, seqlen_q, seqlen_k).bool()

@@ -1,8 +1,9 @@
 """What every path shares, built once and cached: tools, the project's build, the wheelhouse.
 
 Each cached item lives in a directory named after what determines its content and is complete
-only when its ``.done`` marker exists; it is built under a file lock, so reruns reuse it and concurrent runs neither clash nor build it twice. These
-steps may use the network (through pip's own configuration); path runs never do.
+only when its ``.done`` marker exists; it is built under a file lock, so reruns reuse it and
+concurrent runs neither clash nor build it twice. These steps may use the network (through pip's
+own configuration); path runs never do.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import tomllib
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -181,7 +182,9 @@ def snapshot(repo: Path, dest: Path, source: str = "worktree") -> str:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(repo / name, target)
     else:
-        archive = subprocess.run(["git", "-C", repo, "archive", "--format=tar", source], capture_output=True, check=False)
+        archive = subprocess.run(
+            ["git", "-C", repo, "archive", "--format=tar", source], capture_output=True, check=False
+        )
         if archive.returncode != 0:
             raise RuntimeError(f"git archive {source} failed: {archive.stderr.decode(errors='replace')}")
         subprocess.run(["tar", "-x", "-C", dest], input=archive.stdout, check=True)
@@ -338,7 +341,18 @@ def wheelhouse(options: Options, tools: Tools, build: Build) -> Wheelhouse:
         index = options.torch_index_url
         log(f"filling the wheelhouse: torch=={options.torch_version} from {index or 'pip configuration'}")
         torch_args = ["--index-url", index] if index else []
-        run([*pip, "download", "--quiet", "--no-deps", "--dest", torch_dir, *torch_args, f"torch=={options.torch_version}"])
+        run(
+            [
+                *pip,
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--dest",
+                torch_dir,
+                *torch_args,
+                f"torch=={options.torch_version}",
+            ]
+        )
         torch_wheels = list(torch_dir.glob("torch-*.whl"))
         if len(torch_wheels) != 1:
             raise RuntimeError(f"expected one torch wheel, got {[w.name for w in torch_wheels]}")

@@ -28,8 +28,16 @@ DEFAULT_VERSION = "2.8.3"
 
 def _doctor_json(session: Any, *extra: str) -> dict[str, Any]:
     output = session.run(
-        "python", "-m", "flash_recipe", "doctor", "--json", "--installer", "pip", *extra,
-        silent=True, success_codes=[0, 1],
+        "python",
+        "-m",
+        "flash_recipe",
+        "doctor",
+        "--json",
+        "--installer",
+        "pip",
+        *extra,
+        silent=True,
+        success_codes=[0, 1],
     )
     # the report is the JSON object starting at the first line that is exactly "{"; anything
     # before it is a warning some library printed on stderr
@@ -65,9 +73,18 @@ def reproduce_upstream(session: Any, posargs: Sequence[str] = (), install_projec
     # 1. build isolation: the isolated build environment has no torch
     session.log(f"1/2: pip install flash-attn=={version} from source with build isolation (expected to fail)")
     output = session.run(
-        "python", "-m", "pip", "install", "--no-cache-dir", "--use-pep517", "--no-deps", "--no-binary", "flash-attn",
+        "python",
+        "-m",
+        "pip",
+        "install",
+        "--no-cache-dir",
+        "--use-pep517",
+        "--no-deps",
+        "--no-binary",
+        "flash-attn",
         f"flash-attn=={version}",
-        silent=True, success_codes=[1, 2],
+        silent=True,
+        success_codes=[1, 2],
     )
     if "No module named 'torch'" not in (output or ""):
         session.error("the isolated build did not fail with \"No module named 'torch'\":\n" + (output or "")[-2000:])
@@ -84,8 +101,16 @@ def reproduce_upstream(session: Any, posargs: Sequence[str] = (), install_projec
     session.log(f"2/2: FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE build of flash-attn=={version} against {torch_requirement}")
     session.run(
         # --no-cache-dir: pip would otherwise keep the hollow wheel and reuse it for later installs
-        "python", "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--no-build-isolation",
-        "--no-binary", "flash-attn", f"flash-attn=={version}",
+        "python",
+        "-m",
+        "pip",
+        "install",
+        "--no-cache-dir",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-binary",
+        "flash-attn",
+        f"flash-attn=={version}",
         env={"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE", "FLASH_ATTENTION_FORCE_BUILD": "TRUE"},
     )
     report = _doctor_json(session)
