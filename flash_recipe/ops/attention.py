@@ -22,19 +22,8 @@ from flash_recipe.ops.forward import attention_forward
 from flash_recipe.ops.launch import ScoreOptions, Varlen
 
 
-def _unpack(
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    diag_offset,
-    window_left,
-    window_right,
-    softcap,
-    alibi_slopes,
-    dropout_p,
-    seed,
-):
+def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left, window_right,
+            softcap, alibi_slopes, dropout_p, seed):
     varlen = None
     if cu_seqlens_q is not None:
         varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -64,19 +53,8 @@ def attn_fwd(
 
     Varlen: ``q (total_q, H, D)``, ``k, v (total_k, Hk, D)`` -> ``out (total_q, H, D)``, ``lse (H, total_q)``.
     """
-    options, varlen = _unpack(
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        diag_offset,
-        window_left,
-        window_right,
-        softcap,
-        alibi_slopes,
-        dropout_p,
-        seed,
-    )
+    options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
+                              window_right, softcap, alibi_slopes, dropout_p, seed)
     return attention_forward(q, k, v, softmax_scale, options, varlen)
 
 
@@ -110,30 +88,16 @@ def attn_bwd(
     seed: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq, dk, dv`` (shapes of q, k, v) from ``dout`` (shape of q)."""
-    options, varlen = _unpack(
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        diag_offset,
-        window_left,
-        window_right,
-        softcap,
-        alibi_slopes,
-        dropout_p,
-        seed,
-    )
+    options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
+                              window_right, softcap, alibi_slopes, dropout_p, seed)
     return attention_backward(dout, q, k, v, out, lse, softmax_scale, options, varlen)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
     contiguous = torch.contiguous_format
-    return (
-        torch.empty_like(q, memory_format=contiguous),
-        torch.empty_like(k, memory_format=contiguous),
-        torch.empty_like(v, memory_format=contiguous),
-    )
+    return (torch.empty_like(q, memory_format=contiguous), torch.empty_like(k, memory_format=contiguous),
+            torch.empty_like(v, memory_format=contiguous))
 
 
 def _setup_context(ctx, inputs, output):
@@ -147,9 +111,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes, ctx.dropout_p, seed
-    )
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
+                          ctx.dropout_p, seed)
     return (dq, dk, dv) + (None,) * 12
 
 
@@ -178,23 +141,9 @@ def attention(
     """
     if dropout_p > 0.0 and seed is None:
         seed = new_seed(q.device)
-    return attn_fwd(
-        q,
-        k,
-        v,
-        cu_seqlens[0],
-        cu_seqlens[1],
-        int(max_seqlens[0]),
-        int(max_seqlens[1]),
-        float(softmax_scale),
-        int(diag_offset),
-        int(window[0]),
-        int(window[1]),
-        float(softcap),
-        alibi_slopes,
-        float(dropout_p),
-        seed,
-    )
+    return attn_fwd(q, k, v, cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]),
+                    float(softmax_scale), int(diag_offset), int(window[0]), int(window[1]), float(softcap),
+                    alibi_slopes, float(dropout_p), seed)
 
 
 def new_seed(device: torch.device) -> torch.Tensor:

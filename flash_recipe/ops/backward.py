@@ -44,34 +44,16 @@ from flash_recipe.ops.tiles import (
 )
 
 
-@triton.heuristics(
-    {
-        "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
-        "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
-    }
-)
+@triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+                    "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O,
-    DO,
-    DELTA,
-    CU_Q,
-    stride_ob,
-    stride_om,
-    stride_oh,
-    stride_dob,
-    stride_dom,
-    stride_doh,
-    stride_lb,
-    stride_lh,
-    seqlen_q,
-    total_q,
-    head_dim,
-    IS_VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    MASK_D: tl.constexpr,
+    O, DO, DELTA, CU_Q,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lb, stride_lh,
+    seqlen_q, total_q, head_dim,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``: ``DELTA[b, h, i] = sum_d O[b, i, h, d] * DO[b, i, h, d]``."""
     i_m = tl.program_id(0)
@@ -99,54 +81,20 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    b_dk,
-    b_dv,
-    b_k,
-    b_v,
-    q_base,
-    do_base,
-    lse_base,
-    delta_base,
-    stride_qm,
-    stride_dom,
-    seqlen_q,
-    seqlen_k,
-    head_dim,
-    lo_offset,
-    hi_offset,
-    diag_offset,
-    sm_scale,
-    softcap,
-    slope,
-    o_n,
-    o_r,
-    o_d,
-    start,
-    end,
-    seed,
-    rng_base,
-    rng_stride,
-    dropout_p,
-    MASKED: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    MASK_D: tl.constexpr,
+    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+    seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
+    o_n, o_r, o_d, start, end, seed, rng_base, rng_stride, dropout_p,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``."""
     for start_m in range(loop_bound(start), loop_bound(end), BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         o_m = start_m + o_r  # query rows [BLOCK_M]
-        b_q = load_tile(
-            q_base, start_m, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D
-        )  # [BLOCK_M, BLOCK_D]
-        b_do = load_tile(
-            do_base, start_m, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D
-        )  # [BLOCK_M, BLOCK_D]
+        # [BLOCK_M, BLOCK_D] each
+        b_q = load_tile(q_base, start_m, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)
+        b_do = load_tile(do_base, start_m, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)
         # Rows past seqlen_q load q = dO = 0, lse = delta = 0: dV and dK get nothing from them.
         if EVEN_M:
             b_lse = tl.load(lse_base + o_m)  # [BLOCK_M]
@@ -155,31 +103,15 @@ def _dkdv_inner(
             b_lse = tl.load(lse_base + o_m, mask=o_m < seqlen_q, other=0.0)
             b_delta = tl.load(delta_base + o_m, mask=o_m < seqlen_q, other=0.0)
         b_qk = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
-        b_st, b_tt = scores(
-            b_qk,
-            o_m[None, :],
-            o_n[:, None],
-            seqlen_k,
-            lo_offset,
-            hi_offset,
-            diag_offset,
-            sm_scale,
-            softcap,
-            slope,
-            MASKED,
-            MASK_LEFT,
-            MASK_RIGHT,
-            SOFTCAP,
-            ALIBI,
-        )
+        b_st, b_tt = scores(b_qk, o_m[None, :], o_n[:, None], seqlen_k, lo_offset, hi_offset, diag_offset,
+                            sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_pt = tl.math.exp2((b_st - b_lse[None, :]) * LOG2E)  # [BLOCK_N, BLOCK_M]
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
             # out uses P * keep / (1 - p): so do dV and, through dP, dS.
             m_keep = dropout_keep(seed, rng_base, o_m[None, :], o_n[:, None], rng_stride, dropout_p)
-            b_dv = tl.dot(
-                tl.where(m_keep, b_pt / (1.0 - dropout_p), 0.0).to(b_do.dtype), b_do, b_dv, input_precision="ieee"
-            )
+            b_pt_kept = tl.where(m_keep, b_pt / (1.0 - dropout_p), 0.0)
+            b_dv = tl.dot(b_pt_kept.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
             b_dpt = tl.where(m_keep, b_dpt / (1.0 - dropout_p), 0.0)
         else:
             b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
@@ -199,65 +131,19 @@ def _dkdv_inner(
 )
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    SLOPES,
-    CU_Q,
-    CU_K,
-    SEED,
-    stride_qb,
-    stride_qm,
-    stride_qh,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    stride_dob,
-    stride_dom,
-    stride_doh,
-    stride_dkb,
-    stride_dkn,
-    stride_dkh,
-    stride_dvb,
-    stride_dvn,
-    stride_dvh,
-    stride_lb,
-    stride_lh,
-    stride_sb,
-    nheads,
-    group_size,
-    seqlen_q,
-    seqlen_k,
-    total_q,
-    total_k,
-    head_dim,
-    sm_scale,
-    softcap,
-    diag_offset,
-    window_left,
-    window_right,
-    dropout_p,
-    rng_stride,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    MASK_D: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, CU_Q, CU_K, SEED,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lb, stride_lh, stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+    window_left, window_right, dropout_p, rng_stride,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head."""
     i_n = tl.program_id(0)
@@ -284,9 +170,8 @@ def attn_bwd_dkdv_kernel(
     b_v = load_tile(v_base, k_start, stride_vn, seqlen_k, head_dim, o_c, o_d, not EVEN_N, MASK_D)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    begin, full_begin, full_end, end = query_blocks(
-        k_start, seqlen_q, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N
-    )
+    begin, full_begin, full_end, end = query_blocks(k_start, seqlen_q, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT,
+                                                    BLOCK_M, BLOCK_N)
 
     for g in range(0, loop_bound(group_size)):
         i_h = (i_hk * group_size + g).to(tl.int64)
@@ -306,43 +191,10 @@ def attn_bwd_dkdv_kernel(
         for stage in tl.static_range(3):
             lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
             b_dk, b_dv = _dkdv_inner(
-                b_dk,
-                b_dv,
-                b_k,
-                b_v,
-                q_base,
-                do_base,
-                lse_base,
-                delta_base,
-                stride_qm,
-                stride_dom,
-                seqlen_q,
-                seqlen_k,
-                head_dim,
-                lo_offset,
-                hi_offset,
-                diag_offset,
-                sm_scale,
-                softcap,
-                slope,
-                o_n,
-                o_r,
-                o_d,
-                lo,
-                hi,
-                seed,
-                rng_base,
-                rng_stride,
-                dropout_p,
-                stage != 1,
-                MASK_LEFT,
-                MASK_RIGHT,
-                SOFTCAP,
-                ALIBI,
-                DROPOUT,
-                EVEN_M,
-                MASK_D,
-                BLOCK_M,
+                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
+                o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride, dropout_p,
+                stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M,
             )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
@@ -357,40 +209,11 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    b_dq,
-    b_q,
-    b_do,
-    b_lse,
-    b_delta,
-    k_base,
-    v_base,
-    stride_kn,
-    stride_vn,
-    seqlen_k,
-    head_dim,
-    lo_offset,
-    hi_offset,
-    diag_offset,
-    sm_scale,
-    softcap,
-    slope,
-    o_m,
-    o_n,
-    o_d,
-    start,
-    end,
-    seed,
-    rng_base,
-    rng_stride,
-    dropout_p,
-    MASKED: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    MASK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+    lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
+    seed, rng_base, rng_stride, dropout_p,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks."""
     for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
@@ -398,23 +221,8 @@ def _dq_inner(
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
         b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-        b_s, b_t = scores(
-            b_qk,
-            o_m[:, None],
-            (start_n + o_n)[None, :],
-            seqlen_k,
-            lo_offset,
-            hi_offset,
-            diag_offset,
-            sm_scale,
-            softcap,
-            slope,
-            MASKED,
-            MASK_LEFT,
-            MASK_RIGHT,
-            SOFTCAP,
-            ALIBI,
-        )
+        b_s, b_t = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
+                          sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_p = tl.math.exp2((b_s - b_lse[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
@@ -427,68 +235,22 @@ def _dq_inner(
     return b_dq
 
 
-@triton.heuristics(
-    {
-        "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
-        "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
-    }
-)
+@triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+                    "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    SLOPES,
-    CU_Q,
-    CU_K,
-    SEED,
-    stride_qb,
-    stride_qm,
-    stride_qh,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    stride_dob,
-    stride_dom,
-    stride_doh,
-    stride_dqb,
-    stride_dqm,
-    stride_dqh,
-    stride_lb,
-    stride_lh,
-    stride_sb,
-    nheads,
-    group_size,
-    seqlen_q,
-    seqlen_k,
-    total_q,
-    total_k,
-    head_dim,
-    sm_scale,
-    softcap,
-    diag_offset,
-    window_left,
-    window_right,
-    dropout_p,
-    rng_stride,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    MASK_D: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, CU_Q, CU_K, SEED,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+    window_left, window_right, dropout_p, rng_stride,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``."""
     i_m = tl.program_id(0)
@@ -515,9 +277,7 @@ def attn_bwd_dq_kernel(
     k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
     v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
     b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
-    b_do = load_tile(
-        do_base, q_start, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D
-    )  # [BLOCK_M, BLOCK_D]
+    b_do = load_tile(do_base, q_start, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # like b_q
     row_base = i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q
     if EVEN_M:
         b_lse = tl.load(LSE + row_base + o_m)  # [BLOCK_M]
@@ -538,46 +298,15 @@ def attn_bwd_dq_kernel(
         rng_base = row_base * rng_stride
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    begin, full_begin, full_end, end = key_blocks(
-        q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N
-    )
+    begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT,
+                                                  BLOCK_M, BLOCK_N)
     for stage in tl.static_range(3):
         lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
         b_dq = _dq_inner(
-            b_dq,
-            b_q,
-            b_do,
-            b_lse,
-            b_delta,
-            k_base,
-            v_base,
-            stride_kn,
-            stride_vn,
-            seqlen_k,
-            head_dim,
-            lo_offset,
-            hi_offset,
-            diag_offset,
-            sm_scale,
-            softcap,
-            slope,
-            o_m,
-            o_n,
-            o_d,
-            lo,
-            hi,
-            seed,
-            rng_base,
-            rng_stride,
-            dropout_p,
-            stage != 1,
-            MASK_LEFT,
-            MASK_RIGHT,
-            SOFTCAP,
-            ALIBI,
-            DROPOUT,
-            MASK_D,
-            BLOCK_N,
+            b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+            lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
+            seed, rng_base, rng_stride, dropout_p,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N,
         )
     dq_base = DQ + i_b * stride_dqb + bos_q * stride_dqm + i_h.to(tl.int64) * stride_dqh
     store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * sm_scale, not EVEN_M, MASK_D)
@@ -620,69 +349,29 @@ def attention_backward(
     is_varlen = varlen is not None
     # What the dK/dV and dQ kernels share: inputs, sizes and score options.
     common = dict(
-        Q=q,
-        K=k,
-        V=v,
-        DO=dout,
-        LSE=lse,
-        DELTA=delta,
-        CU_Q=cu_q,
-        CU_K=cu_k,
-        **dims.stride_args(q, "q", "m"),
-        **dims.stride_args(k, "k", "n"),
-        **dims.stride_args(v, "v", "n"),
-        **dims.stride_args(dout, "do", "m"),
-        stride_lb=stride_lb,
-        stride_lh=stride_lh,
-        nheads=dims.nheads,
-        group_size=dims.nheads // dims.nheads_k,
-        seqlen_q=dims.seqlen_q,
-        seqlen_k=dims.seqlen_k,
-        **rows,
-        head_dim=dims.head_dim,
-        sm_scale=softmax_scale,
-        **score_args(options, delta, dims.seqlen_k),
-        IS_VARLEN=is_varlen,
-        BLOCK_D=block_d,
+        Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, CU_Q=cu_q, CU_K=cu_k,
+        **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
+        **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
+        nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k,
+        **rows, head_dim=dims.head_dim, sm_scale=softmax_scale, **score_args(options, delta, dims.seqlen_k),
+        IS_VARLEN=is_varlen, BLOCK_D=block_d,
     )
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64
         attn_bwd_preprocess_kernel[(triton.cdiv(dims.seqlen_q, pre_m), dims.nheads, dims.batch)](
-            O=out,
-            DO=dout,
-            DELTA=delta,
-            CU_Q=cu_q,
-            **dims.stride_args(out, "o", "m"),
-            **dims.stride_args(dout, "do", "m"),
-            stride_lb=stride_lb,
-            stride_lh=stride_lh,
-            seqlen_q=dims.seqlen_q,
-            total_q=rows["total_q"],
-            head_dim=dims.head_dim,
-            IS_VARLEN=is_varlen,
-            BLOCK_M=pre_m,
-            BLOCK_D=block_d,
+            O=out, DO=dout, DELTA=delta, CU_Q=cu_q, **dims.stride_args(out, "o", "m"),
+            **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
+            seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim,
+            IS_VARLEN=is_varlen, BLOCK_M=pre_m, BLOCK_D=block_d,
         )
         cfg = configs.get_config(target, "bwd_dkdv", dims.head_dim, q.element_size())
         attn_bwd_dkdv_kernel[(triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch)](
-            DK=dk,
-            DV=dv,
-            **dims.stride_args(dk, "dk", "n"),
-            **dims.stride_args(dv, "dv", "n"),
-            **common,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            DK=dk, DV=dv, **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"), **common,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         cfg = configs.get_config(target, "bwd_dq", dims.head_dim, q.element_size())
         attn_bwd_dq_kernel[(triton.cdiv(dims.seqlen_q, cfg.block_m), dims.nheads, dims.batch)](
-            DQ=dq,
-            **dims.stride_args(dq, "dq", "m"),
-            **common,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            DQ=dq, **dims.stride_args(dq, "dq", "m"), **common,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dq, dk, dv

@@ -198,23 +198,14 @@ ARCHS = ("sm80", "sm86", "sm90", "sm100", "sm120", "amd", "interpreter")
 
 # Compile targets with a table of their own, and the table each uses.
 FAMILIES = {
-    "sm80": "sm80",
-    "sm86": "sm86",
-    "sm89": "sm86",
-    "sm90": "sm90",
-    "sm100": "sm100",
-    "sm120": "sm120",
-    "sm121": "sm120",
-    "gfx90a": "amd",
-    "gfx942": "amd",
-    "gfx950": "amd",
+    "sm80": "sm80", "sm86": "sm86", "sm89": "sm86", "sm90": "sm90", "sm100": "sm100",
+    "sm120": "sm120", "sm121": "sm120", "gfx90a": "amd", "gfx942": "amd", "gfx950": "amd",
 }
 # The shared memory each family's configurations are sized for (the least among its targets): a GPU
 # must offer at least this much per block. An architecture the tables do not know gets the family
 # sized for the least memory among its vendor's supported GPUs.
-FAMILY_SHARED_MEMORY = {
-    family: min(SHARED_MEMORY_LIMIT[t] for t, f in FAMILIES.items() if f == family) for family in set(FAMILIES.values())
-}
+FAMILY_SHARED_MEMORY = {family: min(SHARED_MEMORY_LIMIT[t] for t, f in FAMILIES.items() if f == family)
+                        for family in set(FAMILIES.values())}
 FALLBACK_FAMILY = {"cuda": "sm86", "hip": "amd"}
 
 
@@ -231,14 +222,12 @@ def arch_family(target: str) -> str:
         return FALLBACK_FAMILY["hip"]
     if target.startswith("gfx"):
         raise ValueError(
-            f"target must be an AMD CDNA GPU (gfx9xx, with matrix cores) for the Triton kernels, got {target}"
-        )
+            f"target must be an AMD CDNA GPU (gfx9xx, with matrix cores) for the Triton kernels, got {target}")
     if not target.startswith("sm") or not target[2:].isdigit():
         raise ValueError(f"target must look like 'sm80', 'gfx942' or 'interpreter', got {target!r}")
     if int(target[2:]) < 80:
         raise ValueError(
-            f"target must be sm80 or newer for the Triton kernels (tensor cores through mma), got {target}"
-        )
+            f"target must be sm80 or newer for the Triton kernels (tensor cores through mma), got {target}")
     return FALLBACK_FAMILY["cuda"]
 
 
@@ -249,10 +238,8 @@ def shared_memory_problem(target: str, available: int) -> Optional[str]:
     needed = FAMILY_SHARED_MEMORY.get(family)
     if needed is None or available >= needed:
         return None
-    return (
-        f"{target} offers {available} bytes of shared memory per block; flash_recipe's configurations for it "
-        f"({family}) are sized for {needed}"
-    )
+    return (f"{target} offers {available} bytes of shared memory per block; flash_recipe's configurations for it "
+            f"({family}) are sized for {needed}")
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -271,7 +258,9 @@ def get_config(target: str, kernel: str, head_dim: int, element_size: int) -> Co
     for max_bucket, max_size, config in _TABLE[(arch_family(target), kernel)]:
         if bucket <= max_bucket and element_size <= max_size:
             return config
-    raise ValueError(f"no launch configuration for head dim {head_dim} with {element_size}-byte elements on {target}")
+    raise ValueError(
+        f"no launch configuration for head dim {head_dim} with {element_size}-byte elements on {target}"
+    )
 
 
 def interpreter_enabled() -> bool:

@@ -36,7 +36,6 @@ def dropout_mask(
     if keep.numel():
         grid = (triton.cdiv(seqlen_q, 32), triton.cdiv(seqlen_k, 32), batch * nheads)
         with torch.cuda.device(seed.device) if seed.is_cuda else contextlib.nullcontext():
-            dropout_mask_kernel[grid](
-                KEEP=keep, SEED=seed, seqlen_q=seqlen_q, seqlen_k=seqlen_k, dropout_p=dropout_p, BLOCK_M=32, BLOCK_N=32
-            )
+            dropout_mask_kernel[grid](KEEP=keep, SEED=seed, seqlen_q=seqlen_q, seqlen_k=seqlen_k, dropout_p=dropout_p,
+                                      BLOCK_M=32, BLOCK_N=32)
     return keep.view(batch, nheads, seqlen_q, seqlen_k).bool()

@@ -47,45 +47,11 @@ from flash_recipe.ops.tiles import (
 
 @triton.jit
 def _fwd_inner(
-    b_acc,
-    b_m,
-    b_l,
-    b_q,
-    k_base,
-    v_base,
-    stride_kp,
-    stride_kn,
-    stride_vp,
-    stride_vn,
-    seqlen_k,
-    head_dim,
-    lo_offset,
-    hi_offset,
-    diag_offset,
-    sm_scale,
-    softcap,
-    slope,
-    o_m,
-    o_n,
-    o_d,
-    start,
-    end,
-    seed,
-    rng_base,
-    rng_stride,
-    dropout_p,
-    table,
-    bos_k,
-    page_size,
-    num_pages,
-    MASKED: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    MASK_D: tl.constexpr,
-    PAGED: tl.constexpr,
+    b_acc, b_m, b_l, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
+    lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
+    seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
@@ -95,41 +61,11 @@ def _fwd_inner(
     """
     for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        b_k = load_keys(
-            k_base,
-            table,
-            bos_k,
-            start_n,
-            stride_kp,
-            stride_kn,
-            seqlen_k,
-            head_dim,
-            page_size,
-            num_pages,
-            o_n,
-            o_d,
-            MASKED,
-            MASK_D,
-            PAGED,
-        )  # [BLOCK_N, BLOCK_D]
+        b_k = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, seqlen_k, head_dim, page_size, num_pages,
+                        o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-        b_s, _ = scores(
-            b_qk,
-            o_m[:, None],
-            (start_n + o_n)[None, :],
-            seqlen_k,
-            lo_offset,
-            hi_offset,
-            diag_offset,
-            sm_scale,
-            softcap,
-            slope,
-            MASKED,
-            MASK_LEFT,
-            MASK_RIGHT,
-            SOFTCAP,
-            ALIBI,
-        )
+        b_s, _ = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
+                        sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_s = b_s * LOG2E  # base 2
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M], the running max
         b_m_use = b_m_new
@@ -140,23 +76,8 @@ def _fwd_inner(
         b_p = tl.math.exp2(b_s - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
         b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v = load_keys(
-            v_base,
-            table,
-            bos_k,
-            start_n,
-            stride_vp,
-            stride_vn,
-            seqlen_k,
-            head_dim,
-            page_size,
-            num_pages,
-            o_n,
-            o_d,
-            MASKED,
-            MASK_D,
-            PAGED,
-        )  # [BLOCK_N, BLOCK_D]
+        b_v = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, seqlen_k, head_dim, page_size, num_pages,
+                        o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], (start_n + o_n)[None, :], rng_stride, dropout_p)
             b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
@@ -173,66 +94,18 @@ def _fwd_inner(
 )
 @triton.jit
 def attn_fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    SLOPES,
-    CU_Q,
-    K_START,
-    K_END,
-    PAGE_TABLE,
-    SEED,
-    stride_qb,
-    stride_qm,
-    stride_qh,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    stride_ob,
-    stride_om,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    stride_ls,
-    stride_sb,
-    stride_tb,
-    nheads,
-    group_size,
-    seqlen_q,
-    seqlen_k,
-    total_q,
-    total_k,
-    head_dim,
-    sm_scale,
-    softcap,
-    diag_offset,
-    window_left,
-    window_right,
-    dropout_p,
-    rng_stride,
-    page_size,
-    num_pages,
-    table_width,
-    num_splits,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    KV_RANGES: tl.constexpr,
-    PAGED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    MASK_D: tl.constexpr,
+    Q, K, V, O, LSE, SLOPES, CU_Q, K_START, K_END, PAGE_TABLE, SEED,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls, stride_sb, stride_tb,
+    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+    window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``.
 
@@ -308,9 +181,8 @@ def attn_fwd_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    begin, full_begin, full_end, end = key_blocks(
-        q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT, BLOCK_M, BLOCK_N
-    )
+    begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT,
+                                                  BLOCK_M, BLOCK_N)
     if KV_RANGES:  # split-KV runs on per-batch key ranges only (a cache); dense calls keep their bounds
         share = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), num_splits) * BLOCK_N  # keys per split, whole blocks
         split_lo = i_s * share
@@ -323,46 +195,10 @@ def attn_fwd_kernel(
             lo = tl.maximum(lo, split_lo)
             hi = tl.minimum(hi, split_hi)
         b_acc, b_m, b_l = _fwd_inner(
-            b_acc,
-            b_m,
-            b_l,
-            b_q,
-            k_base,
-            v_base,
-            stride_kb,
-            stride_kn,
-            stride_vb,
-            stride_vn,
-            seqlen_k,
-            head_dim,
-            lo_offset,
-            hi_offset,
-            diag_offset,
-            sm_scale,
-            softcap,
-            slope,
-            o_m,
-            o_n,
-            o_d,
-            lo,
-            hi,
-            seed,
-            rng_base,
-            rng_stride,
-            dropout_p,
-            table,
-            bos_k,
-            page_size,
-            num_pages,
-            stage != 1,
-            MASK_LEFT,
-            MASK_RIGHT,
-            SOFTCAP,
-            ALIBI,
-            DROPOUT,
-            MASK_D,
-            PAGED,
-            BLOCK_N,
+            b_acc, b_m, b_l, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
+            lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
+            seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, BLOCK_N,
         )
 
     m_empty = b_l == 0.0  # rows that saw no key
@@ -383,15 +219,8 @@ def attn_fwd_kernel(
 
 
 def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    options: ScoreOptions,
-    varlen: Optional[Varlen] = None,
-    keys: Optional[KeyRanges] = None,
-    num_splits: int = 1,
-    kernel: str = "fwd",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, options: ScoreOptions,
+    varlen: Optional[Varlen] = None, keys: Optional[KeyRanges] = None, num_splits: int = 1, kernel: str = "fwd",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Inputs are validated by the caller (see ``flash_recipe.api``).
 
@@ -425,13 +254,8 @@ def attention_forward(
     cfg = configs.get_config(configs.target_of(q.device), kernel, dims.head_dim, q.element_size())
     table = keys.table if keys is not None else None
     if table is not None:
-        paging = dict(
-            PAGE_TABLE=table,
-            stride_tb=table.stride(0),
-            page_size=k.shape[1],
-            num_pages=k.shape[0],
-            table_width=table.shape[1],
-        )
+        paging = dict(PAGE_TABLE=table, stride_tb=table.stride(0), page_size=k.shape[1], num_pages=k.shape[0],
+                      table_width=table.shape[1])
     else:
         paging = dict(PAGE_TABLE=lse, stride_tb=0, page_size=1, num_pages=1, table_width=1)
     o_split, lse_split = out, lse
@@ -444,63 +268,28 @@ def attention_forward(
     grid = (triton.cdiv(dims.seqlen_q, cfg.block_m) * num_splits, dims.nheads, dims.batch)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         attn_fwd_kernel[grid](
-            Q=q,
-            K=k,
-            V=v,
-            O=o_split,
-            LSE=lse_split,
-            CU_Q=cu_q,
-            K_START=keys.start if keys is not None else lse,
-            K_END=keys.end if keys is not None else lse,
-            **dims.stride_args(q, "q", "m"),
-            **dims.stride_args(k, "k", "n"),
-            **dims.stride_args(v, "v", "n"),
+            Q=q, K=k, V=v, O=o_split, LSE=lse_split, CU_Q=cu_q,
+            K_START=keys.start if keys is not None else lse, K_END=keys.end if keys is not None else lse,
+            **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
             **dims.stride_args(o_split[0] if num_splits > 1 else out, "o", "m"),
             stride_os=o_split.stride(0) if num_splits > 1 else 0,
-            stride_lb=stride_lb,
-            stride_lh=stride_lh,
-            stride_ls=lse_split.stride(0) if num_splits > 1 else 0,
-            nheads=dims.nheads,
-            group_size=dims.nheads // dims.nheads_k,
-            seqlen_q=dims.seqlen_q,
-            seqlen_k=dims.seqlen_k,
-            head_dim=dims.head_dim,
-            sm_scale=softmax_scale,
-            num_splits=num_splits,
-            **rows,
-            **paging,
-            **score_args(options, lse, dims.seqlen_k),
-            IS_VARLEN=varlen is not None,
-            KV_RANGES=keys is not None,
-            PAGED=table is not None,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_D=block_d,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            stride_lb=stride_lb, stride_lh=stride_lh, stride_ls=lse_split.stride(0) if num_splits > 1 else 0,
+            nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q,
+            seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
+            **rows, **paging, **score_args(options, lse, dims.seqlen_k),
+            IS_VARLEN=varlen is not None, KV_RANGES=keys is not None, PAGED=table is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if num_splits > 1:
             block_m = 16
             split_combine_kernel[(triton.cdiv(dims.seqlen_q, block_m), dims.nheads, dims.batch)](
-                O_SPLIT=o_split,
-                LSE_SPLIT=lse_split,
-                O=out,
-                LSE=lse,
-                CU_Q=cu_q,
-                stride_ps=o_split.stride(0),
-                **dims.stride_args(o_split[0], "p", "m"),
-                stride_qs=lse_split.stride(0),
-                stride_lb=stride_lb,
-                stride_lh=stride_lh,
-                **dims.stride_args(out, "o", "m"),
-                seqlen_q=dims.seqlen_q,
-                total_q=rows["total_q"],
-                head_dim=dims.head_dim,
-                num_splits=num_splits,
-                IS_VARLEN=varlen is not None,
-                BLOCK_M=block_m,
-                BLOCK_D=block_d,
-                num_warps=4,
+                O_SPLIT=o_split, LSE_SPLIT=lse_split, O=out, LSE=lse, CU_Q=cu_q,
+                stride_ps=o_split.stride(0), **dims.stride_args(o_split[0], "p", "m"),
+                stride_qs=lse_split.stride(0), stride_lb=stride_lb, stride_lh=stride_lh,
+                **dims.stride_args(out, "o", "m"), seqlen_q=dims.seqlen_q, total_q=rows["total_q"],
+                head_dim=dims.head_dim, num_splits=num_splits,
+                IS_VARLEN=varlen is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
             )
     return out, lse
 
@@ -508,29 +297,10 @@ def attention_forward(
 @triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def split_combine_kernel(
-    O_SPLIT,
-    LSE_SPLIT,
-    O,
-    LSE,
-    CU_Q,
-    stride_ps,
-    stride_pb,
-    stride_pm,
-    stride_ph,
-    stride_qs,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_om,
-    stride_oh,
-    seqlen_q,
-    total_q,
-    head_dim,
-    num_splits,
-    IS_VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MASK_D: tl.constexpr,
+    O_SPLIT, LSE_SPLIT, O, LSE, CU_Q,
+    stride_ps, stride_pb, stride_pm, stride_ph, stride_qs, stride_lb, stride_lh,
+    stride_ob, stride_om, stride_oh, seqlen_q, total_q, head_dim, num_splits,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Merge the split-KV partials of ``attn_fwd_kernel``. Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
 
@@ -567,16 +337,6 @@ def split_combine_kernel(
     b_sum_safe = tl.where(m_empty, 1.0, b_sum)
     b_out = b_acc / b_sum_safe[:, None]
     b_lse_out = tl.where(m_empty, float("inf"), b_ref + tl.log(b_sum_safe))
-    store_tile(
-        O + i_b * stride_ob + bos_q * stride_om + i_h * stride_oh,
-        i_m * BLOCK_M,
-        stride_om,
-        seqlen_q,
-        head_dim,
-        o_r,
-        o_d,
-        b_out,
-        True,
-        MASK_D,
-    )
+    store_tile(O + i_b * stride_ob + bos_q * stride_om + i_h * stride_oh, i_m * BLOCK_M, stride_om, seqlen_q, head_dim,
+               o_r, o_d, b_out, True, MASK_D)
     tl.store(LSE + i_b * stride_lb + i_h * stride_lh + bos_q + o_m, b_lse_out, mask=m_rows)

@@ -35,35 +35,11 @@ from flash_recipe.ops.launch import KeyRanges, ScoreOptions
 @triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def rotary_append_kernel(
-    X,
-    OUT,
-    COS,
-    SIN,
-    POS,
-    PAGE_TABLE,
-    stride_xb,
-    stride_xm,
-    stride_xh,
-    stride_ob,
-    stride_om,
-    stride_oh,
-    stride_cos,
-    stride_sin,
-    stride_tb,
-    seqlen,
-    head_dim,
-    rotary_dim,
-    seqlen_rotary,
-    pos_step,
-    page_size,
-    num_pages,
-    table_width,
-    ROTARY: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    TO_CACHE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MASK_D: tl.constexpr,
+    X, OUT, COS, SIN, POS, PAGE_TABLE,
+    stride_xb, stride_xm, stride_xh, stride_ob, stride_om, stride_oh, stride_cos, stride_sin, stride_tb,
+    seqlen, head_dim, rotary_dim, seqlen_rotary, pos_step, page_size, num_pages, table_width,
+    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, TO_CACHE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Copy ``X (B, seqlen, Hx, D)`` into ``OUT``, optionally rotating the first ``rotary_dim`` dims.
 
@@ -100,11 +76,8 @@ def rotary_append_kernel(
         pos = pos0 + rows * pos_step  # [BLOCK_M]
         m_pos = (pos >= 0) & (pos < seqlen_rotary)
         m_cs = (m_rows & m_pos)[:, None] & m_rot[None, :]
-        b_partner = tl.load(
-            x_base + rows.to(tl.int64)[:, None] * stride_xm + partner[None, :],
-            mask=m_rows[:, None] & m_rot[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        b_partner = tl.load(x_base + rows.to(tl.int64)[:, None] * stride_xm + partner[None, :],
+                            mask=m_rows[:, None] & m_rot[None, :], other=0.0).to(tl.float32)
         p_cs = pos.to(tl.int64)[:, None]
         b_cos = tl.load(COS + p_cs * stride_cos + freq[None, :], mask=m_cs, other=float("nan")).to(tl.float32)
         b_sin = tl.load(SIN + p_cs * stride_sin + freq[None, :], mask=m_cs, other=float("nan")).to(tl.float32)
@@ -168,33 +141,14 @@ def _launch_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: O
         table, paging = positions, dict(page_size=1, num_pages=1, table_width=1)
     cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (x, x)
     rotary_append_kernel[(triton.cdiv(seqlen, _ROWS), heads, batch)](
-        X=x,
-        OUT=out,
-        COS=cos,
-        SIN=sin,
-        POS=positions,
-        PAGE_TABLE=table,
-        stride_xb=x.stride(0),
-        stride_xm=x.stride(1),
-        stride_xh=x.stride(2),
-        stride_ob=out.stride(0),
-        stride_om=out.stride(1),
-        stride_oh=out.stride(2),
-        stride_cos=cos.stride(0),
-        stride_sin=sin.stride(0),
-        stride_tb=table.stride(0),
-        seqlen=seqlen,
-        head_dim=head_dim,
-        rotary_dim=2 * rotary.cos.shape[1] if rotary is not None else 0,
-        seqlen_rotary=cos.shape[0] if rotary is not None else 0,
-        pos_step=pos_step,
-        **paging,
-        ROTARY=rotary is not None,
-        INTERLEAVED=bool(rotary is not None and rotary.interleaved),
-        TO_CACHE=cache is not None,
-        BLOCK_M=_ROWS,
-        BLOCK_D=configs.head_dim_bucket(head_dim),
-        num_warps=4,
+        X=x, OUT=out, COS=cos, SIN=sin, POS=positions, PAGE_TABLE=table,
+        stride_xb=x.stride(0), stride_xm=x.stride(1), stride_xh=x.stride(2),
+        stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
+        stride_cos=cos.stride(0), stride_sin=sin.stride(0), stride_tb=table.stride(0),
+        seqlen=seqlen, head_dim=head_dim, rotary_dim=2 * rotary.cos.shape[1] if rotary is not None else 0,
+        seqlen_rotary=cos.shape[0] if rotary is not None else 0, pos_step=pos_step, **paging,
+        ROTARY=rotary is not None, INTERLEAVED=bool(rotary is not None and rotary.interleaved),
+        TO_CACHE=cache is not None, BLOCK_M=_ROWS, BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=4,
     )
 
 
@@ -229,14 +183,8 @@ def auto_splits(batch: int, nheads: int, seqlen_q: int, capacity: int, device: t
 
 
 def attention_kvcache(
-    q: torch.Tensor,
-    k_new: Optional[torch.Tensor],
-    v_new: Optional[torch.Tensor],
-    cache: Cache,
-    rotary: Optional[Rotary],
-    softmax_scale: float,
-    options: ScoreOptions,
-    num_splits: int = 0,
+    q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], cache: Cache,
+    rotary: Optional[Rotary], softmax_scale: float, options: ScoreOptions, num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache`` on validated input (see ``flash_recipe.kvcache``).
 
@@ -256,6 +204,5 @@ def attention_kvcache(
     if num_splits == 0:
         num_splits = auto_splits(batch, nheads, seqlen_q, cache.capacity, q.device)
     kernel = "decode" if seqlen_q <= 16 else "fwd"
-    return attention_forward(
-        q, cache.k, cache.v, softmax_scale, options, keys=keys, num_splits=num_splits, kernel=kernel
-    )
+    return attention_forward(q, cache.k, cache.v, softmax_scale, options, keys=keys, num_splits=num_splits,
+                             kernel=kernel)

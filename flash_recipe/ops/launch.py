@@ -110,19 +110,12 @@ def layout(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], keys: Opt
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k = keys.max_len if keys is not None else k.shape[1]
-        return Layout(
-            batch, seqlen_q, seqlen_k, nheads, k.shape[2], head_dim, lambda t: (t.stride(0), t.stride(1), t.stride(2))
-        )
+        return Layout(batch, seqlen_q, seqlen_k, nheads, k.shape[2], head_dim,
+                      lambda t: (t.stride(0), t.stride(1), t.stride(2)))
     nheads_k = k.shape[2] if paged else k.shape[1]
-    return Layout(
-        varlen.cu_seqlens_q.numel() - 1,
-        varlen.max_seqlen_q,
-        varlen.max_seqlen_k,
-        q.shape[1],
-        nheads_k,
-        q.shape[2],
-        lambda t: (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(0), t.stride(1)),
-    )
+    return Layout(varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k, q.shape[1], nheads_k,
+                  q.shape[2],
+                  lambda t: (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(0), t.stride(1)))
 
 
 def packed_rows(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], paged: bool = False) -> dict:

@@ -60,23 +60,8 @@ def store_tile(base, row0, stride_row, n_rows, head_dim, o_r, o_d, b_x, MASK_ROW
 
 
 @triton.jit
-def load_keys(
-    base,
-    table,
-    bos,
-    row0,
-    stride_page,
-    stride_row,
-    n_rows,
-    head_dim,
-    page_size,
-    num_pages,
-    o_r,
-    o_d,
-    MASK_ROWS: tl.constexpr,
-    MASK_D: tl.constexpr,
-    PAGED: tl.constexpr,
-):
+def load_keys(base, table, bos, row0, stride_page, stride_row, n_rows, head_dim, page_size, num_pages, o_r, o_d,
+              MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr):
     """Key or value rows ``row0 + o_r`` of one sequence as a tile, 0 outside ``[0, n_rows)``.
 
     Without ``PAGED`` this is ``load_tile``. With ``PAGED`` the sequence's row ``r`` is absolute
@@ -106,16 +91,8 @@ def load_keys(
 
 
 @triton.jit
-def key_blocks(
-    q_start,
-    seqlen_k,
-    lo_offset,
-    hi_offset,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def key_blocks(q_start, seqlen_k, lo_offset, hi_offset,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks that query rows ``[q_start, q_start + BLOCK_M)`` must visit, in three stages.
 
     Query ``i`` sees key ``j`` iff ``0 <= j < seqlen_k``, ``j >= i + lo_offset`` (with
@@ -187,16 +164,8 @@ def stage_bounds(stage: tl.constexpr, begin, full_begin, full_end, end):
 
 
 @triton.jit
-def query_blocks(
-    k_start,
-    seqlen_q,
-    lo_offset,
-    hi_offset,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def query_blocks(k_start, seqlen_q, lo_offset, hi_offset,
+                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query blocks that see any of keys ``[k_start, k_start + BLOCK_N)``; the mirror of ``key_blocks``.
 
     Returns ``(begin, full_begin, full_end, end)`` over query rows, each a multiple of ``BLOCK_M``
@@ -252,23 +221,9 @@ def tanh(x):
 
 
 @triton.jit
-def scores(
-    b_qk,
-    o_q,
-    o_k,
-    seqlen_k,
-    lo_offset,
-    hi_offset,
-    diag_offset,
-    sm_scale,
-    softcap,
-    slope,
-    MASKED: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-):
+def scores(b_qk, o_q, o_k, seqlen_k, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
+           MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+           SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Turn raw ``q . k`` products into softmax logits (natural units); returns ``(logits, tanh)``.
 
     ``o_q`` and ``o_k`` are query and key indices broadcastable to ``b_qk``'s shape, so the same
