@@ -66,6 +66,23 @@ def test_unknown_architectures_get_the_conservative_family_and_old_ones_are_refu
     assert "sized for 232448" in configs.shared_memory_problem("sm90", 101376)
 
 
+def test_overriding_replaces_one_launch_configuration_in_its_block():
+    import torch
+
+    cpu = torch.device("cpu")
+    table = configs.launch_config(cpu, "fwd", 100, 2)
+    assert table == configs.get_config("interpreter", "fwd", 100, 2)
+    candidate = configs.Config(16, 16, 1, 1)
+    with configs.overriding("fwd", 128, 2, candidate):
+        assert configs.launch_config(cpu, "fwd", 100, 2) == candidate  # same bucket, same element size
+        assert configs.launch_config(cpu, "fwd", 100, 4) == configs.get_config("interpreter", "fwd", 100, 4)
+        assert configs.launch_config(cpu, "bwd_dq", 128, 2) == configs.get_config("interpreter", "bwd_dq", 128, 2)
+    assert configs.launch_config(cpu, "fwd", 100, 2) == table
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        with configs.overriding("forward", 128, 2, candidate):
+            pass
+
+
 @pytest.mark.slow
 def test_an_oversized_config_is_rejected():
     """The check can fail: a 128x128, 3-stage forward at head dim 256 cannot fit sm120's 99 KiB."""

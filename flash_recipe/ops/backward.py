@@ -341,7 +341,6 @@ def attention_backward(
     dv = tiles.output_buffer(v.shape, v.dtype, v.device)
     if dq.numel() == 0 or dk.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    target = configs.target_of(q.device)
     block_d = configs.head_dim_bucket(dims.head_dim)
     delta, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (delta, delta)
@@ -364,12 +363,12 @@ def attention_backward(
             seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim,
             IS_VARLEN=is_varlen, BLOCK_M=pre_m, BLOCK_D=block_d,
         )
-        cfg = configs.get_config(target, "bwd_dkdv", dims.head_dim, q.element_size())
+        cfg = configs.launch_config(q.device, "bwd_dkdv", dims.head_dim, q.element_size())
         attn_bwd_dkdv_kernel[(triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch)](
             DK=dk, DV=dv, **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"), **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        cfg = configs.get_config(target, "bwd_dq", dims.head_dim, q.element_size())
+        cfg = configs.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())
         attn_bwd_dq_kernel[(triton.cdiv(dims.seqlen_q, cfg.block_m), dims.nheads, dims.batch)](
             DQ=dq, **dims.stride_args(dq, "dq", "m"), **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -19,11 +19,13 @@ Every entry is compiled for its targets, as a launch compiles it, by ``nox -s co
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import re
 import sys
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 # Shared memory one block may use (the opt-in maximum), in bytes, per compile target. Sources:
 # CUDA C++ Programming Guide, "Technical Specifications per Compute Capability" (sm80 163 KiB,
@@ -261,6 +263,33 @@ def get_config(target: str, kernel: str, head_dim: int, element_size: int) -> Co
     raise ValueError(
         f"no launch configuration for head dim {head_dim} with {element_size}-byte elements on {target}"
     )
+
+
+# Launch configurations that replace the table's within a ``with overriding(...)`` block, by
+# ``(kernel, head-dim bucket, element size)``: what ``flash-recipe tune`` times, and tests use.
+_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("flash_recipe_config_overrides", default={})
+
+
+@contextlib.contextmanager
+def overriding(kernel: str, head_dim: int, element_size: int, config: Config) -> Iterator[None]:
+    """Launches of ``kernel`` at ``head_dim``'s bucket and ``element_size`` use ``config`` inside the block
+    (this thread or asyncio task only)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    token = _OVERRIDES.set({**_OVERRIDES.get(), (kernel, head_dim_bucket(head_dim), element_size): Config(*config)})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Config:
+    """The configuration a launch on ``device`` uses: an ``overriding`` block's, else the table's for
+    the device's target (``get_config``)."""
+    override = _OVERRIDES.get().get((kernel, head_dim_bucket(head_dim), element_size))
+    if override is not None:
+        return override
+    return get_config(target_of(device), kernel, head_dim, element_size)
 
 
 def interpreter_enabled() -> bool:

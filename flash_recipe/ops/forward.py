@@ -251,7 +251,7 @@ def attention_forward(
     if out.numel() == 0 or dims.seqlen_q == 0:
         lse.fill_(float("inf"))
         return out.zero_(), lse
-    cfg = configs.get_config(configs.target_of(q.device), kernel, dims.head_dim, q.element_size())
+    cfg = configs.launch_config(q.device, kernel, dims.head_dim, q.element_size())
     table = keys.table if keys is not None else None
     if table is not None:
         paging = dict(PAGE_TABLE=table, stride_tb=table.stride(0), page_size=k.shape[1], num_pages=k.shape[0],
