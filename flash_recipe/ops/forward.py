@@ -8,10 +8,12 @@ Query head ``h`` reads key/value head ``h // (H // Hk)`` (contiguous groups, as 
 
 Each program owns ``BLOCK_M`` query rows of one head and walks the key blocks it can see, keeping
 per row a running maximum ``m``, a running sum ``l`` and an accumulator rescaled whenever ``m``
-grows. Scores live in the base-2 domain: the logits are multiplied by ``log2(e)`` once so the kernel
-uses ``exp2``; the log-sum-exp is converted back to natural log when stored. (Subtracting in
-natural units first, as the backward does, costs the fp32 forward its registers on sm90/sm100:
-255 registers and 1.9 KB of spill become 32 registers and 7.2 to 7.3 KB.) Every
+grows. Scores live in the base-2 domain, so the kernel uses ``exp2``: ``log2(e)`` is folded into the
+softmax scale once per program, the running maximum is taken on the raw scores and scaled, and each
+probability costs one multiply-add and one ``exp2`` (see ``_fwd_inner``). The log-sum-exp is converted
+back to natural log when stored. (Subtracting in natural units first, as the backward does, costs the
+fp32 forward its registers on sm90/sm100: 255 registers and 1.9 KB of spill become 32 registers and
+7.2 to 7.3 KB.) Every
 dot runs with ``input_precision="ieee"``: fp16/bf16 still use the tensor cores, and fp32 is
 multiplied in full fp32, never TF32.
 
@@ -38,48 +40,68 @@ from flash_recipe.ops.tiles import (
     load_keys,
     load_tile,
     loop_bound,
-    scores,
     sequence,
     stage_bounds,
     store_tile,
+    tanh,
+    visible,
 )
 
 
 @triton.jit
 def _fwd_inner(
     b_acc, b_m, b_l, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
-    lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
+    lo_offset, hi_offset, diag_offset, qk_scale, tanh_scale, slope, o_m, o_n, o_d, start, end,
     seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    FOLD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
+
+    The base-2 logit of a score is ``r * qk_scale`` (minus ``slope * |i + diag_offset - j|`` with
+    ALiBi, ``slope`` already in base 2), where ``r`` is the raw ``q . k``, or with softcap
+    ``tanh(q . k * tanh_scale)``. With ``FOLD`` (no ALiBi, ``qk_scale > 0``) the row maximum is
+    taken on ``r`` and scaled once, and each probability costs one multiply-add and one ``exp2``:
+    ``exp2(r * qk_scale - m)``; scaling by a positive number preserves the maximum exactly.
 
     With ``DROPOUT`` the normaliser ``l`` sums the kept and the dropped probabilities alike, and
     only the kept ones, scaled by ``1 / (1 - p)``, reach the accumulator.
     """
     for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
+        o_k = start_n + o_n
         b_k = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, seqlen_k, head_dim, page_size, num_pages,
                         o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
-        b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-        b_s, _ = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
-                        sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
-        b_s = b_s * LOG2E  # base 2
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M], the running max
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            b_s = tanh(b_s * tanh_scale)
+        if not FOLD:
+            b_s = b_s * qk_scale
+            if ALIBI:
+                b_s = b_s - slope * tl.abs((o_m[:, None] + diag_offset - o_k[None, :]).to(tl.float32))
+        if MASKED:
+            b_s = tl.where(visible(o_m[:, None], o_k[None, :], seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT),
+                           b_s, float("-inf"))
+        if FOLD:
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)  # [BLOCK_M], the running max
+        else:
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
         b_m_use = b_m_new
         if MASKED:
             # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid inf - inf
             # (only here: the running max itself stays -inf until the row sees a key).
             b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.math.exp2(b_s - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
+        if FOLD:
+            b_p = tl.math.exp2(b_s * qk_scale - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
+        else:
+            b_p = tl.math.exp2(b_s - b_m_use[:, None])
         b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_v = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, seqlen_k, head_dim, page_size, num_pages,
                         o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         if DROPOUT:
-            m_keep = dropout_keep(seed, rng_base, o_m[:, None], (start_n + o_n)[None, :], rng_stride, dropout_p)
+            m_keep = dropout_keep(seed, rng_base, o_m[:, None], o_k[None, :], rng_stride, dropout_p)
             b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision="ieee")
         b_m = b_m_new
@@ -90,6 +112,8 @@ def _fwd_inner(
     {
         "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
+        # One multiply-add per score (see ``_fwd_inner``): needs a positive base-2 multiplier and no ALiBi.
+        "FOLD": lambda a: not a["ALIBI"] and (a["softcap"] if a["SOFTCAP"] else a["sm_scale"]) > 0.0,
     }
 )
 @triton.jit
@@ -105,7 +129,7 @@ def attn_fwd_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``.
 
@@ -168,9 +192,16 @@ def attn_fwd_kernel(
         v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
     table = PAGE_TABLE + i_b * stride_tb
     b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
+    # Base-2 logits: ``r * qk_scale`` with ``r = q . k`` or, with softcap, ``tanh(q . k * tanh_scale)``.
+    if SOFTCAP:
+        qk_scale = softcap * LOG2E
+        tanh_scale = sm_scale / softcap
+    else:
+        qk_scale = sm_scale * LOG2E
+        tanh_scale = 1.0
     slope = 0.0
     if ALIBI:
-        slope = tl.load(SLOPES + i_b * stride_sb + i_h)
+        slope = tl.load(SLOPES + i_b * stride_sb + i_h) * LOG2E
     seed = 0
     rng_base = 0
     if DROPOUT:
@@ -196,9 +227,9 @@ def attn_fwd_kernel(
             hi = tl.minimum(hi, split_hi)
         b_acc, b_m, b_l = _fwd_inner(
             b_acc, b_m, b_l, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
-            lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
+            lo_offset, hi_offset, diag_offset, qk_scale, tanh_scale, slope, o_m, o_n, o_d, lo, hi,
             seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, BLOCK_N,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, FOLD, BLOCK_N,
         )
 
     m_empty = b_l == 0.0  # rows that saw no key

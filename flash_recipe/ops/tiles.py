@@ -245,13 +245,20 @@ def scores(b_qk, o_q, o_k, seqlen_k, lo_offset, hi_offset, diag_offset, sm_scale
     if ALIBI:
         b_s = b_s - slope * tl.abs((o_q + diag_offset - o_k).to(tl.float32))
     if MASKED:
-        m_valid = o_k < seqlen_k
-        if MASK_RIGHT:
-            m_valid = m_valid & (o_k <= o_q + hi_offset)
-        if MASK_LEFT:
-            m_valid = m_valid & (o_k >= o_q + lo_offset)
-        b_s = tl.where(m_valid, b_s, float("-inf"))
+        b_s = tl.where(visible(o_q, o_k, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT), b_s, float("-inf"))
     return b_s, b_t
+
+
+@triton.jit
+def visible(o_q, o_k, seqlen_k, lo_offset, hi_offset, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Whether query ``o_q`` sees key ``o_k`` (broadcast): ``o_k < seqlen_k``, and the window's
+    ``o_q + lo_offset <= o_k <= o_q + hi_offset`` on the sides ``MASK_LEFT``/``MASK_RIGHT`` bound."""
+    m_valid = o_k < seqlen_k
+    if MASK_RIGHT:
+        m_valid = m_valid & (o_k <= o_q + hi_offset)
+    if MASK_LEFT:
+        m_valid = m_valid & (o_k >= o_q + lo_offset)
+    return m_valid
 
 
 @triton.jit
