@@ -297,13 +297,13 @@ def interpreter_enabled() -> bool:
     as the installed Triton reads it: from Triton 3.4 on, ``1``, ``true``, ``yes``, ``on`` or ``y``
     in any case; before 3.4, only ``1``. The one definition in flash_recipe."""
     value = os.environ.get("TRITON_INTERPRET", "")
-    if _triton_release() < (3, 4):
+    if triton_release() < (3, 4):
         return value == "1"
     return value.lower() in ("1", "true", "yes", "on", "y")
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_release() -> tuple[int, int]:
+def triton_release() -> tuple[int, int]:
     """``(major, minor)`` of the installed Triton, read from its metadata without importing it
     (the newest rules when no Triton distribution is found)."""
     from importlib import metadata
