@@ -284,12 +284,22 @@ def overriding(kernel: str, head_dim: int, element_size: int, config: Config) ->
 
 
 def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Config:
-    """The configuration a launch on ``device`` uses: an ``overriding`` block's, else the table's for
-    the device's target (``get_config``)."""
-    override = _OVERRIDES.get().get((kernel, head_dim_bucket(head_dim), element_size))
+    """The configuration a launch on ``device`` uses: an ``overriding`` block's, else the one
+    ``flash-recipe tune`` measured fastest on this GPU model (``flash_recipe.ops.tuned``: a GPU
+    only, never the CPU or the interpreter), else the table's for the device's target
+    (``get_config``)."""
+    bucket = head_dim_bucket(head_dim)
+    override = _OVERRIDES.get().get((kernel, bucket, element_size))
     if override is not None:
         return override
-    return get_config(target_of(device), kernel, head_dim, element_size)
+    target = target_of(device)
+    if target != "interpreter" and device.type == "cuda":
+        from flash_recipe.ops import tuned
+
+        found = tuned.config_for(device, target, kernel, bucket, element_size)
+        if found is not None:
+            return Config(*found)
+    return get_config(target, kernel, head_dim, element_size)
 
 
 def interpreter_enabled() -> bool:

@@ -1,0 +1,350 @@
+"""Tuned launch configurations: the per-device cache that ``flash-recipe tune`` writes and the launchers read.
+
+``configs.launch_config`` asks this module first (after an ``overriding`` block) and falls back to
+the table, so a machine that never tuned runs exactly the table's configurations. Nothing here
+applies on the CPU or under ``TRITON_INTERPRET``: the callers ask only for a GPU target.
+
+Where the cache lives: one JSON file per GPU model, ``<directory>/<GPU name>.tune.json`` (the name
+as ``torch.cuda.get_device_name`` reports it, with every run of characters other than letters,
+digits, ``.``, ``_`` and ``-`` replaced by ``-``), in the directory ``$FLASH_RECIPE_TUNE_CACHE``
+if that is set and not empty, else ``$XDG_CACHE_HOME/flash-recipe/tune``, else
+``~/.cache/flash-recipe/tune``. Deleting the files (``flash-recipe tune --clear``) returns to the
+table.
+
+The format (``FORMAT`` 1)::
+
+    {"format": 1,
+     "key": {"gpu": "NVIDIA H100 80GB HBM3", "target": "sm90", "triton": "3.4.0", "flash_recipe": "0.1.0"},
+     "configs": [{"kernel": "fwd", "head_dim": 128, "element_size": 2,
+                  "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, ...}],
+     "num_splits": [{"head_dim": 128, "element_size": 2, "programs": 64, "cache_len": 8192,
+                     "num_splits": 8, ...}]}
+
+- ``key``: the file applies only to a GPU of that name and compile target, with that Triton and
+  flash_recipe version; a file with another key is stale (a Triton upgrade changes the code a
+  configuration compiles to) and is ignored.
+- ``configs``: the launch configuration per ``(kernel, head-dim bucket, element size)``, the
+  table's own key (``configs.get_config``). Blocks are powers of two from 16 to 256.
+- ``num_splits``: the split-KV count for a decoding step (``kvcache.auto_splits``) per head-dim
+  bucket, element size, ``programs`` (``batch * nheads * cdiv(seqlen_q, 16)``) and ``cache_len``
+  (the cache's capacity in rows), the last two rounded up to a power of two.
+- any other field (timings, the shapes measured) is informational and not read.
+
+A file that cannot be read, is not this format, or is stale is ignored with one
+``TunedCacheWarning`` per process, and the table is used. The file is read once per process and
+device; changing ``FLASH_RECIPE_TUNE_CACHE`` (or ``XDG_CACHE_HOME``) makes the next launch read
+the file it now names, and ``forget()`` drops what was read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+FORMAT = 1
+ENV_VAR = "FLASH_RECIPE_TUNE_CACHE"
+SUFFIX = ".tune.json"
+KEY_FIELDS = ("gpu", "target", "triton", "flash_recipe")
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
+ELEMENT_SIZES = (2, 4)
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+NUM_WARPS = (1, 2, 4, 8, 16)
+MAX_STAGES = 8
+MAX_SPLITS = 64  # as kvcache.auto_splits caps its own choice
+
+
+class TunedCacheWarning(UserWarning):
+    """A tuned-configuration file was ignored (unreadable, another format, or stale)."""
+
+
+class BadCacheFile(ValueError):
+    """Why a tuned-configuration file cannot be used."""
+
+
+class Tuned(NamedTuple):
+    """One cache file, checked.
+
+    ``configs``: ``(kernel, head-dim bucket, element size) -> (block_m, block_n, num_warps,
+    num_stages)``; ``splits``: ``(head-dim bucket, element size, programs bucket, cache-length
+    bucket) -> num_splits``; ``document``: the file's JSON as read.
+    """
+
+    key: dict
+    configs: dict
+    splits: dict
+    document: dict
+
+
+def power_of_two_at_least(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``): the buckets of ``programs`` and ``cache_len``."""
+    bucket = 1
+    while bucket < n:
+        bucket *= 2
+    return bucket
+
+
+# -- where ------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """The directory of the cache files (see the module docstring)."""
+    override = os.environ.get(ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flash-recipe" / "tune"
+
+
+def file_name(gpu: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"NVIDIA-H100-80GB-HBM3.tune.json"``."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", gpu).strip("-.") or "gpu"
+    return slug + SUFFIX
+
+
+def cache_path(gpu: str, directory: Optional[os.PathLike] = None) -> Path:
+    """The cache file of GPU model ``gpu``, in ``directory`` (default ``cache_dir()``)."""
+    return Path(directory if directory is not None else cache_dir()) / file_name(gpu)
+
+
+def make_key(gpu: str, target: str) -> dict:
+    """The key of a cache file for GPU model ``gpu`` (compile target ``target``) with the Triton and
+    flash_recipe installed in this process."""
+    import triton
+
+    from flash_recipe import __version__
+
+    return {"gpu": gpu, "target": target, "triton": triton.__version__, "flash_recipe": __version__}
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def _field(entry: dict, name: str, where: str, allowed=None, low: int = 1, high: Optional[int] = None) -> int:
+    value = entry.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadCacheFile(f"{where}: {name} must be an integer, got {value!r}")
+    if allowed is not None and value not in allowed:
+        raise BadCacheFile(f"{where}: {name} must be one of {allowed}, got {value}")
+    if value < low or (high is not None and value > high):
+        raise BadCacheFile(f"{where}: {name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _power_of_two(entry: dict, name: str, where: str) -> int:
+    value = _field(entry, name, where)
+    if value & (value - 1):
+        raise BadCacheFile(f"{where}: {name} must be a power of two, got {value}")
+    return value
+
+
+def parse(document: Any) -> Tuned:
+    """Check a cache file's JSON (everything but whether its key matches); raises ``BadCacheFile``."""
+    if not isinstance(document, dict):
+        raise BadCacheFile(f"the file holds a JSON {type(document).__name__}, not an object")
+    if document.get("format") != FORMAT:
+        raise BadCacheFile(f"format {document.get('format')!r}, expected {FORMAT}")
+    key = document.get("key")
+    if not isinstance(key, dict) or any(not isinstance(key.get(name), str) for name in KEY_FIELDS):
+        raise BadCacheFile(f"key must be an object with the strings {', '.join(KEY_FIELDS)}, got {key!r}")
+    found_configs, found_splits = {}, {}
+    for section in ("configs", "num_splits"):
+        if not isinstance(document.get(section, []), list):
+            raise BadCacheFile(f"{section} must be a list, got {type(document[section]).__name__}")
+    for i, entry in enumerate(document.get("configs", [])):
+        where = f"configs[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("kernel"), str):
+            raise BadCacheFile(f"{where}: must be an object with a kernel name, got {entry!r}")
+        lookup = (entry["kernel"], _field(entry, "head_dim", where, HEAD_DIM_BUCKETS),
+                  _field(entry, "element_size", where, ELEMENT_SIZES))
+        config = (_field(entry, "block_m", where, BLOCK_SIZES), _field(entry, "block_n", where, BLOCK_SIZES),
+                  _field(entry, "num_warps", where, NUM_WARPS), _field(entry, "num_stages", where, high=MAX_STAGES))
+        if lookup in found_configs:
+            raise BadCacheFile(f"{where}: a second entry for {lookup[0]} at head dim {lookup[1]}, "
+                               f"{lookup[2]}-byte elements")
+        found_configs[lookup] = config
+    for i, entry in enumerate(document.get("num_splits", [])):
+        where = f"num_splits[{i}]"
+        if not isinstance(entry, dict):
+            raise BadCacheFile(f"{where}: must be an object, got {entry!r}")
+        lookup = (_field(entry, "head_dim", where, HEAD_DIM_BUCKETS),
+                  _field(entry, "element_size", where, ELEMENT_SIZES),
+                  _power_of_two(entry, "programs", where), _power_of_two(entry, "cache_len", where))
+        if lookup in found_splits:
+            raise BadCacheFile(f"{where}: a second entry for head dim {lookup[0]}, {lookup[1]}-byte elements, "
+                               f"{lookup[2]} programs, cache length {lookup[3]}")
+        found_splits[lookup] = _field(entry, "num_splits", where, high=MAX_SPLITS)
+    return Tuned(dict(key), found_configs, found_splits, document)
+
+
+def read(path: os.PathLike) -> Tuned:
+    """Read and check one cache file; raises ``FileNotFoundError`` or ``BadCacheFile``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadCacheFile(f"cannot be read ({exc})") from None
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise BadCacheFile(f"is not valid JSON ({exc})") from None
+    return parse(document)
+
+
+def key_problem(found: dict, expected: dict) -> Optional[str]:
+    """Why a file keyed ``found`` does not apply where ``expected`` is this process's key, or None."""
+    differ = [name for name in KEY_FIELDS if found.get(name) != expected.get(name)]
+    if not differ:
+        return None
+    return "it was tuned for " + ", ".join(f"{name} {found.get(name)!r}" for name in differ) + "; this is " + \
+        ", ".join(f"{name} {expected.get(name)!r}" for name in differ)
+
+
+# -- the lookup the launchers make ------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_LOADED: dict = {}  # (device index, target, $FLASH_RECIPE_TUNE_CACHE, $XDG_CACHE_HOME) -> Tuned or None
+_WARNED: set = set()  # paths already warned about
+_NAMES: dict = {}  # device index -> GPU name
+
+
+def _gpu_name(index: int) -> str:
+    name = _NAMES.get(index)
+    if name is None:
+        import torch
+
+        name = _NAMES[index] = torch.cuda.get_device_name(index)
+    return name
+
+
+def _load(index: int, target: str) -> Optional[Tuned]:
+    gpu = _gpu_name(index)
+    path = cache_path(gpu)
+    try:
+        found = read(path)
+        problem = key_problem(found.key, make_key(gpu, target))
+    except FileNotFoundError:
+        return None
+    except BadCacheFile as exc:
+        problem = str(exc)
+    if problem is None:
+        return found
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        warnings.warn(f"flash_recipe ignores the tuned configurations in {path}: {problem}. The built-in table "
+                      f"is used; run `flash-recipe tune` to tune again, or delete the file.",
+                      TunedCacheWarning, stacklevel=2)
+    return None
+
+
+def for_device(device, target: str) -> Optional[Tuned]:
+    """The tuned configurations for the CUDA/ROCm ``device`` (compile target ``target``), or None
+    when there is no usable file. Read once per process and device."""
+    if device.type != "cuda" or target == "interpreter":
+        return None
+    index = device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    memo = (index, target, os.environ.get(ENV_VAR), os.environ.get("XDG_CACHE_HOME"))
+    try:
+        return _LOADED[memo]
+    except KeyError:
+        pass
+    with _LOCK:
+        if memo not in _LOADED:
+            _LOADED[memo] = _load(index, target)
+        return _LOADED[memo]
+
+
+def config_for(device, target: str, kernel: str, bucket: int, element_size: int) -> Optional[tuple]:
+    """The tuned ``(block_m, block_n, num_warps, num_stages)`` for ``kernel`` at head-dim bucket
+    ``bucket`` and ``element_size`` on ``device``, or None (use the table)."""
+    tuned = for_device(device, target)
+    if tuned is None:
+        return None
+    return tuned.configs.get((kernel, bucket, element_size))
+
+
+def splits_for(device, target: str, bucket: int, element_size: int, programs: int, capacity: int) -> Optional[int]:
+    """The tuned split-KV count for a decoding step of ``programs`` query-block programs over a
+    cache of ``capacity`` rows, or None (use the heuristic)."""
+    tuned = for_device(device, target)
+    if tuned is None:
+        return None
+    return tuned.splits.get((bucket, element_size, power_of_two_at_least(programs), power_of_two_at_least(capacity)))
+
+
+def forget() -> None:
+    """Drop what this process read (and the warnings it gave): the next launch reads the files again."""
+    with _LOCK:
+        _LOADED.clear()
+        _WARNED.clear()
+        _NAMES.clear()
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def config_entry(kernel: str, head_dim: int, element_size: int, config, **info) -> dict:
+    """A ``configs`` entry; ``config`` is ``(block_m, block_n, num_warps, num_stages)``, ``info``
+    informational fields (timings)."""
+    block_m, block_n, num_warps, num_stages = config
+    return {"kernel": kernel, "head_dim": head_dim, "element_size": element_size, "block_m": block_m,
+            "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, **info}
+
+
+def splits_entry(head_dim: int, element_size: int, programs: int, cache_len: int, num_splits: int, **info) -> dict:
+    """A ``num_splits`` entry; ``programs`` and ``cache_len`` are rounded up to their buckets."""
+    return {"head_dim": head_dim, "element_size": element_size, "programs": power_of_two_at_least(programs),
+            "cache_len": power_of_two_at_least(cache_len), "num_splits": num_splits, **info}
+
+
+def save(key: dict, configs: list, splits: list, directory: Optional[os.PathLike] = None) -> Path:
+    """Write the entries to the cache file of ``key["gpu"]``; returns its path.
+
+    Entries already in a usable file with the same key are kept unless an entry here has the same
+    lookup key; a file that is unreadable or keyed otherwise is replaced. The file is written
+    whole to a temporary name and renamed, so a reader never sees half of it.
+    """
+    path = cache_path(key["gpu"], directory)
+    kept_configs, kept_splits = [], []
+    try:
+        old = read(path)
+    except (FileNotFoundError, BadCacheFile):
+        old = None
+    if old is not None and key_problem(old.key, key) is None:
+        new_configs = {(e["kernel"], e["head_dim"], e["element_size"]) for e in configs}
+        new_splits = {(e["head_dim"], e["element_size"], e["programs"], e["cache_len"]) for e in splits}
+        kept_configs = [e for e in old.document.get("configs", [])
+                        if (e["kernel"], e["head_dim"], e["element_size"]) not in new_configs]
+        kept_splits = [e for e in old.document.get("num_splits", [])
+                       if (e["head_dim"], e["element_size"], e["programs"], e["cache_len"]) not in new_splits]
+    document = {"format": FORMAT, "key": dict(key), "configs": kept_configs + list(configs),
+                "num_splits": kept_splits + list(splits)}
+    parse(document)  # never write what the reader would refuse
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=1)
+            f.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    forget()
+    return path
+
+
+def cache_files(directory: Optional[os.PathLike] = None) -> list:
+    """The cache files in ``directory`` (default ``cache_dir()``), sorted."""
+    directory = Path(directory if directory is not None else cache_dir())
+    return sorted(directory.glob("*" + SUFFIX)) if directory.is_dir() else []
