@@ -1,4 +1,4 @@
-"""The ``flash-recipe`` command line: ``verify | doctor | recipe | bench | warmup``.
+"""The ``flash-recipe`` command line: ``verify | doctor | recipe | bench | warmup | tune``.
 
 Each subcommand lives in its own module, which exposes two functions:
 
@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "recipe": ("flash_recipe.env.recipe", "print the recommended install recipe for this environment"),
     "bench": ("flash_recipe.bench", "measure attention throughput against torch SDPA and other peers"),
     "warmup": ("flash_recipe.warmup", "compile the Triton kernels for the local GPU ahead of time"),
+    "tune": ("flash_recipe.tune", "time launch configurations on the local GPU and keep the fastest for it"),
 }
 
 

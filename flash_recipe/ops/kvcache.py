@@ -169,7 +169,31 @@ def append_and_rotate(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], q
     return q_rot
 
 
-def auto_splits(batch: int, nheads: int, seqlen_q: int, capacity: int, device: torch.device) -> int:
+def auto_splits(
+    batch: int, nheads: int, seqlen_q: int, capacity: int, device: torch.device,
+    head_dim: Optional[int] = None, element_size: Optional[int] = None,
+) -> int:
+    """The split-KV count of a call over a KV cache: for a decoding step (at most 16 query rows, the
+    decode kernel) the one ``flash-recipe tune`` measured fastest on this GPU model for this
+    head-dim bucket, element size and bucket of programs and cache capacity
+    (``flash_recipe.ops.tuned``; only when ``head_dim`` and ``element_size`` are given), else
+    ``heuristic_splits``."""
+    if device.type != "cuda":
+        return 1
+    if head_dim is not None and element_size is not None and seqlen_q <= 16:
+        target = configs.target_of(device)
+        if target != "interpreter":
+            from flash_recipe.ops import tuned
+
+            programs = batch * nheads * triton.cdiv(seqlen_q, 16)
+            found = tuned.splits_for(device, target, configs.head_dim_bucket(head_dim), element_size, programs,
+                                     capacity)
+            if found is not None:
+                return found
+    return heuristic_splits(batch, nheads, seqlen_q, capacity, device)
+
+
+def heuristic_splits(batch: int, nheads: int, seqlen_q: int, capacity: int, device: torch.device) -> int:
     """How many split-KV shares keep the GPU busy: 1 when the query blocks alone fill the
     multiprocessors, else enough shares for about two programs per multiprocessor, each with at
     least four key blocks of 64, and at most 64."""
@@ -190,7 +214,8 @@ def attention_kvcache(
 
     Appends ``k_new``/``v_new`` ``(B, Snew, Hk, D)`` to the cache in place, then attends from
     ``q (B, Sq, H, D)`` over rows ``[leftpad, cache_seqlens + Snew)`` of each batch entry's cache,
-    aligned bottom-right. ``num_splits`` 0 picks the split-KV count (``auto_splits``).
+    aligned bottom-right. ``num_splits`` 0 picks the split-KV count (``auto_splits``: tuned, else
+    the heuristic).
 
     Returns ``out (B, Sq, H, D)`` in q's dtype and ``lse (B, H, Sq)`` float32.
     """
@@ -200,9 +225,9 @@ def attention_kvcache(
     end = cache.seqlens + new if new else cache.seqlens
     start = cache.leftpad if cache.leftpad is not None else torch.zeros_like(cache.seqlens)
     keys = KeyRanges(start, end, cache.capacity, cache.table)
-    batch, seqlen_q, nheads, _ = q.shape
+    batch, seqlen_q, nheads, head_dim = q.shape
     if num_splits == 0:
-        num_splits = auto_splits(batch, nheads, seqlen_q, cache.capacity, q.device)
+        num_splits = auto_splits(batch, nheads, seqlen_q, cache.capacity, q.device, head_dim, q.element_size())
     kernel = "decode" if seqlen_q <= 16 else "fwd"
     return attention_forward(q, cache.k, cache.v, softmax_scale, options, keys=keys, num_splits=num_splits,
                              kernel=kernel)

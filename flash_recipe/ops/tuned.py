@@ -27,7 +27,8 @@ The format (``FORMAT`` 1)::
   table's own key (``configs.get_config``). Blocks are powers of two from 16 to 256.
 - ``num_splits``: the split-KV count for a decoding step (``kvcache.auto_splits``) per head-dim
   bucket, element size, ``programs`` (``batch * nheads * cdiv(seqlen_q, 16)``) and ``cache_len``
-  (the cache's capacity in rows), the last two rounded up to a power of two.
+  (the cache's capacity in rows), the last two rounded up to a power of two; 0 means the
+  heuristic was measured as fast as any count, and stays.
 - any other field (timings, the shapes measured) is informational and not read.
 
 A file that cannot be read, is not this format, or is stale is ignored with one
@@ -178,7 +179,7 @@ def parse(document: Any) -> Tuned:
         if lookup in found_splits:
             raise BadCacheFile(f"{where}: a second entry for head dim {lookup[0]}, {lookup[1]}-byte elements, "
                                f"{lookup[2]} programs, cache length {lookup[3]}")
-        found_splits[lookup] = _field(entry, "num_splits", where, high=MAX_SPLITS)
+        found_splits[lookup] = _field(entry, "num_splits", where, low=0, high=MAX_SPLITS)
     return Tuned(dict(key), found_configs, found_splits, document)
 
 
@@ -279,7 +280,8 @@ def splits_for(device, target: str, bucket: int, element_size: int, programs: in
     tuned = for_device(device, target)
     if tuned is None:
         return None
-    return tuned.splits.get((bucket, element_size, power_of_two_at_least(programs), power_of_two_at_least(capacity)))
+    found = tuned.splits.get((bucket, element_size, power_of_two_at_least(programs), power_of_two_at_least(capacity)))
+    return found or None  # 0: measured, and the heuristic was as fast
 
 
 def forget() -> None:
@@ -302,7 +304,8 @@ def config_entry(kernel: str, head_dim: int, element_size: int, config, **info) 
 
 
 def splits_entry(head_dim: int, element_size: int, programs: int, cache_len: int, num_splits: int, **info) -> dict:
-    """A ``num_splits`` entry; ``programs`` and ``cache_len`` are rounded up to their buckets."""
+    """A ``num_splits`` entry (0: keep the heuristic); ``programs`` and ``cache_len`` are rounded up to
+    their buckets."""
     return {"head_dim": head_dim, "element_size": element_size, "programs": power_of_two_at_least(programs),
             "cache_len": power_of_two_at_least(cache_len), "num_splits": num_splits, **info}
 

@@ -1,0 +1,569 @@
+"""``flash-recipe tune`` and the per-device cache of tuned configurations, on the CPU.
+
+The cache (``flash_recipe.ops.tuned``) is tested as files: its format, where it lives, and that a
+stale or corrupt file is ignored with one warning. The dispatcher's side (``configs.launch_config``,
+``kvcache.auto_splits``) needs a GPU to ask; this machine has none, so ``fake_gpu`` stands in for
+the missing driver alone: ``torch.cuda`` answers the device queries as an H100 would, and every
+flash_recipe function runs unchanged. The tuner runs its real launches through Triton's
+interpreter with timings injected (a timer function), and the pruning compiles real launches for
+sm120 in a subprocess without the interpreter, as ``tests/test_compile.py`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+import warnings
+
+import pytest
+import torch
+
+from flash_recipe import cli, tune
+from flash_recipe.ops import configs, forward, kvcache, tuned
+from flash_recipe.ops.configs import Config
+
+H100 = "NVIDIA H100 80GB HBM3"
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(monkeypatch, tmp_path):
+    """Every test has its own cache directory and starts with nothing read."""
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "tune-cache"))
+    tuned.forget()
+    yield
+    tuned.forget()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Only the missing GPU driver is mocked: ``torch.cuda`` reports device 0 as an H100 (sm90, 132
+    multiprocessors) and device 1 as an A100 (sm80, 108), and the interpreter is switched off so
+    that flash_recipe treats CUDA devices as GPUs. Nothing in flash_recipe is replaced."""
+    gpus = {0: (H100, 9, 0, 132), 1: ("NVIDIA A100-SXM4-80GB", 8, 0, 108)}
+
+    def index(device):
+        return torch.device(device).index if not isinstance(device, int) else device
+
+    def properties(device):
+        name, major, minor, sms = gpus[index(device)]
+        return types.SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=sms)
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: properties(device).name)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    configs.gpu_target.cache_clear()
+    yield
+    configs.gpu_target.cache_clear()
+
+
+def _write(document, gpu=H100) -> str:
+    path = tuned.cache_path(gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(document if isinstance(document, str) else json.dumps(document))
+    return str(path)
+
+
+def _document(**changes) -> dict:
+    """A valid file for the H100 with this process's Triton and flash_recipe: fwd d128 2-byte and
+    one split-KV entry."""
+    document = {
+        "format": 1,
+        "key": tuned.make_key(H100, "sm90"),
+        "configs": [tuned.config_entry("fwd", 128, 2, (64, 32, 4, 5), ms={"x": 1.0})],
+        "num_splits": [tuned.splits_entry(128, 2, 32, 8192, 5)],
+    }
+    document.update(changes)
+    return document
+
+
+def _tuned_warnings(record) -> list:
+    return [w for w in record if issubclass(w.category, tuned.TunedCacheWarning)]
+
+
+# -- the cache file ---------------------------------------------------------------------------
+
+
+def test_the_cache_lives_in_a_documented_directory_that_the_variable_overrides(monkeypatch, tmp_path):
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "mine"))
+    assert tuned.cache_dir() == tmp_path / "mine"
+    assert tuned.cache_path(H100) == tmp_path / "mine" / "NVIDIA-H100-80GB-HBM3.tune.json"
+    assert tuned.file_name("AMD Instinct MI300X / gfx942:sramecc+") == "AMD-Instinct-MI300X-gfx942-sramecc.tune.json"
+    monkeypatch.setenv(tuned.ENV_VAR, "")  # empty means unset
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tuned.cache_dir() == tmp_path / "xdg" / "flash-recipe" / "tune"
+    monkeypatch.delenv(tuned.ENV_VAR)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tuned.cache_dir() == tmp_path / "home" / ".cache" / "flash-recipe" / "tune"
+
+
+def test_the_cache_format_round_trips_and_a_new_run_keeps_the_other_entries():
+    key = tuned.make_key(H100, "sm90")
+    assert set(key) == {"gpu", "target", "triton", "flash_recipe"} and key["gpu"] == H100
+    first = [
+        tuned.config_entry("fwd", 128, 2, Config(128, 64, 8, 3), speedup=1.2),
+        tuned.config_entry("decode", 64, 4, Config(16, 64, 4, 2)),
+    ]
+    path = tuned.save(key, first, [tuned.splits_entry(128, 2, 20, 5000, 8)])
+    assert path == tuned.cache_path(H100) and path.exists()
+    found = tuned.read(path)
+    assert found.key == key
+    assert found.configs == {("fwd", 128, 2): (128, 64, 8, 3), ("decode", 64, 4): (16, 64, 4, 2)}
+    assert found.splits == {(128, 2, 32, 8192): 8}  # programs and cache length stored as their buckets
+    assert found.document["configs"][0]["speedup"] == 1.2  # informational fields are kept
+    # A second run replaces the entries it measured again and keeps the rest.
+    tuned.save(key, [tuned.config_entry("fwd", 128, 2, Config(64, 64, 4, 2))], [tuned.splits_entry(64, 2, 8, 1024, 0)])
+    found = tuned.read(path)
+    assert found.configs == {("fwd", 128, 2): (64, 64, 4, 2), ("decode", 64, 4): (16, 64, 4, 2)}
+    assert found.splits == {(128, 2, 32, 8192): 8, (64, 2, 8, 1024): 0}
+    # A file keyed for another Triton is replaced, not merged.
+    tuned.save({**key, "triton": "0.0.1"}, [tuned.config_entry("bwd_dq", 64, 2, Config(64, 32, 4, 1))], [])
+    assert tuned.read(path).configs == {("bwd_dq", 64, 2): (64, 32, 4, 1)}
+    # What the reader would refuse is never written.
+    with pytest.raises(tuned.BadCacheFile, match="block_m must be one of"):
+        tuned.save(key, [tuned.config_entry("fwd", 64, 2, Config(48, 64, 4, 2))], [])
+    assert tuned.read(path).configs == {("bwd_dq", 64, 2): (64, 32, 4, 1)}
+    assert [p.name for p in tuned.cache_files()] == ["NVIDIA-H100-80GB-HBM3.tune.json"]
+
+
+def test_launch_config_takes_the_tuned_config_only_for_the_matching_device(fake_gpu, monkeypatch):
+    _write(_document())
+    table = configs.get_config("sm90", "fwd", 128, 2)
+    assert table != Config(64, 32, 4, 5)
+    assert configs.launch_config(CUDA0, "fwd", 100, 2) == Config(64, 32, 4, 5)  # same bucket
+    assert configs.launch_config(torch.device("cuda"), "fwd", 128, 2) == Config(64, 32, 4, 5)  # current device
+    assert configs.launch_config(CUDA0, "fwd", 128, 4) == configs.get_config("sm90", "fwd", 128, 4)
+    assert configs.launch_config(CUDA0, "bwd_dq", 128, 2) == configs.get_config("sm90", "bwd_dq", 128, 2)
+    assert configs.launch_config(CUDA0, "fwd", 64, 2) == configs.get_config("sm90", "fwd", 64, 2)
+    # Another GPU model reads its own file (there is none): the table.
+    assert configs.launch_config(torch.device("cuda", 1), "fwd", 128, 2) == configs.get_config("sm80", "fwd", 128, 2)
+    # Never on the CPU.
+    assert configs.launch_config(torch.device("cpu"), "fwd", 128, 2) == configs.get_config("interpreter", "fwd", 128, 2)
+    # An overriding block comes first.
+    with configs.overriding("fwd", 128, 2, Config(32, 32, 4, 1)):
+        assert configs.launch_config(CUDA0, "fwd", 128, 2) == Config(32, 32, 4, 1)
+    # Never under the interpreter.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert configs.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("interpreter", "fwd", 128, 2)
+
+
+def test_a_machine_without_a_cache_file_runs_the_table(fake_gpu):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even a warning
+        for kernel in configs.KERNELS:
+            for head_dim in (16, 64, 128, 256):
+                for size in (2, 4):
+                    assert configs.launch_config(CUDA0, kernel, head_dim, size) == configs.get_config(
+                        "sm90", kernel, head_dim, size
+                    )
+        assert kvcache.auto_splits(1, 4, 1, 4096, CUDA0, 128, 2) == kvcache.heuristic_splits(1, 4, 1, 4096, CUDA0)
+
+
+def test_the_file_is_read_once_per_process_and_again_when_the_variable_changes(fake_gpu, monkeypatch, tmp_path):
+    _write(_document())
+    reads = []
+    read = tuned.read
+    monkeypatch.setattr(tuned, "read", lambda path: reads.append(path) or read(path))
+    for _ in range(50):
+        assert configs.launch_config(CUDA0, "fwd", 128, 2) == Config(64, 32, 4, 5)
+        kvcache.auto_splits(2, 16, 1, 8192, CUDA0, 128, 2)
+    assert len(reads) == 1
+    other = tmp_path / "other"
+    monkeypatch.setenv(tuned.ENV_VAR, str(other))
+    tuned.save(tuned.make_key(H100, "sm90"), [tuned.config_entry("fwd", 128, 2, (128, 128, 8, 2))], [])
+    assert configs.launch_config(CUDA0, "fwd", 128, 2) == Config(128, 128, 8, 2)
+    assert reads[-1] == other / "NVIDIA-H100-80GB-HBM3.tune.json"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("gpu", "NVIDIA A100-SXM4-80GB"), ("target", "sm80"), ("triton", "2.0.0"), ("flash_recipe", "0.0.1")],
+)
+def test_a_stale_file_is_ignored_with_one_warning(fake_gpu, field, value):
+    path = _write(_document(key={**tuned.make_key(H100, "sm90"), field: value}))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert configs.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("sm90", "fwd", 128, 2)
+            assert kvcache.auto_splits(2, 16, 1, 8192, CUDA0, 128, 2) == kvcache.heuristic_splits(2, 16, 1, 8192, CUDA0)
+    (warning,) = _tuned_warnings(record)
+    message = str(warning.message)
+    assert path in message and f"{field} {value!r}" in message and "flash-recipe tune" in message
+
+
+CORRUPT = {
+    "truncated": '{"format": 1, "key": {',
+    "not-an-object": "[1, 2]",
+    "other-format": _document(format=2),
+    "key-missing-a-field": _document(key={"gpu": H100, "target": "sm90", "triton": "x"}),
+    "block-not-a-power-of-two": _document(configs=[tuned.config_entry("fwd", 128, 2, (48, 64, 4, 2))]),
+    "stages-a-string": _document(configs=[tuned.config_entry("fwd", 128, 2, (64, 64, 4, "3"))]),
+    "head-dim-not-a-bucket": _document(configs=[tuned.config_entry("fwd", 96, 2, (64, 64, 4, 2))]),
+    "duplicate-entry": _document(configs=[tuned.config_entry("fwd", 128, 2, (64, 64, 4, 2))] * 2),
+    "splits-too-many": _document(num_splits=[tuned.splits_entry(128, 2, 32, 8192, 1000)]),
+    "programs-not-a-bucket": _document(num_splits=[{**tuned.splits_entry(128, 2, 32, 8192, 4), "programs": 20}]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPT))
+def test_a_corrupt_file_is_ignored_with_one_warning(fake_gpu, name):
+    path = _write(CORRUPT[name])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert configs.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("sm90", "fwd", 128, 2)
+    (warning,) = _tuned_warnings(record)
+    assert path in str(warning.message) and "built-in table" in str(warning.message)
+    with pytest.raises(tuned.BadCacheFile):
+        tuned.read(path)
+
+
+def test_auto_splits_takes_the_tuned_count_for_its_bucket_else_the_heuristic(fake_gpu):
+    _write(_document(num_splits=[tuned.splits_entry(128, 2, 32, 8192, 5), tuned.splits_entry(128, 2, 64, 8192, 0)]))
+    # 2 x 16 programs (bucket 32), capacity 5000 (bucket 8192): the tuned count.
+    assert kvcache.auto_splits(2, 16, 1, 5000, CUDA0, 128, 2) == 5
+    assert kvcache.auto_splits(2, 16, 1, 5000, CUDA0, 100, 2) == 5  # head dim 100 is bucket 128
+    assert kvcache.auto_splits(2, 16, 16, 5000, CUDA0, 128, 2) == 5  # a decoding step of 16 query rows
+    # 17 query rows run the forward kernel, which was not tuned for it: the heuristic.
+    assert kvcache.auto_splits(1, 16, 17, 5000, CUDA0, 128, 2) == kvcache.heuristic_splits(1, 16, 17, 5000, CUDA0)
+    heuristic = kvcache.heuristic_splits(2, 16, 1, 5000, CUDA0)
+    assert heuristic != 5
+    for other in [(2, 16, 1, 9000, CUDA0, 128, 2), (2, 16, 1, 5000, CUDA0, 128, 4), (2, 16, 1, 5000, CUDA0)]:
+        assert kvcache.auto_splits(*other) == kvcache.heuristic_splits(*other[:5])  # no entry: the heuristic
+    assert kvcache.auto_splits(4, 16, 1, 5000, CUDA0, 128, 2) == kvcache.heuristic_splits(4, 16, 1, 5000, CUDA0)  # 0
+    assert kvcache.auto_splits(2, 16, 1, 5000, torch.device("cpu"), 128, 2) == 1
+
+
+# -- the tuner --------------------------------------------------------------------------------
+
+# Check shapes small enough for the interpreter: a multiple of every block and a ragged pair.
+SMALL = tune.CheckSizes(batch=2, nheads=2, nheads_k=1, seqlens=((32, 32), (13, 29)), cache_len=40)
+
+
+def test_candidates_start_with_the_table_and_respect_each_kernel():
+    for kernel in configs.KERNELS:
+        table = configs.get_config("sm90", kernel, 128, 2)
+        found = tune.candidates(kernel, table)
+        assert found[0] == table and len(found) == len(set(found)) > 10
+        for c in found[1:]:
+            assert {c.block_m, c.block_n} <= {16, 32, 64, 128, 256} and c.num_warps in (4, 8)
+            assert 1 <= c.num_stages <= 4
+            assert c.num_warps == 4 or c.block_m * c.block_n >= tune.EIGHT_WARPS_MIN_TILE
+            assert kernel != "decode" or c.block_m == 16
+    assert tune.candidates("fwd", Config(32, 32, 1, 1), {"fwd": [(16, 16, 1, 1), (32, 32, 1, 1)]}) == [
+        Config(32, 32, 1, 1),
+        Config(16, 16, 1, 1),
+    ]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Record the configuration of every forward launch (as the launcher asks for it), and make
+    the ``WRONG`` configuration's output wrong by 0.01 and the ``BROKEN`` one's launch fail."""
+    seen = []
+    launch = forward.attention_forward
+
+    def recorded(q, k, v, scale, options, *args, **kwargs):
+        config = configs.launch_config(q.device, kwargs.get("kernel", "fwd"), q.shape[-1], q.element_size())
+        seen.append(config)
+        if config == BROKEN:
+            raise RuntimeError("out of resources: shared memory")
+        out, lse = launch(q, k, v, scale, options, *args, **kwargs)
+        return (out + 0.01 if config == WRONG else out), lse
+
+    monkeypatch.setattr(forward, "attention_forward", recorded)
+    return seen
+
+
+WRONG, BROKEN, FAST, SLOW = Config(16, 32, 1, 1), Config(32, 16, 1, 2), Config(16, 16, 1, 1), Config(32, 16, 1, 1)
+
+
+def test_the_tuner_keeps_the_fastest_correct_candidate(launches, fake_gpu, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the tuner's launches run on the CPU, in the interpreter
+    table = configs.get_config("interpreter", "fwd", 32, 2)
+    speed = {table: 1.0, FAST: 0.6, SLOW: 0.9, WRONG: 0.1, BROKEN: 0.1}
+    timed = []
+
+    def timer(fn, trial):
+        before = len(launches)
+        fn()
+        assert launches[before:] == [trial.config]  # the timed launch ran the candidate, through the launcher
+        timed.append(trial)
+        return speed[trial.config] * trial.shape.seqlen_k / 32
+
+    lines = []
+    report = tune.tune(
+        ["fwd"],
+        [32],
+        ["float16"],
+        [32, 64],
+        device="cpu",
+        timer=timer,
+        check=SMALL,
+        nheads=2,
+        tokens=64,
+        grid={"fwd": [FAST, SLOW, WRONG, BROKEN]},
+        key=tuned.make_key(H100, "sm90"),
+        progress=lines.append,
+    )
+    status = {tuple(t["config"]): t["status"] for t in report["trials"]}
+    assert status == {table: "ok", FAST: "ok", SLOW: "ok", WRONG: "wrong", BROKEN: "error"}
+    wrong = next(t for t in report["trials"] if tuple(t["config"]) == WRONG)
+    assert "out error" in wrong["detail"] and not wrong["ms"]
+    assert {t.config for t in timed} == {table, FAST, SLOW}  # a wrong candidate is never timed
+    # Two lengths x causal and not, per timed candidate.
+    assert {t.shape.id for t in timed} == {
+        "B2-H2-Hk2-D32-Sq32-Sk32-full",
+        "B2-H2-Hk2-D32-Sq32-Sk32-causal",
+        "B1-H2-Hk2-D32-Sq64-Sk64-full",
+        "B1-H2-Hk2-D32-Sq64-Sk64-causal",
+    }
+    (entry,) = report["configs"]
+    assert (entry["kernel"], entry["head_dim"], entry["element_size"]) == ("fwd", 32, 2)
+    assert Config(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"]) == FAST
+    assert entry["speedup"] == pytest.approx(1 / 0.6, abs=1e-4) and entry["table"] == list(table)
+    assert any("16x16 w1 s1, 1.667x the table's speed" in line for line in lines)
+    # Written to the H100's file, which the launches on that GPU then use.
+    assert report["path"] == str(tuned.cache_path(H100))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert configs.launch_config(CUDA0, "fwd", 32, 2) == FAST
+    assert configs.launch_config(CUDA0, "fwd", 32, 4) == configs.get_config("sm90", "fwd", 32, 4)
+
+
+def test_the_table_stays_unless_a_candidate_beats_it_by_min_gain():
+    table = configs.get_config("interpreter", "fwd", 32, 4)
+    report = tune.tune(
+        ["fwd"],
+        [32],
+        ["float32"],
+        [32],
+        device="cpu",
+        timer=lambda fn, trial: 0.99 if trial.config == FAST else 1.0,
+        check=SMALL,
+        nheads=2,
+        causal=(True,),
+        grid={"fwd": [FAST]},
+        save=False,
+    )
+    (entry,) = report["configs"]
+    assert Config(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"]) == table
+    assert entry["speedup"] == 1.0 and report["path"] is None
+
+
+def test_the_tuner_times_the_split_kv_counts_of_a_decoding_step():
+    """Cache length 128 over 32-key blocks: 1, 2 and 4 splits are worth timing, 8 is not."""
+    table = configs.get_config("interpreter", "decode", 32, 4)
+    speed = {1: 1.0, 2: 0.7, 4: 0.5}
+    timed = []
+
+    def timer(fn, trial):
+        fn()
+        timed.append(trial)
+        return speed[trial.num_splits] if trial.num_splits else 1.0
+
+    report = tune.tune(
+        ["decode"],
+        [32],
+        ["float32"],
+        [128],
+        device="cpu",
+        timer=timer,
+        check=SMALL,
+        nheads=4,
+        decode_batches=(1, 3),
+        splits=(1, 2, 4, 8),
+        grid={"decode": []},
+        save=False,
+    )
+    assert {(t.config, t.num_splits) for t in timed if t.num_splits != 1} == {(table, 2), (table, 4)}
+    entries = {(e["programs"], e["cache_len"]): e["num_splits"] for e in report["num_splits"]}
+    assert entries == {(4, 128): 4, (16, 128): 4}  # 1 x 4 and 3 x 4 programs
+
+
+def test_the_tuner_drops_the_candidates_pruning_drops(monkeypatch):
+    """The wiring: on a target with a shared-memory limit, ``prune`` runs before any launch and what
+    it drops is never checked or timed (the compile itself is tested below, in a subprocess)."""
+    monkeypatch.setattr(configs, "target_of", lambda device: "sm120")
+    table = configs.get_config("sm120", "fwd", 32, 4)
+
+    def fake_prune(kernel, head_dim, dtype, found, target, jobs=1):
+        assert (kernel, head_dim, dtype, target) == ("fwd", 32, "float32", "sm120")
+        rows = [{"config": list(c), "form": "aligned", "fits": c != SLOW, "problem": "needs 200000 B"} for c in found]
+        return [c for c in found if c != SLOW], rows
+
+    monkeypatch.setattr(tune, "prune", fake_prune)
+    timed = set()
+    report = tune.tune(
+        ["fwd"],
+        [32],
+        ["float32"],
+        [32],
+        device="cpu",
+        timer=lambda fn, trial: timed.add(trial.config) or 1.0,
+        check=SMALL,
+        nheads=2,
+        causal=(True,),
+        grid={"fwd": [FAST, SLOW]},
+        save=False,
+    )
+    assert timed == {table, FAST}
+    assert {tuple(t["config"]): t["status"] for t in report["trials"]} == {table: "ok", FAST: "ok", SLOW: "pruned"}
+    assert next(t["detail"] for t in report["trials"] if t["status"] == "pruned") == "needs 200000 B"
+
+
+def test_tune_refuses_without_a_gpu_or_a_timer():
+    with pytest.raises(tune.TuneError, match="times the kernels on a GPU"):
+        tune.tune(["fwd"], [64], device="cpu")
+    with pytest.raises(tune.TuneError, match="keyed by the GPU"):
+        tune.tune(["fwd"], [64], device="cpu", timer=lambda fn, trial: 1.0)
+    with pytest.raises(ValueError, match="head_dims must be a non-empty selection of 16, 32, 64, 128, 256, got 96"):
+        tune.tune(["fwd"], [96], device="cpu", timer=lambda fn, trial: 1.0, save=False)
+
+
+def _compile_in_subprocess(script: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_pruning_drops_an_oversized_candidate_and_keeps_a_fitting_one():
+    """Compiled for sm120 (99 KiB per block) as a launch compiles it: a 128x128, 3-stage forward at
+    head dim 256 needs far more shared memory and is dropped without its ragged form being
+    compiled; a 64x32 single-stage one fits both forms and is kept."""
+    rows = _compile_in_subprocess("""
+        import json
+        from flash_recipe import tune
+        from flash_recipe.ops.configs import Config
+        kept, rows = tune.prune("fwd", 256, "bfloat16", [Config(128, 128, 8, 3), Config(64, 32, 4, 1)], "sm120")
+        print(json.dumps({"kept": kept}))
+        for row in rows:
+            print(json.dumps(row))
+    """)
+    assert rows.pop(0)["kept"] == [[64, 32, 4, 1]]
+    by = {(tuple(row["config"]), row["form"]): row for row in rows}
+    assert set(by) == {((128, 128, 8, 3), "aligned"), ((64, 32, 4, 1), "aligned"), ((64, 32, 4, 1), "ragged")}
+    oversized = by[(128, 128, 8, 3), "aligned"]
+    assert not oversized["fits"] and oversized["shared_bytes"] > oversized["shared_limit"] == 101376
+    assert "sm120 offers 101376 B" in oversized["problem"]
+    for form in ("aligned", "ragged"):
+        fitting = by[(64, 32, 4, 1), form]
+        assert fitting["fits"] and 0 < fitting["shared_bytes"] <= 101376 and fitting["problem"] is None
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser(prog="flash-recipe tune")
+    tune.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_tune_is_a_subcommand_and_parses_its_options():
+    assert cli.SUBCOMMANDS["tune"][0] == "flash_recipe.tune"
+    args = _parse()
+    assert (args.kernel, args.head_dim, args.dtype, args.seqlen) == (
+        list(configs.KERNELS),
+        [64, 128],
+        ["bfloat16"],
+        [1024, 4096],
+    )
+    args = _parse(
+        "--kernel",
+        "fwd,decode",
+        "--head-dim",
+        "128,256",
+        "--dtype",
+        "float16,float32",
+        "--seqlen",
+        "2048",
+        "--causal",
+        "yes",
+        "--splits",
+        "1,4",
+        "--min-gain",
+        "0.05",
+        "--jobs",
+        "3",
+        "--no-save",
+    )
+    assert (args.kernel, args.head_dim, args.dtype, args.seqlen) == (
+        ["fwd", "decode"],
+        [128, 256],
+        ["float16", "float32"],
+        [2048],
+    )
+    assert (args.causal, args.splits, args.min_gain, args.jobs, args.no_save) == ("yes", [1, 4], 0.05, 3, True)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--head-dim", "96"], ["--head-dim", "16,32,64,128,256", "'96'"]),
+        (["--dtype", "float8"], ["--dtype", "float16,bfloat16,float32", "'float8'"]),
+        (["--kernel", "forward"], ["--kernel", "fwd,bwd_dkdv,bwd_dq,decode", "'forward'"]),
+        (["--seqlen", "0"], ["--seqlen", "integers >= 1", "'0'"]),
+        (["--splits", "3"], ["--splits", "1,2,4,8,16,32,64", "'3'"]),
+        (["--causal", "maybe"], ["--causal", "both", "yes", "no", "'maybe'"]),
+        (["--min-gain", "1.5"], ["--min-gain", "[0, 1)", "'1.5'"]),
+        (["--jobs", "0"], ["--jobs", "positive integer", "'0'"]),
+    ],
+)
+def test_bad_options_are_named_with_their_allowed_values(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["tune", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without a GPU gets")
+def test_tune_refuses_on_a_machine_without_a_gpu(capsys):
+    assert cli.main(["tune", "--kernel", "fwd"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA or ROCm GPU is visible" in err and "tune --show" in err
+    assert not tuned.cache_files()
+
+
+def test_show_and_clear_work_without_a_gpu(capsys):
+    assert cli.main(["tune", "--show"]) == 0
+    assert "no files" in capsys.readouterr().out
+    tuned.save(
+        tuned.make_key(H100, "sm90"),
+        [tuned.config_entry("fwd", 128, 2, (128, 64, 8, 3))],
+        [tuned.splits_entry(128, 2, 32, 8192, 4)],
+    )
+    _write("not json", gpu="Other GPU")
+    assert cli.main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert str(tuned.cache_dir()) in out and tuned.ENV_VAR in out
+    assert f"{H100} (sm90)" in out and "fwd      d128 2-byte  128x64 w8 s3" in out
+    assert "32 programs, cache 8192: 4" in out and "Other-GPU.tune.json: ignored, is not valid JSON" in out
+    assert cli.main(["tune", "--clear"]) == 0
+    assert out.count("deleted") == 0 and capsys.readouterr().out.count("deleted") == 2
+    assert tuned.cache_files() == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:5", "gpu0"])
+def test_a_device_that_is_not_a_visible_gpu_is_refused_by_name(device, fake_gpu, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli.main(["tune", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert "--device must be a GPU, cuda or cuda:N with N < 2" in err and repr(device) in err
