@@ -83,6 +83,55 @@ def test_overriding_replaces_one_launch_configuration_in_its_block():
             pass
 
 
+def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instructions():
+    lines = [
+        (0x000, "MOV R1, c[0x0][0x28]"),
+        (0x010, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ"),  # before any loop: not counted
+        (0x020, "FMNMX R2, R3, R4, !PT"),  # masked loop: 0x020..0x070
+        (0x030, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24"),
+        (0x040, "NOP"),
+        (0x050, "FSEL R5, R6, -INF, P1"),
+        (0x060, "ISETP.GT.AND P0, PT, R7, UR5, PT"),
+        (0x070, "@!P0 BRA 0x20"),
+        (0x080, "FFMA R2, R3, R4, -R5"),  # unmasked loop: 0x080..0x0b0, 4 instructions
+        (0x090, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24"),
+        (0x0a0, "MUFU.EX2 R2, R2"),
+        (0x0b0, "@P1 BRA 0x80"),
+        (0x0c0, "EXIT"),
+        (0x0d0, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR13], R2"),  # out of line: a spin loop, then back
+        (0x0e0, "@!P0 BRA 0xd0"),
+        (0x0f0, "BRA 0x90"),
+        (0x100, "BRA 0x100"),
+    ]
+    sass = "\n".join(f"        /*{address:04x}*/    {text} ;    /* 0x0000 */" for address, text in lines)
+    assert compile_check.main_loop(sass) == 4
+    assert compile_check.main_loop(sass.replace("@P1 BRA 0x80", "NOP")) == 5  # the masked loop, NOP excluded
+    assert compile_check.main_loop("/*0000*/ MOV R1, R2 ;\n/*0010*/ @P0 BRA 0x0 ;") is None  # no matrix loop
+
+
+@pytest.mark.slow
+def test_the_speed_proxy_holds_for_the_table_and_fails_for_the_old_tile():
+    """The aligned sm90 forward at head dim 128 costs at most the tutorial's instructions per key; its
+    former tile (128x64 keys, pointer loads) cost more, and the check says so."""
+    rows = _compile_in_subprocess("""
+        import json
+        from flash_recipe.ops import compile_check, configs, features
+        case = compile_check.Case("fwd", "bfloat16", 128, "aligned")
+        for row in compile_check.check_case(case, "sm90"):
+            print(json.dumps(row))
+        configs._TABLE[("sm90", "fwd")] = [(128, 2, configs.Config(128, 64, 8, 3))]
+        with features.using_descriptors(False):
+            for row in compile_check.check_case(case, "sm90"):
+                print(json.dumps(row))
+    """)
+    table, old = rows
+    assert compile_check.proxy_applies(table) and compile_check.proxy_applies(old)
+    assert table["ok"] and table["loop_per_row"] <= compile_check.PROXY["per_key"], table
+    assert table["loop_step"] == 128 and old["loop_step"] == 64
+    assert not old["ok"] and old["loop_per_row"] > compile_check.PROXY["per_key"]
+    assert any("instructions per key" in problem for problem in old["problems"]), old
+
+
 @pytest.mark.slow
 def test_an_oversized_config_is_rejected():
     """The check can fail: a 128x128, 3-stage forward at head dim 256 cannot fit sm120's 99 KiB."""

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 import flash_recipe
-from flash_recipe.ops import tiles
+from flash_recipe.ops import configs, features, tiles
 from flash_recipe.reference import attention_reference
 from flash_recipe.verify import Case, check_case
 
@@ -206,3 +206,31 @@ def test_tanh_is_accurate_to_a_few_ulp_everywhere(device):
     truth = torch.tanh(x.double())
     ulps = (y.double() - truth).abs() / truth.abs().clamp_min(2.0**-126) / 2.0**-24
     assert ulps.max().item() <= 3.0, f"tanh is off by {ulps.max().item():.1f} ulp at x = {x[ulps.argmax()].item()}"
+
+
+# Cases whose keys and values TMA can read as row tiles (fp16, head dim a power of two from 16).
+DESCRIPTOR_CASES = [c for c in CASES if c.head_dim in (16, 32, 64, 128, 256)]
+
+
+@pytest.mark.skipif(configs.triton_release() < features.DESCRIPTORS_SINCE, reason="tensor descriptors need Triton 3.4")
+@pytest.mark.parametrize("case", DESCRIPTOR_CASES, ids=lambda c: c.id)
+def test_tensor_descriptor_path_matches_pointer_path(case, device, nan_outputs, monkeypatch):
+    """The forward's TMA path (``ops.features``; on by default on sm90/sm100) gives the pointer
+    path's bits and passes the accuracy rule; the interpreter runs it on the CPU."""
+    launched = []
+    views = features.tma_views
+    monkeypatch.setattr(features, "tma_views", lambda *a: launched.append(views(*a)) or launched[-1])
+    with features.using_descriptors(True):
+        row = check_case(case, torch.float16, device, "triton", seed=3)
+        tma_out = flash_recipe.flash_attn_func(*_case_inputs(case, device), **case.options(device))
+    assert launched and all(view is not None for view in launched)
+    assert row["passed"], {n: (row["errors"][n], row["bounds"][n]) for n in row["errors"]}
+    with features.using_descriptors(False):
+        pointer_out = flash_recipe.flash_attn_func(*_case_inputs(case, device), **case.options(device))
+    assert torch.equal(tma_out, pointer_out)
+
+
+def _case_inputs(case, device):
+    return (_rand(case.batch, case.seqlen_q, case.nheads, case.head_dim, dtype=torch.float16, device=device, seed=1),
+            *(_rand(case.batch, case.seqlen_k, case.nheads_k, case.head_dim, dtype=torch.float16, device=device,
+                    seed=s) for s in (2, 3)))

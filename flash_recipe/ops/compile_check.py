@@ -20,11 +20,14 @@ Each call is made in two forms:
 
 For every compiled kernel it reports shared memory against the architecture's opt-in limit
 (``configs.SHARED_MEMORY_LIMIT``), registers and spilled bytes per thread (the cubin's resource
-usage on NVIDIA, the code object's metadata on AMD), and the matrix instruction its dots use. A
-kernel fails when its compiled code stores nothing (Triton lowers what it cannot lower properly
-to a trap), when it exceeds the shared-memory limit, when any of its fp16/bf16 dots is lowered to
-FMA instead of the matrix units, or when, as one of the tiled attention kernels in fp16/bf16 in
-the aligned form at a head dim up to 128, it spills more than ``SPILL_BUDGET`` bytes. The other
+usage on NVIDIA, the code object's metadata on AMD), the matrix instruction its dots use, and on
+NVIDIA the SASS instructions of one main-loop iteration per row it advances (``main_loop``: per
+key for the forward). A kernel fails when its compiled code stores nothing (Triton lowers what it
+cannot lower properly to a trap), when it exceeds the shared-memory limit, when any of its
+fp16/bf16 dots is lowered to FMA instead of the matrix units, when, as one of the tiled attention
+kernels in fp16/bf16 in the aligned form at a head dim up to 128, it spills more than
+``SPILL_BUDGET`` bytes, or when, as the aligned sm90 forward at head dim 128, its main loop costs
+more instructions per key than Triton's tutorial kernel (``PROXY``). The other
 spills are reported, not failed: in the ragged form every score option at once (dropout's random
 numbers above all) and a head dim whose mask Triton cannot vectorise cost registers that the
 tables' tiles do not avoid, and fp32 (full-precision dots on the FMA units) is the slow path by
@@ -68,6 +71,17 @@ SPILL_BUDGET = 0
 SPILL_BUDGET_MAX_HEAD_DIM = 128
 # Kernels launched with a fixed configuration and no dots (no matrix units to check).
 ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine")
+# The rows one iteration of a tiled kernel's main loop advances by: keys for the forward, decode and
+# dQ kernels, queries for dK/dV.
+LOOP_STEP = {"fwd": "BLOCK_N", "fwd_general": "BLOCK_N", "decode": "BLOCK_N", "bwd_dq": "BLOCK_N",
+             "bwd_dkdv": "BLOCK_M"}
+# The speed proxy: SASS instructions per key in the forward's main loop (``loop_per_row``), at most
+# those of Triton's own tutorial fused-attention forward (python/tutorials/06-fused-attention.py)
+# counted the same way (``main_loop``), for the aligned bf16/fp16 forward at head dim 128 on sm90.
+# Measured outside the project with Triton 3.9.0, the tutorial compiled as it runs on Hopper (host
+# tensor descriptors, 128x128 tiles, 8 warps), its loop costs 521, 521 and 519 instructions per
+# 128 keys with 2, 3 and 4 stages: the best is 519 / 128.
+PROXY = {"target": "sm90", "kernel": "fwd", "head_dim": 128, "per_key": 519 / 128, "since_triton": (3, 9)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,8 +285,9 @@ def _offline_launches(target: str):
 
 def _nvidia_usage(kernel) -> dict:
     """Registers and stack bytes per thread of the compiled cubin (``cuobjdump -res-usage``, the
-    tool Triton ships), and the matrix instruction its PTX uses. The kernels keep no arrays in
-    local memory, so their stack frame is where spilled registers go."""
+    tool Triton ships), the matrix instruction its PTX uses, and the instructions of its main loop
+    (``main_loop`` on ``cuobjdump -sass``). The kernels keep no arrays in local memory, so their
+    stack frame is where spilled registers go."""
     import triton.backends.nvidia
 
     cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
@@ -280,11 +295,38 @@ def _nvidia_usage(kernel) -> dict:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
+        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
     ptx = kernel.asm["ptx"]
     return {"registers": int(found.group(1)), "spill_bytes": int(found.group(2)), "fma_dots": _fma_dots(kernel),
             "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
-            "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None)}
+            "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
+            "loop_instructions": main_loop(sass.stdout)}
+
+
+_MATRIX_SASS = re.compile(r"\b(HGMMA|HMMA|UTC\w*MMA)\b")
+
+
+def main_loop(sass: str) -> Optional[int]:
+    """Instructions in one iteration of the main loop of a disassembled kernel (``cuobjdump -sass``),
+    or None for a kernel without a loop of matrix instructions.
+
+    A loop is a conditional branch back to an earlier address (Triton's loops end with one); its
+    body is every instruction from the target to the branch, NOPs excepted. Unconditional backward
+    branches are not loops: they return from out-of-line blocks (a barrier's retry after the
+    kernel's exit) into the code. Of the loops that issue matrix instructions, the main loop is the
+    shortest: the kernels' masked stages repeat the unmasked loop's work plus their masks.
+    """
+    code = [(int(address, 16), text.strip())
+            for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    sizes = []
+    for address, text in code:
+        branch = re.match(r"@!?U?P\w+\s+BRA\s+(?:`?\(?\.L_x_\d+\)?\s*)?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            body = [t for a, t in code if int(branch.group(1), 16) <= a <= address and not t.startswith("NOP")]
+            if any(_MATRIX_SASS.search(t) for t in body):
+                sizes.append(len(body))
+    return min(sizes, default=None)
 
 
 def _fma_dots(kernel) -> int:
@@ -325,13 +367,33 @@ def check_case(case: Case, target: str) -> list[dict]:
             usage = _amd_usage(kernel)
         else:
             usage = _nvidia_usage(kernel)
+        step = _constants(kernel).get(LOOP_STEP.get(label, ""))
+        loop = usage.get("loop_instructions")
         rows.append(_verdict({
             "case": case.id, "kernel": label, "target": target, "dtype": case.dtype, "head_dim": case.head_dim,
             "form": case.form, "shared_bytes": kernel.metadata.shared,
             "shared_limit": configs.SHARED_MEMORY_LIMIT[target], "num_warps": kernel.metadata.num_warps,
-            "num_stages": kernel.metadata.num_stages, **usage, "seconds": seconds,
+            "num_stages": kernel.metadata.num_stages, **usage, "loop_step": step,
+            "loop_per_row": round(loop / step, 3) if loop and step else None, "seconds": seconds,
         }))
     return rows
+
+
+def _constants(kernel) -> dict:
+    """The constexpr arguments a kernel was compiled with, by name (empty where Triton keeps none)."""
+    src = getattr(kernel, "src", None)
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    if names is None:
+        return {}
+    return {names[key[0]]: value for key, value in src.constants.items() if isinstance(key, tuple) and len(key) == 1}
+
+
+def proxy_applies(row: dict) -> bool:
+    """Whether ``row`` is the kernel the speed proxy (``PROXY``) bounds, compiled by a Triton at
+    least as new as the one the bound was measured with."""
+    return (row["target"] == PROXY["target"] and row["kernel"] == PROXY["kernel"] and row["form"] == "aligned"
+            and row["head_dim"] == PROXY["head_dim"] and row["dtype"] in ("float16", "bfloat16")
+            and configs.triton_release() >= PROXY["since_triton"])
 
 
 def needs_matrix_units(kernel: str, dtype: str) -> bool:
@@ -351,6 +413,9 @@ def _verdict(row: dict) -> dict:
     if budgeted and row["spill_bytes"] > SPILL_BUDGET:
         problems.append(f"spills {row['spill_bytes']} B per thread (budget {SPILL_BUDGET} B at head dim <= "
                         f"{SPILL_BUDGET_MAX_HEAD_DIM})")
+    if proxy_applies(row) and not (row["loop_per_row"] or float("inf")) <= PROXY["per_key"]:
+        problems.append(f"main loop {row['loop_per_row']} instructions per key, over the {PROXY['per_key']:.3f} "
+                        "of Triton's tutorial forward")
     if needs_matrix_units(row["kernel"], row["dtype"]) and (row["fma_dots"] or not row["matrix_unit"]):
         problems.append(f"fp16/bf16 dots do not all use the matrix units ({row['fma_dots']} lowered to FMA)")
     return {**row, "problems": problems, "ok": not problems}
@@ -368,9 +433,10 @@ def _check(job: tuple[Case, str]) -> list[dict]:
 def _line(row: dict) -> str:
     if "shared_bytes" not in row:
         return f"BAD {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {row['problems'][0]}"
+    loop = f"{row['loop_per_row']:>5.2f}/row" if row.get("loop_per_row") else " " * 9
     detail = (f"{row['shared_bytes']:>6} / {row['shared_limit']:<6} B shared  {row['registers']:>3} regs  "
               f"{row['spill_bytes']:>5} B spill  {row['matrix_unit'] or '-':<11} "
-              f"w{row['num_warps']} s{row['num_stages']}")
+              f"w{row['num_warps']} s{row['num_stages']}  {loop}")
     verdict = "ok " if row["ok"] else "BAD"
     problems = f"  <- {'; '.join(row['problems'])}" if row["problems"] else ""
     return f"{verdict} {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {detail}{problems}"

@@ -58,7 +58,7 @@ class Config(NamedTuple):
 _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
     ("sm90", "fwd"): [
         (64, 2, Config(128, 64, 4, 3)),
-        (128, 2, Config(128, 64, 8, 3)),
+        (128, 2, Config(128, 128, 8, 3)),  # wgmma m64n128 per warp group; K/V through TMA (ops.features)
         (256, 2, Config(64, 64, 4, 2)),
         (64, 4, Config(64, 64, 4, 2)),
         (128, 4, Config(64, 32, 4, 2)),

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import configs, tiles
+from flash_recipe.ops import configs, features, tiles
 from flash_recipe.ops.launch import KeyRanges, ScoreOptions, Varlen, layout, lse_buffer, packed_rows, score_args
 from flash_recipe.ops.tiles import (
     LN2,
@@ -52,10 +52,10 @@ from flash_recipe.ops.tiles import (
 def _fwd_inner(
     b_acc, b_m, b_l, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, qk_scale, tanh_scale, slope, o_m, o_n, o_d, start, end,
-    seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+    seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages, k_tiles, v_tiles, tile_row, tile_col,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
-    FOLD: tl.constexpr, BLOCK_N: tl.constexpr,
+    FOLD: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
 
@@ -65,14 +65,22 @@ def _fwd_inner(
     taken on ``r`` and scaled once, and each probability costs one multiply-add and one ``exp2``:
     ``exp2(r * qk_scale - m)``; scaling by a positive number preserves the maximum exactly.
 
+    With ``TMA`` an unmasked stage loads its key and value tiles through the descriptors
+    ``k_tiles`` and ``v_tiles`` (``(B * Sk, Hk * D)`` row views, see ``tma_views``) at rows
+    ``tile_row + start_n`` and column ``tile_col``: every row it reads lies inside the sequence.
+    Masked stages, whose last block may end past ``Sk``, keep the masked pointer loads.
+
     With ``DROPOUT`` the normaliser ``l`` sums the kept and the dropped probabilities alike, and
     only the kept ones, scaled by ``1 / (1 - p)``, reach the accumulator.
     """
     for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_k = start_n + o_n
-        b_k = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, seqlen_k, head_dim, page_size, num_pages,
-                        o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
+        if TMA and not MASKED:
+            b_k = k_tiles.load([tile_row + start_n, tile_col])
+        else:
+            b_k = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, seqlen_k, head_dim, page_size,
+                            num_pages, o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             b_s = tanh(b_s * tanh_scale)
@@ -98,8 +106,11 @@ def _fwd_inner(
             b_p = tl.math.exp2(b_s - b_m_use[:, None])
         b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, seqlen_k, head_dim, page_size, num_pages,
-                        o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
+        if TMA and not MASKED:
+            b_v = v_tiles.load([tile_row + start_n, tile_col])
+        else:
+            b_v = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, seqlen_k, head_dim, page_size,
+                            num_pages, o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], o_k[None, :], rng_stride, dropout_p)
             b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
@@ -118,7 +129,7 @@ def _fwd_inner(
 )
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, SLOPES, CU_Q, K_START, K_END, PAGE_TABLE, SEED,
+    Q, K, V, O, K_TILES, V_TILES, LSE, SLOPES, CU_Q, K_START, K_END, PAGE_TABLE, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -128,7 +139,7 @@ def attn_fwd_kernel(
     window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``.
@@ -147,6 +158,10 @@ def attn_fwd_kernel(
     log-sum-exp at split offset ``i_s * stride_os`` / ``i_s * stride_ls``; ``split_combine_kernel``
     merges them. A row with no key in a share stores lse = +inf and output 0.
 
+    With ``TMA`` (dense calls only: no varlen, key ranges or splits), ``K_TILES`` and ``V_TILES``
+    are tensor descriptors of ``K`` and ``V`` as ``(B * Sk, Hk * D)`` rows with ``[BLOCK_N, D]``
+    tiles (``tma_views``), which the unmasked key blocks load from; otherwise they are unused.
+
     Bad cache metadata (a negative start, an end past the page table, a page index outside
     ``[0, num_pages)``) never reads or writes outside the tensors: the affected batch's output
     and lse become NaN. ``LSE[b * stride_lb + h * stride_lh + first row + i]``;
@@ -154,6 +169,7 @@ def attn_fwd_kernel(
     ``(LSE index of row i) * rng_stride + j``.
     """
     tl.static_assert(KV_RANGES or not PAGED, "PAGED addresses key ranges through the page table: it needs KV_RANGES")
+    tl.static_assert(not TMA or not (IS_VARLEN or KV_RANGES), "TMA tiles address dense tensors only")
     i_m = tl.program_id(0) // num_splits
     i_s = tl.program_id(0) % num_splits
     i_h = tl.program_id(1)
@@ -175,8 +191,10 @@ def attn_fwd_kernel(
         diag_offset = seqlen_k - seqlen_q
     lo_offset = diag_offset - window_left
     hi_offset = diag_offset + window_right
-    i_b = i_b.to(tl.int64)
     i_hk = i_h // group_size
+    tile_row = i_b * seqlen_k  # the descriptors' coordinates (int32: ``tma_views`` checks the bound)
+    tile_col = i_hk * BLOCK_D
+    i_b = i_b.to(tl.int64)
 
     o_m = q_start + tl.arange(0, BLOCK_M)  # query rows [BLOCK_M]
     o_r = tl.arange(0, BLOCK_M)
@@ -190,8 +208,8 @@ def attn_fwd_kernel(
     else:
         k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
         v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
-    table = PAGE_TABLE + i_b * stride_tb
     b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
+    table = PAGE_TABLE + i_b * stride_tb
     # Base-2 logits: ``r * qk_scale`` with ``r = q . k`` or, with softcap, ``tanh(q . k * tanh_scale)``.
     if SOFTCAP:
         qk_scale = softcap * LOG2E
@@ -229,7 +247,8 @@ def attn_fwd_kernel(
             b_acc, b_m, b_l, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, qk_scale, tanh_scale, slope, o_m, o_n, o_d, lo, hi,
             seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, FOLD, BLOCK_N,
+            K_TILES, V_TILES, tile_row, tile_col,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, FOLD, TMA, BLOCK_N, BLOCK_D,
         )
 
     m_empty = b_l == 0.0  # rows that saw no key
@@ -296,10 +315,12 @@ def attention_forward(
     cu_q = varlen.cu_seqlens_q if varlen is not None else lse
     rows = packed_rows(q, k, varlen, table is not None)
     block_d = configs.head_dim_bucket(dims.head_dim)
+    views = features.tma_views(k, v, cfg.block_n) if keys is None and varlen is None else None
     grid = (triton.cdiv(dims.seqlen_q, cfg.block_m) * num_splits, dims.nheads, dims.batch)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         attn_fwd_kernel[grid](
-            Q=q, K=k, V=v, O=o_split, LSE=lse_split, CU_Q=cu_q,
+            Q=q, K=k, V=v, O=o_split, K_TILES=views[0] if views else lse, V_TILES=views[1] if views else lse,
+            LSE=lse_split, CU_Q=cu_q,
             K_START=keys.start if keys is not None else lse, K_END=keys.end if keys is not None else lse,
             **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
             **dims.stride_args(o_split[0] if num_splits > 1 else out, "o", "m"),
@@ -309,7 +330,7 @@ def attention_forward(
             seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
             **rows, **paging, **score_args(options, lse, dims.seqlen_k),
             IS_VARLEN=varlen is not None, KV_RANGES=keys is not None, PAGED=table is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            TMA=views is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if num_splits > 1:

@@ -1,0 +1,93 @@
+"""Compiler features the kernels use where the installed Triton and the GPU offer them, decided here.
+
+- Tensor descriptors (TMA, ``cp.async.bulk.tensor``): the dense forward's unmasked key blocks load
+  K and V through host-built ``TensorDescriptor`` objects on Hopper and Blackwell (``sm90``,
+  ``sm100`` families) with Triton 3.4 or newer, which ships ``triton.tools.tensor_descriptor``. A
+  descriptor moves a whole tile with one instruction where pointers cost per-thread address
+  arithmetic (on sm90 at head dim 128 the main loop drops from 557 to 518 instructions per 128 keys;
+  ``python -m flash_recipe.ops.compile_check --target sm90 --call fwd``). Q and O are read and
+  written once per program and stay on pointers (a descriptor-loaded Q is held in registers, where
+  ptxas serialises the matrix instructions), as do the masked edge blocks and every other launch.
+
+``FLASH_RECIPE_TMA=0`` turns descriptors off (the pointer path everywhere); ``using_descriptors``
+forces the choice inside a block, which is how the tests run the descriptor path under the CPU
+interpreter and the benchmark compares the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from typing import Iterator, Optional
+
+from flash_recipe.ops import configs
+
+# The first Triton release with host-side tensor descriptors (``triton.tools.tensor_descriptor``).
+DESCRIPTORS_SINCE = (3, 4)
+DESCRIPTOR_FAMILIES = ("sm90", "sm100")
+
+_FORCED: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("flash_recipe_descriptors", default=None)
+
+
+@contextlib.contextmanager
+def using_descriptors(enabled: bool) -> Iterator[None]:
+    """Inside the block, launches use tensor descriptors where the tensors allow (``True``) or never
+    (``False``), whatever the target; this thread or asyncio task only."""
+    if enabled and configs.triton_release() < DESCRIPTORS_SINCE:
+        raise NotImplementedError(
+            f"tensor descriptors need Triton {'.'.join(map(str, DESCRIPTORS_SINCE))} or newer, "
+            f"this is {'.'.join(map(str, configs.triton_release()))}")
+    token = _FORCED.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def descriptors_enabled(target: str) -> bool:
+    """Whether launches for ``target`` (``"sm90"``, ``"interpreter"``) use tensor descriptors."""
+    forced = _FORCED.get()
+    if forced is not None:
+        return forced
+    if os.environ.get("FLASH_RECIPE_TMA", "1") == "0" or target == "interpreter":
+        return False
+    return configs.triton_release() >= DESCRIPTORS_SINCE and configs.arch_family(target) in DESCRIPTOR_FAMILIES
+
+
+def descriptor_problem(t, block_rows: int) -> Optional[str]:
+    """Why TMA cannot read ``t`` ``(B, S, H, D)`` (keys or values) as ``(B * S, H * D)`` rows in
+    ``[block_rows, D]`` tiles, or None.
+
+    The row view needs a 2-byte dtype, a 16-byte-aligned base, a contiguous last dim, heads side by
+    side (head stride ``D``), batches one after another (batch stride ``S`` rows, or one batch), a
+    row stride that is a multiple of 16 bytes, a head dim that is a power of two from 16 to 256 (a
+    tile never reaches into the next head) and fewer than 2**31 rows (int32 coordinates).
+    """
+    if t.dim() != 4 or 0 in t.shape:
+        return "needs a non-empty (B, S, H, D) tensor"
+    batch, rows, heads, head_dim = t.shape
+    stride_b, stride_s, stride_h, stride_d = t.stride()
+    if t.element_size() != 2:
+        return "needs fp16 or bf16"
+    if t.data_ptr() % 16 or stride_s * 2 % 16:
+        return "base address or row stride not a multiple of 16 bytes"
+    if stride_d != 1 or stride_h != head_dim or (batch > 1 and stride_b != rows * stride_s):
+        return "rows are not (B * S, H * D) with contiguous heads"
+    if head_dim != configs.head_dim_bucket(head_dim) or block_rows > 256 or batch * rows >= 2**31:
+        return "tile outside TMA's box limits"
+    return None
+
+
+def tma_views(k, v, block_rows: int):
+    """Tensor descriptors of ``k`` and ``v`` ``(B, Sk, Hk, D)`` as ``(B * Sk, Hk * D)`` rows with
+    ``[block_rows, D]`` tiles, or None where descriptors are off for the target (``descriptors_enabled``)
+    or either tensor does not allow the view (``descriptor_problem``)."""
+    if not descriptors_enabled(configs.target_of(k.device)):
+        return None
+    if descriptor_problem(k, block_rows) or descriptor_problem(v, block_rows):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2] * t.shape[3]], [t.stride(1), 1],
+                                  [block_rows, t.shape[3]]) for t in (k, v))
