@@ -78,3 +78,51 @@ def test_the_truth_for_fp32_inputs_is_computed_in_fp64(device):
     row = verify.check_case(verify.Case(1, 33, 40, 2, 1, 24, True), torch.float32, device, "reference", seed=0)
     torch_error = (row["bounds"]["out"] - 1e-5) / 2
     assert 1e-9 < torch_error < 1e-5, row
+
+
+def test_verify_kvcache_adds_its_cases_after_the_default_ones(capsys):
+    """``--kvcache`` appends the KV-cache rows; the default rows are the same, and so is the
+    default fingerprint (which the install matrix compares) when the option is not given."""
+    base = ("--json", "--grid", "small", "--dtype", "float32", "--backend", "triton", "--backend", "reference")
+    plain = json.loads(_run(capsys, *base)[1])
+    status, out = _run(capsys, *base, "--kvcache")
+    report = json.loads(out)
+    assert status == 0 and report["passed"], [row for row in report["cases"] if not row["passed"]]
+    assert report["cases"][: len(plain["cases"])] == plain["cases"]
+    kv = report["cases"][len(plain["cases"]) :]
+    assert len(kv) == 2 * len(verify.KV_SMALL_GRID) and all(row["case"].startswith("kv-") for row in kv)
+    assert report["fingerprint"] != plain["fingerprint"]
+    for row in kv:
+        assert set(row["errors"]) == {"out", "k_cache", "v_cache", "cache_rest"}
+        assert row["errors"]["v_cache"] == 0 and row["errors"]["cache_rest"] == 0
+    rotated = [row for row in kv if "-rot" in row["case"]]
+    assert rotated and all(0 < row["bounds"]["k_cache"] < 1e-3 for row in rotated)
+    table = verify.format_table(report)
+    assert "kv-* rows" in table and "MISMATCH" not in table
+
+
+@pytest.mark.parametrize("damage", ["out", "written-row", "other-row"])
+def test_verify_kvcache_catches_wrong_outputs_and_cache_writes(damage, monkeypatch):
+    """A backend that returns a slightly wrong output, writes a new value inexactly, or touches a
+    cache row it should not, fails its KV-cache check."""
+    from flash_recipe import dispatch
+
+    real_run_cache = dispatch.ReferenceBackend.run_cache
+
+    def damaged(self, call):
+        out, lse = real_run_cache(self, call)
+        if damage == "out":
+            out = out * 1.001
+        elif damage == "written-row":  # batch entry 1 appends its new token at row 40
+            call.v_cache[1, 40, 0, 0] = torch.nextafter(call.v_cache[1, 40, 0, 0], torch.tensor(10.0))
+        else:  # row 63 is past every entry's tokens
+            call.k_cache[0, 63] += 1.0
+        return out, lse
+
+    monkeypatch.setattr(dispatch.ReferenceBackend, "run_cache", damaged)
+    case = verify.KV_SMALL_GRID[0]
+    assert case.page == 0 and case.seqlens == (5, 40) and case.new == 1 and case.capacity == 64
+    row = verify.check_kvcache_case(case, torch.float32, torch.device("cpu"), "reference", seed=0)
+    assert not row["passed"]
+    key = {"out": "out", "written-row": "v_cache", "other-row": "cache_rest"}[damage]
+    assert row["errors"][key] > row["bounds"][key]
