@@ -12,6 +12,10 @@ Peers, each only where available: ``flash_recipe`` (the Triton kernels; on the C
 ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``; on the CPU plain ``sdpa``), ``flex``
 (compiled FlexAttention) and ``flash_attn`` (upstream). The batch is chosen so that each shape
 holds about ``--tokens`` tokens.
+
+``--json FILE`` writes the context line and every row, rewritten after each row, so an
+interrupted run keeps what it measured. ``peak_memory`` measures what one training step of a peer
+allocates (used by ``python -m flash_recipe.campaign``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import argparse
 import csv
 import dataclasses
 import io
+import json
+import os
 import statistics
 import sys
 import time
@@ -224,6 +230,53 @@ def measure(peer: Callable, shape: Shape, device, modes, timer: _Timer) -> dict:
     return result
 
 
+MEMORY_MODES = ("fwd", "fwd_bwd")
+
+
+def peak_memory(peer: Callable, shape: Shape, device, mode: str) -> dict:
+    """Peak CUDA memory of one training step of ``peer`` on ``shape``: its forward (``mode="fwd"``,
+    inputs requiring grad, so it keeps what the backward needs) or forward and backward
+    (``"fwd_bwd"``).
+
+    q, k, v and dout are allocated first and one untimed step runs (compilation, caches); then the
+    allocator's peak is reset and one step is measured. Returns MiB: ``before_mb``, allocated
+    before the step (the inputs, plus anything the peer keeps between calls); ``peak_mb``, the
+    peak above that (the output, what is saved for the backward, the gradients, workspace); and
+    ``total_mb``, the peak including ``before_mb``.
+    """
+    import torch
+
+    if device.type != "cuda":
+        raise ValueError(f"peak memory needs a CUDA device, got {device.type!r}")
+    if mode not in MEMORY_MODES:
+        raise ValueError(f"mode must be one of {MEMORY_MODES}, got {mode!r}")
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = getattr(torch, shape.dtype)
+
+    def make(heads: int):
+        return torch.randn(shape.batch, shape.seqlen, heads, shape.head_dim, generator=gen, device=device, dtype=dtype)
+
+    leaves = [make(h).requires_grad_() for h in (shape.nheads, shape.nheads_k, shape.nheads_k)]
+    dout = make(shape.nheads)
+
+    def step() -> None:
+        out = peer(*leaves, shape.causal)
+        if mode == "fwd_bwd":
+            out.backward(dout)
+        for t in leaves:
+            t.grad = None
+
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"mode": mode, "before_mb": before / 2**20, "peak_mb": (peak - before) / 2**20, "total_mb": peak / 2**20}
+
+
 def shapes(seqlens, head_dims, causal_values, gqa_values, dtypes, tokens: int, nheads: int) -> list[Shape]:
     out = []
     for dtype in dtypes:
@@ -236,7 +289,7 @@ def shapes(seqlens, head_dims, causal_values, gqa_values, dtypes, tokens: int, n
                                 max(1, tokens // seqlen),
                                 seqlen,
                                 nheads,
-                                nheads // 4 if gqa else nheads,
+                                max(1, nheads // 4) if gqa else nheads,
                                 head_dim,
                                 causal,
                                 dtype,
@@ -245,7 +298,8 @@ def shapes(seqlens, head_dims, causal_values, gqa_values, dtypes, tokens: int, n
     return out
 
 
-def run_bench(args, progress=print) -> list[dict]:
+def run_bench(args, progress=print, on_row: Optional[Callable[[list], None]] = None) -> list[dict]:
+    """Measure every chosen peer on every shape of ``args``; ``on_row(rows)`` after each row."""
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -267,6 +321,8 @@ def run_bench(args, progress=print) -> list[dict]:
                 torch.cuda.empty_cache()
             rows.append(row)
             progress(_row_text(row, args.mode))
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -409,7 +465,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=lambda s: {"both": [False, True], "yes": [True], "no": [False]}[s],
         default=[False, True],
         metavar="{both,yes,no}",
-        help="GQA uses nheads/4 kv heads",
+        help="GQA uses nheads/4 kv heads (at least 1)",
     )
     parser.add_argument(
         "--dtype", type=lambda s: s.split(","), default=["float16", "bfloat16"], help="comma-separated dtypes"
@@ -424,6 +480,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--csv", help="write the rows as CSV to this file")
     parser.add_argument("--markdown", help="write a markdown table to this file")
     parser.add_argument("--plot", help="write a PNG of TFLOP/s against seqlen (needs matplotlib)")
+    parser.add_argument("--json", help="write the context and rows as JSON to this file, rewritten after each row")
 
 
 def run(args) -> int:
@@ -439,11 +496,21 @@ def run(args) -> int:
     context = context_line()
     print(context)
     print(header(args.mode))
+
+    def write_json(rows: list, complete: bool = False) -> None:
+        document = {"context": context, "modes": list(args.mode), "complete": complete, "rows": rows}
+        partial = f"{args.json}.partial"
+        with open(partial, "w") as f:
+            json.dump(document, f, indent=1)
+        os.replace(partial, args.json)  # a reader never sees a half-written file
+
     try:
-        rows = run_bench(args)
+        rows = run_bench(args, on_row=write_json if args.json else None)
     except ValueError as exc:
         print(f"flash-recipe bench: {exc}", file=sys.stderr)
         return 2
+    if args.json:
+        write_json(rows, complete=True)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             f.write(to_csv(rows))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import statistics
 import time
 
@@ -144,3 +145,60 @@ def test_warmup_without_gpu_says_why(capsys):
         pytest.skip("a GPU is present")
     assert cli.main(["warmup"]) == 2
     assert "no CUDA or ROCm GPU" in capsys.readouterr().err
+
+
+def test_bench_json_is_rewritten_after_every_row(tmp_path, capsys, monkeypatch):
+    """``--json`` holds every row measured so far, so an interrupted run keeps them; nheads 2 with
+    GQA has one kv head."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    path = tmp_path / "b.json"
+    seen = []
+    real_run_bench = bench.run_bench
+
+    def spy(args, progress=print, on_row=None):
+        def record(rows):
+            on_row(rows)
+            seen.append(len(json.loads(path.read_text())["rows"]))
+
+        return real_run_bench(args, progress, record)
+
+    monkeypatch.setattr(bench, "run_bench", spy)
+    args = ["--seqlen", "32", "--head-dim", "16", "--dtype", "float32", "--nheads", "2", "--tokens", "64"]
+    args += ["--gqa", "yes", "--causal", "no", "--reps", "2", "--warmup", "1", "--json", str(path)]
+    assert cli.main(["bench", *args]) == 0
+    document = json.loads(path.read_text())
+    assert seen == [1, 2] and document["complete"] and len(document["rows"]) == 2
+    assert document["context"].startswith("device cpu") and document["modes"] == list(bench.MODES)
+    assert [row["shape"] for row in document["rows"]] == ["B2-S32-H2-gqa2-D16-full-float32"] * 2
+    assert all(row["fwd_tflops"] > 0 for row in document["rows"])
+    assert [p.name for p in tmp_path.iterdir()] == ["b.json"]
+
+
+def test_peak_memory_needs_cuda_and_a_known_mode():
+    shape = bench.Shape(1, 64, 2, 2, 16, False, "float32")
+    with pytest.raises(ValueError, match="needs a CUDA device, got 'cpu'"):
+        bench.peak_memory(bench.peers("cpu")["sdpa"], shape, torch.device("cpu"), "fwd")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="mode must be one of"):
+            bench.peak_memory(bench.peers("cuda")["sdpa_math"], shape, torch.device("cuda"), "bwd")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_peak_memory_of_the_kernels_is_linear_in_the_sequence_length():
+    """A training step of the Triton kernels allocates its output and gradients, never an S x S
+    matrix: from 4k to 8k tokens its peak grows at most 1.1 x 2, and it is at least the output
+    (forward) or the output and three gradients (forward and backward)."""
+    device = torch.device("cuda")
+    peer = bench.peers("cuda")["flash_recipe"]
+    for mode, tensors in (("fwd", 1), ("fwd_bwd", 4)):
+        peaks = []
+        for seqlen in (4096, 8192):
+            shape = bench.Shape(1, seqlen, 8, 8, 128, True, "bfloat16")
+            result = bench.peak_memory(peer, shape, device, mode)
+            q_mb = seqlen * 8 * 128 * 2 / 2**20
+            assert result["before_mb"] >= 4 * q_mb  # q, k, v, dout
+            assert result["peak_mb"] >= tensors * q_mb, result
+            assert result["total_mb"] == pytest.approx(result["before_mb"] + result["peak_mb"])
+            peaks.append(result["peak_mb"])
+        assert peaks[1] <= 2.2 * peaks[0], (mode, peaks)
