@@ -447,7 +447,7 @@ def env_probe() -> dict:
     from flash_recipe.verify import versions
 
     info = {"cuda": torch.cuda.is_available(), "versions": versions(), "platform": platform.platform()}
-    info["tune_cache"] = os.environ.get("FLASH_RECIPE_TUNE_CACHE")
+    info["variables"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FLASH_RECIPE_", "TRITON_"))}
     if info["cuda"]:
         props = torch.cuda.get_device_properties(0)
         info.update(
@@ -870,6 +870,7 @@ def render_markdown(report: dict) -> str:
         f"Python {versions.get('python', '?')}",
         f"- command: `{report['command']}`",
         f"- backend chosen for the target shape: {env.get('chosen_backend', 'n/a')}",
+        f"- environment of the steps: {', '.join(f'`{k}={v}`' for k, v in (env.get('variables') or {}).items())}",
         "",
     ]
     targets = report.get("targets") or []

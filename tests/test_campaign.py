@@ -245,6 +245,9 @@ def test_a_campaign_on_the_cpu_end_to_end(tmp_path, monkeypatch):
     assert status == 1 and [n for n, s in steps.items() if s["status"] != "passed"] == ["tune"], steps
     assert steps["tune"]["status"] == "failed" and steps["tune"]["detail"].startswith("exit status 2")
     assert report["environment"]["cuda"] is False and report["environment"]["versions"]["torch"]
+    variables = report["environment"]["variables"]
+    assert "TRITON_INTERPRET" not in variables and "FLASH_RECIPE_BACKEND" not in variables
+    assert variables["FLASH_RECIPE_TUNE_CACHE"].endswith("tune-cache")  # empty: the shipped table is measured
     verify_data = steps["verify"]["data"]
     assert verify_data["passed"] and verify_data["backends"] == ["reference"]
     assert set(verify_data["counts"]) == {"attention/float32", "kvcache/float32"} and not verify_data["mismatches"]
