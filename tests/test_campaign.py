@@ -399,3 +399,27 @@ def test_peers_this_machine_lacks_are_dropped_from_the_bench_command():
     args = _parse(bench.add_arguments, step.command()[4:])
     assert args.peer == ["flash_recipe", "sdpa_flash", "sdpa_efficient"] and dropped == ["sdpa_cudnn", "flex"]
     assert args.seqlen == [4096, 8192, 16384] and PLAN["bench"].argv.count("--peer") == 5  # the plan is unchanged
+
+
+def test_memory_worker_reports_what_it_cannot_measure(tmp_path, capsys):
+    """Each (shape, mode, peer) is a row; one that cannot be measured says why, and the step exits 1."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU these rows are measured")
+    result = tmp_path / "memory.json"
+    argv = ["--step", "memory", "--result", str(result), "--seqlen", "64", "--peer", "flash_recipe", "--peer", "flex"]
+    assert campaign.main(argv) == 1
+    rows = json.loads(result.read_text())
+    assert [(r["causal"], r["mode"], r["peer"]) for r in rows] == [
+        (causal, mode, peer)
+        for causal in (False, True)
+        for mode in ("fwd", "fwd_bwd")
+        for peer in ("flash_recipe", "flex")
+    ]
+    assert all(r["seqlen"] == 64 and r["dtype"] == "bfloat16" and r["head_dim"] == 128 for r in rows)
+    assert {r["error"] for r in rows if r["peer"] == "flash_recipe"} == {
+        "ValueError: peak memory needs a CUDA device, got 'cpu'"
+    }
+    assert {r["error"] for r in rows if r["peer"] == "flex"} == {"ValueError: peer 'flex' is not available on cpu"}
+    assert len(capsys.readouterr().out.splitlines()) == len(rows)
