@@ -8,7 +8,8 @@ CPU; warm-up runs first, the median of the repetitions is reported) and converte
     backward FLOPs = 2.5 * forward FLOPs
 
 Peers, each only where available: ``flash_recipe`` (the Triton kernels; on the CPU, the public
-``flash_attn_func`` on its automatic backend), torch SDPA per backend (``sdpa_flash``,
+``flash_attn_func`` on its automatic backend), ``flash_recipe_pointers`` (the Triton kernels with
+TMA tensor descriptors off, to measure what they bring), torch SDPA per backend (``sdpa_flash``,
 ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``; on the CPU plain ``sdpa``), ``flex``
 (compiled FlexAttention) and ``flash_attn`` (upstream). The batch is chosen so that each shape
 holds about ``--tokens`` tokens.
@@ -81,11 +82,17 @@ def _sdpa(backend_name: Optional[str]):
     return run
 
 
-def _flash_recipe(backend_name: Optional[str]):
+def _flash_recipe(backend_name: Optional[str], descriptors: Optional[bool] = None):
+    """flash_recipe on ``backend_name`` (None: automatic); ``descriptors`` False forces the Triton
+    kernels' pointer loads where they would use TMA tensor descriptors (``ops.features``)."""
+    import contextlib
+
     import flash_recipe
+    from flash_recipe.ops import features
 
     def run(q, k, v, causal):
-        with flash_recipe.use_backend(backend_name):
+        forced = features.using_descriptors(descriptors) if descriptors is not None else contextlib.nullcontext()
+        with flash_recipe.use_backend(backend_name), forced:
             return flash_recipe.flash_attn_func(q, k, v, causal=causal)
 
     return run
@@ -131,6 +138,7 @@ def peers(device_type: str) -> dict[str, Callable]:
     found = {}
     if dispatch.TritonBackend().is_available() is None:
         found["flash_recipe"] = _flash_recipe("triton")
+        found["flash_recipe_pointers"] = _flash_recipe("triton", descriptors=False)  # the same without TMA
     for name, backend in (
         ("sdpa_flash", "FLASH_ATTENTION"),
         ("sdpa_efficient", "EFFICIENT_ATTENTION"),

@@ -11,8 +11,8 @@ verify   ``flash-recipe verify --kvcache --grid full`` in fp16, bf16 and fp32: e
          the reference, ``flash_attn_with_kvcache`` included
 bench    ``flash-recipe bench`` at the target shapes (bf16, head dim 128, 16 heads, seqlen 4k, 8k and
          16k at 16k tokens each, causal and not), forward, backward and both, with its peers side by
-         side: SDPA flash, cuDNN and efficient, compiled FlexAttention (a peer this machine lacks is
-         left out and named in the report)
+         side: SDPA flash, cuDNN and efficient, compiled FlexAttention, and flash_recipe with TMA
+         descriptors off (a peer this machine lacks is left out and named in the report)
 memory   peak memory of one training step (forward; forward and backward) of flash_recipe and SDPA
          flash at seqlen 32k and 64k, above its inputs (``bench.peak_memory``)
 tests    pytest on the checkout's GPU-relevant test files, when a ``tests/`` folder lies next to the
@@ -84,7 +84,7 @@ STOP_GRACE_S = 5
 # The target shapes: bf16, head dim 128, MHA with 16 heads, about 16k tokens per shape.
 TARGET = {"dtype": "bfloat16", "head_dim": 128, "nheads": 16, "tokens": 16384, "seqlens": (4096, 8192, 16384)}
 SUBJECT, REFERENCE = "flash_recipe", "sdpa_flash"
-BENCH_PEERS = (SUBJECT, REFERENCE, "sdpa_cudnn", "sdpa_efficient", "flex")
+BENCH_PEERS = (SUBJECT, REFERENCE, "sdpa_cudnn", "sdpa_efficient", "flex", "flash_recipe_pointers")
 BENCH_MODES = ("fwd", "bwd", "fwd_bwd")
 BENCH_WARMUP, BENCH_REPS = 5, 20
 MEMORY_SEQLENS = (32768, 65536)

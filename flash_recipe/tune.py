@@ -53,17 +53,19 @@ DTYPES = ("float16", "bfloat16", "float32")
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 # The call ``compile_check`` makes to compile each kernel.
-COMPILE_CALL = {"fwd": "fwd", "bwd_dkdv": "bwd", "bwd_dq": "bwd", "decode": "decode"}
+COMPILE_CALL = {"fwd": "fwd", "fwd_general": "varlen", "bwd_dkdv": "bwd", "bwd_dq": "bwd", "decode": "decode"}
 # The candidate grid per kernel: block_m, block_n, num_warps, num_stages. Decoding has one to
 # sixteen query rows, so its query block is the smallest matrix-unit tile.
 GRID = {
     "fwd": ((64, 128), (32, 64, 128), (4, 8), (1, 2, 3, 4)),
+    "fwd_general": ((64, 128), (32, 64, 128), (4, 8), (1, 2, 3, 4)),
     "bwd_dkdv": ((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)),
     "bwd_dq": ((32, 64, 128), (16, 32, 64), (4, 8), (1, 2, 3)),
     "decode": ((16,), (32, 64, 128, 256), (4, 8), (1, 2, 3, 4)),
 }
 # Eight warps only on tiles of at least this many elements: on smaller ones most of them idle.
 EIGHT_WARPS_MIN_TILE = 64 * 64
+GENERAL_SOFTCAP = 50.0
 ACCURACY_FACTOR = {"out": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 
 
@@ -282,7 +284,9 @@ class Problem:
             self.heuristic_splits = kvcache.heuristic_splits(b, h, sq, sk, self.q.device)
             return
         self.heuristic_splits = None  # decoding only
-        self.options = ScoreOptions(sk - sq, -1, 0 if shape.causal else -1, 0.0, None)
+        # The general forward is timed on a softcapped call (Gemma 2's 50), one of the options it serves.
+        softcap = GENERAL_SOFTCAP if kernel == "fwd_general" else 0.0
+        self.options = ScoreOptions(sk - sq, -1, 0 if shape.causal else -1, softcap, None)
         if kernel in ("bwd_dkdv", "bwd_dq"):
             self.dout = draw(b, sq, h, d)
             self.out, self.lse = forward.attention_forward(self.q, self.k, self.v, self.scale, self.options)
@@ -290,7 +294,7 @@ class Problem:
     def launch(self, num_splits: Optional[int] = None) -> tuple:
         from flash_recipe.ops import backward, forward, kvcache
 
-        if self.kernel == "fwd":
+        if self.kernel in ("fwd", "fwd_general"):
             return (forward.attention_forward(self.q, self.k, self.v, self.scale, self.options)[0],)
         if self.kernel == "decode":
             splits = self.heuristic_splits if num_splits is None else num_splits
@@ -317,8 +321,9 @@ class Problem:
             ]
             return (torch.cat(rows),)
         causal = self.shape.causal
-        if self.kernel == "fwd":
-            return (attention_reference(self.q, self.k, self.v, self.scale, causal, upcast=upcast)[0],)
+        if self.kernel in ("fwd", "fwd_general"):
+            softcap = self.options.softcap
+            return (attention_reference(self.q, self.k, self.v, self.scale, causal, upcast=upcast, softcap=softcap)[0],)
         high = compute_dtype(self.q.dtype, upcast)
         leaves = [t.detach().to(high).requires_grad_(True) for t in (self.q, self.k, self.v)]
         out = attention_reference(*leaves, self.scale, causal, upcast=upcast)[0]
@@ -335,7 +340,7 @@ class Check:
 
     def __init__(self, problem: Problem):
         self.problem = problem
-        self.names = ("out",) if problem.kernel in ("fwd", "decode") else ("dq", "dk", "dv")
+        self.names = ("out",) if problem.kernel in ("fwd", "fwd_general", "decode") else ("dq", "dk", "dv")
         truth = problem.reference(upcast=True)
         same = problem.reference(upcast=False)
         self.truth = truth

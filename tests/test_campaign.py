@@ -397,8 +397,9 @@ def test_target_summary_per_kind():
 def test_peers_this_machine_lacks_are_dropped_from_the_bench_command():
     step, dropped = campaign.without_unavailable_peers(PLAN["bench"], ["flash_recipe", "sdpa_flash", "sdpa_efficient"])
     args = _parse(bench.add_arguments, step.command()[4:])
-    assert args.peer == ["flash_recipe", "sdpa_flash", "sdpa_efficient"] and dropped == ["sdpa_cudnn", "flex"]
-    assert args.seqlen == [4096, 8192, 16384] and PLAN["bench"].argv.count("--peer") == 5  # the plan is unchanged
+    assert args.peer == ["flash_recipe", "sdpa_flash", "sdpa_efficient"]
+    assert dropped == ["sdpa_cudnn", "flex", "flash_recipe_pointers"]
+    assert args.seqlen == [4096, 8192, 16384] and PLAN["bench"].argv.count("--peer") == 6  # the plan is unchanged
 
 
 def test_memory_worker_reports_what_it_cannot_measure(tmp_path, capsys):

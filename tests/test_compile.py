@@ -95,18 +95,33 @@ def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instruction
         (0x070, "@!P0 BRA 0x20"),
         (0x080, "FFMA R2, R3, R4, -R5"),  # unmasked loop: 0x080..0x0b0, 4 instructions
         (0x090, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24"),
-        (0x0a0, "MUFU.EX2 R2, R2"),
-        (0x0b0, "@P1 BRA 0x80"),
-        (0x0c0, "EXIT"),
-        (0x0d0, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR13], R2"),  # out of line: a spin loop, then back
-        (0x0e0, "@!P0 BRA 0xd0"),
-        (0x0f0, "BRA 0x90"),
+        (0x0A0, "MUFU.EX2 R2, R2"),
+        (0x0B0, "@P1 BRA 0x80"),
+        (0x0B8, "@P2 EXIT"),  # an early exit is not the end
+        (0x0C0, "EXIT"),
+        (0x0D0, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR13], R2"),  # out of line: a spin loop, then back
+        (0x0E0, "@!P0 BRA 0xd0"),
+        (0x0F0, "BRA 0x90"),
         (0x100, "BRA 0x100"),
     ]
     sass = "\n".join(f"        /*{address:04x}*/    {text} ;    /* 0x0000 */" for address, text in lines)
     assert compile_check.main_loop(sass) == 4
     assert compile_check.main_loop(sass.replace("@P1 BRA 0x80", "NOP")) == 5  # the masked loop, NOP excluded
     assert compile_check.main_loop("/*0000*/ MOV R1, R2 ;\n/*0010*/ @P0 BRA 0x0 ;") is None  # no matrix loop
+    rotated = [  # a loop that tests its exit at the top and jumps back unconditionally (sm80)
+        (0x000, "ISETP.GE.AND P0, PT, R1, R2, PT"),
+        (0x010, "@P0 BRA 0x60"),
+        (0x020, "HMMA.16816.F32.BF16 R4, R8, R12, R4"),
+        (0x030, "FFMA R2, R3, R4, -R5"),
+        (0x040, "IADD3 R1, R1, 0x40, RZ"),
+        (0x050, "BRA 0x0"),
+        (0x060, "EXIT"),
+        (0x070, "BRA 0x70"),
+    ]
+    sass = "\n".join(f"        /*{address:04x}*/    {text} ;" for address, text in rotated)
+    assert compile_check.main_loop(sass) == 6
+    uniform = sass.replace("@P0 BRA 0x60", "BRA.U UP0, 0x60").replace("BRA 0x0", "BRA.U !UP1, 0x0")  # sm120
+    assert compile_check.main_loop(uniform) == 6
 
 
 @pytest.mark.slow

@@ -11,8 +11,11 @@ from flash_recipe.ops import configs, features
 def test_descriptors_on_hopper_and_blackwell_with_triton_3_4(monkeypatch):
     monkeypatch.delenv("FLASH_RECIPE_TMA", raising=False)
     monkeypatch.setattr(configs, "triton_release", lambda: (3, 4))
-    assert [t for t in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx942", "interpreter")
-            if features.descriptors_enabled(t)] == ["sm90", "sm100"]
+    assert [
+        t
+        for t in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx942", "interpreter")
+        if features.descriptors_enabled(t)
+    ] == ["sm90", "sm100"]
     monkeypatch.setenv("FLASH_RECIPE_TMA", "0")
     assert not features.descriptors_enabled("sm90")
     monkeypatch.delenv("FLASH_RECIPE_TMA")

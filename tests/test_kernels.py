@@ -231,6 +231,10 @@ def test_tensor_descriptor_path_matches_pointer_path(case, device, nan_outputs, 
 
 
 def _case_inputs(case, device):
-    return (_rand(case.batch, case.seqlen_q, case.nheads, case.head_dim, dtype=torch.float16, device=device, seed=1),
-            *(_rand(case.batch, case.seqlen_k, case.nheads_k, case.head_dim, dtype=torch.float16, device=device,
-                    seed=s) for s in (2, 3)))
+    return (
+        _rand(case.batch, case.seqlen_q, case.nheads, case.head_dim, dtype=torch.float16, device=device, seed=1),
+        *(
+            _rand(case.batch, case.seqlen_k, case.nheads_k, case.head_dim, dtype=torch.float16, device=device, seed=s)
+            for s in (2, 3)
+        ),
+    )

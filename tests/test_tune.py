@@ -516,7 +516,7 @@ def test_tune_is_a_subcommand_and_parses_its_options():
     [
         (["--head-dim", "96"], ["--head-dim", "16,32,64,128,256", "'96'"]),
         (["--dtype", "float8"], ["--dtype", "float16,bfloat16,float32", "'float8'"]),
-        (["--kernel", "forward"], ["--kernel", "fwd,bwd_dkdv,bwd_dq,decode", "'forward'"]),
+        (["--kernel", "forward"], ["--kernel", ",".join(configs.KERNELS), "'forward'"]),
         (["--seqlen", "0"], ["--seqlen", "integers >= 1", "'0'"]),
         (["--splits", "3"], ["--splits", "1,2,4,8,16,32,64", "'3'"]),
         (["--causal", "maybe"], ["--causal", "both", "yes", "no", "'maybe'"]),

@@ -123,6 +123,9 @@ class CompileCheck(_CompileCheck, total=False):
     fma_dots: int
     stores: bool
     matrix_unit: Optional[str]
+    loop_instructions: Optional[int]
+    loop_step: Optional[int]
+    loop_per_row: Optional[float]
     seconds: float
     problems: list[str]
 

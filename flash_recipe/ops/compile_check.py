@@ -16,7 +16,9 @@ Each call is made in two forms:
   the blocks, separate contiguous q/k/v, MHA, causal;
 - ``ragged``: the worst case the dispatcher can launch: head dim below its bucket (masked
   columns), ragged lengths, GQA, every score option (window, softcap, ALiBi, dropout), and q/k/v
-  as strided views of one packed ``qkv`` tensor with odd row strides.
+  as strided views of one packed ``qkv`` tensor with odd row strides. The dense forward is also
+  launched with the window alone: the worst case of its plain-score configuration (``"fwd"``,
+  where the options take ``"fwd_general"``).
 
 For every compiled kernel it reports shared memory against the architecture's opt-in limit
 (``configs.SHARED_MEMORY_LIMIT``), registers and spilled bytes per thread (the cubin's resource
@@ -57,7 +59,7 @@ from typing import Iterator, Optional
 from flash_recipe.ops import configs
 
 DTYPES = ("float16", "bfloat16", "float32")
-HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
+HEAD_DIM_BUCKETS = configs.HEAD_DIM_BUCKETS
 # Launcher calls: "fwd" dense forward; "bwd" the backward (preprocess, dK/dV, dQ); "varlen" the
 # packed-sequence forward and backward; "decode" a KV-cache step (rotary/append, the forward with
 # decode tiles over a paged cache, split-KV merge); "paged" the forward over a paged cache with
@@ -71,6 +73,8 @@ SPILL_BUDGET = 0
 SPILL_BUDGET_MAX_HEAD_DIM = 128
 # Kernels launched with a fixed configuration and no dots (no matrix units to check).
 ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine")
+# The forward's compile-time flags that make a launch take the ``"fwd_general"`` configuration.
+GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "SOFTCAP", "ALIBI", "DROPOUT")
 # The rows one iteration of a tiled kernel's main loop advances by: keys for the forward, decode and
 # dQ kernels, queries for dK/dV.
 LOOP_STEP = {"fwd": "BLOCK_N", "fwd_general": "BLOCK_N", "decode": "BLOCK_N", "bwd_dq": "BLOCK_N",
@@ -114,13 +118,13 @@ def _head_dim(case: Case) -> int:
     return case.head_dim - 5 if case.head_dim > 16 else 13
 
 
-def _qkv(case: Case, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int):
+def _qkv(case: Case, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, head_dim=None):
     """q ``(B, Sq, H, D)`` and k, v ``(B, Sk, Hk, D)`` on the CPU: separate contiguous tensors
     (aligned), or views of one packed ``(B, S, H + 2 Hk, D)`` tensor (ragged: odd strides, and k/v
-    pointers off the 16-byte alignment)."""
+    pointers off the 16-byte alignment); ``D`` is ``_head_dim(case)`` unless given."""
     import torch
 
-    dtype, head_dim = getattr(torch, case.dtype), _head_dim(case)
+    dtype, head_dim = getattr(torch, case.dtype), head_dim or _head_dim(case)
     if case.form == "aligned":
         return (torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
                 torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
@@ -159,6 +163,9 @@ def _run_call(case: Case) -> dict[str, str]:
         var = _variant(case, nheads, seqlen_k - seqlen_q)
         if case.call == "fwd":
             forward.attention_forward(q, k, v, scale, var)
+            if ragged:  # the plain-score configuration's worst case: the window alone, every column used
+                q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim=case.head_dim)
+                forward.attention_forward(q, k, v, scale, var._replace(softcap=0.0, slopes=None, dropout_p=0.0))
             return {"attn_fwd_kernel": "fwd"}
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var)
@@ -305,24 +312,27 @@ def _nvidia_usage(kernel) -> dict:
 
 
 _MATRIX_SASS = re.compile(r"\b(HGMMA|HMMA|UTC\w*MMA)\b")
+# A branch and its target address: ``@!P0 BRA 0x1370``, ``BRA.U !UP0, 0x17a0``, ``BRA `(.L_x_3) 0x90``.
+_BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+\s*,\s*)?(?:`?\(?\.L_x_\d+\)?\s*)?0x([0-9a-f]+)")
 
 
 def main_loop(sass: str) -> Optional[int]:
     """Instructions in one iteration of the main loop of a disassembled kernel (``cuobjdump -sass``),
     or None for a kernel without a loop of matrix instructions.
 
-    A loop is a conditional branch back to an earlier address (Triton's loops end with one); its
-    body is every instruction from the target to the branch, NOPs excepted. Unconditional backward
-    branches are not loops: they return from out-of-line blocks (a barrier's retry after the
-    kernel's exit) into the code. Of the loops that issue matrix instructions, the main loop is the
-    shortest: the kernels' masked stages repeat the unmasked loop's work plus their masks.
+    A loop is a branch back to an earlier address from before the kernel's last ``EXIT``; its body
+    is every instruction from the target to the branch, NOPs excepted. (Backward branches after the
+    last exit are out-of-line blocks, such as a barrier's retry, returning into the code.) Of the
+    loops that issue matrix instructions, the main loop is the shortest: the kernels' masked stages
+    repeat the unmasked loop's work plus their masks.
     """
     code = [(int(address, 16), text.strip())
             for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    last_exit = max((a for a, t in code if re.match(r"(@!?U?P\w+\s+)?EXIT\b", t)), default=None)
     sizes = []
     for address, text in code:
-        branch = re.match(r"@!?U?P\w+\s+BRA\s+(?:`?\(?\.L_x_\d+\)?\s*)?0x([0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
+        branch = _BRANCH.match(text)
+        if branch and int(branch.group(1), 16) < address and (last_exit is None or address < last_exit):
             body = [t for a, t in code if int(branch.group(1), 16) <= a <= address and not t.startswith("NOP")]
             if any(_MATRIX_SASS.search(t) for t in body):
                 sizes.append(len(body))
@@ -363,6 +373,8 @@ def check_case(case: Case, target: str) -> list[dict]:
     rows = []
     for name, kernel in compiled:
         label = labels[name]
+        if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
+            label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
         if target.startswith("gfx"):
             usage = _amd_usage(kernel)
         else:

@@ -8,8 +8,12 @@ A configuration is chosen by ``(arch, kernel, head-dim bucket, element size)``:
   99 KiB, no wgmma), ``"amd"`` (CDNA gfx90a/gfx942/gfx950, sized for 64 KiB of LDS) or
   ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU, where bigger blocks mean fewer programs and
   so less Python overhead). A GPU without a family of its own gets ``FALLBACK_FAMILY``.
-- ``kernel``: ``"fwd"`` (forward), ``"bwd_dkdv"``, ``"bwd_dq"``, ``"decode"`` (the forward kernel
-  on a KV cache with few query rows).
+- ``kernel``: ``"fwd"`` (the dense forward with plain scores, masks and windows only, at a head
+  dim in ``HEAD_DIM_BUCKETS``), ``"fwd_general"`` (the forward with packed sequences, a KV cache's
+  key ranges or pages, a softcap, ALiBi, dropout or masked head-dim columns, whose extra registers
+  the dense forward's largest tiles cannot hold),
+  ``"bwd_dkdv"``, ``"bwd_dq"``, ``"decode"`` (the forward kernel on a KV cache with few query
+  rows).
 - head-dim bucket: the padded head dim, a power of two from 16 to 256.
 - element size: 2 for fp16/bf16, 4 for fp32 (fp32 tiles need twice the shared memory).
 
@@ -64,6 +68,14 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (128, 4, Config(64, 32, 4, 2)),
         (256, 4, Config(32, 32, 4, 1)),
     ],
+    ("sm90", "fwd_general"): [
+        (64, 2, Config(128, 64, 4, 3)),
+        (128, 2, Config(128, 64, 8, 3)),
+        (256, 2, Config(64, 64, 4, 2)),
+        (64, 4, Config(64, 64, 4, 2)),
+        (128, 4, Config(64, 32, 4, 2)),
+        (256, 4, Config(32, 32, 4, 1)),
+    ],
     ("sm80", "fwd"): [
         (64, 2, Config(128, 64, 4, 3)),
         (128, 2, Config(128, 64, 8, 3)),
@@ -73,7 +85,7 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(32, 32, 4, 1)),
     ],
     ("sm86", "fwd"): [
-        (64, 2, Config(128, 64, 4, 2)),
+        (64, 2, Config(128, 64, 8, 2)),
         (128, 2, Config(64, 64, 4, 2)),
         (256, 2, Config(64, 32, 4, 1)),
         (64, 4, Config(64, 32, 4, 2)),
@@ -182,12 +194,15 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
     ("interpreter", "decode"): [(256, 4, Config(16, 32, 1, 1))],
 }
 
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
+KERNELS = ("fwd", "fwd_general", "bwd_dkdv", "bwd_dq", "decode")
 
 # sm120/sm121 have sm86's 99 KiB of shared memory and its matrix instruction (mma.sync, no wgmma):
 # they take its tiles, which the compile check proves for sm120 and sm121 themselves. sm100 takes
 # Hopper's tiles except dK/dV at head dim 256, whose 64-key blocks Triton 3.9 compiles to a trap
 # on sm100 (ragged form).
+# The general forward takes the dense forward's tiles except on Hopper (above).
+for _arch in ("sm80", "sm86", "amd", "interpreter"):
+    _TABLE[(_arch, "fwd_general")] = _TABLE[(_arch, "fwd")]
 for _kernel in KERNELS:
     _TABLE[("sm120", _kernel)] = _TABLE[("sm86", _kernel)]
     _TABLE[("sm100", _kernel)] = _TABLE[("sm90", _kernel)]
@@ -242,6 +257,9 @@ def shared_memory_problem(target: str, available: int) -> Optional[str]:
         return None
     return (f"{target} offers {available} bytes of shared memory per block; flash_recipe's configurations for it "
             f"({family}) are sized for {needed}")
+
+
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
 
 
 def head_dim_bucket(head_dim: int) -> int:

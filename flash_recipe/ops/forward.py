@@ -24,6 +24,7 @@ makes every probability the backward recomputes from it exactly 0.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
@@ -51,19 +52,22 @@ from flash_recipe.ops.tiles import (
 @triton.jit
 def _fwd_inner(
     b_acc, b_m, b_l, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
-    lo_offset, hi_offset, diag_offset, qk_scale, tanh_scale, slope, o_m, o_n, o_d, start, end,
-    seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages, k_tiles, v_tiles, tile_row, tile_col,
-    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, start, end,
+    seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+    k_tiles, v_tiles, tile_row, tile_col, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
     FOLD: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
 
-    The base-2 logit of a score is ``r * qk_scale`` (minus ``slope * |i + diag_offset - j|`` with
-    ALiBi, ``slope`` already in base 2), where ``r`` is the raw ``q . k``, or with softcap
-    ``tanh(q . k * tanh_scale)``. With ``FOLD`` (no ALiBi, ``qk_scale > 0``) the row maximum is
-    taken on ``r`` and scaled once, and each probability costs one multiply-add and one ``exp2``:
-    ``exp2(r * qk_scale - m)``; scaling by a positive number preserves the maximum exactly.
+    The logit of a score is ``r * nat_scale`` (minus ``slope * |i + diag_offset - j|`` with ALiBi),
+    where ``r`` is the raw ``q . k``, or with softcap ``tanh(q . k * tanh_scale)``; ``qk_scale`` is
+    ``nat_scale * log2(e)`` rounded to fp32. With ``FOLD`` (fp16/bf16, no ALiBi, ``qk_scale > 0``)
+    the row maximum is taken on ``r`` and scaled once, and each probability costs one multiply-add
+    and one ``exp2``: ``exp2(r * qk_scale - m)`` (scaling by a positive number preserves the
+    maximum exactly). Otherwise the logit is computed in natural units and then multiplied by ``log2(e)``,
+    which fp32 keeps: the scale's own rounding to fp32 would shift logits in the hundreds by an
+    ulp, more than the fp32 accuracy rule leaves for the gradients the backward recomputes.
 
     With ``TMA`` an unmasked stage loads its key and value tiles through the descriptors
     ``k_tiles`` and ``v_tiles`` (``(B * Sk, Hk * D)`` row views, see ``tma_views``) at rows
@@ -85,9 +89,10 @@ def _fwd_inner(
         if SOFTCAP:
             b_s = tanh(b_s * tanh_scale)
         if not FOLD:
-            b_s = b_s * qk_scale
+            b_s = b_s * nat_scale
             if ALIBI:
                 b_s = b_s - slope * tl.abs((o_m[:, None] + diag_offset - o_k[None, :]).to(tl.float32))
+            b_s = b_s * LOG2E
         if MASKED:
             b_s = tl.where(visible(o_m[:, None], o_k[None, :], seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT),
                            b_s, float("-inf"))
@@ -123,8 +128,8 @@ def _fwd_inner(
     {
         "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
-        # One multiply-add per score (see ``_fwd_inner``): needs a positive base-2 multiplier and no ALiBi.
-        "FOLD": lambda a: not a["ALIBI"] and (a["softcap"] if a["SOFTCAP"] else a["sm_scale"]) > 0.0,
+        # One multiply-add per score (``_fwd_inner``): fp16/bf16, a positive scale, no ALiBi.
+        "FOLD": lambda a: a["Q"].element_size() == 2 and not a["ALIBI"] and a["qk_scale"] > 0.0,
     }
 )
 @triton.jit
@@ -135,7 +140,7 @@ def attn_fwd_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh, stride_os,
     stride_lb, stride_lh, stride_ls, stride_sb, stride_tb,
-    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, qk_scale, diag_offset,
     window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
@@ -210,16 +215,16 @@ def attn_fwd_kernel(
         v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
     b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
     table = PAGE_TABLE + i_b * stride_tb
-    # Base-2 logits: ``r * qk_scale`` with ``r = q . k`` or, with softcap, ``tanh(q . k * tanh_scale)``.
+    # Logits: ``r * nat_scale`` with ``r = q . k`` or, with softcap, ``tanh(q . k * tanh_scale)``.
     if SOFTCAP:
-        qk_scale = softcap * LOG2E
+        nat_scale = softcap
         tanh_scale = sm_scale / softcap
     else:
-        qk_scale = sm_scale * LOG2E
+        nat_scale = sm_scale
         tanh_scale = 1.0
     slope = 0.0
     if ALIBI:
-        slope = tl.load(SLOPES + i_b * stride_sb + i_h) * LOG2E
+        slope = tl.load(SLOPES + i_b * stride_sb + i_h)
     seed = 0
     rng_base = 0
     if DROPOUT:
@@ -245,7 +250,7 @@ def attn_fwd_kernel(
             hi = tl.minimum(hi, split_hi)
         b_acc, b_m, b_l = _fwd_inner(
             b_acc, b_m, b_l, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
-            lo_offset, hi_offset, diag_offset, qk_scale, tanh_scale, slope, o_m, o_n, o_d, lo, hi,
+            lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, lo, hi,
             seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
             K_TILES, V_TILES, tile_row, tile_col,
             stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, FOLD, TMA, BLOCK_N, BLOCK_D,
@@ -284,7 +289,9 @@ def attention_forward(
         num_splits: > 1 (with ``keys``) splits every row's keys into that many shares run by
             separate programs, then merges them (``split_combine_kernel``): more parallelism for
             few query rows.
-        kernel: the launch configuration to use, ``"fwd"`` or ``"decode"`` (small query blocks).
+        kernel: the launch configuration to use, ``"fwd"`` or ``"decode"`` (small query blocks);
+            ``"fwd"`` becomes ``"fwd_general"`` with varlen, key ranges, softcap, ALiBi, dropout or a
+            head dim that is not a power of two from 16 to 256 (masked columns).
 
     Returns:
         ``out`` shaped like q, in q's dtype, and ``lse`` float32 (natural log): ``(B, H, Sq)``, or
@@ -301,6 +308,9 @@ def attention_forward(
     if out.numel() == 0 or dims.seqlen_q == 0:
         lse.fill_(float("inf"))
         return out.zero_(), lse
+    plain = varlen is None and keys is None and options.softcap <= 0.0 and options.slopes is None
+    if kernel == "fwd" and not (plain and options.dropout_p == 0.0 and dims.head_dim in configs.HEAD_DIM_BUCKETS):
+        kernel = "fwd_general"
     cfg = configs.launch_config(q.device, kernel, dims.head_dim, q.element_size())
     table = keys.table if keys is not None else None
     if table is not None:
@@ -328,6 +338,7 @@ def attention_forward(
             stride_lb=stride_lb, stride_lh=stride_lh, stride_ls=lse_split.stride(0) if num_splits > 1 else 0,
             nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q,
             seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
+            qk_scale=_base2_scale(options.softcap if options.softcap > 0.0 else softmax_scale),
             **rows, **paging, **score_args(options, lse, dims.seqlen_k),
             IS_VARLEN=varlen is not None, KV_RANGES=keys is not None, PAGED=table is not None,
             TMA=views is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
@@ -344,6 +355,11 @@ def attention_forward(
                 IS_VARLEN=varlen is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
             )
     return out, lse
+
+
+def _base2_scale(nat_scale: float) -> float:
+    """``nat_scale * log2(e)``, the multiplier of the kernel's base-2 logits (``_fwd_inner``)."""
+    return nat_scale * math.log2(math.e)
 
 
 @triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
