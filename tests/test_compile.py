@@ -9,28 +9,10 @@ fresh process without ``TRITON_INTERPRET``. The full sweep is ``nox -s compile_c
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+from offline import compile_in_subprocess
 
 from flash_recipe.ops import compile_check, configs
-
-
-def _compile_in_subprocess(script: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
 def test_every_target_has_a_limit_and_a_family():
@@ -128,7 +110,7 @@ def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instruction
 def test_the_speed_proxy_holds_for_the_table_and_fails_for_the_old_tile():
     """The aligned sm90 forward at head dim 128 costs at most the tutorial's instructions per key; its
     former tile (128x64 keys, pointer loads) cost more, and the check says so."""
-    rows = _compile_in_subprocess("""
+    rows = compile_in_subprocess("""
         import json
         from flash_recipe.ops import compile_check, configs, features
         case = compile_check.Case("fwd", "bfloat16", 128, "aligned")
@@ -150,7 +132,7 @@ def test_the_speed_proxy_holds_for_the_table_and_fails_for_the_old_tile():
 @pytest.mark.slow
 def test_an_oversized_config_is_rejected():
     """The check can fail: a 128x128, 3-stage forward at head dim 256 cannot fit sm120's 99 KiB."""
-    rows = _compile_in_subprocess("""
+    rows = compile_in_subprocess("""
         import json
         from flash_recipe.ops import compile_check, configs
         oversized = configs.Config(128, 128, 8, 3)
@@ -167,7 +149,7 @@ def test_an_oversized_config_is_rejected():
 def test_a_kernel_compiled_to_a_trap_is_rejected():
     """The check can fail on code that would trap at run time: Triton 3.9 compiles the sm100 dK/dV
     kernel with 64-key blocks at head dim 256, every option on, into a trap."""
-    rows = _compile_in_subprocess("""
+    rows = compile_in_subprocess("""
         import json
         from flash_recipe.ops import compile_check, configs
         configs._TABLE[("sm100", "bwd_dkdv")] = [(256, 4, configs.Config(32, 64, 4, 1))]
@@ -185,7 +167,7 @@ def test_launch_specialisation_is_applied():
     """Aligned pointers and strides divisible by 16 let Triton multi-buffer the loads: the sm90
     forward at head dim 128 needs far more shared memory than an unspecialised compile reports
     (49,152 bytes), and a kernel compiled for one target is never reused for another."""
-    rows = _compile_in_subprocess("""
+    rows = compile_in_subprocess("""
         import json
         from flash_recipe.ops import compile_check
         for target in ("sm90", "sm120", "gfx942"):

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import textwrap
 import types
 import warnings
 
 import pytest
 import torch
+from offline import compile_in_subprocess
 
 from flash_recipe import cli, tune
 from flash_recipe.ops import configs, forward, kvcache, tuned
@@ -427,25 +424,12 @@ def test_tune_refuses_without_a_gpu_or_a_timer():
         tune.tune(["fwd"], [96], device="cpu", timer=lambda fn, trial: 1.0, save=False)
 
 
-def _compile_in_subprocess(script: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-
-
 @pytest.mark.slow
 def test_pruning_drops_an_oversized_candidate_and_keeps_a_fitting_one():
     """Compiled for sm120 (99 KiB per block) as a launch compiles it: a 128x128, 3-stage forward at
     head dim 256 needs far more shared memory and is dropped without its ragged form being
     compiled; a 64x32 single-stage one fits both forms and is kept."""
-    rows = _compile_in_subprocess("""
+    rows = compile_in_subprocess("""
         import json
         from flash_recipe import tune
         from flash_recipe.ops.configs import Config
