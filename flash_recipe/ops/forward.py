@@ -8,12 +8,13 @@ Query head ``h`` reads key/value head ``h // (H // Hk)`` (contiguous groups, as 
 
 Each program owns ``BLOCK_M`` query rows of one head and walks the key blocks it can see, keeping
 per row a running maximum ``m``, a running sum ``l`` and an accumulator rescaled whenever ``m``
-grows. Scores live in the base-2 domain, so the kernel uses ``exp2``: ``log2(e)`` is folded into the
-softmax scale once per program, the running maximum is taken on the raw scores and scaled, and each
-probability costs one multiply-add and one ``exp2`` (see ``_fwd_inner``). The log-sum-exp is converted
-back to natural log when stored. (Subtracting in natural units first, as the backward does, costs the
-fp32 forward its registers on sm90/sm100: 255 registers and 1.9 KB of spill become 32 registers and
-7.2 to 7.3 KB.) Every
+grows. Scores live in the base-2 domain, so the kernel uses ``exp2``. In fp16/bf16 ``log2(e)`` is
+folded into the softmax scale, the running maximum is taken on the raw scores and scaled, and each
+probability costs one multiply-add and one ``exp2``; fp32 computes each logit in natural units and
+multiplies it by ``log2(e)`` (see ``_fwd_inner``). The log-sum-exp is converted back to natural log
+when stored. (Subtracting in natural units first, as the backward does, costs the fp32 forward its
+registers on sm90/sm100: 255 registers and 1.9 KB of spill become 32 registers and 7.2 to 7.3 KB.)
+Every
 dot runs with ``input_precision="ieee"``: fp16/bf16 still use the tensor cores, and fp32 is
 multiplied in full fp32, never TF32.
 
