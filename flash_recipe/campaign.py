@@ -17,7 +17,8 @@ memory   peak memory of one training step (forward; forward and backward) of fla
          flash at seqlen 32k and 64k, above its inputs (``bench.peak_memory``)
 tests    pytest on the checkout's GPU-relevant test files, when a ``tests/`` folder lies next to the
          package (else recorded as skipped: an installed wheel has none)
-tune     ``flash-recipe tune --head-dim 64,128 --dtype bfloat16 --kernel fwd,decode``, its ``--json`` report kept
+tune     ``flash-recipe tune --head-dim 64,128 --dtype bfloat16 --kernel fwd,decode``, its ``--json``
+         report kept
 =======  ===========================================================================================
 
 A step that fails, crashes, hangs or outlives its budget is recorded as such (a step over budget
