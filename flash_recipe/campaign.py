@@ -34,13 +34,13 @@ SDPA's flash backend measured side by side in the same process:
 Each is reported per shape with both values, the ratio and PASS or MISS; a shape either side did
 not measure is a MISS that says why.
 
-Output, kept to a few files in one folder, so that a runner which brings back only a handful of
-files (at most 8, at most 2 folders deep, on some GPU machines) gets all of it: ``campaign.md``
+Output, kept to a few files in one folder, so that it is easy to carry off a machine whole:
+``campaign.md``
 (the report), ``campaign.json`` (everything, machine readable), ``campaign.log`` (every step's
 command and full output, in order), ``bench-fwd.png`` and ``bench-bwd.png`` (TFLOP/s against
 sequence length per peer; they need matplotlib) and the tuned-configuration file ``tune`` wrote,
-if any (``*.tune.json``; ``FLASH_RECIPE_TUNE_CACHE=DIR`` makes flash_recipe use it): six at
-most. ``campaign.md`` and ``campaign.json`` are rewritten after every step, so a campaign that is
+if any (``*.tune.json``, one per GPU model; ``FLASH_RECIPE_TUNE_CACHE=DIR`` makes flash_recipe
+use it): six at most. ``campaign.md`` and ``campaign.json`` are rewritten after every step, so a campaign that is
 itself interrupted still leaves its report. Step results travel through a temporary folder,
 ``{scratch}`` in the commands, removed at the end.
 
@@ -92,8 +92,7 @@ MEMORY_SEQLENS = (32768, 65536)
 MEMORY_PEERS = (SUBJECT, REFERENCE)
 TUNE_HEAD_DIMS = (64, 128)
 # The kernels the campaign tunes, within its budget: most of a tuning run is compiling candidates
-# (in TUNE_JOBS processes; the lent machines have 16 cores), and the dense forward and decoding
-# are what most calls run.
+# (in TUNE_JOBS processes), and the dense forward and decoding are what most calls run.
 TUNE_KERNELS = ("fwd", "decode")
 TUNE_JOBS = 12
 TUNE_SEQLEN = 8192
@@ -811,9 +810,9 @@ def collect(step: Step, record: dict, scratch: Path, out: Path, log) -> dict:
 
 
 def _copy_tune_files(scratch: Path, out: Path) -> list:
-    """Copy the tuned-configuration files ``tune`` wrote (at most two) next to the report."""
+    """Copy the tuned-configuration file ``tune`` wrote (one per GPU model: the first) next to the report."""
     copied = []
-    for path in sorted((scratch / "tune-cache").glob("*.tune.json"))[:2]:
+    for path in sorted((scratch / "tune-cache").glob("*.tune.json"))[:1]:
         shutil.copy(path, out / path.name)
         copied.append(path.name)
     return copied

@@ -698,8 +698,11 @@ def tune(
     for dtype in dtypes:
         groups.setdefault(ELEMENT_SIZE[dtype], []).append(dtype)
     report = {"key": key, "path": None, "configs": [], "num_splits": [], "trials": [], "pruned": []}
+    # The GPU timed is the current device (``do_bench`` records its events there): ``device``'s.
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     for kernel, head_dim, (element_size, names) in itertools.product(kernels, head_dims, groups.items()):
-        outcome = run.best_config(kernel, head_dim, element_size, names)
+        with on_device:
+            outcome = run.best_config(kernel, head_dim, element_size, names)
         report["trials"] += outcome["trials"]
         report["pruned"] += outcome["pruned"]
         if outcome["winner"] is not None:
@@ -718,7 +721,8 @@ def tune(
             )
         if kernel == "decode" and splits:
             decode_config = outcome["winner"] or configs.launch_config(device, "decode", head_dim, element_size)
-            report["num_splits"] += run.split_counts(head_dim, element_size, names, decode_config)
+            with on_device:
+                report["num_splits"] += run.split_counts(head_dim, element_size, names, decode_config)
     if save and (report["configs"] or report["num_splits"]):
         report["path"] = str(tuned.save(key, report["configs"], report["num_splits"], directory))
         run.say(f"written: {report['path']}")

@@ -204,6 +204,7 @@ def test_a_campaign_on_the_cpu_end_to_end(tmp_path, monkeypatch):
     kind of result, the targets, the tables, the plots and the single-folder output are exercised."""
     monkeypatch.setenv("FLASH_RECIPE_BACKEND", "reference")  # removed from the steps' environment
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the steps see no GPU, also on a machine with one
     rows = [
         {"peer": peer, "seqlen": n, "causal": False, "mode": "fwd", "peak_mb": mb}
         for peer, n, mb in (("flash_recipe", 32768, 100.0), ("flash_recipe", 65536, 200.0))

@@ -107,6 +107,9 @@ def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instruction
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    configs.triton_release() < compile_check.PROXY["since_triton"], reason="the bound was measured with Triton 3.9"
+)
 def test_the_speed_proxy_holds_for_the_table_and_fails_for_the_old_tile():
     """The aligned sm90 forward at head dim 128 costs at most the tutorial's instructions per key; its
     former tile (128x64 keys, pointer loads) cost more, and the check says so."""

@@ -16,8 +16,9 @@ def test_descriptors_on_hopper_and_blackwell_with_triton_3_4(monkeypatch):
         for t in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx942", "interpreter")
         if features.descriptors_enabled(t)
     ] == ["sm90", "sm100"]
-    monkeypatch.setenv("FLASH_RECIPE_TMA", "0")
-    assert not features.descriptors_enabled("sm90")
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("FLASH_RECIPE_TMA", off)
+        assert not features.descriptors_enabled("sm90"), off
     monkeypatch.delenv("FLASH_RECIPE_TMA")
     monkeypatch.setattr(configs, "triton_release", lambda: (3, 3))
     assert not features.descriptors_enabled("sm90")

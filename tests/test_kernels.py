@@ -238,3 +238,22 @@ def _case_inputs(case, device):
             for s in (2, 3)
         ),
     )
+
+
+@pytest.mark.skipif(configs.triton_release() < features.DESCRIPTORS_SINCE, reason="tensor descriptors need Triton 3.4")
+@pytest.mark.parametrize("causal", [False, True])
+def test_tensor_descriptors_on_packed_keys_with_gqa_and_batches(causal, device, monkeypatch):
+    """kv-packed views (row stride 2 * Hk * D) in a batch of 2 with GQA take the descriptor path and
+    give the pointer path's bits: the row and column coordinates of every batch and head are right."""
+    q = _rand(2, 64, 4, 32, dtype=torch.float16, device=device, seed=11)
+    kv = _rand(2, 96, 2, 2, 32, dtype=torch.float16, device=device, seed=12)
+    launched = []
+    views = features.tma_views
+    monkeypatch.setattr(features, "tma_views", lambda *a: launched.append(views(*a)) or launched[-1])
+    with flash_recipe.use_backend("triton"):
+        with features.using_descriptors(True):
+            tma_out = flash_recipe.flash_attn_kvpacked_func(q, kv, causal=causal)
+        with features.using_descriptors(False):
+            pointer_out = flash_recipe.flash_attn_kvpacked_func(q, kv, causal=causal)
+    assert launched[0] is not None and launched[1] is None
+    assert torch.equal(tma_out, pointer_out)  # the pointer path's accuracy is tested above

@@ -126,6 +126,7 @@ class CompileCheck(_CompileCheck, total=False):
     loop_instructions: Optional[int]
     loop_step: Optional[int]
     loop_per_row: Optional[float]
+    score_options: bool
     seconds: float
     problems: list[str]
 

@@ -8,9 +8,12 @@
 - ``dropout``: the dropout mask materialised for ``return_attn_probs``;
 - ``tiles``: the Triton helpers they share (tile loads, loop bounds, logits, dropout draws);
 - ``attention``: the torch custom ops with fake kernels and autograd;
-- ``configs``: launch configurations per architecture, as data;
+- ``configs``: launch configurations per architecture, as data (and the one lookup launchers use);
+- ``tuned``: the per-GPU cache of tuned configurations that ``flash-recipe tune`` writes;
+- ``features``: where the kernels use compiler features such as TMA tensor descriptors;
 - ``compile_check``: compile every variant for GPU targets without a GPU.
 
-Importing ``flash_recipe.ops.<module>`` imports Triton; ``flash_recipe`` itself imports it only
-when the ``triton`` backend first runs.
+Importing a kernel module (``forward``, ``backward``, ``kvcache``, ``dropout``, ``tiles``,
+``attention``) imports Triton; ``configs``, ``tuned`` and ``features`` do not. ``flash_recipe``
+itself imports Triton only when the ``triton`` backend first runs.
 """

@@ -9,9 +9,9 @@
   written once per program and stay on pointers (a descriptor-loaded Q is held in registers, where
   ptxas serialises the matrix instructions), as do the masked edge blocks and every other launch.
 
-``FLASH_RECIPE_TMA=0`` turns descriptors off (the pointer path everywhere); ``using_descriptors``
-forces the choice inside a block, which is how the tests run the descriptor path under the CPU
-interpreter and the benchmark compares the two.
+``FLASH_RECIPE_TMA=0`` (or ``false``, ``no``, ``off``) turns descriptors off (the pointer path
+everywhere); ``using_descriptors`` forces the choice inside a block, which is how the tests run
+the descriptor path under the CPU interpreter and the benchmark compares the two.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def descriptors_enabled(target: str) -> bool:
     forced = _FORCED.get()
     if forced is not None:
         return forced
-    if os.environ.get("FLASH_RECIPE_TMA", "1") == "0" or target == "interpreter":
+    if os.environ.get("FLASH_RECIPE_TMA", "1").lower() in ("0", "false", "no", "off") or target == "interpreter":
         return False
     return configs.triton_release() >= DESCRIPTORS_SINCE and configs.arch_family(target) in DESCRIPTOR_FAMILIES
 
@@ -87,7 +87,10 @@ def tma_views(k, v, block_rows: int):
         return None
     if descriptor_problem(k, block_rows) or descriptor_problem(v, block_rows):
         return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # a Triton whose release could not be read and has no descriptors
+        return None
 
     return tuple(TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2] * t.shape[3]], [t.stride(1), 1],
                                   [block_rows, t.shape[3]]) for t in (k, v))

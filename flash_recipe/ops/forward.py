@@ -14,8 +14,7 @@ probability costs one multiply-add and one ``exp2``; fp32 computes each logit in
 multiplies it by ``log2(e)`` (see ``_fwd_inner``). The log-sum-exp is converted back to natural log
 when stored. (Subtracting in natural units first, as the backward does, costs the fp32 forward its
 registers on sm90/sm100: 255 registers and 1.9 KB of spill become 32 registers and 7.2 to 7.3 KB.)
-Every
-dot runs with ``input_precision="ieee"``: fp16/bf16 still use the tensor cores, and fp32 is
+Every dot runs with ``input_precision="ieee"``: fp16/bf16 still use the tensor cores, and fp32 is
 multiplied in full fp32, never TF32.
 
 A row that sees no key (causal with Sq > Sk, or Sk == 0) outputs 0 and stores lse = +inf, which
@@ -359,8 +358,9 @@ def attention_forward(
 
 
 def _base2_scale(nat_scale: float) -> float:
-    """``nat_scale * log2(e)``, the multiplier of the kernel's base-2 logits (``_fwd_inner``)."""
-    return nat_scale * math.log2(math.e)
+    """``nat_scale * log2(e)`` as the fp32 the kernel receives: the multiplier of its base-2 logits
+    (``_fwd_inner``), whose sign in fp32 decides ``FOLD`` (a positive scale below fp32's range is 0)."""
+    return torch.tensor(nat_scale * math.log2(math.e), dtype=torch.float32).item()
 
 
 @triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
