@@ -169,8 +169,9 @@ def compile_check(session: nox.Session) -> None:
 
     Each kernel is compiled through the real launchers and Triton's launch specialisation, and must
     fit its architecture's shared memory, use the matrix units, and (aligned form, head dim up to
-    128) not spill. Default (what CI runs): the forward, the backward and a KV-cache decode step at
-    the largest head dim of each configuration row (64, 128, 256): every target in the aligned
+    128, plain scores) not spill. Default (what CI runs): the forward (plain scores and every score
+    option), the backward and a KV-cache decode step at the largest head dim of each configuration
+    row (64, 128, 256): every target in the aligned
     form in bf16 and fp32, and one target per configuration family in the ragged form in bf16
     (fp16 compiles to the same tiles as bf16). Arguments after ``--`` replace that selection
     (``python -m flash_recipe.ops.compile_check --help``).
@@ -180,6 +181,8 @@ def compile_check(session: nox.Session) -> None:
     common = [
         "--call",
         "fwd",
+        "--call",
+        "options",
         "--call",
         "bwd",
         "--call",

@@ -54,7 +54,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 # The call ``compile_check`` makes to compile each kernel.
-COMPILE_CALL = {"fwd": "fwd", "fwd_general": "varlen", "bwd_dkdv": "bwd", "bwd_dq": "bwd", "decode": "decode"}
+COMPILE_CALL = {"fwd": "fwd", "fwd_general": "options", "bwd_dkdv": "bwd", "bwd_dq": "bwd", "decode": "decode"}
 # The candidate grid per kernel: block_m, block_n, num_warps, num_stages. Decoding has one to
 # sixteen query rows, so its query block is the smallest matrix-unit tile.
 GRID = {

@@ -13,13 +13,12 @@ answers with that target instead of asking a device.
 Each call is made in two forms:
 
 - ``aligned``: what most users run: head dim equal to its bucket, sequence lengths multiples of
-  the blocks, separate contiguous q/k/v, MHA, causal; the dense forward also with every score
-  option (window, softcap, ALiBi, dropout: its ``"fwd_general"`` configuration);
+  the blocks, separate contiguous q/k/v, MHA, causal (the ``options`` call: every score option);
 - ``ragged``: the worst case the dispatcher can launch: head dim below its bucket (masked
   columns), ragged lengths, GQA, every score option (window, softcap, ALiBi, dropout), and q/k/v
-  as strided views of one packed ``qkv`` tensor with odd row strides. The dense forward is also
-  launched with the window alone: the worst case of its plain-score configuration (``"fwd"``,
-  where the options take ``"fwd_general"``).
+  as strided views of one packed ``qkv`` tensor with odd row strides; the ``fwd`` call, whose
+  plain-score configuration the options and a masked head dim do not use, has the window alone
+  and every column of its bucket.
 
 For every compiled kernel it reports shared memory against the architecture's opt-in limit
 (``configs.SHARED_MEMORY_LIMIT``), registers and spilled bytes per thread (the cubin's resource
@@ -61,11 +60,12 @@ from flash_recipe.ops import configs
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIM_BUCKETS = configs.HEAD_DIM_BUCKETS
-# Launcher calls: "fwd" dense forward; "bwd" the backward (preprocess, dK/dV, dQ); "varlen" the
-# packed-sequence forward and backward; "decode" a KV-cache step (rotary/append, the forward with
-# decode tiles over a paged cache, split-KV merge); "paged" the forward over a paged cache with
-# more query rows than a decode step.
-CALLS = ("fwd", "bwd", "varlen", "decode", "paged")
+# Launcher calls: "fwd" the dense forward with plain scores (its "fwd" configuration); "options"
+# the dense forward with every score option (its "fwd_general" configuration); "bwd" the backward
+# (preprocess, dK/dV, dQ); "varlen" the packed-sequence forward and backward; "decode" a KV-cache
+# step (rotary/append, the forward with decode tiles over a paged cache, split-KV merge); "paged"
+# the forward over a paged cache with more query rows than a decode step.
+CALLS = ("fwd", "options", "bwd", "varlen", "decode", "paged")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
@@ -160,18 +160,19 @@ def _run_call(case: Case) -> dict[str, str]:
     ragged = case.form == "ragged"
     nheads, nheads_k = (6, 2) if ragged else (4, 4)
     scale = _head_dim(case) ** -0.5
-    if case.call in ("fwd", "bwd"):
+    if case.call in ("fwd", "options", "bwd"):
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
         var = _variant(case, nheads, seqlen_k - seqlen_q)
         if case.call == "fwd":
-            forward.attention_forward(q, k, v, scale, var)
             if ragged:  # the plain-score configuration's worst case: the window alone, every column used
                 q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim=case.head_dim)
-                forward.attention_forward(q, k, v, scale, var._replace(softcap=0.0, slopes=None, dropout_p=0.0))
-            else:  # the general configuration on aligned tensors (with TMA where the target has it)
-                general = _variant(dataclasses.replace(case, form="ragged"), nheads, seqlen_k - seqlen_q)
-                forward.attention_forward(q, k, v, scale, general)
+                var = var._replace(softcap=0.0, slopes=None, dropout_p=0.0, seed=None)
+            forward.attention_forward(q, k, v, scale, var)
+            return {"attn_fwd_kernel": "fwd"}
+        if case.call == "options":  # every score option, on aligned tensors (TMA where the target has it) or ragged
+            var = _variant(dataclasses.replace(case, form="ragged"), nheads, seqlen_k - seqlen_q)
+            forward.attention_forward(q, k, v, scale, var)
             return {"attn_fwd_kernel": "fwd"}
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var)
