@@ -208,18 +208,23 @@ def test_tanh_is_accurate_to_a_few_ulp_everywhere(device):
     assert ulps.max().item() <= 3.0, f"tanh is off by {ulps.max().item():.1f} ulp at x = {x[ulps.argmax()].item()}"
 
 
+@pytest.fixture
+def launched(monkeypatch) -> list:
+    """What ``features.tma_views`` returned at each forward launch (None: the pointer path)."""
+    views, found = features.tma_views, []
+    monkeypatch.setattr(features, "tma_views", lambda *a: found.append(views(*a)) or found[-1])
+    return found
+
+
 # Cases whose keys and values TMA can read as row tiles (fp16, head dim a power of two from 16).
 DESCRIPTOR_CASES = [c for c in CASES if c.head_dim in (16, 32, 64, 128, 256)]
 
 
 @pytest.mark.skipif(configs.triton_release() < features.DESCRIPTORS_SINCE, reason="tensor descriptors need Triton 3.4")
 @pytest.mark.parametrize("case", DESCRIPTOR_CASES, ids=lambda c: c.id)
-def test_tensor_descriptor_path_matches_pointer_path(case, device, nan_outputs, monkeypatch):
+def test_tensor_descriptor_path_matches_pointer_path(case, device, nan_outputs, launched):
     """The forward's TMA path (``ops.features``; on by default on sm90/sm100) gives the pointer
     path's bits and passes the accuracy rule; the interpreter runs it on the CPU."""
-    launched = []
-    views = features.tma_views
-    monkeypatch.setattr(features, "tma_views", lambda *a: launched.append(views(*a)) or launched[-1])
     with features.using_descriptors(True):
         row = check_case(case, torch.float16, device, "triton", seed=3)
         tma_out = flash_recipe.flash_attn_func(*_case_inputs(case, device), **case.options(device))
@@ -242,14 +247,11 @@ def _case_inputs(case, device):
 
 @pytest.mark.skipif(configs.triton_release() < features.DESCRIPTORS_SINCE, reason="tensor descriptors need Triton 3.4")
 @pytest.mark.parametrize("causal", [False, True])
-def test_tensor_descriptors_on_packed_keys_with_gqa_and_batches(causal, device, monkeypatch):
+def test_tensor_descriptors_on_packed_keys_with_gqa_and_batches(causal, device, launched):
     """kv-packed views (row stride 2 * Hk * D) in a batch of 2 with GQA take the descriptor path and
     give the pointer path's bits: the row and column coordinates of every batch and head are right."""
     q = _rand(2, 64, 4, 32, dtype=torch.float16, device=device, seed=11)
     kv = _rand(2, 96, 2, 2, 32, dtype=torch.float16, device=device, seed=12)
-    launched = []
-    views = features.tma_views
-    monkeypatch.setattr(features, "tma_views", lambda *a: launched.append(views(*a)) or launched[-1])
     with flash_recipe.use_backend("triton"):
         with features.using_descriptors(True):
             tma_out = flash_recipe.flash_attn_kvpacked_func(q, kv, causal=causal)
