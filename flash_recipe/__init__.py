@@ -7,6 +7,7 @@ Public names::
     flash_attn_with_kvcache                                               # decoding over a KV cache
     scaled_dot_product_attention                                          # torch SDPA layout
     use_backend, explain, available_backends, BackendUnavailableError     # backend selection
+    install_as_flash_attn                                                 # `import flash_attn` gives flash_recipe
 
 Importing this package selects, compiles and probes nothing, and does not even import torch:
 each public name loads its module on first use (PEP 562), so ``flash-recipe doctor`` runs in an
@@ -35,11 +36,13 @@ _EXPORTS = {
     "available_backends": "flash_recipe.dispatch",
     "use_backend": "flash_recipe.dispatch",
     "BackendUnavailableError": "flash_recipe.dispatch",
+    "install_as_flash_attn": "flash_recipe.alias",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
+    from flash_recipe.alias import install_as_flash_attn
     from flash_recipe.api import (
         explain,
         flash_attn_func,

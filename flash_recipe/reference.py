@@ -60,6 +60,47 @@ def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int, diag_offset: 
     return -slopes[:, :, None, None] * distance
 
 
+def _per_query_head(t: torch.Tensor, nheads: int, dtype: torch.dtype) -> torch.Tensor:
+    """``t (B, Sk, Hk, D)`` as ``(B, H, Sk, D)`` in ``dtype``, each kv head repeated for its query heads."""
+    return t.to(dtype).transpose(1, 2).repeat_interleave(nheads // t.shape[2], dim=1)
+
+
+def reference_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    softmax_scale: float | None,
+    causal: bool,
+    diag_offset: int | None,
+    window: tuple,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The logits ``(B, H, Sq, Sk)`` in ``dtype``: ``q k^T * scale``, then the softcap, ALiBi and
+    ``attn_mask`` (see ``attention_reference``), ``-inf`` where a key is not visible."""
+    seqlen_q, nheads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    seqlen_k = k.shape[1]
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    qc = q.to(dtype).transpose(1, 2)  # (B, H, Sq, D)
+    kc = _per_query_head(k, nheads, dtype)  # (B, H, Sk, D)
+    scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
+    offset = seqlen_k - seqlen_q if diag_offset is None else diag_offset
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, offset).to(dtype)
+    window = effective_window(causal, window)
+    if window != (-1, -1):
+        scores = scores.masked_fill(~visible_keys(seqlen_q, seqlen_k, offset, window, q.device), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(dtype)
+    return scores
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -96,28 +137,9 @@ def attention_reference(
     Returns:
         ``out`` in the compute dtype and ``lse (B, H, Sq)`` float32.
     """
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dtype = compute_dtype(q.dtype, upcast)
-    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    group = nheads // nheads_k
-    qc = q.to(dtype).transpose(1, 2)  # (B, H, Sq, D)
-    kc = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, D)
-    vc = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Sk, Dv)
-    scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
-    offset = seqlen_k - seqlen_q if diag_offset is None else diag_offset
-    if softcap > 0.0:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k, offset).to(dtype)
-    window = effective_window(causal, window)
-    if window != (-1, -1):
-        scores = scores.masked_fill(~visible_keys(seqlen_q, seqlen_k, offset, window, q.device), float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask.to(dtype)
+    scores = reference_scores(q, k, softmax_scale, causal, diag_offset, window, softcap, alibi_slopes, attn_mask, dtype)
+    vc = _per_query_head(v, q.shape[2], dtype)  # (B, H, Sk, Dv)
     # Rows that see no key get lse = +inf and probabilities 0, with finite gradients throughout.
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, Sq, 1)
     lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1, keepdim=True)  # (B, H, Sq, 1)
@@ -132,6 +154,46 @@ def attention_reference(
             probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.matmul(probs, vc).transpose(1, 2)  # (B, Sq, H, Dv)
     return out, lse if return_probs else lse.squeeze(-1).float()
+
+
+def attention_reference_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    diag_offset: int | None = None,
+    window: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention-2's backward in plain torch: ``dq, dk, dv`` from the saved ``out`` and ``lse``.
+
+    Shapes as ``attention_reference``; ``dout`` and ``out`` ``(B, Sq, H, Dv)``, ``lse (B, H, Sq)``.
+    Like the kernels, it does not recompute the softmax's normaliser: the probabilities are
+    ``P = exp(scores - lse)`` with the given ``lse``, and ``dS = P * (dout v^T - D)`` with
+    ``D = rowsum(dout * out)`` from the given ``out``. With the ``out, lse`` of this attention that
+    is its exact gradient; with those of a larger attention of which these keys are one block
+    (ring attention's merged result), it is this block's share of that attention's gradients.
+    Computed in fp32 (fp64 for fp32 inputs), returned in the dtypes of q, k, v.
+    """
+    dtype = compute_dtype(q.dtype, True)
+    with torch.enable_grad():
+        qc, kc, vc = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        scores = reference_scores(
+            qc, kc, softmax_scale, causal, diag_offset, window, softcap, alibi_slopes, None, dtype
+        )
+        probs = torch.exp(scores - lse.detach().to(dtype).unsqueeze(-1))  # (B, H, Sq, Sk); 0 where lse = +inf
+        do = dout.detach().to(dtype).transpose(1, 2)  # (B, H, Sq, Dv)
+        delta = (do * out.detach().to(dtype).transpose(1, 2)).sum(dim=-1)  # (B, H, Sq)
+        # d/dS of <dout, P v> - <D, rowsum P>, with lse held constant, is P * (dout v^T - D).
+        objective = (do * torch.matmul(probs, _per_query_head(vc, q.shape[2], dtype))).sum()
+        objective = objective - (delta * probs.sum(dim=-1)).sum()
+        grads = torch.autograd.grad(objective, (qc, kc, vc))
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
 def rotary_reference(

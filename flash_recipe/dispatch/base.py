@@ -10,6 +10,7 @@ any                    ``is_available()``                     available
 ``AttentionCall``      ``supports(call)``   ``run(call)``     (must implement)
 ``CacheCall``          ``supports_cache``   ``run_cache``     the cache semantics in torch around ``run``
 ``PagedCall``          ``supports_paged``   ``run_paged``     the pages gathered in torch, then ``run_call``
+backward of a call                          ``grad``          ``reference.attention_reference_backward``
 =====================  ===================  ================  ===========================================
 
 Adding a backend is one module in this package plus its place in ``BACKENDS``.
@@ -40,6 +41,7 @@ class Backend:
     name = ""
     native_varlen = False
     deterministic = False
+    replays_dropout = False  # ``grad`` regenerates the forward's dropout mask from ``call.seed``
 
     def is_available(self) -> Optional[str]:
         return None
@@ -63,6 +65,36 @@ class Backend:
         out = torch.cat([r[0].squeeze(0) for r in results], dim=0)
         lse = torch.cat([r[1].squeeze(0) for r in results], dim=1) if call.return_lse else None
         return out, lse, None
+
+    def grad(self, call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+        """FlashAttention-2's backward of ``call`` from a saved ``out`` and ``lse`` (not recomputed):
+        ``dq, dk, dv`` shaped like ``call.q, call.k, call.v``.
+
+        ``dout`` and ``out`` have q's shape with v's head dim; ``lse`` float32 ``(B, H, Sq)``
+        (varlen: ``(H, total_q)``), contiguous. ``out, lse`` may be those of a larger attention of
+        which ``call``'s keys are one block (``reference.attention_reference_backward`` says what
+        that gives). Default: that reference in plain torch, one sequence at a time for varlen.
+        """
+        from flash_recipe.reference import attention_reference_backward
+
+        if call.dropout_p > 0.0 and not self.replays_dropout:
+            raise NotImplementedError(
+                f"backend {self.name!r} cannot regenerate the forward's dropout mask in a separate "
+                "backward; pass dropout_p=0.0 or run on the triton backend"
+            )
+        if not call.is_varlen:
+            options = dict(window=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes)
+            return attention_reference_backward(
+                dout, call.q, call.k, call.v, out, lse, call.softmax_scale, call.causal, call.diag_offset, **options
+            )
+        grads = [torch.zeros_like(t) for t in (call.q, call.k, call.v)]
+        starts_q, starts_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+        for b, part in enumerate(call.sequences()):
+            rows_q, rows_k = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+            parts = self.grad(part, dout[rows_q].unsqueeze(0), out[rows_q].unsqueeze(0), lse[:, rows_q].unsqueeze(0))
+            for grad, rows, g in zip(grads, (rows_q, rows_k, rows_k), parts):
+                grad[rows] = g.squeeze(0)
+        return tuple(grads)
 
     def supports_cache(self, call: CacheCall) -> Optional[str]:
         """Why this backend cannot run ``call`` beyond ``supports(call.attention)``, or None."""

@@ -45,6 +45,9 @@ class AttentionCall:
     cu_seqlens_k: Optional[torch.Tensor] = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # int64 (1,): the seed of the dropout mask, for a backend whose backward regenerates it
+    # (``Backend.replays_dropout``); None draws a new one.
+    seed: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window", effective_window(self.causal, self.window))

@@ -8,11 +8,14 @@ from typing import Optional
 
 import torch
 
+from flash_recipe import alias
 from flash_recipe.dispatch import probes
 from flash_recipe.dispatch.base import Backend
 from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Whether ``import flash_attn`` gives flash_recipe's stand-in, which must never serve as this backend.
+_stand_in_installed = probes.constant_under_compile(alias.is_installed)
 PAGE_MULTIPLE = 256  # upstream flash-attn's paged-cache requirement
 
 
@@ -23,6 +26,8 @@ class FlashAttnBackend(Backend):
     native_varlen = True
 
     def is_available(self) -> Optional[str]:
+        if _stand_in_installed():
+            return "flash_attn resolves to flash_recipe's own stand-in (install_as_flash_attn()), not to flash-attn"
         if probes.import_error("flash_attn") == "flash_attn is not installed":
             return "flash_attn is not installed"
         error = probes.import_error("flash_attn_2_cuda")

@@ -32,6 +32,7 @@ class TritonBackend(Backend):
     name = "triton"
     native_varlen = True
     deterministic = True
+    replays_dropout = True
 
     def is_available(self) -> Optional[str]:
         error = probes.import_error("triton")
@@ -75,7 +76,9 @@ class TritonBackend(Backend):
     def run(self, call: AttentionCall):
         from flash_recipe.ops.attention import attention, new_seed
 
-        seed = new_seed(call.q.device) if call.dropout_p > 0.0 else None
+        seed = None
+        if call.dropout_p > 0.0:
+            seed = call.seed if call.seed is not None else new_seed(call.q.device)
         out, lse = attention(
             call.q,
             call.k,
@@ -94,6 +97,32 @@ class TritonBackend(Backend):
         if seed is not None and call.return_lse:
             s_dmask = self._dropped_probs(call, seed)
         return out, lse, s_dmask
+
+    def grad(self, call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+        from flash_recipe.ops.attention import attn_bwd
+
+        if call.dropout_p > 0.0 and call.seed is None:
+            raise ValueError("a backward with dropout needs the forward's seed (call.seed)")
+        return attn_bwd(
+            dout,
+            call.q,
+            call.k,
+            call.v,
+            out,
+            lse,
+            call.cu_seqlens_q,
+            call.cu_seqlens_k,
+            call.max_seqlen_q,
+            call.max_seqlen_k,
+            call.softmax_scale,
+            call.diag_offset,
+            call.window[0],
+            call.window[1],
+            call.softcap,
+            call.alibi_slopes,
+            call.dropout_p,
+            call.seed,
+        )
 
     @staticmethod
     def _dropped_probs(call: AttentionCall, seed) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""The stand-in for the ``flash_attn`` package that ``flash_recipe.install_as_flash_attn()`` installs.
+
+After ``install_as_flash_attn()``, ``import flash_attn`` gives this module and
+``flash_attn.flash_attn_interface``, ``flash_attn.bert_padding`` and ``flash_attn.layers.rotary``
+give the modules beside it: flash-attn 2.8.3's functions, by the same names and arguments,
+computed by flash_recipe's backends. Importing it installs nothing.
+"""
+
+from __future__ import annotations
+
+from flash_recipe.flash_attn.flash_attn_interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
+
+# The flash-attn release whose API this stand-in provides: version checks read it
+# (``flash_attn.__version__ >= "2.1"`` and the like).
+__version__ = "2.8.3"
+# Marks the stand-in, so that flash_recipe never mistakes it for upstream flash-attn.
+__flash_recipe__ = True
+
+__all__ = [
+    "__version__",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+def __getattr__(name: str):
+    from flash_recipe.alias import missing
+
+    raise missing("flash_attn", name, __all__)
