@@ -37,7 +37,10 @@ class TritonBackend(Backend):
     def is_available(self) -> Optional[str]:
         error = probes.import_error("triton")
         if error == "triton is not installed":
-            return f"{error} (Triton publishes wheels for Linux x86_64 and aarch64 only)"
+            return (
+                f"{error} (Triton publishes wheels for Linux x86_64 and aarch64; on Windows the triton module "
+                f"comes from the triton-windows package, a dependency of flash-recipe there)"
+            )
         if error is not None:
             return f"triton fails to import: {error}"
         return probes.triton_too_old()
@@ -103,6 +106,7 @@ class TritonBackend(Backend):
 
         if call.dropout_p > 0.0 and call.seed is None:
             raise ValueError("a backward with dropout needs the forward's seed (call.seed)")
+        # own_lse=False: out and lse may be those of a larger attention (ring attention).
         return attn_bwd(
             dout,
             call.q,
@@ -122,6 +126,7 @@ class TritonBackend(Backend):
             call.alibi_slopes,
             call.dropout_p,
             call.seed,
+            own_lse=False,
         )
 
     @staticmethod

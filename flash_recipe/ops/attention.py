@@ -86,11 +86,13 @@ def attn_bwd(
     alibi_slopes: Optional[torch.Tensor],
     dropout_p: float,
     seed: Optional[torch.Tensor],
+    own_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``dq, dk, dv`` (shapes of q, k, v) from ``dout`` (shape of q)."""
+    """Gradients ``dq, dk, dv`` (shapes of q, k, v) from ``dout`` (shape of q); ``own_lse=False`` when
+    ``out, lse`` may be a larger attention's (``attention_backward``)."""
     options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
                               window_right, softcap, alibi_slopes, dropout_p, seed)
-    return attention_backward(dout, q, k, v, out, lse, softmax_scale, options, varlen)
+    return attention_backward(dout, q, k, v, out, lse, softmax_scale, options, varlen, own_lse)
 
 
 @attn_bwd.register_fake

@@ -143,7 +143,7 @@ def attn_bwd_dkdv_kernel(
     window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
+    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head."""
     i_n = tl.program_id(0)
@@ -199,10 +199,11 @@ def attn_bwd_dkdv_kernel(
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
     dv_base = DV + i_b * stride_dvb + bos_k * stride_dvn + i_hk.to(tl.int64) * stride_dvh
-    if seqlen_k == 1:  # every row that sees the key sees only it: dS = 0 (see ``sees_one_key``)
-        # (A row that sees one key of several, at a window's or the diagonal's edge, still adds
-        # its dS rounding noise here: zeroing it per row would cost registers in the main loop.)
-        b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if OWN_LSE:
+        if seqlen_k == 1:  # every row that sees the key sees only it: dS = 0 (see ``sees_one_key``)
+            # (A row that sees one key of several, at a window's or the diagonal's edge, still adds
+            # its dS rounding noise here: zeroing it per row would cost registers in the main loop.)
+            b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     store_tile(dk_base, k_start, stride_dkn, seqlen_k, head_dim, o_c, o_d, b_dk * sm_scale, not EVEN_N, MASK_D)
     store_tile(dv_base, k_start, stride_dvn, seqlen_k, head_dim, o_c, o_d, b_dv, not EVEN_N, MASK_D)
 
@@ -250,7 +251,7 @@ def attn_bwd_dq_kernel(
     window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``."""
     i_m = tl.program_id(0)
@@ -285,9 +286,11 @@ def attn_bwd_dq_kernel(
     else:
         b_lse = tl.load(LSE + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
         b_delta = tl.load(DELTA + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
-    # A row that sees one key has dS = 0 exactly (see ``sees_one_key``): with lse = +inf its P, which
-    # here feeds dS only, is 0.
-    b_lse = tl.where(sees_one_key(o_m, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT), float("inf"), b_lse)
+    if OWN_LSE:
+        # A row that sees one key has dS = 0 exactly (see ``sees_one_key``): with lse = +inf its P,
+        # which here feeds dS only, is 0.
+        b_lse = tl.where(sees_one_key(o_m, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT), float("inf"),
+                         b_lse)
     slope = 0.0
     if ALIBI:
         slope = tl.load(SLOPES + i_b * stride_sb + i_h)
@@ -322,6 +325,7 @@ def attention_backward(
     softmax_scale: float,
     options: ScoreOptions,
     varlen: Optional[Varlen] = None,
+    own_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the three backward kernels.
 
@@ -329,6 +333,9 @@ def attention_backward(
         dout, q, out: ``(B, Sq, H, D)`` (varlen: ``(total_q, H, D)``); k, v: ``(B, Sk, Hk, D)``
             (varlen: ``(total_k, Hk, D)``); lse as returned by ``attention_forward`` with the same
             ``softmax_scale``, ``options`` and ``varlen``. ``dout`` may have any strides.
+        own_lse: ``out`` and ``lse`` are this attention's own, so a row that sees one key has
+            dS = 0 exactly (``sees_one_key``). False: they may be those of a larger attention of
+            which k, v are one block (ring attention), where that row's dS is not 0.
 
     Returns:
         ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype.
@@ -353,7 +360,7 @@ def attention_backward(
         **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
         nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k,
         **rows, head_dim=dims.head_dim, sm_scale=softmax_scale, **score_args(options, delta, dims.seqlen_k),
-        IS_VARLEN=is_varlen, BLOCK_D=block_d,
+        IS_VARLEN=is_varlen, BLOCK_D=block_d, OWN_LSE=own_lse,
     )
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64

@@ -1,0 +1,187 @@
+"""One rank of the multi-process tests of ring attention (``test_distributed.py``,
+``test_ring_flash_attn.py``), started by ``multiprocess.run_ranks``.
+
+``python ring_worker.py SPEC``: SPEC is JSON ``{"cases": [...]}``. The rank joins a gloo group
+through ``FLASH_RECIPE_INIT`` (a ``file://`` rendezvous), ``RANK`` and ``WORLD_SIZE``; every rank
+draws the same full-sequence tensors, runs its shard of each case, and the results are gathered;
+rank 0 prints one line ``RESULTS <json>``: per case, the maximum errors against the fp32
+reference of the full sequence (fp64 for fp32 inputs) and the accuracy rule's bounds (2x / 3x
+PyTorch's error in the input precision, plus 1e-5). The test asserts them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import flash_recipe
+from flash_recipe.distributed import ring_attention, shard, unshard
+from flash_recipe.reference import attention_reference
+
+
+def inputs(case: dict, varlen: bool = False):
+    """The full-sequence q, k, v and dout, the same on every rank (seeded)."""
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    dtype = getattr(torch, case["dtype"])
+    rows = (sum(case["seqlens"]),) if varlen else (case["batch"], case["seqlen"])
+    shapes = [(*rows, case["nheads"], case["headdim"]), (*rows, case["nheads_k"], case["headdim"])]
+    q, k, v, dout = (torch.randn(shapes[i], generator=gen).to(dtype) for i in (0, 1, 1, 0))
+    return q, k, v, dout
+
+
+def oracle(q, k, v, dout, causal: bool, upcast: bool, softcap: float = 0.0, seqlens=None) -> dict:
+    """The full-sequence attention (per packed sequence with ``seqlens``) and its gradients."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    if seqlens is None:
+        out, lse = attention_reference(q, k, v, None, causal, upcast=upcast, softcap=softcap)
+    else:
+        parts = [
+            attention_reference(*(t.unsqueeze(0) for t in ts), None, causal, upcast=upcast)
+            for ts in zip(*(t.split(seqlens) for t in (q, k, v)))
+        ]
+        out = torch.cat([p[0].squeeze(0) for p in parts])
+        lse = torch.cat([p[1].squeeze(0) for p in parts], dim=-1)
+    out.backward(dout.to(out.dtype))
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def judge(result: dict, q, k, v, dout, causal: bool, softcap: float = 0.0, seqlens=None, bound_dtypes=None) -> dict:
+    """Errors of ``result`` against the fp32 truth, and the accuracy rule's bounds.
+
+    ``bound_dtypes``: a tensor whose producer rounds it to another dtype than the input's
+    (ring-flash-attn returns dq in bfloat16) is bounded by PyTorch computing in that dtype.
+    """
+    truth = oracle(q, k, v, dout, causal, True, softcap, seqlens)
+    torch_errors = {}
+    for dtype in {q.dtype, *(bound_dtypes or {}).values()}:
+        same = oracle(*(t.to(dtype) for t in (q, k, v, dout)), causal, False, softcap, seqlens)
+        torch_errors[dtype] = {n: (same[n].double() - truth[n].double()).abs().max().item() for n in same}
+    report = {}
+    for name, value in result.items():
+        dtype = (bound_dtypes or {}).get(name, q.dtype)
+        factor = 2 if name in ("out", "lse") else 3
+        error = (value.double() - truth[name].double()).abs().max().item()
+        report[name] = {"error": error, "bound": factor * torch_errors[dtype][name] + 1e-5}
+    return report
+
+
+def gathered(tensors: dict, layout: str, dims: dict) -> dict:
+    return {name: unshard(t.detach().contiguous(), layout=layout, dim=dims.get(name, 1)) for name, t in tensors.items()}
+
+
+def builtin(case: dict) -> dict:
+    """``flash_recipe.distributed.ring_attention`` on this rank's shard."""
+    q, k, v, dout = inputs(case)
+    layout, causal, softcap = case["layout"], case["causal"], case.get("softcap", 0.0)
+    local = [shard(t, layout=layout).clone().requires_grad_() for t in (q, k, v)]
+    with flash_recipe.use_backend(case.get("backend", "reference")):
+        out, lse = ring_attention(*local, causal=causal, layout=layout, softcap=softcap, return_lse=True)
+        out.backward(shard(dout, layout=layout))
+    grads = dict(zip(("dq", "dk", "dv"), (t.grad for t in local)))
+    result = gathered({"out": out, "lse": lse, **grads}, layout, {"lse": 2})
+    return judge(result, q, k, v, dout, causal, softcap)
+
+
+def _zigzag_packed(t: torch.Tensor, seqlens: list, rank: int, world: int) -> torch.Tensor:
+    """Each packed sequence's zigzag shard (chunks r and 2W - 1 - r of 2W), one after another."""
+    parts = []
+    for seq in t.split(seqlens):
+        chunks = seq.chunk(2 * world)
+        parts += [chunks[rank], chunks[2 * world - 1 - rank]]
+    return torch.cat(parts)
+
+
+def _zigzag_unpack(t: torch.Tensor, seqlens: list, world: int, dim: int = 0) -> torch.Tensor:
+    """The inverse of ``_zigzag_packed`` over all ranks' shards (gathered)."""
+    shards = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(shards, t.contiguous())
+    local = [n // world for n in seqlens]
+    pieces = [s.split(local, dim) for s in shards]  # [rank][sequence]
+    sequences = []
+    for i in range(len(seqlens)):
+        halves = [p[i].chunk(2, dim) for p in pieces]
+        sequences += [h[0] for h in halves] + [h[1] for h in reversed(halves)]
+    return torch.cat(sequences, dim)
+
+
+def ring_flash_attn_client(case: dict) -> dict:
+    """ring-flash-attn, unchanged, on flash_recipe's stand-in for flash-attn."""
+    if not flash_recipe.install_as_flash_attn():
+        raise RuntimeError("install_as_flash_attn() left an upstream flash-attn in place")
+    import ring_flash_attn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    function, causal = case["function"], case["causal"]
+    bound_dtypes = {"dq": torch.bfloat16} if function == "ring" else None  # it returns dq in bfloat16
+    if function in ("ring", "zigzag"):
+        q, k, v, dout = inputs(case)
+        layout = "contiguous" if function == "ring" else "zigzag"
+        local = [shard(t, layout=layout).clone().requires_grad_() for t in (q, k, v)]
+        fn = ring_flash_attn.ring_flash_attn_func if function == "ring" else ring_flash_attn.zigzag_ring_flash_attn_func
+        out, lse, _ = fn(*local, causal=causal, return_attn_probs=True)
+        out.backward(shard(dout, layout=layout))
+        grads = dict(zip(("dq", "dk", "dv"), (t.grad for t in local)))
+        result = gathered({"out": out, "lse": lse, **grads}, layout, {"lse": 2})
+        return judge(result, q, k, v, dout, causal, bound_dtypes=bound_dtypes)
+    seqlens = case["seqlens"]
+    q, k, v, dout = inputs(case, varlen=True)
+    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
+    if function == "zigzag_varlen":
+        local = [_zigzag_packed(t, seqlens, rank, world).requires_grad_() for t in (q, k, v)]
+        out = ring_flash_attn.zigzag_ring_flash_attn_varlen_func(
+            *local, cu // world, max(seqlens) // world, causal=causal
+        )
+        out.backward(_zigzag_packed(dout, seqlens, rank, world))
+        tensors = {"out": out, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+        result = {name: _zigzag_unpack(t.detach(), seqlens, world) for name, t in tensors.items()}
+        return judge(result, q, k, v, dout, causal, seqlens=seqlens)
+    if function == "llama3_varlen":
+        cu_q, cu_k, max_q, max_k, k_slice = ring_flash_attn.llama3_flash_attn_prepare_cu_seqlens(
+            cu, causal, rank, world
+        )
+        rows = q.shape[0] // world
+        local = [t[rank * rows : (rank + 1) * rows].clone().requires_grad_() for t in (q, k, v)]
+        out, lse, _ = ring_flash_attn.llama3_flash_attn_varlen_func(
+            *local,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            heads_k_stride=case["nheads_k"],
+            local_k_slice=k_slice,
+            causal=causal,
+            return_attn_probs=True,
+        )
+        out.backward(dout[rank * rows : (rank + 1) * rows])
+        tensors = {"out": out, "lse": lse, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+        result = gathered(tensors, "contiguous", {"lse": 1})
+        return judge(result, q, k, v, dout, causal, seqlens=seqlens)
+    raise ValueError(f"unknown function {function!r}")
+
+
+KINDS = {"builtin": builtin, "ring_flash_attn": ring_flash_attn_client}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    dist.init_process_group(
+        "gloo",
+        init_method=os.environ["FLASH_RECIPE_INIT"],
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=datetime.timedelta(seconds=spec.get("collective_timeout", 60)),
+    )
+    results = [KINDS[case["kind"]](case) for case in spec["cases"]]
+    if dist.get_rank() == 0:
+        print("RESULTS " + json.dumps(results), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
