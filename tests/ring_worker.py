@@ -70,8 +70,13 @@ def judge(result: dict, q, k, v, dout, causal: bool, softcap: float = 0.0, seqle
     return report
 
 
-def gathered(tensors: dict, layout: str, dims: dict) -> dict:
-    return {name: unshard(t.detach().contiguous(), layout=layout, dim=dims.get(name, 1)) for name, t in tensors.items()}
+def gathered(tensors: dict, layout: str, rows_dim: int = 1, lse_dim: int = 2) -> dict:
+    """Every rank's shards joined into the full tensors (sequence rows along ``rows_dim``, the
+    log-sum-exp's along ``lse_dim``)."""
+    return {
+        name: unshard(t.detach().contiguous(), layout=layout, dim=lse_dim if name == "lse" else rows_dim)
+        for name, t in tensors.items()
+    }
 
 
 def builtin(case: dict) -> dict:
@@ -83,7 +88,7 @@ def builtin(case: dict) -> dict:
         out, lse = ring_attention(*local, causal=causal, layout=layout, softcap=softcap, return_lse=True)
         out.backward(shard(dout, layout=layout))
     grads = dict(zip(("dq", "dk", "dv"), (t.grad for t in local)))
-    result = gathered({"out": out, "lse": lse, **grads}, layout, {"lse": 2})
+    result = gathered({"out": out, "lse": lse, **grads}, layout)
     return judge(result, q, k, v, dout, causal, softcap)
 
 
@@ -126,7 +131,7 @@ def ring_flash_attn_client(case: dict) -> dict:
         out, lse, _ = fn(*local, causal=causal, return_attn_probs=True)
         out.backward(shard(dout, layout=layout))
         grads = dict(zip(("dq", "dk", "dv"), (t.grad for t in local)))
-        result = gathered({"out": out, "lse": lse, **grads}, layout, {"lse": 2})
+        result = gathered({"out": out, "lse": lse, **grads}, layout)
         return judge(result, q, k, v, dout, causal, bound_dtypes=bound_dtypes)
     seqlens = case["seqlens"]
     q, k, v, dout = inputs(case, varlen=True)
@@ -159,7 +164,7 @@ def ring_flash_attn_client(case: dict) -> dict:
         )
         out.backward(dout[rank * rows : (rank + 1) * rows])
         tensors = {"out": out, "lse": lse, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
-        result = gathered(tensors, "contiguous", {"lse": 1})
+        result = gathered(tensors, "contiguous", rows_dim=0, lse_dim=1)
         return judge(result, q, k, v, dout, causal, seqlens=seqlens)
     raise ValueError(f"unknown function {function!r}")
 

@@ -105,6 +105,18 @@ def _call(
     )
 
 
+def _replays_dropout(call: AttentionCall):
+    """With dropout, refuse the backends whose backward cannot regenerate the forward's mask."""
+    if call.dropout_p == 0.0:
+        return None
+    return lambda backend: (
+        None
+        if backend.replays_dropout
+        else "dropout_p > 0 needs a backend whose backward "
+        "regenerates the forward's dropout mask from rng_state (triton)"
+    )
+
+
 def _forward(call: AttentionCall, return_softmax: bool, block_table=None) -> tuple:
     validate.check_bool("return_softmax", return_softmax)
     q = call.q
@@ -114,14 +126,8 @@ def _forward(call: AttentionCall, return_softmax: bool, block_table=None) -> tup
         if block_table is not None:
             out, lse, _ = paged_varlen(call, block_table)
         else:
-            backend = dispatch.select(call)
+            backend = dispatch.select(call, _replays_dropout(call))
             if call.dropout_p > 0.0:
-                if not backend.replays_dropout:
-                    why = dispatch.explain_call(call).get("triton")
-                    raise NotImplementedError(
-                        f"dropout_p > 0 needs a backend whose backward regenerates the dropout mask (triton); "
-                        f"this call runs on {backend.name!r}" + (f" because triton cannot: {why}" if why else "")
-                    )
                 from flash_recipe.ops.attention import new_seed
 
                 call = dataclasses.replace(call, seed=new_seed(q.device))
@@ -178,7 +184,7 @@ def _backward(call: AttentionCall, dout, out, softmax_lse, grads, rng_state) -> 
         call = dataclasses.replace(call, seed=rng_state[:1].to(q.device))
     dout = validate.last_dim_contiguous(("dout",), (dout,))[0]
     with torch.no_grad():
-        backend = dispatch.select(call)
+        backend = dispatch.select(call, _replays_dropout(call))
         computed = backend.grad(call, dout, out.contiguous(), softmax_lse.contiguous())
         for buffer, grad in zip(grads, computed):
             if buffer is not None:
