@@ -3,6 +3,7 @@
 - ``tests``: the test suite, run against the built wheel;
 - ``install_matrix``: every install recipe in ``recipes/``, one session per path, each in a fresh
   environment against loopback servers only; ``install_matrix_report`` follows automatically;
+- ``ring_flash_attn``: ring-flash-attn from PyPI, unchanged, on flash_recipe (``install_as_flash_attn``);
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``compat``: the interpreter and the compiler path under each supported Triton release;
@@ -67,7 +68,7 @@ def tests(session: nox.Session) -> None:
     run_pytest(session, str(ROOT / "tests"), *session.posargs)
 
 
-def run_pytest(session: nox.Session, *args: str) -> None:
+def run_pytest(session: nox.Session, *args: str, env: dict | None = None) -> None:
     """pytest outside the checkout, so that `import flash_recipe` finds the installed wheel
     (pytest puts only tests/ on sys.path, never the checkout's root); checked before it runs."""
     session.chdir(session.create_tmp())
@@ -77,7 +78,32 @@ def run_pytest(session: nox.Session, *args: str) -> None:
         "import flash_recipe, sys; f = flash_recipe.__file__; print('flash_recipe from', f); "
         "sys.exit('site-packages' not in f)",
     )
-    session.run("pytest", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "-p", "no:cacheprovider", *args)
+    session.run(
+        "pytest", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "-p", "no:cacheprovider", *args, env=env
+    )
+
+
+# The ring-flash-attn release the compatibility layer is tested with, and the transformers its
+# import needs (its Hugging Face adapter reads names that transformers 5 removed).
+RING_FLASH_ATTN = ("ring-flash-attn==0.1.8", "transformers<5")
+
+
+@nox.session(default=False)
+def ring_flash_attn(session: nox.Session) -> None:
+    """ring-flash-attn from PyPI, unchanged, on flash_recipe's stand-in for flash-attn
+    (``install_as_flash_attn()``), on 2 and 4 gloo processes: ``tests/test_ring_flash_attn.py``.
+
+    An environment of its own, because ring-flash-attn needs transformers < 5 and the tests
+    session installs the newest. Extra arguments go to pytest.
+    """
+    install_built_wheel(session, pins=RING_FLASH_ATTN)
+    session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
+    run_pytest(
+        session,
+        str(ROOT / "tests" / "test_ring_flash_attn.py"),
+        *session.posargs,
+        env={"FLASH_RECIPE_REQUIRE_RING": "1"},
+    )
 
 
 FUZZ_USAGE = "usage: nox -s fuzz [-- [--cases N] [--seed S] [--case I ...]]"
