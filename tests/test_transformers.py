@@ -6,13 +6,21 @@ the model has no sdpa path) in float64; the allowed error is 2x (forward) or 3x 
 implementation's own float32 error, plus 1e-5. Each test runs on flash_recipe's fallback (SDPA, or
 its reference where SDPA cannot softcap) and on its Triton kernels (through the interpreter on a
 CPU machine).
+
+``form``: ``eager`` is the integration as it runs uncompiled; ``static`` runs, uncompiled, the
+shape-static forms it takes under torch.compile (so every case is checked in both without paying
+for a compilation each). The ``compiled`` tests then compile models with torch.compile: Dynamo and
+AOTAutograd (``backend="aot_eager"``, which checks the traced graph and its backward but runs
+aten ops without generating code), one test with inductor.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -25,6 +33,15 @@ from flash_recipe.integrations import transformers as fr_transformers  # noqa: E
 NAME = fr_transformers.ATTN_IMPLEMENTATION
 VOCAB, SEQLEN, PAD = 97, 11, 0
 BACKENDS = ["sdpa", "triton"]
+FORMS = ["eager", "static"]
+
+
+@pytest.fixture
+def form(request, monkeypatch):
+    """``static``: the integration takes its torch.compile forms (see the module docstring)."""
+    if request.param == "static":
+        monkeypatch.setattr(fr_transformers, "_static_shapes", lambda: True)
+    return request.param
 
 
 def _config(kind: str):
@@ -121,9 +138,10 @@ MODEL_BACKENDS = [
 ]
 
 
+@pytest.mark.parametrize("form", FORMS, indirect=True)
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 @pytest.mark.parametrize("kind, backend", MODEL_BACKENDS, ids=[f"{k}-{b}" for k, b in MODEL_BACKENDS])
-def test_logits_match_by_accuracy_rule(kind, backend, padding, device):
+def test_logits_match_by_accuracy_rule(kind, backend, padding, form, device):
     """Logits of every real token; padding goes through the varlen path, none through the dense one.
 
     The truth and its float32 counterpart run each row alone (transformers' eager attention in
@@ -140,9 +158,10 @@ def test_logits_match_by_accuracy_rule(kind, backend, padding, device):
     _check_rule("logits", got, base, want, 2, keep=mask.bool())
 
 
+@pytest.mark.parametrize("form", FORMS, indirect=True)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind, padding", [("llama", "left"), ("llama", "none"), ("mistral-window4", "left")])
-def test_generate_with_kv_cache_matches(kind, padding, backend, device):
+def test_generate_with_kv_cache_matches(kind, padding, backend, form, device):
     """Greedy generation: the same tokens, and per-step logits by the rule.
 
     The decode steps have seqlen_q = 1 against a longer cache (the bottom-right causal diagonal),
@@ -186,8 +205,9 @@ def test_packed_rows_from_position_ids(backend, device):
     _check_rule("logits", got, base, want, 2)
 
 
+@pytest.mark.parametrize("form", FORMS, indirect=True)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_training_gradients_match(backend, device):
+def test_training_gradients_match(backend, form, device):
     """A training step (left padding, the varlen path) gives every parameter's gradient by the rule."""
     models = _models("mistral-window4", device)
     ids, mask = _inputs("left", device)
@@ -262,3 +282,195 @@ def test_importing_flash_recipe_does_not_import_transformers():
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- the attention function alone: padded rows, holes, decoding, cross-attention ----------------
+
+ATTENTION_CASES = {  # seqlen_q, seqlen_k, causal
+    "self": (9, 9, True),
+    "decode": (2, 9, True),  # the queries are the last 2 of 9 cached tokens
+    "cross": (5, 9, False),  # the mask covers the keys only
+}
+
+
+@pytest.mark.parametrize("form", FORMS, indirect=True)
+@pytest.mark.parametrize("backend", ["sdpa", "reference", "triton"])
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_function_pads_queries_with_zeros(case, backend, form, device):
+    """Row 0 is left-padded, row 1 has a hole (right padding followed by new tokens), row 2 is all
+    real. Real queries attend to the real keys only, by the rule against the reference run on each
+    row's real tokens; padded queries output exactly 0."""
+    from types import SimpleNamespace
+
+    from flash_recipe.reference import attention_reference
+
+    seqlen_q, seqlen_k, causal = ATTENTION_CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, seqlen_q, 16, generator=gen).to(device)  # (batch, heads, seqlen, dim), as models pass them
+    k, v = (torch.randn(3, 2, seqlen_k, 16, generator=gen).to(device) for _ in range(2))
+    mask = torch.ones(3, seqlen_k, dtype=torch.bool, device=device)
+    mask[0, :3] = False
+    mask[1, 4:6] = False
+    with flash_recipe.use_backend(backend):
+        out, weights = fr_transformers.attention_forward(SimpleNamespace(is_causal=causal), q, k, v, mask)
+    assert weights is None and out.shape == (3, seqlen_q, 4, 16)
+    real_q = mask[:, -seqlen_q:] if causal else torch.ones(3, seqlen_q, dtype=torch.bool, device=device)
+    assert torch.equal(out[~real_q], torch.zeros_like(out[~real_q]))
+    for b in range(3):
+        rows = [t.transpose(1, 2)[b : b + 1] for t in (q, k, v)]  # (1, seqlen, heads, dim)
+        q_b, k_b, v_b = rows[0][:, real_q[b]], rows[1][:, mask[b]], rows[2][:, mask[b]]
+        want, _ = attention_reference(q_b, k_b, v_b, 0.25, causal)
+        base, _ = attention_reference(q_b, k_b, v_b, 0.25, causal, upcast=False)
+        _check_rule(f"row {b}", out[b : b + 1, real_q[b]], base, want, 2)
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+
+
+def _compile(model, backend="aot_eager", fullgraph=True):
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, fullgraph=fullgraph)
+
+
+def _check_logits(got, same, truth, ids, mask) -> None:
+    """The logits of every real token by the rule, the truth and its float32 counterpart run row by row."""
+    with torch.no_grad():
+        want = _logits_row_by_row(truth, ids, mask)
+        base = _logits_row_by_row(same, ids, mask)
+    _check_rule("logits", got, base, want, 2, keep=mask.bool())
+
+
+COMPILED_CASES = [
+    *(("llama", backend, padding) for backend in BACKENDS for padding in ("none", "left", "right")),
+    ("mistral-window4", "sdpa", "left"),
+    ("mistral-window4", "triton", "left"),
+    ("gemma2-softcap", "reference", "left"),
+    ("gemma2-softcap", "triton", "left"),
+]
+
+
+@pytest.mark.parametrize("kind, backend, padding", COMPILED_CASES, ids=["-".join(c) for c in COMPILED_CASES])
+def test_compiled_model_runs_in_one_graph_and_matches(kind, backend, padding, device):
+    """``torch.compile(model, fullgraph=True)`` (any graph break is an error) gives the logits of
+    transformers' own implementation by the rule, padded or not."""
+    ours, same, truth = _models(kind, device)
+    ids, mask = _inputs(padding, device)
+    compiled = _compile(ours)
+    with torch.no_grad(), flash_recipe.use_backend(backend):
+        got = compiled(ids, attention_mask=mask).logits
+    _check_logits(got, same, truth, ids, mask)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_is_data_not_a_new_graph(backend, device):
+    """``torch._dynamo.explain`` of a padded batch: one graph, no break. Then one compilation serves
+    batches without padding, with left and with right padding: the mask's values guard nothing."""
+    ours, same, truth = _models("llama", device)
+    ids, mask = _inputs("left", device)
+    with torch.no_grad(), flash_recipe.use_backend(backend):
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(ours)(ids, attention_mask=mask)
+        assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        compiled = _compile(ours, backend=counter)
+        for padding in ("none", "left", "right"):
+            ids, mask = _inputs(padding, device)
+            _check_logits(compiled(ids, attention_mask=mask).logits, same, truth, ids, mask)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_training_step_gradients_match(backend, device):
+    """A compiled training step (left padding, window model; the backward traced by AOTAutograd)
+    gives every parameter's gradient by the rule."""
+    models = _models("mistral-window4", device)
+    ids, mask = _inputs("left", device)
+    labels = ids.masked_fill(mask == 0, -100)
+    for model in models:
+        model.train()
+    runs = [_compile(models[0]), models[1], models[2]]
+    for i, run in enumerate(runs):
+        with flash_recipe.use_backend(backend if i == 0 else None):
+            run(ids, attention_mask=mask, labels=labels).loss.backward()
+    named = [dict(model.named_parameters()) for model in models]
+    for name, param in named[0].items():
+        _check_rule(f"grad of {name}", param.grad, named[1][name].grad, named[2][name].grad.double(), 3)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_default_backend(device):
+    """torch.compile's default compiler (inductor, code generation included; about 10 s on a 2-core
+    CPU) on the backend a user gets: SDPA on a CPU (without TRITON_INTERPRET), automatic on a GPU."""
+    ours, same, truth = _models("llama", device)
+    ids, mask = _inputs("left", device)
+    compiled = _compile(ours, backend="inductor")
+    with torch.no_grad(), flash_recipe.use_backend("sdpa" if device.type == "cpu" else None):
+        got = compiled(ids, attention_mask=mask).logits
+    _check_logits(got, same, truth, ids, mask)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(f"{record.pathname}: {record.getMessage()}")
+
+
+def test_compiling_emits_no_warning_from_flash_recipe(device, monkeypatch):
+    """No warning or logged warning names flash_recipe's code while a model compiles (Dynamo warns,
+    for example, at each call of a functools.lru_cache function it traces into)."""
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())  # shows warnings given earlier again
+    records = _Records()
+    torch_logger = logging.getLogger("torch")
+    torch_logger.addHandler(records)
+    ours, _, _ = _models("llama", device)
+    ids, mask = _inputs("left", device)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for backend in BACKENDS:
+                with torch.no_grad(), flash_recipe.use_backend(backend):
+                    _compile(ours)(ids, attention_mask=mask)
+    finally:
+        torch_logger.removeHandler(records)
+    warned = [f"{w.filename}: {w.message}" for w in caught] + records.messages
+    assert not [w for w in warned if "flash_recipe" in w], warned
+
+
+def test_packed_position_ids_fail_loudly_under_compile():
+    """Under torch.compile, positions that restart in a row (packed sequences) fail with the way out
+    instead of attending across sequences; consecutive positions pass. On the CPU only: on a GPU the
+    check is a device-side assertion, which would end the test process's use of the GPU."""
+    device = torch.device("cpu")
+    ours, same, truth = _models("llama", device)
+    ids, _ = _inputs("none", device, batch=1, seqlen=13)
+    compiled = _compile(ours)
+    with torch.no_grad(), flash_recipe.use_backend("sdpa"):
+        with pytest.raises(RuntimeError, match="position_ids restart within a row.*cu_seq_lens_q"):
+            compiled(ids, position_ids=torch.tensor([[*range(6), *range(7)]]), use_cache=False)
+        got = compiled(ids, position_ids=torch.arange(3, 16)[None], use_cache=False).logits
+        want = truth(ids, position_ids=torch.arange(3, 16)[None], use_cache=False).logits
+        base = same(ids, position_ids=torch.arange(3, 16)[None], use_cache=False).logits
+    _check_rule("logits", got, base, want, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_rows_from_cu_seq_lens(backend, device):
+    """Packed rows given as cu_seq_lens_* / max_length_* (what DataCollatorWithFlattening gives with
+    return_flash_attn_kwargs=True) stay apart, uncompiled and compiled. Compiled without fullgraph:
+    on a CPU, the varlen checks read the offsets on the host (a graph break); on a GPU they do not."""
+    ours, same, truth = _models("llama", device)
+    ids, _ = _inputs("none", device, batch=1, seqlen=13)
+    position_ids = torch.tensor([[*range(6), *range(7)]], device=device)
+    cu = torch.tensor([0, 6, 13], dtype=torch.int32, device=device)
+    packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    compiled = _compile(ours, fullgraph=False)
+    with torch.no_grad():
+        want = truth(ids, position_ids=position_ids, use_cache=False).logits
+        base = same(ids, position_ids=position_ids, use_cache=False).logits
+        with flash_recipe.use_backend(backend):
+            for run in (ours, compiled):
+                got = run(ids, position_ids=position_ids, use_cache=False, **packed).logits
+                _check_rule("logits", got, base, want, 2)

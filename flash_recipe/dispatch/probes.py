@@ -1,6 +1,11 @@
 """Facts about this process that decide whether a backend can run: imports, Triton's release,
 GPU capabilities and the interpreter. Each is computed once (imports and device queries are
-costly) and is constant under torch.compile."""
+costly) and is constant under torch.compile.
+
+Triton is found by its module, ``triton``, never by its distribution name: on Windows the module
+comes from the ``triton-windows`` distribution, and ``triton.__version__`` gives the Triton
+release it builds (``3.8.0`` for ``triton-windows 3.8.0.post29``).
+"""
 
 from __future__ import annotations
 
@@ -31,8 +36,26 @@ def constant_under_compile(fn):
     return fn
 
 
-@functools.lru_cache(maxsize=None)
-@constant_under_compile
+def computed_once(fn):
+    """``fn`` with its result kept per argument tuple, and marked ``constant_under_compile``.
+
+    Not ``functools.lru_cache``: Dynamo looks through an lru_cache wrapper, traces the function
+    inside it and warns at every call site; a plain function marked constant is called once while
+    tracing and its result kept. ``cache_clear()`` forgets the results (tests patch the facts).
+    """
+    results: dict = {}
+
+    @functools.wraps(fn)
+    def probe(*args):
+        if args not in results:
+            results[args] = fn(*args)
+        return results[args]
+
+    probe.cache_clear = results.clear
+    return constant_under_compile(probe)
+
+
+@computed_once
 def import_error(module: str) -> Optional[str]:
     """None if ``module`` imports, else the reason as text (cached: imports are costly)."""
     if importlib.util.find_spec(module) is None:
@@ -44,8 +67,7 @@ def import_error(module: str) -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-@constant_under_compile
+@computed_once
 def triton_too_old() -> Optional[str]:
     """Why the imported Triton is older than the kernels support, or None."""
     import triton
@@ -63,8 +85,7 @@ def triton_too_old() -> Optional[str]:
     )
 
 
-@functools.lru_cache(maxsize=None)
-@constant_under_compile
+@computed_once
 def capability(index: int) -> tuple[int, int]:
     """The compute capability ``(major, minor)`` of CUDA device ``index``."""
     return torch.cuda.get_device_capability(index)
@@ -88,8 +109,7 @@ def interpreter_problem() -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-@constant_under_compile
+@computed_once
 def configs_problem(index: int) -> Optional[str]:
     """Why flash_recipe's launch configurations cannot serve GPU ``index``, or None.
 

@@ -38,6 +38,25 @@ no flash-attn form: building one raises NotImplementedError naming ``attn_implem
 Padding in the middle of a sequence (right padding followed by generated tokens) is treated as
 absent by the sliding window's count, as in flash-attn: the window counts real tokens.
 
+Under ``torch.compile`` nothing may depend on the data (Dynamo breaks the graph at a
+``torch.nonzero`` or a ``bool(tensor)``), so the same requests take shape-static forms:
+
+    every token real, no mask              flash_attn_func, as in eager mode
+    a 2D mask (whether or not it holds     the mask is passed on without looking at it; each row
+      a zero: that is data)                 is reordered real tokens first (a stable sort), and
+                                            one varlen call runs 2 * batch packed sequences: row
+                                            b's real tokens and, apart, its pad tokens, whose
+                                            output is then set to 0; a backend without varlen
+                                            kernels (sdpa, reference) gets one dense call with
+                                            the padding folded into its attn_mask instead
+    packed rows from position_ids          not detected: the number of sequences is data. A row
+                                            whose positions restart fails an asynchronous check
+                                            (no host sync); pass cu_seq_lens_q / cu_seq_lens_k /
+                                            max_length_q / max_length_k instead
+
+Neither form reads a tensor on the host, so a compiled model runs in one graph
+(``fullgraph=True``) with or without padding.
+
 Importing this module does not import transformers; ``register()`` does.
 """
 
@@ -134,9 +153,16 @@ def padding_mask(*, kv_length: int, attention_mask: Optional[torch.Tensor] = Non
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
+    if _static_shapes():  # whether every token is real is data: the attention function takes both
+        return attention_mask
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask
+
+
+def _static_shapes() -> bool:
+    """Whether torch.compile is tracing: then no shape or branch may depend on a tensor's values."""
+    return torch.compiler.is_compiling()
 
 
 def _window(sliding_window, causal: bool) -> tuple[int, int]:
@@ -177,6 +203,93 @@ def _packed_runs(position_ids, batch: int, seqlen: int) -> Optional[torch.Tensor
         return None
     total = torch.tensor([batch * seqlen], device=first.device)
     return torch.cat([first, total]).to(torch.int32)
+
+
+_RESTART_MESSAGE = (
+    "position_ids restart within a row (packed sequences), which flash_recipe cannot detect under "
+    "torch.compile without a host sync; pass cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k "
+    "(transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True) does), or run the model uncompiled"
+)
+
+
+def _check_one_run_per_row(position_ids, batch: int, seqlen: int) -> None:
+    """Under torch.compile: fail, asynchronously (no host sync), where ``position_ids`` restart in a
+    row, since the packed form that eager mode gives them needs their number on the host."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != seqlen:
+        return
+    if position_ids.shape[0] not in (1, batch) or seqlen < 2:
+        return
+    steps = position_ids[:, 1:] - position_ids[:, :-1]
+    torch._assert_async((steps == 1).all(), _RESTART_MESSAGE)
+
+
+def _real_first(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shape-static packing of a bool ``(batch, seqlen)`` mask, True for a real token.
+
+    Returns ``order (batch * seqlen,)`` int64, the flattened token indices with each row's real
+    tokens first and then its pad tokens (each in their order), and ``cu_seqlens (2 * batch + 1,)``
+    int32: in ``order``, packed sequence ``2b`` is row ``b``'s real tokens, ``2b + 1`` its pad
+    tokens. Row ``[pad, a, pad, b]`` becomes ``[a, b | pad, pad]``, sequences 2 and 2.
+    """
+    batch, seqlen = mask.shape
+    rows = torch.arange(batch, device=mask.device)
+    order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True) + rows[:, None] * seqlen
+    real_end = rows * seqlen + mask.sum(dim=1)
+    row_end = (rows + 1) * seqlen
+    cu_seqlens = torch.cat([rows.new_zeros(1), torch.stack([real_end, row_end], dim=1).flatten()])
+    return order.flatten(), cu_seqlens.to(torch.int32)
+
+
+def _attend_padded_static(q, k, v, mask_q, mask_k, options: dict) -> torch.Tensor:
+    """Padded attention with shape-static tensors only (for torch.compile): ``out (batch,
+    seqlen_q, nheads, headdim)``, 0 at padded queries.
+
+    ``q (batch, seqlen_q, nheads, headdim)``, ``k, v (batch, seqlen_k, nheads_k, headdim)``;
+    ``mask_q (batch, seqlen_q)`` and ``mask_k (batch, seqlen_k)`` bool, True for a real token;
+    the queries are the last ``seqlen_q`` keys (causal) or any queries (cross-attention).
+
+    The backend that would run the packed form decides: one with varlen kernels runs it (see
+    ``_real_first``: the real tokens of a row attend among themselves exactly as the eager path's
+    ``unpad_input`` packing has them, the pad tokens among themselves); any other backend gets one
+    dense call whose attn_mask hides the pad keys from real queries. A pad query there sees the
+    pad keys instead, so that no row is empty (an empty row's softmax has no gradient-safe form in
+    every backend); its output is set to 0 in both forms.
+    """
+    from flash_recipe import dispatch, validate
+
+    validate.check_qkv(q, k, v)
+    batch, seqlen_q, _, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    causal = validate.check_bool("causal", options["causal"])
+    score = dict(
+        softmax_scale=validate.check_scale(options["softmax_scale"], head_dim),
+        causal=causal,
+        window=validate.check_window(causal, options["window_size"]),
+        softcap=validate.check_softcap(options["softcap"]),
+        dropout_p=validate.check_dropout(options["dropout_p"]),
+    )
+    order_q, cu_q = _real_first(mask_q)
+    order_k, cu_k = _real_first(mask_k)
+    packed = dispatch.AttentionCall(
+        q=_gather(q, order_q),
+        k=_gather(k, order_k),
+        v=_gather(v, order_k),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=seqlen_q,
+        max_seqlen_k=seqlen_k,
+        **score,
+    )
+    backend = dispatch.select(packed)
+    if backend.native_varlen:
+        out = backend.run_call(packed)[0]
+        inverse = torch.empty_like(order_q).scatter_(0, order_q, torch.arange(order_q.numel(), device=q.device))
+        out = out.index_select(0, inverse).view(batch, seqlen_q, *out.shape[1:])
+    else:
+        visible = mask_k[:, None, None, :] | ~mask_q[:, None, :, None]  # (batch, 1, seqlen_q, seqlen_k)
+        dense = dispatch.AttentionCall(q=q, k=k, v=v, diag_offset=seqlen_k - seqlen_q, attn_mask=visible, **score)
+        out = dispatch.run(dense)[0]
+    return out.masked_fill(~mask_q[:, :, None, None], 0.0)
 
 
 def attention_forward(
@@ -258,6 +371,14 @@ def attention_forward(
             k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
         mask = mask[:, -k.shape[1] :]
         seqlen_k = k.shape[1]
+        if _static_shapes():
+            if seqlen_q == seqlen_k:
+                mask_q = mask
+            elif causal and seqlen_q < seqlen_k:  # the queries are the last seqlen_q tokens
+                mask_q = mask[:, -seqlen_q:]
+            else:  # cross-attention: the mask covers the keys only
+                mask_q = mask.new_ones(batch, seqlen_q)
+            return _attend_padded_static(q, k, v, mask_q, mask, options), None
         indices_k, cu_k, max_k = _indices(mask)
         if seqlen_q == seqlen_k:
             indices_q, cu_q, max_q = indices_k, cu_k, max_k
@@ -284,6 +405,9 @@ def attention_forward(
     if all(x is not None for x in (cu_q, cu_k, max_q, max_k)):
         cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
         max_q, max_k = int(max_q), int(max_k)
+    elif seqlen_q == k.shape[1] and _static_shapes():
+        _check_one_run_per_row(kwargs.get("position_ids"), batch, seqlen_q)
+        cu_q = None
     elif seqlen_q == k.shape[1]:
         cu_q = cu_k = _packed_runs(kwargs.get("position_ids"), batch, seqlen_q)
         if cu_q is not None:
