@@ -260,6 +260,14 @@ def test_4d_mask_from_the_caller_is_honoured(device):
     _check_rule("logits", got, base, want, 2, keep=mask.bool())
 
 
+def test_output_attentions_is_refused_naming_eager(device):
+    """The weights are never materialised: asking for them fails instead of returning nothing."""
+    ours, _, _ = _models("llama", device)
+    ids, mask = _inputs("none", device)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="output_attentions=True.*'eager'"):
+        ours(ids, attention_mask=mask, output_attentions=True)
+
+
 def test_register_refuses_names_transformers_reserves():
     with pytest.raises(ValueError, match=r"name must not contain 'flash'.*got 'flash_x'"):
         fr_transformers.register("flash_x")

@@ -323,7 +323,8 @@ def attention_forward(
         is_causal: overrides ``module.is_causal``.
         kwargs: ``position_ids (batch or 1, seqlen)`` (packed rows when positions restart and there
             is no mask), ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``
-            (packed rows given explicitly); ``s_aux`` (attention sinks) is not supported.
+            (packed rows given explicitly); ``s_aux`` (attention sinks) and ``output_attentions=True``
+            are not supported (NotImplementedError).
 
     Returns:
         ``(out, None)``: ``out (batch, seqlen_q, nheads, headdim)``; padded query rows are 0.
@@ -334,6 +335,11 @@ def attention_forward(
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(
             "s_aux (attention sinks) is not supported by flash_recipe; use attn_implementation='sdpa'"
+        )
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError(
+            "output_attentions=True is not supported by flash_recipe: as in flash-attn, the attention weights are "
+            "never materialised; load the model with attn_implementation='eager' to get them"
         )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     options = dict(
