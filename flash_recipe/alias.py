@@ -22,6 +22,7 @@ import importlib.util
 import sys
 import warnings
 
+PACKAGE = "flash_attn"  # the name code imports
 STAND_IN = "flash_recipe.flash_attn"
 # The modules the stand-in provides, by the names code imports.
 PROVIDED = (
@@ -48,7 +49,7 @@ class _MissingModules(importlib.abc.MetaPathFinder):
     """Raises a clear ImportError for a ``flash_attn.*`` module the stand-in does not provide."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.startswith("flash_attn.") and is_installed():
+        if fullname.startswith(PACKAGE + ".") and is_installed():
             raise ImportError(
                 f"flash_recipe's stand-in for flash-attn does not provide the module {fullname}; "
                 f"it provides {', '.join(PROVIDED)} (install the flash-attn package for the rest)",
@@ -62,13 +63,13 @@ _FINDER = _MissingModules()
 
 def is_installed() -> bool:
     """Whether ``import flash_attn`` gives flash_recipe's stand-in in this process."""
-    return getattr(sys.modules.get("flash_attn"), "__flash_recipe__", False)
+    return getattr(sys.modules.get(PACKAGE), "__flash_recipe__", False)
 
 
 def _upstream_problem() -> tuple:
     """``(found, error)``: whether a flash_attn other than the stand-in is installed, and why it
     fails to import (None if it imports)."""
-    if importlib.util.find_spec("flash_attn") is None:
+    if importlib.util.find_spec(PACKAGE) is None:
         return False, None
     try:
         importlib.import_module("flash_attn.flash_attn_interface")
@@ -98,7 +99,7 @@ def install_as_flash_attn(force: bool = False) -> bool:
     if not force:
         found, error = _upstream_problem()
         if found and error is None:
-            version = getattr(sys.modules.get("flash_attn"), "__version__", "?")
+            version = getattr(sys.modules.get(PACKAGE), "__version__", "?")
             warnings.warn(
                 f"flash-attn {version} is installed and imports; install_as_flash_attn() leaves it in place "
                 "(force=True replaces it in this process)",
@@ -109,10 +110,10 @@ def install_as_flash_attn(force: bool = False) -> bool:
             warnings.warn(
                 f"flash-attn is installed but fails to import ({error}); flash_recipe stands in for it", stacklevel=2
             )
-    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+    for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
         del sys.modules[name]
     for name in PROVIDED:
-        sys.modules[name] = importlib.import_module(STAND_IN + name[len("flash_attn") :])
+        sys.modules[name] = importlib.import_module(STAND_IN + name[len(PACKAGE) :])
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
     return True
