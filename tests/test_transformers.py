@@ -407,8 +407,9 @@ def test_compiled_training_step_gradients_match(backend, device):
 
 @pytest.mark.slow
 def test_inductor_compiles_the_default_backend(device):
-    """torch.compile's default compiler (inductor, code generation included; about 10 s on a 2-core
-    CPU) on the backend a user gets: SDPA on a CPU (without TRITON_INTERPRET), automatic on a GPU."""
+    """torch.compile's default compiler (inductor, code generation included; 18 to 20 s on a 2-core
+    CPU with an empty inductor cache) on the backend a user gets: SDPA on a CPU (without
+    TRITON_INTERPRET), automatic on a GPU."""
     ours, same, truth = _models("llama", device)
     ids, mask = _inputs("left", device)
     compiled = _compile(ours, backend="inductor")
