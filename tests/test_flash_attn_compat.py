@@ -314,3 +314,11 @@ def test_a_broken_flash_attn_is_replaced(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "fails to import (ModuleNotFoundError" in result.stdout
+
+
+def test_return_softmax_without_dropout_gives_the_probabilities():
+    q, k, v, _ = _tensors(1, 9, 13, 2, 2, seed=7)
+    _, _, s_dmask, _ = fai._flash_attn_forward(q, k, v, 0.0, 0.25, True, -1, -1, 0.0, None, True)
+    _, probs = attention_reference(q, k, v, 0.25, True, return_probs=True)
+    assert s_dmask.shape == (1, 2, 128, 128) and s_dmask.dtype == q.dtype
+    assert _max(s_dmask[:, :, :9, :13], probs) <= 1e-6 and (s_dmask[:, :, 9:] == 0).all()

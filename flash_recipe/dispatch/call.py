@@ -80,6 +80,18 @@ class AttentionCall:
             )
         return calls
 
+    def probabilities(self) -> torch.Tensor:
+        """The softmax probabilities ``(B, H, Sq, Sk)`` of a dense call (before dropout), float32 by
+        ``flash_recipe.reference`` (float64 for float32 inputs); not differentiable."""
+        from flash_recipe.reference import attention_reference
+
+        options = dict(window=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_probs=True)
+        with torch.no_grad():
+            _, probs = attention_reference(
+                self.q, self.k, self.v, self.softmax_scale, self.causal, self.diag_offset, **options
+            )
+        return probs
+
     def slopes_of(self, b: int) -> Optional[torch.Tensor]:
         """The ALiBi slopes of batch entry ``b`` as a call of its own takes them: ``(1, H)`` from
         per-batch ``(B, H)`` slopes, else the shared ``(H,)`` slopes (or None)."""

@@ -133,23 +133,10 @@ class TritonBackend(Backend):
     def _dropped_probs(call: AttentionCall, seed) -> torch.Tensor:
         """The probabilities ``(B, H, Sq, Sk)`` the kernel used, negated where dropout dropped them."""
         from flash_recipe.ops.dropout import dropout_mask
-        from flash_recipe.reference import attention_reference
 
         batch, seqlen_q, nheads, _ = call.q.shape
         keep = dropout_mask(seed, batch, nheads, seqlen_q, call.k.shape[1], call.dropout_p)
-        with torch.no_grad():
-            _, probs = attention_reference(
-                call.q,
-                call.k,
-                call.v,
-                call.softmax_scale,
-                call.causal,
-                call.diag_offset,
-                window=call.window,
-                softcap=call.softcap,
-                alibi_slopes=call.alibi_slopes,
-                return_probs=True,
-            )
+        probs = call.probabilities()
         return torch.where(keep, probs, -probs).to(call.q.dtype)
 
     def run_cache(self, call: CacheCall) -> tuple:

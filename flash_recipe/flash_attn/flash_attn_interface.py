@@ -144,20 +144,7 @@ def _softmax_matrix(call: AttentionCall, probs: Optional[torch.Tensor]) -> torch
     if call.is_varlen:
         raise NotImplementedError("return_softmax=True is supported by _flash_attn_forward only (dense calls)")
     if probs is None:  # no dropout: the probabilities themselves
-        from flash_recipe.reference import attention_reference
-
-        _, probs = attention_reference(
-            call.q,
-            call.k,
-            call.v,
-            call.softmax_scale,
-            call.causal,
-            call.diag_offset,
-            window=call.window,
-            softcap=call.softcap,
-            alibi_slopes=call.alibi_slopes,
-            return_probs=True,
-        )
+        probs = call.probabilities()
     seqlen_q, seqlen_k = probs.shape[-2:]
     padding = (0, _round(seqlen_k) - seqlen_k, 0, _round(seqlen_q) - seqlen_q)
     return torch.nn.functional.pad(probs, padding).to(call.q.dtype)
