@@ -48,13 +48,16 @@ Under ``torch.compile`` nothing may depend on the data (Dynamo breaks the graph 
                                             b's real tokens and, apart, its pad tokens, whose
                                             output is then set to 0; a backend without varlen
                                             kernels (sdpa, reference) gets one dense call with
-                                            the padding folded into its attn_mask instead
+                                            the padding folded into its attn_mask instead (its
+                                            sliding window counts positions, as the model's own
+                                            mask does: different only for padding mid-row)
     packed rows from position_ids          not detected: the number of sequences is data. A row
                                             whose positions restart fails an asynchronous check
                                             (no host sync); pass cu_seq_lens_q / cu_seq_lens_k /
-                                            max_length_q / max_length_k instead
+                                            max_length_q / max_length_k instead (on a CPU, the
+                                            varlen call checks them on the host: graph breaks)
 
-Neither form reads a tensor on the host, so a compiled model runs in one graph
+Neither padded form reads a tensor on the host, so a compiled model runs in one graph
 (``fullgraph=True``) with or without padding.
 
 Importing this module does not import transformers; ``register()`` does.
@@ -252,8 +255,9 @@ def _attend_padded_static(q, k, v, mask_q, mask_k, options: dict) -> torch.Tenso
     ``_real_first``: the real tokens of a row attend among themselves exactly as the eager path's
     ``unpad_input`` packing has them, the pad tokens among themselves); any other backend gets one
     dense call whose attn_mask hides the pad keys from real queries. A pad query there sees the
-    pad keys instead, so that no row is empty (an empty row's softmax has no gradient-safe form in
-    every backend); its output is set to 0 in both forms.
+    pad keys instead, so that no row is empty (some torch SDPA kernels give NaN for a row that sees
+    no key, and the backward would carry it into the real rows' gradients); its output is set to 0
+    in both forms.
     """
     from flash_recipe import dispatch, validate
 
