@@ -261,3 +261,12 @@ def test_compile_probe_explains_an_architecture_without_a_table():
     for old_arch in ("sm75", "sm61"):
         old = triton_compile_check(old_arch)
         assert old["ok"] is False and "sm80 or newer" in old["error"] and old_arch in old["error"]
+
+
+def test_triton_probe_reads_the_triton_windows_distribution(monkeypatch):
+    """On Windows the ``triton`` module comes from the triton-windows distribution; which
+    distributions are installed is stood in for here, since a Windows package cannot be."""
+    installed = {"triton-windows": {"installed": True, "version": "3.8.0.post29"}}
+    monkeypatch.setattr(probes, "distribution_info", lambda name: installed.get(name, {"installed": False}))
+    facts = probes.probe_triton()
+    assert facts["installed"] and facts["version"] == "3.8.0.post29"

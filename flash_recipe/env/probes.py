@@ -230,6 +230,8 @@ def probe_nvcc() -> NvccFacts:
 def probe_triton() -> TritonFacts:
     """Triton's version and the GPU target it would compile for (none without a GPU)."""
     dist = distribution_info("triton")
+    if not dist["installed"]:  # triton-windows installs the same ``triton`` module on Windows
+        dist = distribution_info("triton-windows")
     out: TritonFacts = {"installed": dist["installed"], "version": dist.get("version"), "target": None}
     if not dist["installed"]:
         return out

@@ -311,6 +311,25 @@ def locked_pins(lock_text: str, python_version: str, extras: Sequence[str] = ())
     )
 
 
+# Platforms whose wheels a lock may pin without a file for this machine (triton-windows is for
+# Windows only): Poetry and uv resolve for every platform, so the index must hold one.
+FOREIGN_PLATFORMS = ("win_amd64", "macosx_11_0_arm64", "manylinux2014_aarch64")
+
+
+def download_foreign(pip: list, dest: Path, pin: str, python_version: str) -> bool:
+    """Download ``pin``'s wheel for another platform (the first of ``FOREIGN_PLATFORMS`` it has)
+    for this Python into ``dest``; False if none has one."""
+    for platform in FOREIGN_PLATFORMS:
+        try:
+            run([*pip, "download", "--quiet", "--no-deps", "--dest", dest, "--only-binary=:all:", "--platform",
+                 platform, "--python-version", python_version, pin])  # fmt: skip
+        except RuntimeError:
+            continue
+        log(f"  {pin}: the {platform} wheel (no file for this machine)")
+        return True
+    return False
+
+
 def interpreter_version(python: str) -> str:
     return run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]).strip()
 
@@ -372,11 +391,12 @@ def wheelhouse(options: Options, tools: Tools, build: Build) -> Wheelhouse:
             try:
                 run([*pip, "download", "--quiet", "--no-deps", "--dest", deps_dir, *pins])
             except RuntimeError:
-                for pin in pins:  # one by one: a pin with no file for this interpreter is skipped
+                for pin in pins:  # one by one: a pin with no file for this machine
                     try:
                         run([*pip, "download", "--quiet", "--no-deps", "--dest", deps_dir, pin])
                     except RuntimeError:
-                        log(f"  no distribution of {pin} for this interpreter; skipped")
+                        if not download_foreign(pip, deps_dir, pin, python_version):
+                            log(f"  no distribution of {pin} for this interpreter; skipped")
         for leftover in [*deps_dir.glob("torch-*"), *deps_dir.glob("flash_recipe-*")]:
             leftover.unlink()
 
