@@ -50,7 +50,7 @@ class _MissingModules(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.startswith(PACKAGE + ".") and is_installed():
-            raise ImportError(
+            raise ModuleNotFoundError(
                 f"flash_recipe's stand-in for flash-attn does not provide the module {fullname}; "
                 f"it provides {', '.join(PROVIDED)} (install the flash-attn package for the rest)",
                 name=fullname,

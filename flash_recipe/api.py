@@ -71,6 +71,7 @@ def _build_flash_call(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         return_lse=bool(return_lse),
+        return_probs=bool(return_lse),
         dropout_p=dropout_p,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,

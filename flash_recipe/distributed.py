@@ -1,4 +1,5 @@
-"""Context parallelism: ring attention over torch.distributed (NCCL on GPUs, gloo on CPUs).
+"""Context parallelism: ring attention over torch.distributed (NCCL on GPUs, gloo on CPUs; the
+tests run gloo).
 
 Each of the ``W`` ranks of a process group holds one shard of the sequence: its queries, keys and
 values. The key/value shards travel around the ring of ranks, one step at a time, and each rank
@@ -33,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from flash_recipe import validate
+from flash_recipe import dispatch, validate
 from flash_recipe.flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -42,9 +43,13 @@ __all__ = ["LAYOUTS", "merge_partial", "ring_attention", "shard", "unshard"]
 
 
 def _group_size(group) -> tuple[int, int]:
+    """``(rank, world size)`` of this process in ``group``."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring attention needs torch.distributed initialised (init_process_group)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group must be a process group this rank belongs to")
+    return rank, dist.get_world_size(group)
 
 
 def _check_layout(layout: str) -> str:
@@ -214,13 +219,17 @@ class _RingAttention(torch.autograd.Function):
         out, lse = _ring_forward(q, k, v, group, causal, softmax_scale, layout, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (group, causal, softmax_scale, layout, softcap, deterministic)
+        # The backward may run on another thread (autograd's device threads), where a use_backend
+        # choice of this one is not set: it re-enters the forward's.
+        ctx.backend = dispatch.forced_backend()
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.options)
+        with dispatch.use_backend(ctx.backend):
+            dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.options)
         return dq, dk, dv, None, None, None, None, None, None
 
 

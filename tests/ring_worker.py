@@ -85,9 +85,11 @@ def builtin(case: dict) -> dict:
     layout, causal, softcap = case["layout"], case["causal"], case.get("softcap", 0.0)
     local = [shard(t, layout=layout).clone().requires_grad_() for t in (q, k, v)]
     call_layout = case.get("call_layout", layout)  # another layout than the shards': a test that must fail
+    if case.get("sum"):  # out.sum().backward(): an output gradient of stride 0
+        dout = torch.ones_like(dout)
     with flash_recipe.use_backend(case.get("backend", "reference")):
         out, lse = ring_attention(*local, causal=causal, layout=call_layout, softcap=softcap, return_lse=True)
-        out.backward(shard(dout, layout=layout))
+        out.sum().backward() if case.get("sum") else out.backward(shard(dout, layout=layout))
     grads = dict(zip(("dq", "dk", "dv"), (t.grad for t in local)))
     result = gathered({"out": out, "lse": lse, **grads}, layout)
     return judge(result, q, k, v, dout, causal, softcap)

@@ -36,12 +36,14 @@ CASES = [
     _case("zigzag", False, 1),
     _case("contiguous", True, 2),
     _case("contiguous", False, 4, "float16", softcap=3.0),
+    _case("zigzag", True, 2, "bfloat16", sum=True),
 ]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_attention_matches_single_process_attention(world_size):
-    """MHA, GQA and MQA, causal and not, both layouts, on the reference backend."""
+    """MHA, GQA and MQA, causal and not, both layouts, fp32, fp16 and bf16, on the reference backend;
+    one case's backward starts from ``out.sum()`` (an output gradient of stride 0)."""
     assert_within_bounds(run_ranks(world_size, {"cases": CASES}), CASES)
 
 

@@ -7,6 +7,7 @@ defaults must match exactly.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import subprocess
 import sys
@@ -170,6 +171,31 @@ def test_dropout_backward_regenerates_the_mask():
         assert _max(grad, leaf.grad) <= 1e-6
 
 
+def test_varlen_dropout_runs_and_replays_the_mask():
+    """Varlen with dropout on the triton backend: the backward regenerates the forward's mask (the
+    same gradients as the autograd of the kernels' custom op with that seed)."""
+    from flash_recipe.ops.attention import attention
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, dout = (torch.randn(20, 2, 16, generator=gen) for _ in range(4))
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    with flash_recipe.use_backend("triton"):
+        out, lse, s_dmask, rng_state = fai._flash_attn_varlen_forward(q, k, v, cu, cu, 13, 13, 0.3, 0.25, True)
+        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+        fai._flash_attn_varlen_backward(
+            dout, q, k, v, out, lse, dq, dk, dv, cu, cu, 13, 13, 0.3, 0.25, True, -1, -1, 0.0, None, False, rng_state
+        )
+    assert s_dmask.shape == (0,)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = attention(
+        *leaves, 0.25, 0, (-1, 0), cu_seqlens=(cu, cu), max_seqlens=(13, 13), dropout_p=0.3, seed=rng_state[:1]
+    )
+    expected.backward(dout)
+    assert _max(out, expected) == 0.0
+    for grad, leaf in zip((dq, dk, dv), leaves):
+        assert _max(grad, leaf.grad) <= 1e-6
+
+
 def test_errors_name_the_argument():
     q, k, v, dout = _tensors(1, 8, 8, 2, 2)
     with flash_recipe.use_backend("reference"), pytest.raises(NotImplementedError, match="dropout"):
@@ -186,6 +212,14 @@ def test_errors_name_the_argument():
         fai._flash_attn_backward(
             dout, q, k, v, out, lse, q[:, 1:], None, None, 0.0, 0.25, False, -1, -1, 0.0, None, False
         )
+    with pytest.raises(TypeError, match="dout must have q's dtype"):
+        fai._flash_attn_backward(
+            dout.half(), q, k, v, out, lse, None, None, None, 0.0, 0.25, False, -1, -1, 0.0, None, False
+        )
+    with pytest.raises(TypeError, match="dk must be None or a torch.Tensor"):
+        fai._flash_attn_backward(dout, q, k, v, out, lse, None, [], None, 0.0, 0.25, False, -1, -1, 0.0, None, False)
+    with pytest.raises(NotImplementedError, match="return_softmax"):
+        fai._flash_attn_varlen_forward(q[0], k[0], v[0], cu, cu, 8, 8, 0.0, 0.25, False, return_softmax=True)
     with pytest.raises(TypeError, match="causal must be a bool"):
         fai._flash_attn_forward(q, k, v, 0.0, 0.25, 1, -1, -1, 0.0, None, False)
 
@@ -212,6 +246,8 @@ def test_apply_rotary_emb(interleaved):
     assert torch.equal(out, expected)
     with pytest.raises(ValueError, match="seqlen_rotary"):
         apply_rotary_emb(x, cos, sin, seqlen_offsets=14)
+    with pytest.raises(TypeError, match="seqlen_offsets must be an int"):
+        apply_rotary_emb(x, cos, sin, seqlen_offsets=1.5)
 
 
 def test_bert_padding_index_helpers():
@@ -232,6 +268,7 @@ def _python(code: str, *paths) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", env_path + textwrap.dedent(code)], capture_output=True, text=True)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed here")
 def test_install_as_flash_attn_resolves_the_modules():
     result = _python(
         """

@@ -24,8 +24,8 @@ class AttentionCall:
     (``-1``: unbounded). ``causal`` is a window whose right edge is the diagonal: the call sets
     ``right = 0`` itself on construction, so ``window`` is always the window that masks.
     ``attn_mask`` (broadcastable to ``(B, H, Sq, Sk)``) comes from the SDPA API only.
-    ``return_lse`` asks for the log-sum-exp (and, with dropout, for the dropped-out probabilities,
-    as flash-attn's ``return_attn_probs``).
+    ``return_lse`` asks for the log-sum-exp; ``return_probs``, with dropout, for the dropped-out
+    probabilities too (flash-attn's ``return_attn_probs`` asks for both).
     """
 
     q: torch.Tensor
@@ -40,6 +40,7 @@ class AttentionCall:
     attn_mask: Optional[torch.Tensor] = None
     dropout_p: float = 0.0
     return_lse: bool = False
+    return_probs: bool = False
     # Varlen: q (total_q, H, D), k/v (total_k, Hk, D); int32 (B + 1,) offsets; diagonals bottom-right.
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None

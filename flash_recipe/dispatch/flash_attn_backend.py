@@ -78,9 +78,9 @@ class FlashAttnBackend(Backend):
             window_size=call.window,
             softcap=call.softcap,
             alibi_slopes=call.alibi_slopes,
-            return_attn_probs=call.return_lse,
+            return_attn_probs=call.return_lse or call.return_probs,
         )
-        if call.return_lse:
+        if call.return_lse or call.return_probs:
             return result[0], result[1], result[2]
         return result, None, None
 

@@ -15,7 +15,7 @@ class ReferenceBackend(Backend):
     deterministic = True
 
     def supports(self, call: AttentionCall) -> Optional[str]:
-        if call.dropout_p > 0.0 and call.return_lse:
+        if call.dropout_p > 0.0 and call.return_probs:
             return "the reference draws dropout from torch's RNG and cannot return the dropped-out probabilities"
         return None
 

@@ -72,7 +72,7 @@ class TritonBackend(Backend):
             return f"head dim {q.shape[-1]} is above 256"
         if call.attn_mask is not None:
             return "an explicit attn_mask is not supported (causal masking is)"
-        if call.dropout_p > 0.0 and call.return_lse and call.is_varlen:
+        if call.dropout_p > 0.0 and call.return_probs and call.is_varlen:
             return "the dropped-out probabilities are returned for dense calls only"
         return probes.last_dim_strided(call)
 
@@ -97,7 +97,7 @@ class TritonBackend(Backend):
             seed,
         )
         s_dmask = None
-        if seed is not None and call.return_lse:
+        if seed is not None and call.return_probs:
             s_dmask = self._dropped_probs(call, seed)
         return out, lse, s_dmask
 

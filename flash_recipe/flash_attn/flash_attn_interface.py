@@ -84,11 +84,13 @@ def _call(
     deterministic=False,
     varlen=None,
     paged=False,
+    return_softmax=False,
 ) -> AttentionCall:
-    """The validated call; the log-sum-exp is always asked for."""
+    """The validated call; the log-sum-exp is always asked for, the probabilities with ``return_softmax``."""
     validate.check_bool("causal", causal)
+    validate.check_bool("return_softmax", return_softmax)
     window = (window_size_left, window_size_right)
-    return _build_flash_call(
+    call = _build_flash_call(
         q,
         k,
         v,
@@ -103,6 +105,7 @@ def _call(
         varlen=varlen,
         paged=paged,
     )
+    return dataclasses.replace(call, return_probs=return_softmax)
 
 
 def _replays_dropout(call: AttentionCall):
@@ -117,8 +120,9 @@ def _replays_dropout(call: AttentionCall):
     )
 
 
-def _forward(call: AttentionCall, return_softmax: bool, block_table=None) -> tuple:
-    validate.check_bool("return_softmax", return_softmax)
+def _forward(call: AttentionCall, block_table=None) -> tuple:
+    if call.return_probs and call.is_varlen:
+        raise NotImplementedError("return_softmax=True is supported by _flash_attn_forward only (dense calls)")
     q = call.q
     rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
     probs = None
@@ -133,7 +137,7 @@ def _forward(call: AttentionCall, return_softmax: bool, block_table=None) -> tup
                 call = dataclasses.replace(call, seed=new_seed(q.device))
                 rng_state[:1] = call.seed
             out, lse, probs = backend.run_call(call)
-    if not return_softmax:
+    if not call.return_probs:
         return out, lse, q.new_empty((0,)), rng_state
     return out, lse, _softmax_matrix(call, probs), rng_state
 
@@ -141,8 +145,6 @@ def _forward(call: AttentionCall, return_softmax: bool, block_table=None) -> tup
 def _softmax_matrix(call: AttentionCall, probs: Optional[torch.Tensor]) -> torch.Tensor:
     """``S_dmask (B, H, round128(Sq), round128(Sk))``: the probabilities, negative where dropout dropped
     them, zero in the padding."""
-    if call.is_varlen:
-        raise NotImplementedError("return_softmax=True is supported by _flash_attn_forward only (dense calls)")
     if probs is None:  # no dropout: the probabilities themselves
         probs = call.probabilities()
     seqlen_q, seqlen_k = probs.shape[-2:]
@@ -162,14 +164,19 @@ def _backward(call: AttentionCall, dout, out, softmax_lse, grads, rng_state) -> 
         raise TypeError("softmax_lse must be the float32 tensor the forward returned")
     if tuple(softmax_lse.shape) != lse_shape:
         raise ValueError(f"softmax_lse must have shape {lse_shape}, got {tuple(softmax_lse.shape)}")
+    for name, t in (("dout", dout), ("out", out)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
     for name, buffer, like in zip(("dq", "dk", "dv"), grads, (q, call.k, call.v)):
-        if buffer is not None and (not isinstance(buffer, torch.Tensor) or buffer.shape != like.shape):
-            raise ValueError(f"{name} must be None or a tensor of shape {tuple(like.shape)}")
+        if buffer is not None and not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"{name} must be None or a torch.Tensor, got {type(buffer).__name__}")
+        if buffer is not None and buffer.shape != like.shape:
+            raise ValueError(f"{name} must be None or a tensor of shape {tuple(like.shape)}, got {tuple(buffer.shape)}")
     if call.dropout_p > 0.0:
         if not isinstance(rng_state, torch.Tensor) or rng_state.numel() != 2:
             raise ValueError("dropout_p > 0 needs the rng_state (int64 (2,)) that the forward returned")
         call = dataclasses.replace(call, seed=rng_state[:1].to(q.device))
-    dout = validate.last_dim_contiguous(("dout",), (dout,))[0]
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # as upstream: a gradient of .sum() has stride 0
     with torch.no_grad():
         backend = dispatch.select(call, _replays_dropout(call))
         computed = backend.grad(call, dout, out.contiguous(), softmax_lse.contiguous())
@@ -208,8 +215,20 @@ def _flash_attn_forward(
     return_softmax: bool,
 ):
     """Dense forward, no autograd: ``(out, softmax_lse, S_dmask, rng_state)`` (module docstring)."""
-    call = _call(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes)
-    return _forward(call, return_softmax)
+    call = _call(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        return_softmax=return_softmax,
+    )
+    return _forward(call)
 
 
 def _flash_attn_varlen_forward(
@@ -253,8 +272,9 @@ def _flash_attn_varlen_forward(
         alibi_slopes,
         varlen=varlen,
         paged=block_table is not None,
+        return_softmax=return_softmax,
     )
-    return _forward(call, return_softmax, block_table)
+    return _forward(call, block_table)
 
 
 def _flash_attn_backward(

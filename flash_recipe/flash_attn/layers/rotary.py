@@ -75,6 +75,10 @@ def apply_rotary_emb(
         positions = positions + seqlen_offsets.to(x.device).long()[batch_of]
     else:
         positions = positions + validate.check_int("seqlen_offsets", seqlen_offsets, 0)
+    if not packed and not isinstance(seqlen_offsets, torch.Tensor) and x.shape[1] + seqlen_offsets > cos.shape[0]:
+        raise ValueError(
+            f"positions reach {x.shape[1] + seqlen_offsets - 1}, past cos/sin's seqlen_rotary {cos.shape[0]} rows"
+        )
     if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= cos.shape[0]:
         raise ValueError(f"positions reach {int(positions.max())}, past cos/sin's seqlen_rotary {cos.shape[0]} rows")
     if packed:
