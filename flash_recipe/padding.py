@@ -42,8 +42,13 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     return flat[indices], indices, cu_seqlens, max_seqlen, seqused
 
 
+def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int) -> torch.Tensor:
+    """``values (total, ...)`` scattered to rows ``indices`` of zeros ``(first_axis_dim, ...)``, differentiable."""
+    out = values.new_zeros((first_axis_dim, *values.shape[1:]))
+    return out.index_put((indices,), values)  # differentiable, unlike an in-place copy
+
+
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """Scatter packed tokens ``(total, ...)`` back to ``(batch, seqlen, ...)``, zeros elsewhere."""
-    out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
-    out = out.index_put((indices,), hidden_states)  # differentiable, unlike an in-place copy
+    out = index_put_first_axis(hidden_states, indices, batch * seqlen)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])

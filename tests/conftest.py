@@ -8,8 +8,10 @@ any test imports it. With a GPU, the kernels are compiled and run on it.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,25 @@ def nan_outputs(monkeypatch):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     monkeypatch.setattr(tiles, "output_buffer", nan_buffer)
+
+
+@pytest.fixture
+def flash_recipe_warnings(monkeypatch):
+    """Collects the warnings, issued or logged through torch's loggers, while the test runs; call it
+    for those that name flash_recipe's code. Dynamo's warn-once cache starts empty, so a warning
+    it gave in an earlier test shows again."""
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    logged: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(f"{record.pathname}: {record.getMessage()}")
+    torch_logger = logging.getLogger("torch")
+    torch_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield lambda: [w for w in [f"{c.filename}: {c.message}" for c in caught] + logged if "flash_recipe" in w]
+    finally:
+        torch_logger.removeHandler(handler)
 
 
 @pytest.fixture(autouse=True)

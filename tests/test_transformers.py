@@ -17,10 +17,8 @@ aten ops without generating code), one test with inductor.
 from __future__ import annotations
 
 import copy
-import logging
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -418,34 +416,15 @@ def test_inductor_compiles_the_default_backend(device):
     _check_logits(got, same, truth, ids, mask)
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(f"{record.pathname}: {record.getMessage()}")
-
-
-def test_compiling_emits_no_warning_from_flash_recipe(device, monkeypatch):
+def test_compiling_emits_no_warning_from_flash_recipe(device, flash_recipe_warnings):
     """No warning or logged warning names flash_recipe's code while a model compiles (Dynamo warns,
     for example, at each call of a functools.lru_cache function it traces into)."""
-    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())  # shows warnings given earlier again
-    records = _Records()
-    torch_logger = logging.getLogger("torch")
-    torch_logger.addHandler(records)
     ours, _, _ = _models("llama", device)
     ids, mask = _inputs("left", device)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for backend in BACKENDS:
-                with torch.no_grad(), flash_recipe.use_backend(backend):
-                    _compile(ours)(ids, attention_mask=mask)
-    finally:
-        torch_logger.removeHandler(records)
-    warned = [f"{w.filename}: {w.message}" for w in caught] + records.messages
-    assert not [w for w in warned if "flash_recipe" in w], warned
+    for backend in BACKENDS:
+        with torch.no_grad(), flash_recipe.use_backend(backend):
+            _compile(ours)(ids, attention_mask=mask)
+    assert not flash_recipe_warnings()
 
 
 def test_packed_position_ids_fail_loudly_under_compile():
