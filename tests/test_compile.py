@@ -192,3 +192,19 @@ def test_launch_specialisation_is_applied():
     assert by_target["sm120"]["matrix_unit"] == "mma.sync"  # no wgmma on sm120
     assert by_target["gfx942"]["matrix_unit"] == "mfma"
     assert all(row["ok"] for row in rows), rows
+
+
+@pytest.mark.slow
+def test_a_decode_step_over_a_dense_cache_compiles():
+    """A dense KV cache is addressed as one page per sequence, so its page table is one entry wide
+    and a launch specialises that width to the constant 1; the kernel must compile with it (a
+    method call on the width, ``table_width.to(...)``, compiled for every paged cache and failed
+    only there, the most common decoding call)."""
+    rows = compile_in_subprocess("""
+        import json
+        from flash_recipe.ops import compile_check
+        for row in compile_check.check_case(compile_check.Case("decode", "bfloat16", 128, "aligned"), "sm90"):
+            print(json.dumps(row))
+    """)
+    assert {row["kernel"] for row in rows} == {"rotary_append", "decode", "split_combine"}, rows
+    assert all(row["ok"] for row in rows), rows

@@ -190,14 +190,16 @@ def _run_call(case: Case) -> dict[str, str]:
         backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, varlen=varlen)
         return {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "bwd_preprocess",
                 "attn_bwd_dkdv_kernel": "bwd_dkdv", "attn_bwd_dq_kernel": "bwd_dq"}
-    # A KV cache: 3 sequences in pages of 64 rows (aligned) or 16 (ragged), appended one new key
-    # and value row per query row.
+    # A KV cache of 3 sequences, appended one new key and value row per query row: the aligned
+    # decode step over a dense cache (each sequence its own page of 1024 rows: a page table one
+    # entry wide, whose width Triton specialises to the constant 1), the other calls over pages of
+    # 64 rows (aligned) or 16 (ragged).
     seqlen_q = 1 if case.call == "decode" else 64
-    page_size, width = (64, 16) if not ragged else (16, 40)
+    page_size, width = (1024, 1) if case.call == "decode" and not ragged else (64, 16) if not ragged else (16, 40)
     dtype, head_dim = getattr(torch, case.dtype), _head_dim(case)
     q = _qkv(case, 3, seqlen_q, seqlen_q, nheads, nheads_k)[0]
     k_new, v_new = (torch.randn(3, seqlen_q, nheads_k, head_dim, dtype=dtype) for _ in range(2))
-    pages = torch.randn(2, 3 * width, page_size, nheads_k, head_dim, dtype=dtype)
+    pages = torch.randn(2, 3 * width, page_size, nheads_k, head_dim, dtype=dtype)  # dense: (B, S_cache, Hk, D)
     table = torch.arange(3 * width, dtype=torch.int32).reshape(3, width)
     seqlens = torch.tensor([100, 333, 17], dtype=torch.int32)
     leftpad = torch.tensor([0, 5, 3], dtype=torch.int32) if ragged else None

@@ -189,7 +189,7 @@ def attn_fwd_kernel(
         if PAGED:
             bos_k = tl.load(K_START + i_b).to(tl.int64)
             seqlen_k = (tl.load(K_END + i_b) - bos_k).to(tl.int32)
-            bad = (bos_k < 0) | (seqlen_k < 0) | (bos_k + seqlen_k > table_width.to(tl.int64) * page_size)
+            bad = (bos_k < 0) | (seqlen_k < 0) | (bos_k + seqlen_k > tl.cast(table_width, tl.int64) * page_size)
             seqlen_k = tl.where(bad, 0, seqlen_k)
         else:  # packed keys: rows K_START[b]:K_END[b], clamped to the total_k rows as ``sequence`` clamps
             bos_k, seqlen_k = sequence(K_START, i_b, seqlen_k, total_k, True, K_END)
