@@ -19,6 +19,11 @@ The check runs before the access, so a stray address raises ``OutOfBoundsAccess`
 reading or corrupting memory. The interpreter wraps errors raised inside a kernel in its own
 ``InterpreterError``; the launch wrapper re-raises the ``OutOfBoundsAccess`` itself. Violations
 are also recorded, so ``verify`` fails a test whose code swallowed the exception.
+
+Beside the check, ``loaded`` counts the bytes every kernel loads from each launch argument (the
+active addresses of each load, attributed to the argument whose storage holds them): the memory
+traffic of a launch as the kernel's code asks for it, which the decode tests compare with the
+least a kernel must read.
 """
 
 from __future__ import annotations
@@ -140,13 +145,15 @@ class BoundsChecker:
     """Checks every memory access of interpreted kernel launches against the launch's tensors.
 
     ``launches`` and ``accesses`` count launches and checked memory operations; ``violations``
-    holds the message of every out-of-bounds access seen (each also raised).
+    holds the message of every out-of-bounds access seen (each also raised); ``loaded`` maps
+    ``(kernel name, argument name)`` to the bytes loaded from that argument's storage.
     """
 
     def __init__(self) -> None:
         self.launches = 0
         self.accesses = 0
         self.violations: list[str] = []
+        self.loaded: dict[tuple[str, str], int] = {}
         self._stack: list[Launch] = []
         self._depth = 0  # nesting of wrapped memory operations: only the outermost checks
 
@@ -265,9 +272,23 @@ class BoundsChecker:
         # ``a <= end - size``, not ``a + size <= end``: an address near 2**64 must not wrap around.
         inside &= addresses <= ends - np.uint64(size)
         if inside.all():
+            if kind == "load":
+                self._count(launch, addresses, size)
             return
         bad = addresses[~inside]
         self._fail(self._describe(kind, launch, int(bad[0]), size, bad.size, addresses.size, builder))
+
+    def _count(self, launch: Launch, addresses: np.ndarray, size: int) -> None:
+        """Add the bytes of ``addresses`` to the argument whose storage holds each (the first
+        listed, where views of one storage overlap)."""
+        left = np.ones(addresses.shape, dtype=bool)
+        for region in launch.regions or ():
+            hit = left & (addresses >= np.uint64(region.start)) & (addresses < np.uint64(region.end))
+            n = int(hit.sum())
+            if n:
+                key = (launch.kernel, region.name)
+                self.loaded[key] = self.loaded.get(key, 0) + n * size
+                left &= ~hit
 
     def _describe(self, kind, launch: Launch, address: int, size: int, n_bad: int, n_active: int, builder) -> str:
         program = getattr(builder, "grid_idx", None)

@@ -301,8 +301,8 @@ def attn_bwd_dq_kernel(
         rng_base = row_base * rng_stride
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT,
-                                                  BLOCK_M, BLOCK_N)
+    begin, full_begin, full_end, end = key_blocks(q_start, q_start + BLOCK_M - 1, seqlen_k, lo_offset, hi_offset,
+                                                  MASK_LEFT, MASK_RIGHT, BLOCK_N)
     for stage in tl.static_range(3):
         lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
         b_dq = _dq_inner(

@@ -39,10 +39,12 @@ from flash_recipe.ops.tiles import (
     dropout_keep,
     key_blocks,
     load_keys,
+    load_rows,
     load_tile,
     loop_bound,
     sequence,
     stage_bounds,
+    store_rows,
     store_tile,
     tanh,
     visible,
@@ -53,12 +55,16 @@ from flash_recipe.ops.tiles import (
 def _fwd_inner(
     b_acc, b_m, b_l, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, start, end,
-    seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+    k_first, k_end, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
     k_tiles, v_tiles, tile_row, tile_col, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
     FOLD: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
+
+    ``o_m`` holds each query row's position (``[BLOCK_M]``) and ``slope`` its ALiBi slope (a scalar,
+    or ``[BLOCK_M, 1]`` when the rows are several heads). A masked stage reads only key rows
+    ``[k_first, k_end)`` (the keys some row of the tile sees) and loads the rest as 0.
 
     The logit of a score is ``r * nat_scale`` (minus ``slope * |i + diag_offset - j|`` with ALiBi),
     where ``r`` is the raw ``q . k``, or with softcap ``tanh(q . k * tanh_scale)``; ``qk_scale`` is
@@ -83,8 +89,8 @@ def _fwd_inner(
         if TMA and not MASKED:
             b_k = k_tiles.load([tile_row + start_n, tile_col])
         else:
-            b_k = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, seqlen_k, head_dim, page_size,
-                            num_pages, o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
+            b_k = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, k_end, head_dim, page_size,
+                            num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             b_s = tanh(b_s * tanh_scale)
@@ -114,8 +120,8 @@ def _fwd_inner(
         if TMA and not MASKED:
             b_v = v_tiles.load([tile_row + start_n, tile_col])
         else:
-            b_v = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, seqlen_k, head_dim, page_size,
-                            num_pages, o_n, o_d, MASKED, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
+            b_v = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, k_first, k_end, head_dim, page_size,
+                            num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], o_k[None, :], rng_stride, dropout_p)
             b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
@@ -126,7 +132,9 @@ def _fwd_inner(
 
 @triton.heuristics(
     {
-        "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+        # With PACK_GQA the tile's rows are the group's query heads at each position: Sq * group rows.
+        "EVEN_M": lambda a: not a["IS_VARLEN"]
+        and a["seqlen_q"] * (a["group_size"] if a["PACK_GQA"] else 1) % a["BLOCK_M"] == 0,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
         # One multiply-add per score (``_fwd_inner``): fp16/bf16, a positive scale, no ALiBi.
         "FOLD": lambda a: a["Q"].element_size() == 2 and not a["ALIBI"] and a["qk_scale"] > 0.0,
@@ -144,10 +152,17 @@ def attn_fwd_kernel(
     window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FOLD: tl.constexpr,
+    TMA: tl.constexpr, PACK_GQA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FOLD: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``.
+    """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
+    ``(cdiv(max Sq * group_size, BLOCK_M) * num_splits, Hk, B)``.
+
+    ``PACK_GQA`` (GQA with a short query: decoding): one program serves all ``group_size`` query
+    heads of kv head ``i_hk``, so each key and value block is loaded once for the whole group. Row
+    ``r`` of the packed query is position ``r // group_size`` of query head
+    ``i_hk * group_size + r % group_size``; masks, ALiBi slopes and the bottom-right alignment use
+    each row's own position and head.
 
     Queries: dense ``Q (B, Sq, H, D)``, or with ``IS_VARLEN`` packed ``(total_q, H, D)`` with
     sequence ``b`` in rows ``CU_Q[b]:CU_Q[b+1]`` (batch strides are 0).
@@ -175,14 +190,19 @@ def attn_fwd_kernel(
     """
     tl.static_assert(KV_RANGES or not PAGED, "PAGED addresses key ranges through the page table: it needs KV_RANGES")
     tl.static_assert(not TMA or not (IS_VARLEN or KV_RANGES), "TMA tiles address dense tensors only")
+    tl.static_assert(not (PACK_GQA and DROPOUT), "PACK_GQA serves the forward-only short queries: no dropout")
     i_m = tl.program_id(0) // num_splits
     i_s = tl.program_id(0) % num_splits
-    i_h = tl.program_id(1)
+    i_h = tl.program_id(1)  # the query head; with PACK_GQA the kv head
     i_b = tl.program_id(2)
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
-    q_start = i_m * BLOCK_M
+    if PACK_GQA:
+        n_rows = seqlen_q * group_size
+    else:
+        n_rows = seqlen_q
+    q_start = i_m * BLOCK_M  # the tile's first row
     if IS_VARLEN:
-        if q_start >= seqlen_q:
+        if q_start >= n_rows:
             return
     bos_k = tl.zeros([], dtype=tl.int64)
     if KV_RANGES:
@@ -196,15 +216,28 @@ def attn_fwd_kernel(
         diag_offset = seqlen_k - seqlen_q
     lo_offset = diag_offset - window_left
     hi_offset = diag_offset + window_right
-    i_hk = i_h // group_size
+    if PACK_GQA:
+        i_hk = i_h
+        i_h = i_hk * group_size  # the group's first query head
+    else:
+        i_hk = i_h // group_size
     tile_row = i_b * seqlen_k  # the descriptors' coordinates (int32: ``tma_views`` checks the bound)
     tile_col = i_hk * BLOCK_D
     i_b = i_b.to(tl.int64)
 
-    o_m = q_start + tl.arange(0, BLOCK_M)  # query rows [BLOCK_M]
     o_r = tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
+    if PACK_GQA:
+        o_m = (q_start + o_r) // group_size  # each row's query position [BLOCK_M]
+        o_g = (q_start + o_r) % group_size  # each row's head within the group [BLOCK_M]
+        pos_start = q_start // group_size
+        pos_last = tl.minimum((q_start + BLOCK_M - 1) // group_size, seqlen_q - 1)
+        m_rows = q_start + o_r < n_rows
+    else:
+        o_m = q_start + o_r  # query rows [BLOCK_M]
+        pos_start = q_start
+        pos_last = q_start + BLOCK_M - 1
 
     q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h.to(tl.int64) * stride_qh
     if PAGED:  # rows are addressed through the page table; the batch stride is the page stride
@@ -213,7 +246,11 @@ def attn_fwd_kernel(
     else:
         k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
         v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
-    b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
+    if PACK_GQA:  # row offsets from the group's first head at position 0
+        o_qrow = o_m * stride_qm + o_g * stride_qh
+        b_q = load_rows(q_base, o_qrow, m_rows, head_dim, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
+    else:
+        b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)
     table = PAGE_TABLE + i_b * stride_tb
     # Logits: ``r * nat_scale`` with ``r = q . k`` or, with softcap, ``tanh(q . k * tanh_scale)``.
     if SOFTCAP:
@@ -224,7 +261,10 @@ def attn_fwd_kernel(
         tanh_scale = 1.0
     slope = 0.0
     if ALIBI:
-        slope = tl.load(SLOPES + i_b * stride_sb + i_h)
+        if PACK_GQA:
+            slope = tl.load(SLOPES + i_b * stride_sb + i_h + o_g)[:, None]  # [BLOCK_M, 1]
+        else:
+            slope = tl.load(SLOPES + i_b * stride_sb + i_h)
     seed = 0
     rng_base = 0
     if DROPOUT:
@@ -235,8 +275,9 @@ def attn_fwd_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    begin, full_begin, full_end, end = key_blocks(q_start, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT,
-                                                  BLOCK_M, BLOCK_N)
+    begin, full_begin, full_end, end = key_blocks(pos_start, pos_last, seqlen_k, lo_offset, hi_offset, MASK_LEFT,
+                                                  MASK_RIGHT, BLOCK_N)
+    k_first = tl.maximum(pos_start + lo_offset, 0)  # the first key any row sees (with MASK_LEFT)
     if KV_RANGES:  # split-KV runs on per-batch key ranges only (a cache); dense calls keep their bounds
         share = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), num_splits) * BLOCK_N  # keys per split, whole blocks
         split_lo = i_s * share
@@ -251,7 +292,7 @@ def attn_fwd_kernel(
         b_acc, b_m, b_l = _fwd_inner(
             b_acc, b_m, b_l, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, lo, hi,
-            seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+            k_first, end, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
             K_TILES, V_TILES, tile_row, tile_col,
             stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, FOLD, TMA, BLOCK_N, BLOCK_D,
         )
@@ -265,17 +306,23 @@ def attn_fwd_kernel(
         b_lse = tl.where(bad, float("nan"), b_lse)
 
     o_base = O + i_s.to(tl.int64) * stride_os + i_b * stride_ob + bos_q * stride_om + i_h.to(tl.int64) * stride_oh
-    store_tile(o_base, q_start, stride_om, seqlen_q, head_dim, o_r, o_d, b_out, not EVEN_M, MASK_D)
     p_lse = LSE + i_s.to(tl.int64) * stride_ls + i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q + o_m
+    if PACK_GQA:
+        store_rows(o_base, o_m * stride_om + o_g * stride_oh, m_rows, head_dim, o_d, b_out, not EVEN_M, MASK_D)
+        p_lse += o_g * stride_lh
+    else:
+        store_tile(o_base, q_start, stride_om, seqlen_q, head_dim, o_r, o_d, b_out, not EVEN_M, MASK_D)
+        m_rows = o_m < seqlen_q
     if EVEN_M:
         tl.store(p_lse, b_lse)
     else:
-        tl.store(p_lse, b_lse, mask=o_m < seqlen_q)
+        tl.store(p_lse, b_lse, mask=m_rows)
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, options: ScoreOptions,
     varlen: Optional[Varlen] = None, keys: Optional[KeyRanges] = None, num_splits: int = 1, kernel: str = "fwd",
+    pack_gqa: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Inputs are validated by the caller (see ``flash_recipe.api``).
 
@@ -292,6 +339,8 @@ def attention_forward(
         kernel: the launch configuration to use, ``"fwd"`` or ``"decode"`` (small query blocks);
             ``"fwd"`` becomes ``"fwd_general"`` with varlen, key ranges, softcap, ALiBi, dropout or a
             head dim that is not a power of two from 16 to 256 (masked columns).
+        pack_gqa: whether one program serves a whole GQA group (``gqa_packing``); None decides by
+            that rule, False never packs (for comparisons).
 
     Returns:
         ``out`` shaped like q, in q's dtype, and ``lse`` float32 (natural log): ``(B, H, Sq)``, or
@@ -311,7 +360,11 @@ def attention_forward(
     plain = varlen is None and keys is None and options.softcap <= 0.0 and options.slopes is None
     if kernel == "fwd" and not (plain and options.dropout_p == 0.0 and dims.head_dim in configs.HEAD_DIM_BUCKETS):
         kernel = "fwd_general"
+    group = dims.nheads // dims.nheads_k
+    pack, kernel, block_m = gqa_packing(q.device, kernel, dims.seqlen_q, dims.head_dim, group, options.dropout_p,
+                                       q.element_size(), pack_gqa)
     cfg = configs.launch_config(q.device, kernel, dims.head_dim, q.element_size())
+    block_m = block_m or cfg.block_m
     table = keys.table if keys is not None else None
     if table is not None:
         paging = dict(PAGE_TABLE=table, stride_tb=table.stride(0), page_size=k.shape[1], num_pages=k.shape[0],
@@ -326,7 +379,10 @@ def attention_forward(
     rows = packed_rows(q, k, varlen, table is not None)
     block_d = configs.head_dim_bucket(dims.head_dim)
     views = features.tma_views(k, v, cfg.block_n) if keys is None and varlen is None else None
-    grid = (triton.cdiv(dims.seqlen_q, cfg.block_m) * num_splits, dims.nheads, dims.batch)
+    if pack:
+        grid = (triton.cdiv(dims.seqlen_q * group, block_m) * num_splits, dims.nheads_k, dims.batch)
+    else:
+        grid = (triton.cdiv(dims.seqlen_q, block_m) * num_splits, dims.nheads, dims.batch)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         attn_fwd_kernel[grid](
             Q=q, K=k, V=v, O=o_split, K_TILES=views[0] if views else lse, V_TILES=views[1] if views else lse,
@@ -336,12 +392,12 @@ def attention_forward(
             **dims.stride_args(o_split[0] if num_splits > 1 else out, "o", "m"),
             stride_os=o_split.stride(0) if num_splits > 1 else 0,
             stride_lb=stride_lb, stride_lh=stride_lh, stride_ls=lse_split.stride(0) if num_splits > 1 else 0,
-            nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q,
+            nheads=dims.nheads, group_size=group, seqlen_q=dims.seqlen_q,
             seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
             qk_scale=_base2_scale(options.softcap if options.softcap > 0.0 else softmax_scale),
             **rows, **paging, **score_args(options, lse, dims.seqlen_k),
             IS_VARLEN=varlen is not None, KV_RANGES=keys is not None, PAGED=table is not None,
-            TMA=views is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            TMA=views is not None, PACK_GQA=pack, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if num_splits > 1:
@@ -355,6 +411,39 @@ def attention_forward(
                 IS_VARLEN=varlen is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
             )
     return out, lse
+
+
+# A GQA call whose group's query rows (Sq * group) number at most this many runs as one query tile
+# per kv head, on the decode configuration's key blocks.
+PACK_MAX_ROWS = 64
+
+
+def gqa_packing(
+    device: torch.device, kernel: str, seqlen_q: int, head_dim: int, group: int, dropout_p: float,
+    element_size: int, pack_gqa: Optional[bool] = None,
+) -> tuple[bool, str, Optional[int]]:
+    """Whether a launch packs each GQA group into one query tile, with its configuration and block.
+
+    Every program streams all the keys it sees, so a launch reads each kv head's keys once per
+    query tile that uses that kv head: ``group * cdiv(Sq, BLOCK_M)`` tiles unpacked,
+    ``cdiv(Sq * group, BLOCK_M)`` packed. The rule: with GQA (``group > 1``) and no dropout,
+
+    - a short query (``Sq * group <= PACK_MAX_ROWS``: decoding, speculative decoding, a small
+      chunk) packs into a single tile per kv head: the ``"decode"`` configuration, its query block
+      raised to the next power of two of ``Sq * group``, so every key is read once;
+    - a longer one packs only where that needs fewer tiles than unpacked with the same block.
+
+    Returns ``(pack, kernel, block_m)``: the configuration to use, and the query block where it is
+    not the configuration's own (else None). ``pack_gqa=False`` never packs.
+    """
+    if pack_gqa is False or group <= 1 or dropout_p > 0.0:
+        return False, kernel, None
+    rows = seqlen_q * group
+    if rows <= PACK_MAX_ROWS:
+        cfg = configs.launch_config(device, "decode", head_dim, element_size)
+        return True, "decode", max(cfg.block_m, triton.next_power_of_2(rows))
+    block_m = configs.launch_config(device, kernel, head_dim, element_size).block_m
+    return triton.cdiv(rows, block_m) < group * triton.cdiv(seqlen_q, block_m), kernel, None
 
 
 def _base2_scale(nat_scale: float) -> float:

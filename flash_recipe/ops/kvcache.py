@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flash_recipe.ops import configs, tiles
-from flash_recipe.ops.forward import attention_forward
+from flash_recipe.ops.forward import attention_forward, gqa_packing
 from flash_recipe.ops.launch import KeyRanges, ScoreOptions
 
 
@@ -209,13 +209,15 @@ def heuristic_splits(batch: int, nheads: int, seqlen_q: int, capacity: int, devi
 def attention_kvcache(
     q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], cache: Cache,
     rotary: Optional[Rotary], softmax_scale: float, options: ScoreOptions, num_splits: int = 0,
+    pack_gqa: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache`` on validated input (see ``flash_recipe.kvcache``).
 
     Appends ``k_new``/``v_new`` ``(B, Snew, Hk, D)`` to the cache in place, then attends from
     ``q (B, Sq, H, D)`` over rows ``[leftpad, cache_seqlens + Snew)`` of each batch entry's cache,
     aligned bottom-right. ``num_splits`` 0 picks the split-KV count (``auto_splits``: tuned, else
-    the heuristic).
+    the heuristic, counting the programs that GQA packing leaves: ``forward.gqa_packing``);
+    ``pack_gqa`` as ``attention_forward`` takes it.
 
     Returns ``out (B, Sq, H, D)`` in q's dtype and ``lse (B, H, Sq)`` float32.
     """
@@ -226,8 +228,13 @@ def attention_kvcache(
     start = cache.leftpad if cache.leftpad is not None else torch.zeros_like(cache.seqlens)
     keys = KeyRanges(start, end, cache.capacity, cache.table)
     batch, seqlen_q, nheads, head_dim = q.shape
-    if num_splits == 0:
-        num_splits = auto_splits(batch, nheads, seqlen_q, cache.capacity, q.device, head_dim, q.element_size())
     kernel = "decode" if seqlen_q <= 16 else "fwd"
+    if num_splits == 0:
+        # Packing serves a GQA group from one program: Hk heads of Sq * group rows each.
+        nheads_k = cache.k.shape[2]
+        group = nheads // nheads_k
+        packed = gqa_packing(q.device, kernel, seqlen_q, head_dim, group, 0.0, q.element_size(), pack_gqa)[0]
+        heads, rows = (nheads_k, seqlen_q * group) if packed else (nheads, seqlen_q)
+        num_splits = auto_splits(batch, heads, rows, cache.capacity, q.device, head_dim, q.element_size())
     return attention_forward(q, cache.k, cache.v, softmax_scale, options, keys=keys, num_splits=num_splits,
-                             kernel=kernel)
+                             kernel=kernel, pack_gqa=pack_gqa)

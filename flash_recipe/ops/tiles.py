@@ -60,22 +60,25 @@ def store_tile(base, row0, stride_row, n_rows, head_dim, o_r, o_d, b_x, MASK_ROW
 
 
 @triton.jit
-def load_keys(base, table, bos, row0, stride_page, stride_row, n_rows, head_dim, page_size, num_pages, o_r, o_d,
-              MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr):
-    """Key or value rows ``row0 + o_r`` of one sequence as a tile, 0 outside ``[0, n_rows)``.
+def load_keys(base, table, bos, row0, stride_page, stride_row, first, n_rows, head_dim, page_size, num_pages, o_r, o_d,
+              MASK_ROWS: tl.constexpr, MASK_FIRST: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr):
+    """Key or value rows ``row0 + o_r`` of one sequence as a tile, 0 outside ``[0, n_rows)`` (with
+    ``MASK_ROWS``) and below ``first`` (with ``MASK_ROWS`` and ``MASK_FIRST``): rows no query of the
+    tile sees are not read.
 
-    Without ``PAGED`` this is ``load_tile``. With ``PAGED`` the sequence's row ``r`` is absolute
+    Without ``PAGED`` the rows are ``stride_row`` apart. With ``PAGED`` the sequence's row ``r`` is absolute
     row ``bos + r``, stored in page ``table[(bos + r) // page_size]`` at row ``(bos + r) % page_size``
     (``stride_page`` apart). A row whose page index lies outside ``[0, num_pages)`` is not read
     and comes back as NaN, so a bad page table shows up in the output instead of as a wrong
     result or an illegal memory access.
     """
+    in_seq = o_r >= 0
+    if MASK_ROWS:
+        in_seq = (row0 + o_r) < n_rows
+        if MASK_FIRST:
+            in_seq = in_seq & (row0 + o_r >= first)
     if PAGED:
         rows = bos + row0 + o_r  # [len(o_r)] absolute rows, int64
-        if MASK_ROWS:
-            in_seq = (row0 + o_r) < n_rows
-        else:
-            in_seq = o_r >= 0
         page = tl.load(table + rows // page_size, mask=in_seq, other=0)
         ok = (page >= 0) & (page < num_pages)
         page = tl.where(ok, page, 0).to(tl.int64)
@@ -86,14 +89,54 @@ def load_keys(base, table, bos, row0, stride_page, stride_row, n_rows, head_dim,
         b_x = tl.load(p_x, mask=m_x, other=0.0)
         # ``ok ^ True`` is ``~ok``, which the interpreters of Triton 3.2 and 3.3 cannot evaluate on booleans.
         return tl.where((in_seq & (ok ^ True))[:, None], float("nan"), b_x)
+    elif MASK_ROWS and MASK_FIRST:
+        p_x = base + row0.to(tl.int64) * stride_row + o_r[:, None] * stride_row + o_d[None, :]
+        m_x = in_seq[:, None]
+        if MASK_D:
+            m_x = m_x & (o_d[None, :] < head_dim)
+        return tl.load(p_x, mask=m_x, other=0.0)
     else:
         return load_tile(base, row0, stride_row, n_rows, head_dim, o_r, o_d, MASK_ROWS, MASK_D)
 
 
 @triton.jit
-def key_blocks(q_start, seqlen_k, lo_offset, hi_offset,
-               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key blocks that query rows ``[q_start, q_start + BLOCK_M)`` must visit, in three stages.
+def load_rows(base, o_row, m_rows, head_dim, o_d, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr):
+    """Load a tile whose row ``i`` starts at ``base + o_row[i]`` (a gather of rows, such as the
+    query heads of one group packed into one tile), 0 where ``m_rows`` is False."""
+    p_x = base + o_row[:, None] + o_d[None, :]
+    if MASK_ROWS:
+        if MASK_D:
+            return tl.load(p_x, mask=m_rows[:, None] & (o_d[None, :] < head_dim), other=0.0)
+        else:
+            return tl.load(p_x, mask=m_rows[:, None], other=0.0)
+    else:
+        if MASK_D:
+            return tl.load(p_x, mask=o_d[None, :] < head_dim, other=0.0)
+        else:
+            return tl.load(p_x)
+
+
+@triton.jit
+def store_rows(base, o_row, m_rows, head_dim, o_d, b_x, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr):
+    """Store the tile ``b_x``, row ``i`` at ``base + o_row[i]``, where ``m_rows`` is True."""
+    p_x = base + o_row[:, None] + o_d[None, :]
+    b_x = b_x.to(p_x.dtype.element_ty)
+    if MASK_ROWS:
+        if MASK_D:
+            tl.store(p_x, b_x, mask=m_rows[:, None] & (o_d[None, :] < head_dim))
+        else:
+            tl.store(p_x, b_x, mask=m_rows[:, None])
+    else:
+        if MASK_D:
+            tl.store(p_x, b_x, mask=o_d[None, :] < head_dim)
+        else:
+            tl.store(p_x, b_x)
+
+
+@triton.jit
+def key_blocks(q_start, q_last, seqlen_k, lo_offset, hi_offset,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks that query rows ``[q_start, q_last]`` must visit, in three stages.
 
     Query ``i`` sees key ``j`` iff ``0 <= j < seqlen_k``, ``j >= i + lo_offset`` (with
     ``MASK_LEFT``) and ``j <= i + hi_offset`` (with ``MASK_RIGHT``). Returns
@@ -101,7 +144,6 @@ def key_blocks(q_start, seqlen_k, lo_offset, hi_offset,
     that every row sees in full (no mask needed); ``[begin, full_begin)`` and ``[full_end, end)``
     need masks; keys outside ``[begin, end)`` are seen by no row and are skipped.
     """
-    q_last = q_start + BLOCK_M - 1
     if MASK_LEFT:
         begin = tl.minimum(tl.maximum(q_start + lo_offset, 0), seqlen_k)
         begin = (begin // BLOCK_N) * BLOCK_N
