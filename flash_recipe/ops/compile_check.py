@@ -62,10 +62,11 @@ DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIM_BUCKETS = configs.HEAD_DIM_BUCKETS
 # Launcher calls: "fwd" the dense forward with plain scores (its "fwd" configuration); "options"
 # the dense forward with every score option (its "fwd_general" configuration); "bwd" the backward
-# (preprocess, dK/dV, dQ); "varlen" the packed-sequence forward and backward; "decode" a KV-cache
-# step (rotary/append, the forward with decode tiles over a paged cache, split-KV merge); "paged"
-# the forward over a paged cache with more query rows than a decode step.
-CALLS = ("fwd", "options", "bwd", "varlen", "decode", "paged")
+# (preprocess, dK/dV, dQ); "varlen" the packed-sequence forward and backward; "decode" a GQA
+# KV-cache step over a dense cache (rotary/append, the forward with decode tiles and the group packed
+# into one query tile, split-KV merge); "decode_paged" the same over a paged cache; "paged" the
+# forward over a paged cache with more query rows than a decode step.
+CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
@@ -89,6 +90,16 @@ LOOP_STEP = {"fwd": "BLOCK_N", "fwd_general": "BLOCK_N", "decode": "BLOCK_N", "b
 # tensor descriptors, 128x128 tiles, 8 warps), its loop costs 521, 521 and 519 instructions per
 # 128 keys with 2, 3 and 4 stages: the best is 519 / 128.
 PROXY = {"target": "sm90", "kernel": "fwd", "head_dim": 128, "per_key": 519 / 128, "since_triton": (3, 9)}
+# Decoding must stay bound by the bytes it reads, not by the instructions it issues: warp-instructions
+# per cached key per kv head (the main loop's instructions x warps / BLOCK_N, times the programs
+# that read one kv head's cache: 1 when the group is packed, else the group) at most these, for the
+# aligned fp16/bf16 decode step at head dim 128 on DECODE_TARGETS. An H100 issues about 9.7e11
+# warp-instructions/s against 3.35 TB/s of HBM, so at 512 bytes per key (d128, bf16) about 148 per
+# key saturate it; H200 (4.8 TB/s) leaves about 100. The aligned calls decode one query row with
+# groups 4 (dense) and 8 (paged): both pack into one 16-row tile, the same kernel.
+DECODE_GROUPS = {"decode": 4, "decode_paged": 8}
+DECODE_BOUND = {"decode": 32, "decode_paged": 48}
+DECODE_TARGETS = ("sm80", "sm90")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +157,7 @@ def _variant(case: Case, nheads: int, diag_offset: int):
     if case.form == "aligned":
         return ScoreOptions(diag_offset, -1, 0, 0.0, None)
     slopes = torch.rand(nheads, dtype=torch.float32)
-    dropout = 0.0 if case.call in ("decode", "paged") else 0.1  # the cache is forward-only: no dropout
+    dropout = 0.0 if case.call in ("decode", "decode_paged", "paged") else 0.1  # the cache is forward-only
     seed = torch.zeros(1, dtype=torch.int64)
     return ScoreOptions(diag_offset, 37, 5, 30.0, slopes, dropout, seed if dropout else None)
 
@@ -190,12 +201,15 @@ def _run_call(case: Case) -> dict[str, str]:
         backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, varlen=varlen)
         return {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "bwd_preprocess",
                 "attn_bwd_dkdv_kernel": "bwd_dkdv", "attn_bwd_dq_kernel": "bwd_dq"}
-    # A KV cache of 3 sequences, appended one new key and value row per query row: the aligned
-    # decode step over a dense cache (each sequence its own page of 1024 rows: a page table one
-    # entry wide, whose width Triton specialises to the constant 1), the other calls over pages of
-    # 64 rows (aligned) or 16 (ragged).
-    seqlen_q = 1 if case.call == "decode" else 64
-    page_size, width = (1024, 1) if case.call == "decode" and not ragged else (64, 16) if not ragged else (16, 40)
+    # A KV cache of 3 sequences, appended one new key and value row per query row: "decode" over a
+    # dense cache (each sequence its own page of 1024 rows: a page table one entry wide, whose width
+    # Triton specialises to the constant 1), the other calls over pages of 64 rows (aligned) or 16
+    # (ragged). The aligned decode steps use GQA groups 4 and 8 (DECODE_GROUPS), the ragged ones 3.
+    decoding = case.call in DECODE_GROUPS
+    seqlen_q = 1 if decoding else 64
+    page_size, width = (1024, 1) if case.call == "decode" else (64, 16) if not ragged else (16, 40)
+    if decoding and not ragged:
+        nheads = nheads_k * DECODE_GROUPS[case.call]
     dtype, head_dim = getattr(torch, case.dtype), _head_dim(case)
     q = _qkv(case, 3, seqlen_q, seqlen_q, nheads, nheads_k)[0]
     k_new, v_new = (torch.randn(3, seqlen_q, nheads_k, head_dim, dtype=dtype) for _ in range(2))
@@ -209,7 +223,7 @@ def _run_call(case: Case) -> dict[str, str]:
     rotary = kvcache.Rotary(angles.cos().to(dtype), angles.sin().to(dtype), interleaved=not ragged)
     var = _variant(case, nheads, 0)
     kvcache.attention_kvcache(q, k_new, v_new, cache, rotary, scale, var, num_splits=4)
-    return {"rotary_append_kernel": "rotary_append", "attn_fwd_kernel": case.call if case.call == "decode" else "fwd",
+    return {"rotary_append_kernel": "rotary_append", "attn_fwd_kernel": "decode" if decoding else "fwd",
             "split_combine_kernel": "split_combine"}
 
 
@@ -390,6 +404,10 @@ def check_case(case: Case, target: str) -> list[dict]:
             usage = _nvidia_usage(kernel)
         step = _constants(kernel).get(LOOP_STEP.get(label, ""))
         loop = usage.get("loop_instructions")
+        per_kv_head = None
+        if label == "decode" and loop and step and case.form == "aligned":
+            programs = 1 if _constants(kernel).get("PACK_GQA") else DECODE_GROUPS[case.call]
+            per_kv_head = round(loop * kernel.metadata.num_warps / step * programs, 2)
         rows.append(_verdict({
             "case": case.id, "kernel": label, "target": target, "dtype": case.dtype, "head_dim": case.head_dim,
             "form": case.form, "shared_bytes": kernel.metadata.shared,
@@ -397,6 +415,7 @@ def check_case(case: Case, target: str) -> list[dict]:
             "num_stages": kernel.metadata.num_stages, **usage, "loop_step": step,
             "score_options": any(_constants(kernel).get(flag) for flag in SCORE_OPTIONS),
             "loop_per_row": round(loop / step, 3) if loop and step else None, "seconds": seconds,
+            "call": case.call, "per_key_per_kv_head": per_kv_head,
         }))
     return rows
 
@@ -416,6 +435,14 @@ def proxy_applies(row: dict) -> bool:
     return (row["target"] == PROXY["target"] and row["kernel"] == PROXY["kernel"] and row["form"] == "aligned"
             and row["head_dim"] == PROXY["head_dim"] and row["dtype"] in ("float16", "bfloat16")
             and configs.triton_release() >= PROXY["since_triton"])
+
+
+def decode_bound(row: dict) -> Optional[int]:
+    """The instruction bound (``DECODE_BOUND``) that applies to ``row``, or None."""
+    if (row["kernel"] == "decode" and row["form"] == "aligned" and row["target"] in DECODE_TARGETS
+            and row["head_dim"] == 128 and row["dtype"] in ("float16", "bfloat16")):
+        return DECODE_BOUND[row["call"]]
+    return None
 
 
 def needs_matrix_units(kernel: str, dtype: str) -> bool:
@@ -438,6 +465,10 @@ def _verdict(row: dict) -> dict:
     if proxy_applies(row) and not (row["loop_per_row"] or float("inf")) <= PROXY["per_key"]:
         problems.append(f"main loop {row['loop_per_row']} instructions per key, over the {PROXY['per_key']:.3f} "
                         "of Triton's tutorial forward")
+    bound = decode_bound(row)
+    if bound is not None and not (row["per_key_per_kv_head"] or float("inf")) <= bound:
+        problems.append(f"decoding issues {row['per_key_per_kv_head']} warp-instructions per cached key per kv head, "
+                        f"over {bound}")
     if needs_matrix_units(row["kernel"], row["dtype"]) and (row["fma_dots"] or not row["matrix_unit"]):
         problems.append(f"fp16/bf16 dots do not all use the matrix units ({row['fma_dots']} lowered to FMA)")
     return {**row, "problems": problems, "ok": not problems}

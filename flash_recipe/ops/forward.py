@@ -53,7 +53,7 @@ from flash_recipe.ops.tiles import (
 
 @triton.jit
 def _fwd_inner(
-    b_acc, b_m, b_l, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
+    b_acc, b_m, b_l, b_bad, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, start, end,
     k_first, k_end, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
     k_tiles, v_tiles, tile_row, tile_col, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -89,8 +89,10 @@ def _fwd_inner(
         if TMA and not MASKED:
             b_k = k_tiles.load([tile_row + start_n, tile_col])
         else:
-            b_k = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, k_end, head_dim, page_size,
+            b_k, m_bad = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, k_end, head_dim, page_size,
                             num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
+            if PAGED:
+                b_bad = b_bad | m_bad  # [BLOCK_N]: rows whose page index was out of range
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             b_s = tanh(b_s * tanh_scale)
@@ -120,14 +122,14 @@ def _fwd_inner(
         if TMA and not MASKED:
             b_v = v_tiles.load([tile_row + start_n, tile_col])
         else:
-            b_v = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, k_first, k_end, head_dim, page_size,
+            b_v, _ = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, k_first, k_end, head_dim, page_size,
                             num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], o_k[None, :], rng_stride, dropout_p)
             b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision="ieee")
         b_m = b_m_new
-    return b_acc, b_m, b_l
+    return b_acc, b_m, b_l, b_bad
 
 
 @triton.heuristics(
@@ -136,6 +138,8 @@ def _fwd_inner(
         "EVEN_M": lambda a: not a["IS_VARLEN"]
         and a["seqlen_q"] * (a["group_size"] if a["PACK_GQA"] else 1) % a["BLOCK_M"] == 0,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
+        # A page table one entry wide (a dense cache, its own pages): one page per sequence.
+        "ONE_PAGE": lambda a: a["PAGED"] and a["table_width"] == 1,
         # One multiply-add per score (``_fwd_inner``): fp16/bf16, a positive scale, no ALiBi.
         "FOLD": lambda a: a["Q"].element_size() == 2 and not a["ALIBI"] and a["qk_scale"] > 0.0,
     }
@@ -152,7 +156,7 @@ def attn_fwd_kernel(
     window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
-    TMA: tl.constexpr, PACK_GQA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
@@ -170,7 +174,10 @@ def attn_fwd_kernel(
     Keys: dense ``K (B, Sk, Hk, D)``, or with ``KV_RANGES`` the rows ``K_START[b]:K_END[b]`` of
     batch ``b`` (packed varlen keys: ``CU_K[:-1]`` and ``CU_K[1:]``; a KV cache: the left padding and
     the filled length). With ``PAGED``, ``K`` is ``(num_pages, page_size, Hk, D)`` and row ``r`` of
-    batch ``b`` lives in page ``PAGE_TABLE[b * stride_tb + r // page_size]``, row ``r % page_size``.
+    batch ``b`` lives in page ``PAGE_TABLE[b * stride_tb + r // page_size]``, row ``r % page_size``;
+    with ``ONE_PAGE`` (a table one entry wide: a dense cache) the page is looked up once per program.
+    ``PAGE_ROWS`` is ``page_size`` as a compile-time constant where rows are addressed through the
+    table (so the row-to-page arithmetic is shifts and masks, not integer division), else 1.
     With key ranges each batch aligns its diagonal bottom-right with its own lengths.
 
     Split-KV (``num_splits > 1``): program ``(i_m * num_splits + i_s)`` takes the ``i_s``-th of
@@ -210,6 +217,10 @@ def attn_fwd_kernel(
             bos_k = tl.load(K_START + i_b).to(tl.int64)
             seqlen_k = (tl.load(K_END + i_b) - bos_k).to(tl.int32)
             bad = (bos_k < 0) | (seqlen_k < 0) | (bos_k + seqlen_k > tl.cast(table_width, tl.int64) * page_size)
+            if ONE_PAGE:  # a dense cache: sequence b is page PAGE_TABLE[b] (its cache_batch_idx entry)
+                page = tl.load(PAGE_TABLE + i_b.to(tl.int64) * stride_tb)
+                bad = bad | (page < 0) | (page >= num_pages)
+                i_page = tl.where(bad, 0, page).to(tl.int64)
             seqlen_k = tl.where(bad, 0, seqlen_k)
         else:  # packed keys: rows K_START[b]:K_END[b], clamped to the total_k rows as ``sequence`` clamps
             bos_k, seqlen_k = sequence(K_START, i_b, seqlen_k, total_k, True, K_END)
@@ -240,7 +251,10 @@ def attn_fwd_kernel(
         pos_last = q_start + BLOCK_M - 1
 
     q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h.to(tl.int64) * stride_qh
-    if PAGED:  # rows are addressed through the page table; the batch stride is the page stride
+    if ONE_PAGE:  # rows are the page's rows; the batch stride is the page stride
+        k_base = K + i_page * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
+        v_base = V + i_page * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
+    elif PAGED:  # rows are addressed through the page table; the batch stride is the page stride
         k_base = K + i_hk.to(tl.int64) * stride_kh
         v_base = V + i_hk.to(tl.int64) * stride_vh
     else:
@@ -274,6 +288,7 @@ def attn_fwd_kernel(
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    b_bad = tl.zeros([BLOCK_N], dtype=tl.int1)  # paged: key rows whose page index was out of range
 
     begin, full_begin, full_end, end = key_blocks(pos_start, pos_last, seqlen_k, lo_offset, hi_offset, MASK_LEFT,
                                                   MASK_RIGHT, BLOCK_N)
@@ -289,12 +304,13 @@ def attn_fwd_kernel(
         if KV_RANGES:
             lo = tl.maximum(lo, split_lo)
             hi = tl.minimum(hi, split_hi)
-        b_acc, b_m, b_l = _fwd_inner(
-            b_acc, b_m, b_l, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
+        b_acc, b_m, b_l, b_bad = _fwd_inner(
+            b_acc, b_m, b_l, b_bad, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, lo, hi,
-            k_first, end, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+            k_first, end, seed, rng_base, rng_stride, dropout_p, table, bos_k, PAGE_ROWS, num_pages,
             K_TILES, V_TILES, tile_row, tile_col,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED, FOLD, TMA, BLOCK_N, BLOCK_D,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED and not ONE_PAGE, FOLD, TMA,
+            BLOCK_N, BLOCK_D,
         )
 
     m_empty = b_l == 0.0  # rows that saw no key
@@ -302,6 +318,8 @@ def attn_fwd_kernel(
     b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
     b_lse = tl.where(m_empty, float("inf"), (b_m + tl.math.log2(b_l_safe)) * LN2)  # [BLOCK_M]
     if PAGED:
+        if not ONE_PAGE:
+            bad = bad | (tl.max(b_bad.to(tl.int32), 0) > 0)
         b_out = tl.where(bad, float("nan"), b_out)
         b_lse = tl.where(bad, float("nan"), b_lse)
 
@@ -368,9 +386,9 @@ def attention_forward(
     table = keys.table if keys is not None else None
     if table is not None:
         paging = dict(PAGE_TABLE=table, stride_tb=table.stride(0), page_size=k.shape[1], num_pages=k.shape[0],
-                      table_width=table.shape[1])
+                      table_width=table.shape[1], PAGE_ROWS=k.shape[1] if table.shape[1] > 1 else 1)
     else:
-        paging = dict(PAGE_TABLE=lse, stride_tb=0, page_size=1, num_pages=1, table_width=1)
+        paging = dict(PAGE_TABLE=lse, stride_tb=0, page_size=1, num_pages=1, table_width=1, PAGE_ROWS=1)
     o_split, lse_split = out, lse
     if num_splits > 1:
         o_split = tiles.output_buffer((num_splits,) + tuple(q.shape), torch.float32, q.device)

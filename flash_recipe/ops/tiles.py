@@ -69,8 +69,11 @@ def load_keys(base, table, bos, row0, stride_page, stride_row, first, n_rows, he
     Without ``PAGED`` the rows are ``stride_row`` apart. With ``PAGED`` the sequence's row ``r`` is absolute
     row ``bos + r``, stored in page ``table[(bos + r) // page_size]`` at row ``(bos + r) % page_size``
     (``stride_page`` apart). A row whose page index lies outside ``[0, num_pages)`` is not read
-    and comes back as NaN, so a bad page table shows up in the output instead of as a wrong
-    result or an illegal memory access.
+    (it loads as 0).
+
+    Returns ``(tile, bad)``: ``bad`` (``[len(o_r)]``) marks the rows that ``PAGED`` could not read
+    (a page index out of range), which the caller turns into a NaN output, so a bad page table
+    shows up instead of a wrong result or an illegal memory access; all False without ``PAGED``.
     """
     in_seq = o_r >= 0
     if MASK_ROWS:
@@ -86,17 +89,16 @@ def load_keys(base, table, bos, row0, stride_page, stride_row, first, n_rows, he
         m_x = (ok & in_seq)[:, None]
         if MASK_D:
             m_x = m_x & (o_d[None, :] < head_dim)
-        b_x = tl.load(p_x, mask=m_x, other=0.0)
         # ``ok ^ True`` is ``~ok``, which the interpreters of Triton 3.2 and 3.3 cannot evaluate on booleans.
-        return tl.where((in_seq & (ok ^ True))[:, None], float("nan"), b_x)
+        return tl.load(p_x, mask=m_x, other=0.0), in_seq & (ok ^ True)
     elif MASK_ROWS and MASK_FIRST:
         p_x = base + row0.to(tl.int64) * stride_row + o_r[:, None] * stride_row + o_d[None, :]
         m_x = in_seq[:, None]
         if MASK_D:
             m_x = m_x & (o_d[None, :] < head_dim)
-        return tl.load(p_x, mask=m_x, other=0.0)
+        return tl.load(p_x, mask=m_x, other=0.0), o_r < 0
     else:
-        return load_tile(base, row0, stride_row, n_rows, head_dim, o_r, o_d, MASK_ROWS, MASK_D)
+        return load_tile(base, row0, stride_row, n_rows, head_dim, o_r, o_d, MASK_ROWS, MASK_D), o_r < 0
 
 
 @triton.jit
