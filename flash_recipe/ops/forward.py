@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 from typing import Optional
 
 import torch
@@ -467,7 +468,11 @@ def gqa_packing(
 def _base2_scale(nat_scale: float) -> float:
     """``nat_scale * log2(e)`` as the fp32 the kernel receives: the multiplier of its base-2 logits
     (``_fwd_inner``), whose sign in fp32 decides ``FOLD`` (a positive scale below fp32's range is 0)."""
-    return torch.tensor(nat_scale * math.log2(math.e), dtype=torch.float32).item()
+    scale = nat_scale * math.log2(math.e)
+    try:  # rounded to fp32 on the host, without a tensor per launch
+        return struct.unpack("f", struct.pack("f", scale))[0]
+    except OverflowError:
+        return math.copysign(math.inf, scale)
 
 
 @triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
