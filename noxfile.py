@@ -200,7 +200,7 @@ def compile_check(session: nox.Session) -> None:
     row (64, 128, 256): every target in the aligned
     form in bf16 and fp32, and one target per configuration family in the ragged form in bf16
     (fp16 compiles to the same tiles as bf16). Arguments after ``--`` replace that selection
-    (``python -m flash_recipe.ops.compile_check --help``).
+    (``python -m flash_recipe.tools.compile_check --help``).
     """
     install_built_wheel(session)
     session.chdir(session.create_tmp())
@@ -232,7 +232,7 @@ def compile_check(session: nox.Session) -> None:
     )
     for args in selections:
         session.run(
-            "python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", *args, env={"TRITON_INTERPRET": "0"}
+            "python", "-W", "ignore", "-m", "flash_recipe.tools.compile_check", *args, env={"TRITON_INTERPRET": "0"}
         )
 
 
@@ -270,7 +270,7 @@ def compat(session: nox.Session, triton: str) -> None:
         "-W",
         "ignore",
         "-m",
-        "flash_recipe.ops.compile_check",
+        "flash_recipe.tools.compile_check",
         "--target",
         "sm80",
         "--target",

@@ -28,7 +28,7 @@ _EXPORTS = {
     "flash_attn_varlen_func": "flash_recipe.api",
     "flash_attn_varlen_kvpacked_func": "flash_recipe.api",
     "flash_attn_varlen_qkvpacked_func": "flash_recipe.api",
-    "flash_attn_with_kvcache": "flash_recipe.kvcache",
+    "flash_attn_with_kvcache": "flash_recipe.decoding",
     "pad_input": "flash_recipe.padding",
     "unpad_input": "flash_recipe.padding",
     "scaled_dot_product_attention": "flash_recipe.api",
@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         scaled_dot_product_attention,
     )
     from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
-    from flash_recipe.kvcache import flash_attn_with_kvcache
+    from flash_recipe.decoding import flash_attn_with_kvcache
     from flash_recipe.padding import pad_input, unpad_input
 
 

@@ -1,6 +1,6 @@
 """Public attention functions: flash-attn 2's ``flash_attn_*`` family and torch's SDPA signature.
 
-This layer (with ``flash_recipe.kvcache``) validates input, through ``flash_recipe.validate``, and
+This layer (with ``flash_recipe.decoding``) validates input, through ``flash_recipe.validate``, and
 fills in defaults; it builds an ``AttentionCall`` and hands it to ``flash_recipe.dispatch``,
 which picks the backend.
 """
@@ -13,7 +13,7 @@ import torch
 
 from flash_recipe import dispatch, validate
 from flash_recipe.dispatch import AttentionCall
-from flash_recipe.kvcache import paged_varlen
+from flash_recipe.decoding import paged_varlen
 
 
 def _build_flash_call(

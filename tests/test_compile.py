@@ -1,6 +1,6 @@
 """The offline compile check compiles what a launch compiles, and it can fail.
 
-``flash_recipe.ops.compile_check`` runs the real launchers with CPU tensors and lets Triton's own
+``flash_recipe.tools.compile_check`` runs the real launchers with CPU tensors and lets Triton's own
 launch path specialise and compile each kernel for a named GPU target; the GPU driver is the one
 thing replaced (by an offline stand-in that launches nothing), because this machine has none.
 Triton picks the interpreter or the compiler when it is imported, so every compile here runs in a
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 from offline import compile_in_subprocess
 
-from flash_recipe.ops import compile_check, configs
+from flash_recipe.ops import configs
+from flash_recipe.tools import compile_check
 
 
 def test_every_target_has_a_limit_and_a_family():
@@ -115,7 +116,8 @@ def test_the_speed_proxy_holds_for_the_table_and_fails_for_the_old_tile():
     former tile (128x64 keys, pointer loads) cost more, and the check says so."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check, configs, features
+        from flash_recipe.ops import configs, features
+        from flash_recipe.tools import compile_check
         case = compile_check.Case("fwd", "bfloat16", 128, "aligned")
         for row in compile_check.check_case(case, "sm90"):
             print(json.dumps(row))
@@ -137,7 +139,8 @@ def test_an_oversized_config_is_rejected():
     """The check can fail: a 128x128, 3-stage forward at head dim 256 cannot fit sm120's 99 KiB."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check, configs
+        from flash_recipe.ops import configs
+        from flash_recipe.tools import compile_check
         oversized = configs.Config(128, 128, 8, 3)
         configs._TABLE[("sm120", "fwd")] = [(256, 4, oversized)]
         for row in compile_check.check_case(compile_check.Case("fwd", "bfloat16", 256, "aligned"), "sm120"):
@@ -154,7 +157,8 @@ def test_a_kernel_compiled_to_a_trap_is_rejected():
     kernel with 64-key blocks at head dim 256, every option on, into a trap."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check, configs
+        from flash_recipe.ops import configs
+        from flash_recipe.tools import compile_check
         configs._TABLE[("sm100", "bwd_dkdv")] = [(256, 4, configs.Config(32, 64, 4, 1))]
         for row in compile_check.check_case(compile_check.Case("bwd", "bfloat16", 256, "ragged"), "sm100"):
             print(json.dumps(row))
@@ -172,7 +176,7 @@ def test_launch_specialisation_is_applied():
     (49,152 bytes), and a kernel compiled for one target is never reused for another."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check
+        from flash_recipe.tools import compile_check
         for target in ("sm90", "sm120", "gfx942"):
             for row in compile_check.check_case(compile_check.Case("fwd", "bfloat16", 128, "aligned"), target):
                 print(json.dumps(row))
@@ -202,7 +206,7 @@ def test_a_decode_step_over_a_dense_cache_compiles():
     only there, the most common decoding call)."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check
+        from flash_recipe.tools import compile_check
         for row in compile_check.check_case(compile_check.Case("decode", "bfloat16", 128, "aligned"), "sm90"):
             print(json.dumps(row))
     """)

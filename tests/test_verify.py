@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from flash_recipe import cli, verify
+from flash_recipe.tools import cli, verify
 
 
 def _run(capsys, *args):

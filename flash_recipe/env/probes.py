@@ -254,7 +254,7 @@ def triton_compile_check(arch: str) -> CompileCheck:
     limit, and the time taken. Needs no GPU: Triton compiles for a named target anywhere."""
     try:
         from flash_recipe.ops import configs
-        from flash_recipe.ops.compile_check import Case, check_case
+        from flash_recipe.tools.compile_check import Case, check_case
     except Exception as exc:
         return {"arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     if arch not in configs.SHARED_MEMORY_LIMIT:

@@ -43,7 +43,7 @@ from flash_recipe.api import (
     flash_attn_varlen_qkvpacked_func,
 )
 from flash_recipe.dispatch import AttentionCall
-from flash_recipe.kvcache import flash_attn_with_kvcache, paged_varlen
+from flash_recipe.decoding import flash_attn_with_kvcache, paged_varlen
 
 __all__ = [
     "_flash_attn_backward",

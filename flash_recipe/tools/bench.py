@@ -16,7 +16,7 @@ holds about ``--tokens`` tokens.
 
 ``--json FILE`` writes the context line and every row, rewritten after each row, so an
 interrupted run keeps what it measured. ``peak_memory`` measures what one training step of a peer
-allocates (used by ``python -m flash_recipe.campaign``).
+allocates (used by ``python -m flash_recipe.tools.campaign``).
 """
 
 from __future__ import annotations
@@ -433,7 +433,7 @@ def context_line() -> str:
     import torch
 
     import flash_recipe
-    from flash_recipe.verify import versions
+    from flash_recipe.tools.verify import versions
 
     v = versions()
     device = (

@@ -1,4 +1,4 @@
-"""A GPU campaign in one command: ``python -m flash_recipe.campaign --out DIR``.
+"""A GPU campaign in one command: ``python -m flash_recipe.tools.campaign --out DIR``.
 
 On a CUDA machine with whatever torch and Triton are installed, it runs these steps, each in its
 own subprocess with its own time budget; the budgets add up to less than 20 minutes for one H100
@@ -174,7 +174,7 @@ def find_test_tree(root: Optional[Path] = None) -> Optional[Path]:
 
 def bench_shapes() -> list:
     """The target shapes, as ``flash-recipe bench`` builds them from the bench step's options."""
-    from flash_recipe import bench
+    from flash_recipe.tools import bench
 
     causal, gqa = [False, True], [False]
     return bench.shapes(
@@ -185,7 +185,7 @@ def bench_shapes() -> list:
 def memory_shapes(seqlens=MEMORY_SEQLENS) -> list:
     """The peak-memory shapes: batch 1 at each of ``seqlens`` (32k and 64k), bf16, head dim 128,
     16 heads, causal and not."""
-    from flash_recipe.bench import Shape
+    from flash_recipe.tools.bench import Shape
 
     return [
         Shape(1, seqlen, TARGET["nheads"], TARGET["nheads"], TARGET["head_dim"], causal, TARGET["dtype"])
@@ -207,7 +207,7 @@ def build_plan(
     env = Step(
         "env",
         "device, driver and versions",
-        [python, "-m", "flash_recipe.campaign", "--step", "env", "--result", "{scratch}/env.json"],
+        [python, "-m", "flash_recipe.tools.campaign", "--step", "env", "--result", "{scratch}/env.json"],
         budgets["env"],
         result="env.json",
     )
@@ -247,7 +247,7 @@ def build_plan(
         "memory",
         "peak memory of a training step at 32k and 64k",
         [
-            python, "-m", "flash_recipe.campaign", "--step", "memory", "--result", "{scratch}/memory.json",
+            python, "-m", "flash_recipe.tools.campaign", "--step", "memory", "--result", "{scratch}/memory.json",
             "--seqlen", joined(MEMORY_SEQLENS),
         ]
         + [arg for peer in MEMORY_PEERS for arg in ("--peer", peer)],
@@ -454,8 +454,8 @@ def env_probe() -> dict:
     import torch
 
     import flash_recipe
-    from flash_recipe import bench
-    from flash_recipe.verify import versions
+    from flash_recipe.tools import bench
+    from flash_recipe.tools.verify import versions
 
     info = {"cuda": torch.cuda.is_available(), "versions": versions(), "platform": platform.platform()}
     info["variables"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FLASH_RECIPE_", "TRITON_"))}
@@ -483,7 +483,7 @@ def memory_rows(seqlens, peers, result: Optional[str] = None, progress=print) ->
     sequence length, causal and not; rows written to ``result`` after each one."""
     import torch
 
-    from flash_recipe import bench
+    from flash_recipe.tools import bench
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     available = bench.peers(device.type)
@@ -512,7 +512,7 @@ def memory_rows(seqlens, peers, result: Optional[str] = None, progress=print) ->
 
 def worker_parser() -> argparse.ArgumentParser:
     """Options of ``--step env|memory``: the in-process part of a step, run in its subprocess."""
-    parser = argparse.ArgumentParser(prog="python -m flash_recipe.campaign --step")
+    parser = argparse.ArgumentParser(prog="python -m flash_recipe.tools.campaign --step")
     parser.add_argument("--step", choices=("env", "memory"), required=True)
     parser.add_argument("--result", required=True, help="write the step's JSON result here")
     parser.add_argument(
@@ -784,7 +784,7 @@ def collect(step: Step, record: dict, scratch: Path, out: Path, log) -> dict:
         record["detail"] += f"; its result is not JSON ({exc})"
         return record
     if step.name == "verify":
-        from flash_recipe.verify import format_table
+        from flash_recipe.tools.verify import format_table
 
         log.write(("\n" + format_table(document) + "\n").encode())
         log.flush()
@@ -820,7 +820,7 @@ def _copy_tune_files(scratch: Path, out: Path) -> list:
 
 def make_plots(rows: list, out: Path) -> dict:
     """``bench-fwd.png`` and ``bench-bwd.png`` from the bench rows; per file, None or why not."""
-    from flash_recipe import bench
+    from flash_recipe.tools import bench
 
     problems = {}
     for mode in ("fwd", "bwd"):
@@ -947,7 +947,7 @@ def render_markdown(report: dict) -> str:
         lines.append("")
     bench_data = (steps.get("bench") or {}).get("data") or {}
     if bench_data.get("rows"):
-        from flash_recipe.bench import to_markdown
+        from flash_recipe.tools.bench import to_markdown
 
         context = bench_data.get("context", "")
         lines += ["## Bench", "", to_markdown(bench_data["rows"], bench_data.get("modes", BENCH_MODES), context)]
@@ -1094,7 +1094,7 @@ def _budget(text: str) -> tuple:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m flash_recipe.campaign",
+        prog="python -m flash_recipe.tools.campaign",
         description="The GPU campaign: verify, bench with peers, peak memory, GPU tests and tune, "
         "within 20 minutes; writes campaign.md, campaign.json, campaign.log and PNGs into --out.",
     )
@@ -1124,7 +1124,7 @@ def main(argv: Optional[list] = None) -> int:
     if argv and argv[0].split("=")[0] == "--step":
         return _worker(argv)
     args = build_parser().parse_args(argv)
-    command = shlex.join([sys.executable, "-m", "flash_recipe.campaign", *argv])
+    command = shlex.join([sys.executable, "-m", "flash_recipe.tools.campaign", *argv])
     try:
         plan = build_plan(test_tree=find_test_tree(), tune_first=args.tune_first, budgets=dict(args.budget or []))
         plan = select(plan, args.only, args.skip)

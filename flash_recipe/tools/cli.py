@@ -18,12 +18,12 @@ from typing import Sequence
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
-    "verify": ("flash_recipe.verify", "check every backend against the fp32 reference and print a fingerprint"),
+    "verify": ("flash_recipe.tools.verify", "check every backend against the fp32 reference and print a fingerprint"),
     "doctor": ("flash_recipe.env.doctor", "diagnose this environment's FlashAttention install and print the fix"),
     "recipe": ("flash_recipe.env.recipe", "print the recommended install recipe for this environment"),
-    "bench": ("flash_recipe.bench", "measure attention throughput against torch SDPA and other peers"),
-    "warmup": ("flash_recipe.warmup", "compile the Triton kernels for the local GPU ahead of time"),
-    "tune": ("flash_recipe.tune", "time launch configurations on the local GPU and keep the fastest for it"),
+    "bench": ("flash_recipe.tools.bench", "measure attention throughput against torch SDPA and other peers"),
+    "warmup": ("flash_recipe.tools.warmup", "compile the Triton kernels for the local GPU ahead of time"),
+    "tune": ("flash_recipe.tools.tune", "time launch configurations on the local GPU and keep the fastest for it"),
 }
 
 

@@ -35,7 +35,7 @@ above all) and a head dim whose mask Triton cannot vectorise cost registers that
 do not avoid, and fp32 (full-precision dots on the FMA units) is the slow path by design. Run it
 as::
 
-    python -m flash_recipe.ops.compile_check --target sm90 --target sm120 [--json]
+    python -m flash_recipe.tools.compile_check --target sm90 --target sm120 [--json]
 
 It must run with ``TRITON_INTERPRET`` unset (the interpreter replaces the compiler).
 """
@@ -465,7 +465,7 @@ def _line(row: dict) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flash_recipe.ops.compile_check",
+    parser = argparse.ArgumentParser(prog="python -m flash_recipe.tools.compile_check",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", choices=TARGETS, help="architecture (repeatable); default: all")
     parser.add_argument("--call", action="append", choices=CALLS, help="launcher call (repeatable); default: all")

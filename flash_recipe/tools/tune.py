@@ -6,7 +6,7 @@ is timed and checked on a softcapped call), head-dim bucket and element size
 
 1. takes the candidates: the table's own configuration, then a small grid (``GRID``);
 2. prunes them by the launch-specialised shared-memory fit: each candidate is compiled for the
-   GPU's own compile target through the real launchers, as ``flash_recipe.ops.compile_check``
+   GPU's own compile target through the real launchers, as ``flash_recipe.tools.compile_check``
    compiles a launch (``aligned`` and ``ragged`` forms), and dropped when its kernel needs more
    shared memory per block than the architecture offers (``configs.SHARED_MEMORY_LIMIT``) or
    compiles to a trap;
@@ -156,7 +156,7 @@ def candidates(kernel: str, table: Config, grid: Optional[dict] = None) -> list[
 
 def _compile_one(job: tuple) -> list[dict]:
     """Compile one candidate in one form for a target; one row per compiled launch of the kernel."""
-    from flash_recipe.ops import compile_check
+    from flash_recipe.tools import compile_check
 
     kernel, head_dim, dtype, config, target, form = job
     row = {"kernel": kernel, "config": list(config), "form": form, "target": target}
