@@ -47,6 +47,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from flash_recipe.ops import configs, tuned
 from flash_recipe.ops.configs import Config
+from flash_recipe.testing import FACTORS, accuracy_bound, max_error
 
 KERNELS = configs.KERNELS
 HEAD_DIMS = tuned.HEAD_DIM_BUCKETS
@@ -67,7 +68,6 @@ GRID = {
 # Eight warps only on tiles of at least this many elements: on smaller ones most of them idle.
 EIGHT_WARPS_MIN_TILE = 64 * 64
 GENERAL_SOFTCAP = 50.0
-ACCURACY_FACTOR = {"out": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 
 
 class TuneError(RuntimeError):
@@ -332,10 +332,6 @@ class Problem:
         return tuple(t.grad.detach() for t in leaves)
 
 
-def _max_err(a, b) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
 class Check:
     """A check shape with its truth (fp32 reference) and the accuracy rule's bounds."""
 
@@ -345,7 +341,7 @@ class Check:
         truth = problem.reference(upcast=True)
         same = problem.reference(upcast=False)
         self.truth = truth
-        self.bounds = [ACCURACY_FACTOR[n] * _max_err(s, t) + 1e-5 for n, s, t in zip(self.names, same, truth)]
+        self.bounds = [accuracy_bound(max_error(s, t), FACTORS[n]) for n, s, t in zip(self.names, same, truth)]
 
     def problem_with(self, num_splits: Optional[int] = None) -> Optional[str]:
         """Why the launch's outputs break the accuracy rule here, or None."""
@@ -354,7 +350,7 @@ class Check:
         for name, g, t, bound in zip(self.names, got, self.truth, self.bounds):
             if not bool(g.isfinite().all()):
                 return f"{name} is not finite on {self.problem.dtype} {self.problem.shape.id}"
-            error = _max_err(g, t)
+            error = max_error(g, t)
             if error > bound:
                 return f"{name} error {error:.3g} > {bound:.3g} on {self.problem.dtype} {self.problem.shape.id}"
         return None

@@ -2,23 +2,19 @@
 
 For a fixed-seed grid of shapes, in every dtype the device supports, each backend that can run
 computes the forward and backward of ``flash_attn_func``; both are compared with
-``flash_recipe.reference`` by the accuracy rule:
-
-    max |out - truth|   <= 2 * max |out_torch - truth| + 1e-5
-    max |grad - truth|  <= 3 * max |grad_torch - truth| + 1e-5   (for dq, dk and dv)
-
-where ``truth`` is the reference in fp32 (fp64 for fp32 inputs) and ``*_torch`` is the same plain
-torch computation in the input dtype. The fingerprint is the sha256 of the output and gradient
-bytes of the deterministic backends (``Backend.deterministic``: ``triton`` and ``reference``): the
-same package with the same torch and Triton on the same device gives the same fingerprint,
+``flash_recipe.reference`` by the accuracy rule (``flash_recipe.testing.accuracy``): the error
+may be at most 2x (output) or 3x (dq, dk, dv) that of plain torch computing the same attention in
+the input dtype, plus a floor, measured against the reference in fp32 (fp64 for fp32 inputs).
+The fingerprint is the sha256 of the output and gradient bytes of the deterministic backends
+(``Backend.deterministic``: ``triton`` and ``reference``): the same package with the same torch and Triton on the same device gives the same fingerprint,
 whatever installed it.
 
 With ``--kvcache`` the report also covers ``flash_attn_with_kvcache`` (forward only): dense and
 paged caches, new rows appended, rotary embeddings (interleaved and GPT-NeoX), left padding, batch
 indices, windows, softcap, ALiBi and split-KV, against an oracle that rebuilds each batch entry's
 cache in torch. The output follows the same rule (2x); the cache after the call must hold the new
-values exactly where the oracle wrote them (the rotated keys within 2x of PyTorch rotating in the
-input dtype, plus 1e-5) and be bitwise unchanged everywhere else. These cases are added to the
+values exactly where the oracle wrote them (the rotated keys by the same rule, 2x PyTorch
+rotating in the input dtype) and be bitwise unchanged everywhere else. These cases are added to the
 default grid, so they change the fingerprint; without ``--kvcache`` the report is exactly the
 default one.
 """
@@ -178,16 +174,13 @@ def _forward_backward(fn, q, k, v, dout):
     return (out.detach(), *(t.grad.detach() for t in leaves))
 
 
-def _max_err(a, b) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
 def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     """Verify one backend on one case; returns the errors, bounds, verdict and fingerprint."""
     import torch
 
     import flash_recipe
     from flash_recipe.reference import attention_reference, compute_dtype
+    from flash_recipe.testing import FACTORS, accuracy_bound, max_error
 
     q, k, v, dout = _inputs(case, dtype, device, seed)
     options = case.options(device)
@@ -213,11 +206,10 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     with flash_recipe.use_backend(backend):
         got = _forward_backward(lambda q_, k_, v_: flash_recipe.flash_attn_func(q_, k_, v_, **options), q, k, v, dout)
     names = ("out", "dq", "dk", "dv")
-    factors = (2.0, 3.0, 3.0, 3.0)
     errors, bounds = {}, {}
-    for name, factor, g, t, s in zip(names, factors, got, truth, torch_same):
-        errors[name] = _max_err(g, t)
-        bounds[name] = factor * _max_err(s, t) + 1e-5
+    for name, g, t, s in zip(names, got, truth, torch_same):
+        errors[name] = max_error(g, t)
+        bounds[name] = accuracy_bound(max_error(s, t), FACTORS[name])
     finite = all(bool(g.isfinite().all()) for g in got)
     digest = hashlib.sha256()
     for g in got:
@@ -401,26 +393,6 @@ def _kv_inputs(case: KVCase, dtype, device, seed: int):
     return q, k_cache, v_cache, k_new, v_new, kwargs
 
 
-def _rotate(x, cos, sin, positions, interleaved: bool, dtype):
-    """Rotary embedding of ``x (S, H, D)`` at ``positions (S,)``, computed in ``dtype``: the pair
-    ``(a, b)`` becomes ``(a cos - b sin, a sin + b cos)``; pairs are ``(2j, 2j + 1)`` when
-    ``interleaved``, else ``(j, j + R / 2)``; dims past ``R = 2 * cos.shape[1]`` pass through."""
-    import torch
-
-    half = cos.shape[1]
-    xc = x.to(dtype)
-    c = cos.to(dtype)[positions][:, None, :]  # (S, 1, R / 2)
-    s = sin.to(dtype)[positions][:, None, :]
-    head, tail = xc[..., : 2 * half], xc[..., 2 * half :]
-    if interleaved:
-        a, b = head[..., 0::2], head[..., 1::2]
-        head = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
-    else:
-        a, b = head[..., :half], head[..., half:]
-        head = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
-    return torch.cat((head, tail), dim=-1)
-
-
 def _kv_slots(case: KVCase, kwargs: dict, b: int, start: int, end: int) -> tuple:
     """``(index0, index1)`` of rows ``[start, end)`` of batch element ``b``'s cache entry, for a
     cache tensor indexed ``cache[index0, index1]``: (page, row in page) or (cache row, position)."""
@@ -443,7 +415,7 @@ def _kv_oracle(case: KVCase, q, k_cache, v_cache, k_new, v_new, kwargs: dict, up
     """
     import torch
 
-    from flash_recipe.reference import attention_reference, compute_dtype
+    from flash_recipe.testing import attention, compute_dtype, rotary
 
     dtype, device = q.dtype, q.device
     high = compute_dtype(dtype, upcast)
@@ -459,7 +431,7 @@ def _kv_oracle(case: KVCase, q, k_cache, v_cache, k_new, v_new, kwargs: dict, up
             k_b, v_b = k_new[b], v_new[b]
             if case.rotary:
                 positions = torch.arange(n, n + case.new, device=device)
-                k_b = _rotate(k_b, cos, sin, positions, case.interleaved, rot_dtype)
+                k_b = rotary(k_b[None], cos, sin, positions[None], case.interleaved, rot_dtype)[0]
             slots = _kv_slots(case, kwargs, b, n, n + case.new)
             k_after[slots] = k_b.to(high)
             v_after[slots] = v_b.to(high)
@@ -468,11 +440,11 @@ def _kv_oracle(case: KVCase, q, k_cache, v_cache, k_new, v_new, kwargs: dict, up
             positions = torch.arange(n, n + case.seqlen_q, device=device)
             if not moves:
                 positions = torch.full_like(positions, n)
-            q_b = _rotate(q_b, cos, sin, positions, case.interleaved, rot_dtype)
+            q_b = rotary(q_b[None], cos, sin, positions[None], case.interleaved, rot_dtype)[0]
         visible = _kv_slots(case, kwargs, b, pad, n + case.new)
         keys, values = k_after[visible][None], v_after[visible][None]
         slopes = kwargs.get("alibi_slopes")
-        out, _ = attention_reference(
+        out, _ = attention(
             q_b.to(high)[None],
             keys,
             values,
@@ -492,13 +464,14 @@ def check_kvcache_case(case: KVCase, dtype, device, backend: str, seed: int) -> 
     """Verify ``flash_attn_with_kvcache`` on one backend and one KV case (see the module docstring).
 
     Raises ``flash_recipe.BackendUnavailableError`` when the backend cannot run the case.
-    Errors: ``out`` (bound: 2x PyTorch's same-precision error + 1e-5), ``k_cache`` and ``v_cache``
-    over the written rows (exact, except rotated keys: 2x + 1e-5), ``cache_rest`` over every other
+    Errors: ``out`` (bound: the accuracy rule, 2x), ``k_cache`` and ``v_cache``
+    over the written rows (exact, except rotated keys: the rule, 2x), ``cache_rest`` over every other
     row of both caches (exact).
     """
     import torch
 
     import flash_recipe
+    from flash_recipe.testing import FORWARD_FACTOR, accuracy_bound, max_error
 
     q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case, dtype, device, seed)
     k_got, v_got = k_cache.clone(), v_cache.clone()
@@ -510,14 +483,14 @@ def check_kvcache_case(case: KVCase, dtype, device, backend: str, seed: int) -> 
     for b in range(case.batch):
         written[_kv_slots(case, kwargs, b, case.seqlens[b], case.seqlens[b] + case.new)] = True
     errors = {
-        "out": _max_err(out, truth[0]),
-        "k_cache": _max_err(k_got[written], truth[1][written]),
-        "v_cache": _max_err(v_got[written], truth[2][written]),
-        "cache_rest": max(_max_err(k_got[~written], k_cache[~written]), _max_err(v_got[~written], v_cache[~written])),
+        "out": max_error(out, truth[0]),
+        "k_cache": max_error(k_got[written], truth[1][written]),
+        "v_cache": max_error(v_got[written], truth[2][written]),
+        "cache_rest": max(max_error(k_got[~written], k_cache[~written]), max_error(v_got[~written], v_cache[~written])),
     }
     bounds = {
-        "out": 2.0 * _max_err(same[0], truth[0]) + 1e-5,
-        "k_cache": 2.0 * _max_err(same[1][written], truth[1][written]) + 1e-5 if case.rotary else 0.0,
+        "out": accuracy_bound(max_error(same[0], truth[0]), FORWARD_FACTOR),
+        "k_cache": accuracy_bound(max_error(same[1][written], truth[1][written]), FORWARD_FACTOR) if case.rotary else 0.0,
         "v_cache": 0.0,
         "cache_rest": 0.0,
     }
