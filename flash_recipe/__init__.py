@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         flash_attn_varlen_qkvpacked_func,
         scaled_dot_product_attention,
     )
-    from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
     from flash_recipe.decoding import flash_attn_with_kvcache
+    from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
     from flash_recipe.padding import pad_input, unpad_input
 
 

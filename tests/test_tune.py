@@ -20,9 +20,9 @@ import pytest
 import torch
 from offline import compile_in_subprocess
 
-from flash_recipe.tools import cli, tune
 from flash_recipe.ops import configs, forward, kvcache, tuned
 from flash_recipe.ops.configs import Config
+from flash_recipe.tools import cli, tune
 
 H100 = "NVIDIA H100 80GB HBM3"
 CUDA0 = torch.device("cuda", 0)

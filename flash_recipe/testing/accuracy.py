@@ -18,8 +18,13 @@ from typing import Any
 FLOOR = 1e-5
 FORWARD_FACTOR = 2.0
 GRADIENT_FACTOR = 3.0
-FACTORS = {"out": FORWARD_FACTOR, "lse": FORWARD_FACTOR, "dq": GRADIENT_FACTOR, "dk": GRADIENT_FACTOR,
-           "dv": GRADIENT_FACTOR}
+FACTORS = {
+    "out": FORWARD_FACTOR,
+    "lse": FORWARD_FACTOR,
+    "dq": GRADIENT_FACTOR,
+    "dk": GRADIENT_FACTOR,
+    "dv": GRADIENT_FACTOR,
+}
 
 
 def max_error(a: Any, b: Any) -> float:
@@ -38,4 +43,6 @@ def assert_accurate(name: str, got: Any, truth: Any, same: Any, factor: float) -
     error = max_error(got, truth)
     bound = accuracy_bound(max_error(same, truth), factor)
     if not error <= bound:
-        raise AssertionError(f"{name}: max error {error:.3g} > {bound:.3g} ({factor:g}x torch in the input dtype + {FLOOR:g})")
+        raise AssertionError(
+            f"{name}: max error {error:.3g} > {bound:.3g} ({factor:g}x torch in the input dtype + {FLOOR:g})"
+        )

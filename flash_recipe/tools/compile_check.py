@@ -80,8 +80,13 @@ SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
 GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
 # The rows one iteration of a tiled kernel's main loop advances by: keys for the forward, decode and
 # dQ kernels, queries for dK/dV.
-LOOP_STEP = {"fwd": "BLOCK_N", "fwd_general": "BLOCK_N", "decode": "BLOCK_N", "bwd_dq": "BLOCK_N",
-             "bwd_dkdv": "BLOCK_M"}
+LOOP_STEP = {
+    "fwd": "BLOCK_N",
+    "fwd_general": "BLOCK_N",
+    "decode": "BLOCK_N",
+    "bwd_dq": "BLOCK_N",
+    "bwd_dkdv": "BLOCK_M",
+}
 # The speed proxy: SASS instructions per key in the forward's main loop (``loop_per_row``), at most
 # those of Triton's own tutorial fused-attention forward (python/tutorials/06-fused-attention.py)
 # counted the same way (``main_loop``), for the aligned bf16/fp16 forward at head dim 128 on sm90.
@@ -129,12 +134,17 @@ def _qkv(case: Case, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nhea
 
     dtype, head_dim = getattr(torch, case.dtype), head_dim or _head_dim(case)
     if case.form == "aligned":
-        return (torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
-                torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
-                torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype))
+        return (
+            torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
+            torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+            torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+        )
     packed = torch.randn(batch, max(seqlen_q, seqlen_k), nheads + 2 * nheads_k, head_dim, dtype=dtype)
-    return (packed[:, :seqlen_q, :nheads], packed[:, :seqlen_k, nheads:nheads + nheads_k],
-            packed[:, :seqlen_k, nheads + nheads_k:])
+    return (
+        packed[:, :seqlen_q, :nheads],
+        packed[:, :seqlen_k, nheads : nheads + nheads_k],
+        packed[:, :seqlen_k, nheads + nheads_k :],
+    )
 
 
 def _variant(case: Case, nheads: int, diag_offset: int):
@@ -176,8 +186,11 @@ def _run_call(case: Case) -> dict[str, str]:
             return {"attn_fwd_kernel": "fwd"}
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var)
-        return {"attn_bwd_preprocess_kernel": "bwd_preprocess", "attn_bwd_dkdv_kernel": "bwd_dkdv",
-                "attn_bwd_dq_kernel": "bwd_dq"}
+        return {
+            "attn_bwd_preprocess_kernel": "bwd_preprocess",
+            "attn_bwd_dkdv_kernel": "bwd_dkdv",
+            "attn_bwd_dq_kernel": "bwd_dq",
+        }
     if case.call == "varlen":
         lengths = [113, 0, 257] if ragged else [512, 1024, 256]
         cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
@@ -188,8 +201,12 @@ def _run_call(case: Case) -> dict[str, str]:
         forward.attention_forward(q, k, v, scale, var, varlen=varlen)
         out, lse = torch.randn_like(q), torch.randn(nheads, total, dtype=torch.float32)
         backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, varlen=varlen)
-        return {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "bwd_preprocess",
-                "attn_bwd_dkdv_kernel": "bwd_dkdv", "attn_bwd_dq_kernel": "bwd_dq"}
+        return {
+            "attn_fwd_kernel": "fwd",
+            "attn_bwd_preprocess_kernel": "bwd_preprocess",
+            "attn_bwd_dkdv_kernel": "bwd_dkdv",
+            "attn_bwd_dq_kernel": "bwd_dq",
+        }
     # A KV cache of 3 sequences, appended one new key and value row per query row: the aligned
     # decode step over a dense cache (each sequence its own page of 1024 rows: a page table one
     # entry wide, whose width Triton specialises to the constant 1), the other calls over pages of
@@ -209,8 +226,11 @@ def _run_call(case: Case) -> dict[str, str]:
     rotary = kvcache.Rotary(angles.cos().to(dtype), angles.sin().to(dtype), interleaved=not ragged)
     var = _variant(case, nheads, 0)
     kvcache.attention_kvcache(q, k_new, v_new, cache, rotary, scale, var, num_splits=4)
-    return {"rotary_append_kernel": "rotary_append", "attn_fwd_kernel": case.call if case.call == "decode" else "fwd",
-            "split_combine_kernel": "split_combine"}
+    return {
+        "rotary_append_kernel": "rotary_append",
+        "attn_fwd_kernel": case.call if case.call == "decode" else "fwd",
+        "split_combine_kernel": "split_combine",
+    }
 
 
 # -- compiling through Triton's launch path ----------------------------------------------------
@@ -314,10 +334,14 @@ def _nvidia_usage(kernel) -> dict:
         sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
     ptx = kernel.asm["ptx"]
-    return {"registers": int(found.group(1)), "spill_bytes": int(found.group(2)), "fma_dots": _fma_dots(kernel),
-            "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
-            "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
-            "loop_instructions": main_loop(sass.stdout)}
+    return {
+        "registers": int(found.group(1)),
+        "spill_bytes": int(found.group(2)),
+        "fma_dots": _fma_dots(kernel),
+        "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
+        "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
+        "loop_instructions": main_loop(sass.stdout),
+    }
 
 
 _MATRIX_SASS = re.compile(r"\b(HGMMA|HMMA|UTC\w*MMA)\b")
@@ -335,8 +359,7 @@ def main_loop(sass: str) -> Optional[int]:
     loops that issue matrix instructions, the main loop is the shortest: the kernels' masked stages
     repeat the unmasked loop's work plus their masks.
     """
-    code = [(int(address, 16), text.strip())
-            for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    code = [(int(address, 16), text.strip()) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     last_exit = max((a for a, t in code if re.match(r"(@!?U?P\w+\s+)?EXIT\b", t)), default=None)
     sizes = []
     for address, text in code:
@@ -352,8 +375,9 @@ def _fma_dots(kernel) -> int:
     """Dots that Triton lowered to FMA instructions: in the TTGIR, a ``tt.dot`` whose operands keep a
     ``#blocked`` layout (matrix-unit dots get an ``#mma`` parent, or become ``warp_group_dot`` on
     Hopper and ``tc_gen5_mma`` on Blackwell)."""
-    return sum(1 for line in kernel.asm["ttgir"].splitlines()
-               if re.search(r"= tt\.dot ", line) and "parent = #blocked" in line)
+    return sum(
+        1 for line in kernel.asm["ttgir"].splitlines() if re.search(r"= tt\.dot ", line) and "parent = #blocked" in line
+    )
 
 
 def _amd_usage(kernel) -> dict:
@@ -368,9 +392,13 @@ def _amd_usage(kernel) -> dict:
             raise RuntimeError(f"the AMD code object's metadata has no .{name}")
         return int(found.group(1))
 
-    return {"registers": field("vgpr_count"), "spill_bytes": field("private_segment_fixed_size"),
-            "fma_dots": _fma_dots(kernel), "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
-            "matrix_unit": "mfma" if "mfma" in asm else None}
+    return {
+        "registers": field("vgpr_count"),
+        "spill_bytes": field("private_segment_fixed_size"),
+        "fma_dots": _fma_dots(kernel),
+        "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
+        "matrix_unit": "mfma" if "mfma" in asm else None,
+    }
 
 
 def check_case(case: Case, target: str) -> list[dict]:
@@ -390,14 +418,27 @@ def check_case(case: Case, target: str) -> list[dict]:
             usage = _nvidia_usage(kernel)
         step = _constants(kernel).get(LOOP_STEP.get(label, ""))
         loop = usage.get("loop_instructions")
-        rows.append(_verdict({
-            "case": case.id, "kernel": label, "target": target, "dtype": case.dtype, "head_dim": case.head_dim,
-            "form": case.form, "shared_bytes": kernel.metadata.shared,
-            "shared_limit": configs.SHARED_MEMORY_LIMIT[target], "num_warps": kernel.metadata.num_warps,
-            "num_stages": kernel.metadata.num_stages, **usage, "loop_step": step,
-            "score_options": any(_constants(kernel).get(flag) for flag in SCORE_OPTIONS),
-            "loop_per_row": round(loop / step, 3) if loop and step else None, "seconds": seconds,
-        }))
+        rows.append(
+            _verdict(
+                {
+                    "case": case.id,
+                    "kernel": label,
+                    "target": target,
+                    "dtype": case.dtype,
+                    "head_dim": case.head_dim,
+                    "form": case.form,
+                    "shared_bytes": kernel.metadata.shared,
+                    "shared_limit": configs.SHARED_MEMORY_LIMIT[target],
+                    "num_warps": kernel.metadata.num_warps,
+                    "num_stages": kernel.metadata.num_stages,
+                    **usage,
+                    "loop_step": step,
+                    "score_options": any(_constants(kernel).get(flag) for flag in SCORE_OPTIONS),
+                    "loop_per_row": round(loop / step, 3) if loop and step else None,
+                    "seconds": seconds,
+                }
+            )
+        )
     return rows
 
 
@@ -413,9 +454,14 @@ def _constants(kernel) -> dict:
 def proxy_applies(row: dict) -> bool:
     """Whether ``row`` is the kernel the speed proxy (``PROXY``) bounds, compiled by a Triton at
     least as new as the one the bound was measured with."""
-    return (row["target"] == PROXY["target"] and row["kernel"] == PROXY["kernel"] and row["form"] == "aligned"
-            and row["head_dim"] == PROXY["head_dim"] and row["dtype"] in ("float16", "bfloat16")
-            and configs.triton_release() >= PROXY["since_triton"])
+    return (
+        row["target"] == PROXY["target"]
+        and row["kernel"] == PROXY["kernel"]
+        and row["form"] == "aligned"
+        and row["head_dim"] == PROXY["head_dim"]
+        and row["dtype"] in ("float16", "bfloat16")
+        and configs.triton_release() >= PROXY["since_triton"]
+    )
 
 
 def needs_matrix_units(kernel: str, dtype: str) -> bool:
@@ -430,14 +476,23 @@ def _verdict(row: dict) -> dict:
         problems.append("the compiled kernel stores nothing (Triton compiled it to a trap)")
     if row["shared_bytes"] > row["shared_limit"]:
         problems.append(f"shared memory {row['shared_bytes']} B over the {row['shared_limit']} B limit")
-    budgeted = (row["form"] == "aligned" and row["dtype"] != "float32" and row["kernel"] not in ELEMENTWISE
-                and row["head_dim"] <= SPILL_BUDGET_MAX_HEAD_DIM and not row.get("score_options"))
+    budgeted = (
+        row["form"] == "aligned"
+        and row["dtype"] != "float32"
+        and row["kernel"] not in ELEMENTWISE
+        and row["head_dim"] <= SPILL_BUDGET_MAX_HEAD_DIM
+        and not row.get("score_options")
+    )
     if budgeted and row["spill_bytes"] > SPILL_BUDGET:
-        problems.append(f"spills {row['spill_bytes']} B per thread (budget {SPILL_BUDGET} B at head dim <= "
-                        f"{SPILL_BUDGET_MAX_HEAD_DIM})")
+        problems.append(
+            f"spills {row['spill_bytes']} B per thread (budget {SPILL_BUDGET} B at head dim <= "
+            f"{SPILL_BUDGET_MAX_HEAD_DIM})"
+        )
     if proxy_applies(row) and not (row["loop_per_row"] or float("inf")) <= PROXY["per_key"]:
-        problems.append(f"main loop {row['loop_per_row']} instructions per key, over the {PROXY['per_key']:.3f} "
-                        "of Triton's tutorial forward")
+        problems.append(
+            f"main loop {row['loop_per_row']} instructions per key, over the {PROXY['per_key']:.3f} "
+            "of Triton's tutorial forward"
+        )
     if needs_matrix_units(row["kernel"], row["dtype"]) and (row["fma_dots"] or not row["matrix_unit"]):
         problems.append(f"fp16/bf16 dots do not all use the matrix units ({row['fma_dots']} lowered to FMA)")
     return {**row, "problems": problems, "ok": not problems}
@@ -448,30 +503,45 @@ def _check(job: tuple[Case, str]) -> list[dict]:
     try:
         return check_case(case, target)
     except Exception as exc:  # report and go on: one failure must not hide the others
-        return [{"case": case.id, "kernel": case.call, "target": target, "ok": False,
-                 "problems": [f"{type(exc).__name__}: {exc}"[:2000]]}]
+        return [
+            {
+                "case": case.id,
+                "kernel": case.call,
+                "target": target,
+                "ok": False,
+                "problems": [f"{type(exc).__name__}: {exc}"[:2000]],
+            }
+        ]
 
 
 def _line(row: dict) -> str:
     if "shared_bytes" not in row:
         return f"BAD {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {row['problems'][0]}"
     loop = f"{row['loop_per_row']:>5.2f}/row" if row.get("loop_per_row") else " " * 9
-    detail = (f"{row['shared_bytes']:>6} / {row['shared_limit']:<6} B shared  {row['registers']:>3} regs  "
-              f"{row['spill_bytes']:>5} B spill  {row['matrix_unit'] or '-':<11} "
-              f"w{row['num_warps']} s{row['num_stages']}  {loop}")
+    detail = (
+        f"{row['shared_bytes']:>6} / {row['shared_limit']:<6} B shared  {row['registers']:>3} regs  "
+        f"{row['spill_bytes']:>5} B spill  {row['matrix_unit'] or '-':<11} "
+        f"w{row['num_warps']} s{row['num_stages']}  {loop}"
+    )
     verdict = "ok " if row["ok"] else "BAD"
     problems = f"  <- {'; '.join(row['problems'])}" if row["problems"] else ""
     return f"{verdict} {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {detail}{problems}"
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flash_recipe.tools.compile_check",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m flash_recipe.tools.compile_check", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--target", action="append", choices=TARGETS, help="architecture (repeatable); default: all")
     parser.add_argument("--call", action="append", choices=CALLS, help="launcher call (repeatable); default: all")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="dtype (repeatable); default: all")
-    parser.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIM_BUCKETS,
-                        help="head-dim bucket (repeatable); default: all")
+    parser.add_argument(
+        "--head-dim",
+        action="append",
+        type=int,
+        choices=HEAD_DIM_BUCKETS,
+        help="head-dim bucket (repeatable); default: all",
+    )
     parser.add_argument("--form", action="append", choices=FORMS, help="aligned and/or ragged; default: both")
     parser.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")
     parser.add_argument("--json", action="store_true", help="print one JSON object per kernel")
@@ -481,9 +551,13 @@ def main(argv: Optional[list] = None) -> int:
     if configs.interpreter_enabled():
         print("unset TRITON_INTERPRET: the compile check needs Triton's compiler", file=sys.stderr)
         return 2
-    jobs = [(case, target) for target in args.target or TARGETS
-            for case in cases(args.call or CALLS, args.dtype or DTYPES, args.head_dim or HEAD_DIM_BUCKETS,
-                              args.form or FORMS)]
+    jobs = [
+        (case, target)
+        for target in args.target or TARGETS
+        for case in cases(
+            args.call or CALLS, args.dtype or DTYPES, args.head_dim or HEAD_DIM_BUCKETS, args.form or FORMS
+        )
+    ]
     rows, started = [], time.perf_counter()
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     results = pool.map(_check, jobs) if pool else map(_check, jobs)
@@ -497,8 +571,10 @@ def main(argv: Optional[list] = None) -> int:
             pool.shutdown()
     failures = sum(not row["ok"] for row in rows)
     minutes = (time.perf_counter() - started) / 60
-    print(f"{len(rows) - failures} of {len(rows)} kernels from {len(jobs)} calls passed ({minutes:.1f} min)",
-          file=sys.stderr)
+    print(
+        f"{len(rows) - failures} of {len(rows)} kernels from {len(jobs)} calls passed ({minutes:.1f} min)",
+        file=sys.stderr,
+    )
     return 1 if failures else 0
 
 

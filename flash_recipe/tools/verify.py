@@ -6,8 +6,8 @@ computes the forward and backward of ``flash_attn_func``; both are compared with
 may be at most 2x (output) or 3x (dq, dk, dv) that of plain torch computing the same attention in
 the input dtype, plus a floor, measured against the reference in fp32 (fp64 for fp32 inputs).
 The fingerprint is the sha256 of the output and gradient bytes of the deterministic backends
-(``Backend.deterministic``: ``triton`` and ``reference``): the same package with the same torch and Triton on the same device gives the same fingerprint,
-whatever installed it.
+(``Backend.deterministic``: ``triton`` and ``reference``): the same package with the same torch
+and Triton on the same device gives the same fingerprint, whatever installed it.
 
 With ``--kvcache`` the report also covers ``flash_attn_with_kvcache`` (forward only): dense and
 paged caches, new rows appended, rotary embeddings (interleaved and GPT-NeoX), left padding, batch
@@ -490,7 +490,9 @@ def check_kvcache_case(case: KVCase, dtype, device, backend: str, seed: int) -> 
     }
     bounds = {
         "out": accuracy_bound(max_error(same[0], truth[0]), FORWARD_FACTOR),
-        "k_cache": accuracy_bound(max_error(same[1][written], truth[1][written]), FORWARD_FACTOR) if case.rotary else 0.0,
+        "k_cache": accuracy_bound(max_error(same[1][written], truth[1][written]), FORWARD_FACTOR)
+        if case.rotary
+        else 0.0,
         "v_cache": 0.0,
         "cache_rest": 0.0,
     }
