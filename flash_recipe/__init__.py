@@ -17,9 +17,13 @@ environment whose torch is missing or broken.
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+try:  # pyproject.toml states the version; the installed metadata carries it here
+    __version__ = metadata.version("flash-recipe")
+except metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "flash_attn_func": "flash_recipe.api",
