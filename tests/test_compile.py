@@ -61,9 +61,8 @@ def test_overriding_replaces_one_launch_configuration_in_its_block():
         assert configs.launch_config(cpu, "fwd", 100, 4) == configs.get_config("interpreter", "fwd", 100, 4)
         assert configs.launch_config(cpu, "bwd_dq", 128, 2) == configs.get_config("interpreter", "bwd_dq", 128, 2)
     assert configs.launch_config(cpu, "fwd", 100, 2) == table
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        with configs.overriding("forward", 128, 2, candidate):
-            pass
+    with pytest.raises(ValueError, match="kernel must be one of"), configs.overriding("forward", 128, 2, candidate):
+        pass
 
 
 def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instructions():

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import sysconfig
 import time
-from typing import Any, Callable, Mapping, Optional, TypeVar, Union, cast
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 from flash_recipe.env.distinfo import distribution_info
 from flash_recipe.env.facts import (

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 from flash_recipe.ops import configs
 

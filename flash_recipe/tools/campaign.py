@@ -62,6 +62,7 @@ MISS, not an exit status); 1 when a step failed or ran out of time; 2 for a usag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -373,10 +374,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _stop_strays(proc: subprocess.Popen) -> None:
     """Kill what a finished step left running in its process group (workers holding the GPU)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_step(step: Step, scratch: Path, log, env: dict) -> dict:
@@ -392,7 +391,8 @@ def run_step(step: Step, scratch: Path, log, env: dict) -> dict:
     log.flush()
     start = log.tell()
     begin = time.monotonic()
-    stdout = open(scratch / step.result, "wb") if step.stdout_is_result else log
+    # Closed below, once the step has ended (the process writes to it until then).
+    stdout = open(scratch / step.result, "wb") if step.stdout_is_result else log  # noqa: SIM115
     try:
         proc = subprocess.Popen(
             command,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import flash_recipe
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"flash-recipe {flash_recipe.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
+    for name, (_module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
     return parser
 

@@ -53,8 +53,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from flash_recipe.ops import configs
 
@@ -412,10 +413,7 @@ def check_case(case: Case, target: str) -> list[dict]:
         label = labels[name]
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
-        if target.startswith("gfx"):
-            usage = _amd_usage(kernel)
-        else:
-            usage = _nvidia_usage(kernel)
+        usage = _amd_usage(kernel) if target.startswith("gfx") else _nvidia_usage(kernel)
         step = _constants(kernel).get(LOOP_STEP.get(label, ""))
         loop = usage.get("loop_instructions")
         rows.append(

@@ -554,7 +554,7 @@ class _Tuner:
                 for splits in sorted({s for s in usable if s <= useful} | {heuristic}):
                     try:
                         trial = Trial("decode", timing.dtype, shape, decode_config, splits)
-                        ms[splits] = float(self.timer(lambda s=splits: timing.launch(s), trial))
+                        ms[splits] = float(self.timer(lambda s=splits, t=timing: t.launch(s), trial))
                     except Exception as exc:
                         self.say(f"{label}: {splits} splits failed on {shape.id}: {_failure(exc)}")
                 if heuristic in ms:
