@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_recipe.tools import bench, campaign, verify
+from flash_recipe.tools import bench, campaign, tune, verify
 
 PLAN = {step.name: step for step in campaign.build_plan(test_tree=campaign.find_test_tree())}
 
@@ -78,8 +78,7 @@ def test_tune_step_covers_head_dims_64_and_128_in_bf16():
     argv = PLAN["tune"].command("/scratch")
     assert argv[1:4] == ["-m", "flash_recipe", "tune"]
     assert argv[4:8] == ["--head-dim", "64,128", "--dtype", "bfloat16"]
-    tune = pytest.importorskip("flash_recipe.tools.tune")  # the subcommand's own parser, where it exists
-    args = _parse(tune.add_arguments, argv[4:])
+    args = _parse(tune.add_arguments, argv[4:])  # the subcommand's own parser
     assert args.head_dim == [64, 128] and args.dtype == ["bfloat16"] and args.json == "/scratch/tune.json"
 
 

@@ -57,11 +57,6 @@ class Shape:
         return fwd * (0.5 if self.causal else 1.0) * FLOP_FACTOR[mode]
 
 
-def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal: bool, mode: str = "fwd") -> float:
-    """The standard FLOP count used for TFLOP/s (see the module docstring)."""
-    return 4.0 * batch * nheads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0) * FLOP_FACTOR[mode]
-
-
 # ----------------------------------------------------------------------------- peers
 # A peer maps (q, k, v, causal) in flash layout (B, S, H, D) to the output, or raises.
 
