@@ -211,3 +211,22 @@ def test_a_decode_step_over_a_dense_cache_compiles():
     """)
     assert {row["kernel"] for row in rows} == {"rotary_append", "decode", "split_combine"}, rows
     assert all(row["ok"] for row in rows), rows
+
+
+def test_the_presets_select_what_ci_and_compat_compile():
+    """``--preset ci``: 4 calls x 3 head dims, every target aligned in bf16 and fp32, one target per
+    family ragged in bf16; ``--preset compat``: 3 calls at head dim 128 in bf16, both forms, sm80 and
+    sm90. An option narrows a preset; no preset means every combination."""
+    ci = compile_check.select_jobs("ci")
+    aligned = [(c, t) for c, t in ci if c.form == "aligned"]
+    ragged = [(c, t) for c, t in ci if c.form == "ragged"]
+    assert len(aligned) == 4 * 3 * 2 * len(compile_check.TARGETS) and len(ragged) == 4 * 3 * 6
+    assert {c.call for c, _ in ci} == {"fwd", "options", "bwd", "decode"}
+    assert {c.dtype for c, _ in ragged} == {"bfloat16"} and {c.head_dim for c, _ in ci} == {64, 128, 256}
+    assert {t for _, t in ragged} == {"sm80", "sm86", "sm90", "sm100", "sm120", "gfx942"}
+    compat = compile_check.select_jobs("compat")
+    assert len(compat) == 3 * 2 * 2 and {t for _, t in compat} == {"sm80", "sm90"}
+    assert {(c.dtype, c.head_dim) for c, _ in compat} == {("bfloat16", 128)}
+    assert {t for _, t in compile_check.select_jobs("ci", targets=["sm90", "sm89"], forms=["ragged"])} == {"sm90"}
+    everything = compile_check.select_jobs()
+    assert len(everything) == len(compile_check.TARGETS) * len(list(compile_check.cases()))

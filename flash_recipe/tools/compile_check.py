@@ -73,6 +73,23 @@ TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", 
 # aligned form, head dims up to 128; the rest report theirs.
 SPILL_BUDGET = 0
 SPILL_BUDGET_MAX_HEAD_DIM = 128
+# Named selections (``--preset``), each a list of (calls, dtypes, head dims, forms, targets).
+# "ci" (``nox -s compile_check``): the forward (plain and every score option), the backward and a
+# KV-cache decode step at the largest head dim of each configuration row (64, 128, 256), every
+# target in the aligned form in bf16 and fp32, and one target per configuration family in the
+# (slow) ragged form in bf16 (fp16 compiles to the same tiles as bf16; sm89, sm121, gfx90a and
+# gfx950 share their family's tables). "compat" (``nox -s compat``, once per Triton release): the
+# forward, backward and decode step for sm80 and sm90 at head dim 128 in bf16, both forms.
+_CI_CALLS, _CI_HEAD_DIMS = ("fwd", "options", "bwd", "decode"), (64, 128, 256)
+RAGGED_TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx942")
+ALL = (CALLS, DTYPES, HEAD_DIM_BUCKETS, FORMS, TARGETS)
+PRESETS = {
+    "ci": [
+        (_CI_CALLS, ("bfloat16", "float32"), _CI_HEAD_DIMS, ("aligned",), TARGETS),
+        (_CI_CALLS, ("bfloat16",), _CI_HEAD_DIMS, ("ragged",), RAGGED_TARGETS),
+    ],
+    "compat": [(("fwd", "bwd", "decode"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90"))],
+}
 # Kernels launched with a fixed configuration and no dots (no matrix units to check).
 ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine")
 # The forward's compile-time flags that make a launch take the ``"fwd_general"`` configuration
@@ -526,6 +543,23 @@ def _line(row: dict) -> str:
     return f"{verdict} {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {detail}{problems}"
 
 
+def narrowed(chosen: Optional[list], selection) -> list:
+    """The values of ``selection`` that a repeatable option chose, in the option's order (all of
+    them when it chose none)."""
+    return [x for x in chosen if x in selection] if chosen else list(selection)
+
+
+def select_jobs(preset=None, targets=None, calls=None, dtypes=None, head_dims=None, forms=None) -> list:
+    """The ``(Case, target)`` pairs to compile: the ``preset``'s selections (default: everything),
+    narrowed by the values the repeatable options chose."""
+    jobs = []
+    for all_calls, all_dtypes, all_dims, all_forms, all_targets in PRESETS.get(preset or "", [ALL]):
+        for target in narrowed(targets, all_targets):
+            chosen = (narrowed(calls, all_calls), narrowed(dtypes, all_dtypes), narrowed(head_dims, all_dims))
+            jobs += [(case, target) for case in cases(*chosen, narrowed(forms, all_forms))]
+    return jobs
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flash_recipe.tools.compile_check", description=__doc__.split("\n\n")[0]
@@ -541,6 +575,9 @@ def main(argv: Optional[list] = None) -> int:
         help="head-dim bucket (repeatable); default: all",
     )
     parser.add_argument("--form", action="append", choices=FORMS, help="aligned and/or ragged; default: both")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a named selection (see PRESETS); the options above narrow it"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")
     parser.add_argument("--json", action="store_true", help="print one JSON object per kernel")
     args = parser.parse_args(argv)
@@ -549,13 +586,7 @@ def main(argv: Optional[list] = None) -> int:
     if configs.interpreter_enabled():
         print("unset TRITON_INTERPRET: the compile check needs Triton's compiler", file=sys.stderr)
         return 2
-    jobs = [
-        (case, target)
-        for target in args.target or TARGETS
-        for case in cases(
-            args.call or CALLS, args.dtype or DTYPES, args.head_dim or HEAD_DIM_BUCKETS, args.form or FORMS
-        )
-    ]
+    jobs = select_jobs(args.preset, args.target, args.call, args.dtype, args.head_dim, args.form)
     rows, started = [], time.perf_counter()
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     results = pool.map(_check, jobs) if pool else map(_check, jobs)
