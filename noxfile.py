@@ -7,7 +7,7 @@
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``compat``: the interpreter and the compiler path under each supported Triton release;
-- ``lint``: ruff's checks and formatting, and the import layers (pyproject.toml's settings);
+- ``lint``: ruff's checks and formatting, the import layers and mypy (pyproject.toml's settings);
 - ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed
   (``recipes/harness/reproduce.py``).
 
@@ -111,14 +111,16 @@ FUZZ_USAGE = "usage: nox -s fuzz [-- [--cases N] [--seed S] [--case I ...]]"
 
 @nox.session(default=False)
 def lint(session: nox.Session) -> None:
-    """``ruff check`` and ``ruff format --check``, then the import layers (``lint-imports``, the
-    contract in pyproject.toml), with the versions the ``lint`` dependency group pins. To fix what
+    """``ruff check`` and ``ruff format --check``, the import layers (``lint-imports``) and the
+    types (``mypy``), as pyproject.toml configures them, with the versions its ``lint`` dependency
+    group pins. To fix what
     ruff reports: ``ruff check --fix . && ruff format .`` (then review the diff)."""
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
     session.chdir(ROOT)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")
+    session.run("mypy")
 
 
 @nox.session(default=False)

@@ -395,7 +395,7 @@ def test_the_tuner_drops_the_candidates_pruning_drops(monkeypatch):
         rows = [{"config": list(c), "form": "aligned", "fits": c != SLOW, "problem": "needs 200000 B"} for c in found]
         return [c for c in found if c != SLOW], rows
 
-    monkeypatch.setattr(tune, "prune", fake_prune)
+    monkeypatch.setattr(tune.search, "prune", fake_prune)
     timed = set()
     report = tune.tune(
         ["fwd"],

@@ -76,7 +76,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 TOTAL_BUDGET_S = 20 * 60
 # Kept out of the steps' budgets: stopping a step that outlives its budget, and writing the report.
@@ -84,7 +84,13 @@ RESERVE_S = 45
 STOP_GRACE_S = 5
 
 # The target shapes: bf16, head dim 128, MHA with 16 heads, about 16k tokens per shape.
-TARGET = {"dtype": "bfloat16", "head_dim": 128, "nheads": 16, "tokens": 16384, "seqlens": (4096, 8192, 16384)}
+TARGET: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "head_dim": 128,
+    "nheads": 16,
+    "tokens": 16384,
+    "seqlens": (4096, 8192, 16384),
+}
 SUBJECT, REFERENCE = "flash_recipe", "sdpa_flash"
 BENCH_PEERS = (SUBJECT, REFERENCE, "sdpa_cudnn", "sdpa_efficient", "flex", "flash_recipe_pointers")
 BENCH_MODES = ("fwd", "bwd", "fwd_bwd")
@@ -549,8 +555,9 @@ def speed_targets(rows: list, shape_ids: list, subject: str = SUBJECT, reference
     targets = []
     for mode, required in SPEED_TARGETS.items():
         for shape_id in shape_ids:
-            entry = {"target": f"{mode} speed", "mode": mode, "shape": shape_id, "required": required}
-            values, notes = {}, []
+            entry: dict[str, Any] = {"target": f"{mode} speed", "mode": mode, "shape": shape_id, "required": required}
+            values: dict[str, Any] = {}
+            notes = []
             for role, peer in (("subject", subject), ("reference", reference)):
                 row = by_key.get((shape_id, peer))
                 value = None if row is None else row.get(f"{mode}_tflops")
@@ -636,7 +643,7 @@ def memory_targets(rows: list, subject: str = SUBJECT, reference: str = REFERENC
 def summarize_targets(targets: list) -> list:
     """One line per target kind (``fwd speed``, ``fwd_bwd peak memory``, ...): PASS when every
     shape passes, how many did, and the worst ratio (the least for speed, the most for memory)."""
-    groups = {}
+    groups: dict = {}
     for t in targets:
         groups.setdefault(t["target"], []).append(t)
     summary = []
@@ -660,7 +667,7 @@ def summarize_targets(targets: list) -> list:
 def memory_table(rows: list) -> list:
     """Per (mode, causal, peer): peak MiB at each sequence length and the growth longest/shortest."""
     seqlens = sorted({row["seqlen"] for row in rows})
-    table = {}
+    table: dict = {}
     for row in rows:
         key = (row.get("mode"), row["causal"], row["peer"])
         entry = table.setdefault(key, {"mode": key[0], "causal": key[1], "peer": key[2], "peak_mb": {}, "total_mb": {}})
@@ -699,7 +706,7 @@ def parse_junit(path: Path) -> dict:
 
 def summarize_verify(report: dict) -> dict:
     """The verify report's verdict, counts per dtype and kind, and the rows that failed."""
-    counts = {}
+    counts: dict = {}
     for row in report.get("cases", []):
         kind = "kvcache" if row["case"].startswith("kv-") else "attention"
         key = f"{kind}/{row['dtype']}"
@@ -822,7 +829,7 @@ def make_plots(rows: list, out: Path) -> dict:
     """``bench-fwd.png`` and ``bench-bwd.png`` from the bench rows; per file, None or why not."""
     from flash_recipe.tools import bench
 
-    problems = {}
+    problems: dict[str, Optional[str]] = {}
     for mode in ("fwd", "bwd"):
         name = f"bench-{mode}.png"
         try:
