@@ -114,7 +114,7 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
     def no_process(*args, **kwargs):
         raise AssertionError("a dry run started a process")
 
-    monkeypatch.setattr(campaign.subprocess, "Popen", no_process)
+    monkeypatch.setattr(campaign.steps.subprocess, "Popen", no_process)
     status = campaign.main(["--out", str(tmp_path / "out"), "--dry-run", "--skip", "tune"])
     out = capsys.readouterr().out
     assert status == 0
@@ -129,7 +129,7 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
 
 
 def test_without_cuda_the_campaign_refuses(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(campaign, "cuda_available", lambda: False)
+    monkeypatch.setattr(campaign.cli, "cuda_available", lambda: False)
     assert campaign.main(["--out", str(tmp_path / "out")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -152,7 +152,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_runner_records_failures_and_stops_a_hung_step_with_its_children(tmp_path, monkeypatch):
-    monkeypatch.setattr(campaign, "STOP_GRACE_S", 1)
+    monkeypatch.setattr(campaign.steps, "STOP_GRACE_S", 1)
     child_pid = tmp_path / "child.pid"
     plan = [
         _python_step("ok", "print('all good')", 30),
