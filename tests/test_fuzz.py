@@ -518,7 +518,7 @@ class Report:
         bound = accuracy_bound(max_error(same[finite], truth[finite]), factor)
         line = (
             f"{name}: max error {err:.3g}{f' ({bad} entries NaN or infinite)' if bad else ''} vs bound "
-            f"{bound:.3g} ({factor}x torch in the input dtype + 1e-5)"
+            f"{bound:.3g} ({factor}x torch in the input dtype + {FLOOR:g})"
         )
         if err <= bound:
             self.lines.append(f"ok   {line}")
