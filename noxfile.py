@@ -7,7 +7,7 @@
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``compat``: the interpreter and the compiler path under each supported Triton release;
-- ``lint``: ruff's checks and its formatting, as ``[tool.ruff]`` in pyproject.toml sets them;
+- ``lint``: ruff's checks and formatting, the import layers and mypy (pyproject.toml's settings);
 - ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed
   (``recipes/harness/reproduce.py``).
 
@@ -109,18 +109,18 @@ def ring_flash_attn(session: nox.Session) -> None:
 FUZZ_USAGE = "usage: nox -s fuzz [-- [--cases N] [--seed S] [--case I ...]]"
 
 
-# The ruff that lint runs: pinned, so that a new release's rules or formatting cannot fail CI.
-RUFF = "ruff==0.17.6"
-
-
 @nox.session(default=False)
 def lint(session: nox.Session) -> None:
-    """``ruff check`` and ``ruff format --check`` over the checkout with the pinned ruff. To fix what
-    it reports: ``ruff check --fix . && ruff format .`` (then review the diff)."""
-    session.install(RUFF)
+    """``ruff check`` and ``ruff format --check``, the import layers (``lint-imports``) and the
+    types (``mypy``), as pyproject.toml configures them, with the versions its ``lint`` dependency
+    group pins. To fix what
+    ruff reports: ``ruff check --fix . && ruff format .`` (then review the diff)."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
     session.chdir(ROOT)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports")
+    session.run("mypy")
 
 
 @nox.session(default=False)
@@ -184,56 +184,22 @@ def install_matrix_report(session: nox.Session) -> None:
     session.run(*HARNESS, "report", "--run-id", RUN_ID, *session.posargs, external=True)
 
 
-# One target per configuration family for the (slow) ragged form; sm89, sm121, gfx90a and gfx950
-# share their family's tables and get the aligned form.
-RAGGED_TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx942")
-
-
 @nox.session(default=False)
 def compile_check(session: nox.Session) -> None:
     """Compile the kernels for every GPU target as a real launch compiles them, no GPU needed.
 
     Each kernel is compiled through the real launchers and Triton's launch specialisation, and must
     fit its architecture's shared memory, use the matrix units, and (aligned form, head dim up to
-    128, plain scores) not spill. Default (what CI runs): the forward (plain scores and every score
-    option), the backward and a KV-cache decode step at the largest head dim of each configuration
-    row (64, 128, 256): every target in the aligned
-    form in bf16 and fp32, and one target per configuration family in the ragged form in bf16
-    (fp16 compiles to the same tiles as bf16). Arguments after ``--`` replace that selection
-    (``python -m flash_recipe.ops.compile_check --help``).
+    128, plain scores) not spill. Default (what CI runs): the tool's ``ci`` preset (its
+    ``PRESETS`` say what it covers). Arguments after ``--`` replace it
+    (``python -m flash_recipe.tools.compile_check --help``).
     """
     install_built_wheel(session)
     session.chdir(session.create_tmp())
-    common = [
-        "--call",
-        "fwd",
-        "--call",
-        "options",
-        "--call",
-        "bwd",
-        "--call",
-        "decode",
-        "--head-dim",
-        "64",
-        "--head-dim",
-        "128",
-        "--head-dim",
-        "256",
-        "--jobs",
-        "2",
-    ]
-    selections = (
-        [session.posargs]
-        if session.posargs
-        else [
-            [*common, "--form", "aligned", "--dtype", "bfloat16", "--dtype", "float32"],
-            [*common, "--form", "ragged", "--dtype", "bfloat16", *(a for t in RAGGED_TARGETS for a in ("--target", t))],
-        ]
+    args = session.posargs or ["--preset", "ci", "--jobs", "2"]
+    session.run(
+        "python", "-W", "ignore", "-m", "flash_recipe.tools.compile_check", *args, env={"TRITON_INTERPRET": "0"}
     )
-    for args in selections:
-        session.run(
-            "python", "-W", "ignore", "-m", "flash_recipe.ops.compile_check", *args, env={"TRITON_INTERPRET": "0"}
-        )
 
 
 # One release per Triton minor version that pyproject admits (flash_recipe.env.versions.TRITON_MIN
@@ -252,47 +218,10 @@ def compat(session: nox.Session, triton: str) -> None:
     install_built_wheel(session, pins=(f"triton=={triton}",))
     session.chdir(session.create_tmp())
     session.run("python", "-c", f"import triton, sys; sys.exit(triton.__version__ != {triton!r})")
-    session.run(
-        "flash-recipe",
-        "verify",
-        "--backend",
-        "triton",
-        "--grid",
-        "small",
-        "--dtype",
-        "float16",
-        "--dtype",
-        "float32",
-        env={"TRITON_INTERPRET": "1"},
-    )
-    session.run(
-        "python",
-        "-W",
-        "ignore",
-        "-m",
-        "flash_recipe.ops.compile_check",
-        "--target",
-        "sm80",
-        "--target",
-        "sm90",
-        "--call",
-        "fwd",
-        "--call",
-        "bwd",
-        "--call",
-        "decode",
-        "--dtype",
-        "bfloat16",
-        "--head-dim",
-        "128",
-        "--form",
-        "aligned",
-        "--form",
-        "ragged",
-        "--jobs",
-        "2",
-        env={"TRITON_INTERPRET": "0"},
-    )
+    verify = "flash-recipe verify --backend triton --grid small --dtype float16 --dtype float32"
+    session.run(*verify.split(), env={"TRITON_INTERPRET": "1"})
+    compile_check = "python -W ignore -m flash_recipe.tools.compile_check --preset compat --jobs 2"
+    session.run(*compile_check.split(), env={"TRITON_INTERPRET": "0"})
 
 
 @nox.session(default=False, venv_backend="venv")

@@ -17,9 +17,13 @@ environment whose torch is missing or broken.
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+try:  # pyproject.toml states the version; the installed metadata carries it here
+    __version__ = metadata.version("flash-recipe")
+except metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "flash_attn_func": "flash_recipe.api",
@@ -28,7 +32,7 @@ _EXPORTS = {
     "flash_attn_varlen_func": "flash_recipe.api",
     "flash_attn_varlen_kvpacked_func": "flash_recipe.api",
     "flash_attn_varlen_qkvpacked_func": "flash_recipe.api",
-    "flash_attn_with_kvcache": "flash_recipe.kvcache",
+    "flash_attn_with_kvcache": "flash_recipe.decoding",
     "pad_input": "flash_recipe.padding",
     "unpad_input": "flash_recipe.padding",
     "scaled_dot_product_attention": "flash_recipe.api",
@@ -53,8 +57,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         flash_attn_varlen_qkvpacked_func,
         scaled_dot_product_attention,
     )
+    from flash_recipe.decoding import flash_attn_with_kvcache
     from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
-    from flash_recipe.kvcache import flash_attn_with_kvcache
     from flash_recipe.padding import pad_input, unpad_input
 
 

@@ -1,33 +1,45 @@
 """Public attention functions: flash-attn 2's ``flash_attn_*`` family and torch's SDPA signature.
 
-This layer (with ``flash_recipe.kvcache``) validates input, through ``flash_recipe.validate``, and
+This layer (with ``flash_recipe.decoding``) validates input, through ``flash_recipe.validate``, and
 fills in defaults; it builds an ``AttentionCall`` and hands it to ``flash_recipe.dispatch``,
 which picks the backend.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import torch
 
 from flash_recipe import dispatch, validate
+from flash_recipe.decoding import paged_varlen
 from flash_recipe.dispatch import AttentionCall
-from flash_recipe.kvcache import paged_varlen
 
 
-def _build_flash_call(
+@dataclasses.dataclass(frozen=True)
+class FlashOptions:
+    """The options every flash-attn style call shares, as the caller passed them (``build_flash_call``
+    validates them); the fields mean what ``flash_attn_func``'s arguments of the same names mean.
+    ``return_lse`` asks for the log-sum-exp, ``return_probs`` also for the dropped-out probabilities
+    (``flash_attn_func``'s ``return_attn_probs`` sets both)."""
+
+    dropout_p: float = 0.0
+    softmax_scale: Optional[float] = None
+    causal: bool = False
+    window_size: Any = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None
+    deterministic: bool = False
+    return_lse: bool = False
+    return_probs: bool = False
+
+
+def build_flash_call(
     q,
     k,
     v,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    deterministic,
-    return_lse,
+    options: FlashOptions,
     names=("q", "k", "v"),
     varlen: Optional[tuple] = None,
     paged: bool = False,
@@ -50,9 +62,11 @@ def _build_flash_call(
     else:
         validate.check_qkv(q, k, v, names, varlen=varlen is not None)
     q, k, v = validate.last_dim_contiguous(names, (q, k, v))
-    dropout_p = validate.check_dropout(dropout_p)
-    validate.check_bool("deterministic", deterministic)
-    window, softcap = validate.check_window(causal, window_size), validate.check_softcap(softcap)
+    dropout_p = validate.check_dropout(options.dropout_p)
+    validate.check_bool("deterministic", options.deterministic)
+    causal, alibi_slopes = options.causal, options.alibi_slopes
+    window = validate.check_window(causal, options.window_size)
+    softcap = validate.check_softcap(options.softcap)
     batch = q.shape[0]
     if varlen is not None:
         varlen = validate.check_varlen(q, None if paged else k, *varlen)
@@ -64,14 +78,14 @@ def _build_flash_call(
         q=q,
         k=k,
         v=v,
-        softmax_scale=validate.check_scale(softmax_scale, q.shape[-1]),
+        softmax_scale=validate.check_scale(options.softmax_scale, q.shape[-1]),
         causal=causal,
         diag_offset=0 if varlen is not None else k.shape[1] - q.shape[1],
         window=window,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
-        return_lse=bool(return_lse),
-        return_probs=bool(return_lse),
+        return_lse=bool(options.return_lse),
+        return_probs=bool(options.return_probs),
         dropout_p=dropout_p,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
@@ -150,18 +164,21 @@ def flash_attn_func(
         ``(batch_size, nheads, seqlen_q)`` float32, the natural-log log-sum-exp of each row of
         ``q @ k^T * softmax_scale`` (``+inf`` for a row that sees no key).
     """
-    call = _build_flash_call(
+    call = build_flash_call(
         q,
         k,
         v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        FlashOptions(
+            dropout_p=dropout_p,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_lse=return_attn_probs,
+            return_probs=return_attn_probs,
+        ),
     )
     return _finish(dispatch.run(call), return_attn_probs)
 
@@ -184,18 +201,21 @@ def flash_attn_qkvpacked_func(
     """
     validate.check_packed("qkv", qkv, 2, 3, "(batch_size, seqlen, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=2)
-    call = _build_flash_call(
+    call = build_flash_call(
         q,
         k,
         v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        FlashOptions(
+            dropout_p=dropout_p,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_lse=return_attn_probs,
+            return_probs=return_attn_probs,
+        ),
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -220,18 +240,21 @@ def flash_attn_kvpacked_func(
     """
     validate.check_packed("kv", kv, 2, 2, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(dim=2)
-    call = _build_flash_call(
+    call = build_flash_call(
         q,
         k,
         v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        FlashOptions(
+            dropout_p=dropout_p,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_lse=return_attn_probs,
+            return_probs=return_attn_probs,
+        ),
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -274,18 +297,21 @@ def flash_attn_varlen_func(
         ``out (total_q, nheads, headdim)``, or ``(out, softmax_lse, None)`` with ``softmax_lse``
         ``(nheads, total_q)`` float32.
     """
-    call = _build_flash_call(
+    call = build_flash_call(
         q,
         k,
         v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        FlashOptions(
+            dropout_p=dropout_p,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_lse=return_attn_probs,
+            return_probs=return_attn_probs,
+        ),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         paged=block_table is not None,
     )
@@ -310,18 +336,21 @@ def flash_attn_varlen_qkvpacked_func(
     """``flash_attn_varlen_func`` on a packed ``qkv (total, 3, nheads, headdim)`` (views, no copy)."""
     validate.check_packed("qkv", qkv, 1, 3, "(total_tokens, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=1)
-    call = _build_flash_call(
+    call = build_flash_call(
         q,
         k,
         v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        FlashOptions(
+            dropout_p=dropout_p,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_lse=return_attn_probs,
+            return_probs=return_attn_probs,
+        ),
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
         varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
     )
@@ -348,18 +377,21 @@ def flash_attn_varlen_kvpacked_func(
     ``kv (total_k, 2, nheads_k, headdim)``."""
     validate.check_packed("kv", kv, 1, 2, "(total_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(dim=1)
-    call = _build_flash_call(
+    call = build_flash_call(
         q,
         k,
         v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        FlashOptions(
+            dropout_p=dropout_p,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_lse=return_attn_probs,
+            return_probs=return_attn_probs,
+        ),
         names=("q", "kv[:, 0]", "kv[:, 1]"),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
@@ -440,31 +472,11 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> dict
     Returns a dict in priority order: backend name -> None (it can run the call) or the reason.
     The backend that would run is the first with None, unless one is chosen explicitly.
     """
-    options = dict(
-        dropout_p=0.0,
-        softmax_scale=None,
-        causal=False,
-        window_size=(-1, -1),
-        softcap=0.0,
-        alibi_slopes=None,
-        deterministic=False,
-        return_attn_probs=False,
-    )
-    unknown = set(kwargs) - set(options)
+    allowed = [f.name for f in dataclasses.fields(FlashOptions) if not f.name.startswith("return_")]
+    unknown = set(kwargs) - {*allowed, "return_attn_probs"}
     if unknown:
-        raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}; allowed: {sorted(options)}")
-    options.update(kwargs)
-    call = _build_flash_call(
-        q,
-        k,
-        v,
-        options["dropout_p"],
-        options["softmax_scale"],
-        options["causal"],
-        options["window_size"],
-        options["softcap"],
-        options["alibi_slopes"],
-        options["deterministic"],
-        options["return_attn_probs"],
-    )
+        allowed_names = sorted([*allowed, "return_attn_probs"])
+        raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}; allowed: {allowed_names}")
+    probs = kwargs.pop("return_attn_probs", False)
+    call = build_flash_call(q, k, v, FlashOptions(**kwargs, return_lse=probs, return_probs=probs))
     return dispatch.explain_call(call)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from flash_recipe import dispatch, validate
-from flash_recipe.flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+from flash_recipe.api import FlashOptions, build_flash_call
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -144,6 +144,14 @@ class _Ring:
             request.wait()
 
 
+def _block_call(q, k, v, softmax_scale, causal, softcap, deterministic):
+    """The call of one block of the ring: the log-sum-exp is asked for, no dropout."""
+    options = FlashOptions(
+        softmax_scale=softmax_scale, causal=causal, softcap=softcap, deterministic=deterministic, return_lse=True
+    )
+    return build_flash_call(q, k, v, options)
+
+
 def _ring_forward(q, k, v, group, causal, softmax_scale, layout, softcap):
     ring = _Ring(group)
     rank = dist.get_rank(group)
@@ -153,9 +161,9 @@ def _ring_forward(q, k, v, group, causal, softmax_scale, layout, softcap):
     for step in range(ring.world):
         pending = ring.start(k, v) if step + 1 < ring.world else None
         for rows_q, rows_k, block_causal in _blocks(layout, causal, rank, (rank - step) % ring.world, seqlen):
-            block_out, block_lse, _, _ = _flash_attn_forward(
-                q[:, rows_q], k[:, rows_k], v[:, rows_k], 0.0, softmax_scale, block_causal, -1, -1, softcap, None, False
-            )
+            call = _block_call(q[:, rows_q], k[:, rows_k], v[:, rows_k], softmax_scale, block_causal, softcap, False)
+            with torch.no_grad():
+                block_out, block_lse, _ = dispatch.select(call).run_call(call)
             merge_partial(out[:, rows_q], lse[:, :, rows_q], block_out, block_lse)
         if pending is not None:
             ring.wait(pending[0])
@@ -174,30 +182,17 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, softmax_scale, layout
         dk = torch.zeros_like(k, dtype=torch.float32)
         dv = torch.zeros_like(v, dtype=torch.float32)
         for rows_q, rows_k, block_causal in _blocks(layout, causal, rank, (rank - step) % ring.world, seqlen):
-            block_dq = torch.empty_like(q[:, rows_q])
-            block_dk, block_dv = torch.empty_like(k[:, rows_k]), torch.empty_like(v[:, rows_k])
-            _flash_attn_backward(
-                dout[:, rows_q],
-                q[:, rows_q],
-                k[:, rows_k],
-                v[:, rows_k],
-                out[:, rows_q],
-                lse[:, :, rows_q],
-                block_dq,
-                block_dk,
-                block_dv,
-                0.0,
-                softmax_scale,
-                block_causal,
-                -1,
-                -1,
-                softcap,
-                None,
-                deterministic,
+            call = _block_call(
+                q[:, rows_q], k[:, rows_k], v[:, rows_k], softmax_scale, block_causal, softcap, deterministic
             )
-            dq[:, rows_q] += block_dq
-            dk[:, rows_k] += block_dk
-            dv[:, rows_k] += block_dv
+            with torch.no_grad():
+                grads = dispatch.select(call).grad(
+                    call, dout[:, rows_q], out[:, rows_q].contiguous(), lse[:, :, rows_q].contiguous()
+                )
+            # Each block's gradients are rounded to the input dtype before they add up.
+            dq[:, rows_q] += grads[0].to(q.dtype)
+            dk[:, rows_k] += grads[1].to(k.dtype)
+            dv[:, rows_k] += grads[2].to(v.dtype)
         if travelling is not None:  # the gradients of this key shard from the ranks it has visited
             ring.wait(travelling[0])
             dk += travelling[1][0]

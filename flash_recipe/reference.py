@@ -196,24 +196,35 @@ def attention_reference_backward(
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
-def rotary_reference(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool
+def rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Rotary embedding of ``x (B, S, H, D)`` at ``positions`` (int ``(B, S)``), in fp32.
-
-    ``cos, sin``: ``(S_rotary, R / 2)``; the first ``R`` dims rotate, in pairs ``(2j, 2j + 1)``
-    when ``interleaved`` and ``(j, j + R / 2)`` otherwise (GPT-NeoX); the rest pass through.
-    Returns x's dtype.
-    """
+    """Rotary embedding computed in ``dtype``: x ``(B, S, H, D)``, cos/sin ``(S_rotary, R / 2)``,
+    positions int ``(B, S)``. The first ``R`` dims rotate, in pairs ``(2j, 2j + 1)`` when
+    ``interleaved`` and ``(j, j + R / 2)`` otherwise (GPT-NeoX): ``(a, b) -> (a cos - b sin,
+    a sin + b cos)``; the rest pass through. Returns ``(B, S, H, D)`` in ``dtype``."""
     half = cos.shape[1]
-    c = cos.float()[positions].unsqueeze(2)  # (B, S, 1, R / 2)
-    s = sin.float()[positions].unsqueeze(2)
-    xf = x.float()
-    rot, rest = xf[..., : 2 * half], xf[..., 2 * half :]
+    c = cos.to(dtype)[positions].unsqueeze(2)  # (B, S, 1, R / 2)
+    s = sin.to(dtype)[positions].unsqueeze(2)
+    xc = x.to(dtype)
+    rot, rest = xc[..., : 2 * half], xc[..., 2 * half :]
     if interleaved:
         a, b = rot[..., 0::2], rot[..., 1::2]
         rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
     else:
         a, b = rot[..., :half], rot[..., half:]
         rot = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
-    return torch.cat((rot, rest), dim=-1).to(x.dtype)
+    return torch.cat((rot, rest), dim=-1)
+
+
+def rotary_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """Rotary embedding of ``x (B, S, H, D)`` at ``positions`` (int ``(B, S)``), computed in fp32
+    (see ``rotate``); returns x's dtype."""
+    return rotate(x, cos, sin, positions, interleaved, torch.float32).to(x.dtype)

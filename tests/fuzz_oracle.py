@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from flash_recipe.reference import attention_reference
+from flash_recipe.testing import rotary as rotate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,32 +118,6 @@ def _per_sequence(q: torch.Tensor, keys: list, values: list, cu_q: list, opts: S
         outs.append(out[0])
         lses.append(lse[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
-
-
-def rotate(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    interleaved: bool,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Rotary embedding computed in ``dtype``: x ``(B, S, H, D)``, cos/sin ``(S_ro, R / 2)``, positions
-    int ``(B, S)``. The first R dims rotate, in pairs ``(2j, 2j + 1)`` when ``interleaved`` and
-    ``(j, j + R / 2)`` otherwise (GPT-NeoX): ``(a, b) -> (a cos - b sin, a sin + b cos)``; the rest pass
-    through. Returns ``(B, S, H, D)`` in ``dtype``."""
-    half = cos.shape[1]
-    c = cos.to(dtype)[positions][:, :, None, :]  # (B, S, 1, R / 2)
-    s = sin.to(dtype)[positions][:, :, None, :]
-    x = x.to(dtype)
-    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
-    if interleaved:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
-    else:
-        a, b = rot[..., :half], rot[..., half:]
-        rot = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
-    return torch.cat((rot, rest), dim=-1)
 
 
 @dataclasses.dataclass(frozen=True)

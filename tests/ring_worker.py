@@ -22,6 +22,7 @@ import torch.distributed as dist
 import flash_recipe
 from flash_recipe.distributed import ring_attention, shard, unshard
 from flash_recipe.reference import attention_reference
+from flash_recipe.testing import FACTORS, accuracy_bound, max_error
 
 
 def inputs(case: dict, varlen: bool = False):
@@ -60,13 +61,12 @@ def judge(result: dict, q, k, v, dout, causal: bool, softcap: float = 0.0, seqle
     torch_errors = {}
     for dtype in {q.dtype, *(bound_dtypes or {}).values()}:
         same = oracle(*(t.to(dtype) for t in (q, k, v, dout)), causal, False, softcap, seqlens)
-        torch_errors[dtype] = {n: (same[n].double() - truth[n].double()).abs().max().item() for n in same}
+        torch_errors[dtype] = {n: max_error(same[n], truth[n]) for n in same}
     report = {}
     for name, value in result.items():
         dtype = (bound_dtypes or {}).get(name, q.dtype)
-        factor = 2 if name in ("out", "lse") else 3
-        error = (value.double() - truth[name].double()).abs().max().item()
-        report[name] = {"error": error, "bound": factor * torch_errors[dtype][name] + 1e-5}
+        error = max_error(value, truth[name])
+        report[name] = {"error": error, "bound": accuracy_bound(torch_errors[dtype][name], FACTORS[name])}
     return report
 
 

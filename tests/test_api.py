@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import flash_recipe
 from flash_recipe import BackendUnavailableError, flash_attn_func, scaled_dot_product_attention, use_backend
 from flash_recipe.reference import attention_reference
+from flash_recipe.testing import FORWARD_FACTOR, accuracy_bound
 
 
 def t(*shape, dtype=torch.float32, seed=0):
@@ -297,7 +298,7 @@ def test_public_names():
     for name in flash_recipe.__all__:
         assert getattr(flash_recipe, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'flash_attn_varlen'"):
-        flash_recipe.flash_attn_varlen
+        flash_recipe.flash_attn_varlen  # noqa: B018 (the attribute access is what raises)
 
 
 def test_version_matches_distribution_metadata():
@@ -456,7 +457,7 @@ def test_sdpa_backend_below_sm80_uses_the_memory_efficient_kernel(dtype, monkeyp
     same_precision = real_sdpa(qt, kt, vt, attn_mask=bottom_right).transpose(1, 2)
     torch_error = (same_precision.float() - expected.float()).abs().max().item()
     assert torch_error < 1e-2
-    assert (out.float() - expected.float()).abs().max().item() <= 2 * torch_error + 1e-5
+    assert (out.float() - expected.float()).abs().max().item() <= accuracy_bound(torch_error, FORWARD_FACTOR)
 
 
 def test_sdpa_backend_at_sm80_leaves_the_kernel_choice_to_torch(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flash_recipe
-from flash_recipe import bench, cli
+from flash_recipe.tools import bench, cli
 
 
 def test_flop_count_is_the_standard_one():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_recipe import bench, campaign, verify
+from flash_recipe.tools import bench, campaign, tune, verify
 
 PLAN = {step.name: step for step in campaign.build_plan(test_tree=campaign.find_test_tree())}
 
@@ -78,8 +78,7 @@ def test_tune_step_covers_head_dims_64_and_128_in_bf16():
     argv = PLAN["tune"].command("/scratch")
     assert argv[1:4] == ["-m", "flash_recipe", "tune"]
     assert argv[4:8] == ["--head-dim", "64,128", "--dtype", "bfloat16"]
-    tune = pytest.importorskip("flash_recipe.tune")  # the subcommand's own parser, where it exists
-    args = _parse(tune.add_arguments, argv[4:])
+    args = _parse(tune.add_arguments, argv[4:])  # the subcommand's own parser
     assert args.head_dim == [64, 128] and args.dtype == ["bfloat16"] and args.json == "/scratch/tune.json"
 
 
@@ -115,7 +114,7 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
     def no_process(*args, **kwargs):
         raise AssertionError("a dry run started a process")
 
-    monkeypatch.setattr(campaign.subprocess, "Popen", no_process)
+    monkeypatch.setattr(campaign.steps.subprocess, "Popen", no_process)
     status = campaign.main(["--out", str(tmp_path / "out"), "--dry-run", "--skip", "tune"])
     out = capsys.readouterr().out
     assert status == 0
@@ -130,7 +129,7 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
 
 
 def test_without_cuda_the_campaign_refuses(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(campaign, "cuda_available", lambda: False)
+    monkeypatch.setattr(campaign.cli, "cuda_available", lambda: False)
     assert campaign.main(["--out", str(tmp_path / "out")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -153,7 +152,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_runner_records_failures_and_stops_a_hung_step_with_its_children(tmp_path, monkeypatch):
-    monkeypatch.setattr(campaign, "STOP_GRACE_S", 1)
+    monkeypatch.setattr(campaign.steps, "STOP_GRACE_S", 1)
     child_pid = tmp_path / "child.pid"
     plan = [
         _python_step("ok", "print('all good')", 30),

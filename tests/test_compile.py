@@ -1,6 +1,6 @@
 """The offline compile check compiles what a launch compiles, and it can fail.
 
-``flash_recipe.ops.compile_check`` runs the real launchers with CPU tensors and lets Triton's own
+``flash_recipe.tools.compile_check`` runs the real launchers with CPU tensors and lets Triton's own
 launch path specialise and compile each kernel for a named GPU target; the GPU driver is the one
 thing replaced (by an offline stand-in that launches nothing), because this machine has none.
 Triton picks the interpreter or the compiler when it is imported, so every compile here runs in a
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 from offline import compile_in_subprocess
 
-from flash_recipe.ops import compile_check, configs
+from flash_recipe.ops import configs
+from flash_recipe.tools import compile_check
 
 
 def test_every_target_has_a_limit_and_a_family():
@@ -60,9 +61,8 @@ def test_overriding_replaces_one_launch_configuration_in_its_block():
         assert configs.launch_config(cpu, "fwd", 100, 4) == configs.get_config("interpreter", "fwd", 100, 4)
         assert configs.launch_config(cpu, "bwd_dq", 128, 2) == configs.get_config("interpreter", "bwd_dq", 128, 2)
     assert configs.launch_config(cpu, "fwd", 100, 2) == table
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        with configs.overriding("forward", 128, 2, candidate):
-            pass
+    with pytest.raises(ValueError, match="kernel must be one of"), configs.overriding("forward", 128, 2, candidate):
+        pass
 
 
 def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instructions():
@@ -115,7 +115,8 @@ def test_the_speed_proxy_holds_for_the_table_and_fails_for_the_old_tile():
     former tile (128x64 keys, pointer loads) cost more, and the check says so."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check, configs, features
+        from flash_recipe.ops import configs, features
+        from flash_recipe.tools import compile_check
         case = compile_check.Case("fwd", "bfloat16", 128, "aligned")
         for row in compile_check.check_case(case, "sm90"):
             print(json.dumps(row))
@@ -137,7 +138,8 @@ def test_an_oversized_config_is_rejected():
     """The check can fail: a 128x128, 3-stage forward at head dim 256 cannot fit sm120's 99 KiB."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check, configs
+        from flash_recipe.ops import configs
+        from flash_recipe.tools import compile_check
         oversized = configs.Config(128, 128, 8, 3)
         configs._TABLE[("sm120", "fwd")] = [(256, 4, oversized)]
         for row in compile_check.check_case(compile_check.Case("fwd", "bfloat16", 256, "aligned"), "sm120"):
@@ -154,7 +156,8 @@ def test_a_kernel_compiled_to_a_trap_is_rejected():
     kernel with 64-key blocks at head dim 256, every option on, into a trap."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check, configs
+        from flash_recipe.ops import configs
+        from flash_recipe.tools import compile_check
         configs._TABLE[("sm100", "bwd_dkdv")] = [(256, 4, configs.Config(32, 64, 4, 1))]
         for row in compile_check.check_case(compile_check.Case("bwd", "bfloat16", 256, "ragged"), "sm100"):
             print(json.dumps(row))
@@ -172,7 +175,7 @@ def test_launch_specialisation_is_applied():
     (49,152 bytes), and a kernel compiled for one target is never reused for another."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check
+        from flash_recipe.tools import compile_check
         for target in ("sm90", "sm120", "gfx942"):
             for row in compile_check.check_case(compile_check.Case("fwd", "bfloat16", 128, "aligned"), target):
                 print(json.dumps(row))
@@ -202,9 +205,65 @@ def test_a_decode_step_over_a_dense_cache_compiles():
     only there, the most common decoding call)."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import compile_check
+        from flash_recipe.tools import compile_check
         for row in compile_check.check_case(compile_check.Case("decode", "bfloat16", 128, "aligned"), "sm90"):
             print(json.dumps(row))
     """)
     assert {row["kernel"] for row in rows} == {"rotary_append", "decode", "split_combine"}, rows
     assert all(row["ok"] for row in rows), rows
+
+
+def test_the_presets_select_what_ci_and_compat_compile():
+    """``--preset ci``: 5 calls x 3 head dims, every target aligned in bf16 and fp32, one target per
+    family ragged in bf16; ``--preset compat``: 4 calls at head dim 128 in bf16, both forms, sm80 and
+    sm90. An option narrows a preset; no preset means every combination."""
+    ci = compile_check.select_jobs("ci")
+    aligned = [(c, t) for c, t in ci if c.form == "aligned"]
+    ragged = [(c, t) for c, t in ci if c.form == "ragged"]
+    assert len(aligned) == 5 * 3 * 2 * len(compile_check.TARGETS) and len(ragged) == 5 * 3 * 6
+    assert {c.call for c, _ in ci} == {"fwd", "options", "bwd", "decode", "decode_paged"}
+    assert {c.dtype for c, _ in ragged} == {"bfloat16"} and {c.head_dim for c, _ in ci} == {64, 128, 256}
+    assert {t for _, t in ragged} == {"sm80", "sm86", "sm90", "sm100", "sm120", "gfx942"}
+    compat = compile_check.select_jobs("compat")
+    assert len(compat) == 4 * 2 * 2 and {t for _, t in compat} == {"sm80", "sm90"}
+    assert {(c.dtype, c.head_dim) for c, _ in compat} == {("bfloat16", 128)}
+    assert {t for _, t in compile_check.select_jobs("ci", targets=["sm90", "sm89"], forms=["ragged"])} == {"sm90"}
+    everything = compile_check.select_jobs()
+    assert len(everything) == len(compile_check.TARGETS) * len(list(compile_check.cases()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", compile_check.DECODE_TARGETS)
+def test_decoding_stays_bound_by_bytes_not_instructions(target):
+    """The aligned GQA decode step (bf16, head dim 128) issues at most ``DECODE_BOUND``
+    warp-instructions per cached key per kv head: 32 over a dense cache (group 4), 48 over a paged
+    one (group 8); and it packs the group into one program, without spilling."""
+    rows = compile_in_subprocess(f"""
+        import json
+        from flash_recipe.tools import compile_check
+        for call in ("decode", "decode_paged"):
+            for row in compile_check.check_case(compile_check.Case(call, "bfloat16", 128, "aligned"), "{target}"):
+                print(json.dumps(row))
+    """)
+    decode = {row["call"]: row for row in rows if row["kernel"] == "decode"}
+    assert set(decode) == {"decode", "decode_paged"}
+    for call, row in decode.items():
+        assert row["ok"] and row["spill_bytes"] == 0, row
+        assert row["per_key_per_kv_head"] <= compile_check.DECODE_BOUND[call], row
+
+
+@pytest.mark.slow
+def test_the_instruction_bound_fails_without_packing():
+    """The bound can fail: with one program per query head (packing off) the dense decode step at
+    group 4 reads each kv head's cache 4 times and issues 4 times the instructions per key."""
+    rows = compile_in_subprocess("""
+        import json
+        from flash_recipe.ops import forward
+        from flash_recipe.tools import compile_check
+        forward.gqa_packing = lambda *args, **kwargs: (False, args[1], None)
+        for row in compile_check.check_case(compile_check.Case("decode", "bfloat16", 128, "aligned"), "sm90"):
+            print(json.dumps(row))
+    """)
+    (row,) = [row for row in rows if row["kernel"] == "decode"]
+    assert row["per_key_per_kv_head"] > compile_check.DECODE_BOUND["decode"] and not row["ok"], row
+    assert any("warp-instructions per cached key per kv head" in problem for problem in row["problems"])

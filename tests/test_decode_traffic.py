@@ -59,13 +59,21 @@ CACHE_CASES = list(itertools.product((1, 2, 4, 8), (1, 2, 4), ("dense", "paged")
 def test_kvcache_reads_each_cached_row_once(group, seqlen_q, cache, splits, window_left, bounds_checked):
     batch = len(SEQLENS)
     q = _rand(batch, seqlen_q, NHEADS_K * group, HEAD_DIM, seed=1)
-    k_new, v_new = _rand(batch, seqlen_q, NHEADS_K, HEAD_DIM, seed=2), _rand(batch, seqlen_q, NHEADS_K, HEAD_DIM, seed=3)
-    args = dict(cache_seqlens=torch.tensor(SEQLENS, dtype=torch.int32), causal=True, window_size=(window_left, 0),
-                num_splits=splits)
+    k_new, v_new = (
+        _rand(batch, seqlen_q, NHEADS_K, HEAD_DIM, seed=2),
+        _rand(batch, seqlen_q, NHEADS_K, HEAD_DIM, seed=3),
+    )
+    args = dict(
+        cache_seqlens=torch.tensor(SEQLENS, dtype=torch.int32),
+        causal=True,
+        window_size=(window_left, 0),
+        num_splits=splits,
+    )
     if cache == "paged":
         width = CAPACITY // PAGE
-        args["block_table"] = torch.randperm(batch * width, generator=torch.Generator().manual_seed(4)).view(
-            batch, width).to(torch.int32)
+        args["block_table"] = (
+            torch.randperm(batch * width, generator=torch.Generator().manual_seed(4)).view(batch, width).to(torch.int32)
+        )
         shape = (batch * width, PAGE, NHEADS_K, HEAD_DIM)
     else:
         shape = (batch, CAPACITY, NHEADS_K, HEAD_DIM)
@@ -92,8 +100,16 @@ def test_generate_steps_read_each_key_once(group, seqlen_q, bounds_checked):
     lengths_k = [seqlen_k, 41]
     cu_q = torch.tensor([0, seqlen_q, 2 * seqlen_q], dtype=torch.int32)
     cu_k = torch.tensor([0, lengths_k[0], sum(lengths_k)], dtype=torch.int32)
-    flash_recipe.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1)[: sum(lengths_k)],
-                                        v.flatten(0, 1)[: sum(lengths_k)], cu_q, cu_k, seqlen_q, seqlen_k, causal=True)
+    flash_recipe.flash_attn_varlen_func(
+        q.flatten(0, 1),
+        k.flatten(0, 1)[: sum(lengths_k)],
+        v.flatten(0, 1)[: sum(lengths_k)],
+        cu_q,
+        cu_k,
+        seqlen_q,
+        seqlen_k,
+        causal=True,
+    )
     packed = _kv_bytes(bounds_checked)
     assert packed / _minimum(lengths_k, seqlen_q, -1, 2) <= BOUND
 

@@ -73,7 +73,7 @@ def test_blocks_cover_exactly_the_causal_mask():
         chunk = seqlen // (2 * world)
         for layout in ("zigzag", "contiguous"):
 
-            def positions(rank):
+            def positions(rank, layout=layout, chunk=chunk, world=world):
                 if layout == "contiguous":
                     return torch.arange(rank * 2 * chunk, (rank + 1) * 2 * chunk)
                 return torch.cat(

@@ -1,6 +1,6 @@
 """``flash-recipe doctor`` and ``flash-recipe recipe`` as a user runs them: in a subprocess, here
 (CPU torch, no GPU) and in a fresh venv that has no torch at all; option handling in-process
-through ``flash_recipe.cli.main`` (same code path, without paying for a torch import each time)."""
+through ``flash_recipe.tools.cli.main`` (same code path, without paying for a torch import each time)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def cli(
 
 def main(capsys, *args: str) -> tuple[int, str, str]:
     """Run the CLI in this process; returns (exit status, stdout, stderr)."""
-    from flash_recipe.cli import main as cli_main
+    from flash_recipe.tools.cli import main as cli_main
 
     try:
         code = cli_main(list(args))

@@ -183,9 +183,13 @@ class KeyChecker:
         for node in nodes:
             if isinstance(node, (ast.Subscript, ast.Attribute, ast.Call)):
                 self.type_of(node, env)
-            elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
-                if isinstance(node.left, ast.Constant) and isinstance(node.left.value, str):
-                    self.key(node, self.type_of(node.comparators[0], env), node.left.value)
+            elif (
+                isinstance(node, ast.Compare)
+                and isinstance(node.ops[0], (ast.In, ast.NotIn))
+                and isinstance(node.left, ast.Constant)
+                and isinstance(node.left.value, str)
+            ):
+                self.key(node, self.type_of(node.comparators[0], env), node.left.value)
 
     def check(self, source: str) -> KeyChecker:
         """Check each module-level function of ``source`` and each method of its classes."""

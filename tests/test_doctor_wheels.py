@@ -86,7 +86,7 @@ def test_parse_round_trips(case):
 
 
 def test_every_recorded_asset_is_a_well_formed_name():
-    for version, release in RELEASES.items():
+    for version in RELEASES:
         for name in published_filenames(version):
             assert parse_wheel_filename(name)["version"] == version
 

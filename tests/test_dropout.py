@@ -7,6 +7,7 @@ import torch
 
 import flash_recipe
 from flash_recipe.reference import attention_reference, compute_dtype
+from flash_recipe.testing import assert_accurate
 
 # Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
 pytestmark = pytest.mark.usefixtures("bounds_checked")
@@ -45,9 +46,7 @@ def test_dropout_matches_reference_with_the_same_mask(dtype, causal, device, nan
         (truth, *(t.grad for t in truth_in)),
         (same, *(t.grad for t in same_in)),
     ):
-        err = (g.double() - w.double()).abs().max().item()
-        bound = factor * (s.double() - w.double()).abs().max().item() + 1e-5
-        assert err <= bound, f"{name}: {err:.2e} > {bound:.2e}"
+        assert_accurate(name, g, w, s, factor)
 
 
 def test_kept_fraction_and_reproducibility(device):

@@ -22,9 +22,8 @@ def test_descriptors_on_hopper_and_blackwell_with_triton_3_4(monkeypatch):
     monkeypatch.delenv("FLASH_RECIPE_TMA")
     monkeypatch.setattr(configs, "triton_release", lambda: (3, 3))
     assert not features.descriptors_enabled("sm90")
-    with pytest.raises(NotImplementedError, match="Triton 3.4 or newer"):
-        with features.using_descriptors(True):
-            pass
+    with pytest.raises(NotImplementedError, match="Triton 3.4 or newer"), features.using_descriptors(True):
+        pass
     with features.using_descriptors(False):
         assert not features.descriptors_enabled("sm90")
 

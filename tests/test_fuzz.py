@@ -36,6 +36,7 @@ import torch
 
 import flash_recipe
 from flash_recipe.reference import compute_dtype
+from flash_recipe.testing import FLOOR, accuracy_bound, max_error
 
 HAS_CUDA = torch.cuda.is_available()
 DEFAULT_CASES = 150  # about a minute on a 2-core CPU through the Triton interpreter
@@ -60,7 +61,6 @@ SOFTCAPS = (0.3, 0.7, 1.0, 5.0, 50.0, 500.0)
 # Strided views with a contiguous last dim (see ``Inputs.tensor``).
 LAYOUTS = ("heads", "pad", "swap", "step", "offset")
 TABLE_LAYOUTS = ("step", "colmajor", "rowpad")
-FLOOR = 1e-5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -515,10 +515,10 @@ class Report:
             return
         bad = int((~torch.isfinite(got[finite])).sum())
         err = math.inf if bad else (got[finite] - truth[finite]).abs().max().item() if finite.any() else 0.0
-        bound = factor * ((same[finite] - truth[finite]).abs().max().item() if finite.any() else 0.0) + FLOOR
+        bound = accuracy_bound(max_error(same[finite], truth[finite]), factor)
         line = (
             f"{name}: max error {err:.3g}{f' ({bad} entries NaN or infinite)' if bad else ''} vs bound "
-            f"{bound:.3g} ({factor}x torch in the input dtype + 1e-5)"
+            f"{bound:.3g} ({factor}x torch in the input dtype + {FLOOR:g})"
         )
         if err <= bound:
             self.lines.append(f"ok   {line}")

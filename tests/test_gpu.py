@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_recipe
-from flash_recipe.verify import Case, check_case
+from flash_recipe.tools.verify import Case, check_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")]
 

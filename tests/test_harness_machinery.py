@@ -344,10 +344,12 @@ def test_package_index_retries_when_its_port_is_taken(tmp_path, monkeypatch):
 
 def test_two_indexes_at_once_get_different_ports(tmp_path):
     (tmp_path / "p").mkdir()
-    with servers.PackageIndex(_pypi_server(), [tmp_path / "p"], tmp_path / "a.log") as a:
-        with servers.PackageIndex(_pypi_server(), [tmp_path / "p"], tmp_path / "b.log") as b:
-            assert a.port != b.port
-            assert fetch(a.url)[0] == fetch(b.url)[0] == 200
+    with (
+        servers.PackageIndex(_pypi_server(), [tmp_path / "p"], tmp_path / "a.log") as a,
+        servers.PackageIndex(_pypi_server(), [tmp_path / "p"], tmp_path / "b.log") as b,
+    ):
+        assert a.port != b.port
+        assert fetch(a.url)[0] == fetch(b.url)[0] == 200
 
 
 def test_git_remote_over_http(tmp_path):
@@ -511,7 +513,7 @@ def test_stale_path_directories_are_swept(tmp_path):
     for d in (stale, live):
         d.mkdir()
         (d / ".in-use").write_text("")
-    holder = open(live / ".in-use")
+    holder = open(live / ".in-use")  # noqa: SIM115 (held: the lock a live run keeps)
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
         workspace.sweep(tmp_path)

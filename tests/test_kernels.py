@@ -15,7 +15,7 @@ import triton.language as tl
 import flash_recipe
 from flash_recipe.ops import configs, features, tiles
 from flash_recipe.reference import attention_reference
-from flash_recipe.verify import Case, check_case
+from flash_recipe.tools.verify import Case, check_case
 
 # Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
 pytestmark = pytest.mark.usefixtures("bounds_checked")

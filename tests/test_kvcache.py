@@ -16,6 +16,7 @@ import torch
 
 import flash_recipe
 from flash_recipe.reference import attention_reference, compute_dtype
+from flash_recipe.testing import FORWARD_FACTOR, assert_accurate, rotary
 
 # Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
 pytestmark = pytest.mark.usefixtures("bounds_checked")
@@ -141,18 +142,8 @@ def _entry(cache: torch.Tensor, case: KV, args: dict, b: int) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos, sin, positions, interleaved: bool) -> torch.Tensor:
-    """Rotary embedding as complex multiplication: each pair (a, b) becomes (a + ib) * (cos + i sin)."""
-    r = cos.shape[1] * 2
-    xd = x.double()
-    head, tail = xd[..., :r], xd[..., r:]
-    pairs = (
-        head.unflatten(-1, (r // 2, 2)) if interleaved else torch.stack((head[..., : r // 2], head[..., r // 2 :]), -1)
-    )
-    z = torch.view_as_complex(pairs.contiguous())
-    rot = torch.complex(cos.double()[positions], sin.double()[positions])[:, :, None, :]
-    w = torch.view_as_real(z * rot)
-    head = w.flatten(-2) if interleaved else torch.cat((w[..., 0], w[..., 1]), -1)
-    return torch.cat((head, tail), -1).to(x.dtype)
+    """Rotary embedding computed in fp64 (the truth), rounded to x's dtype."""
+    return rotary(x, cos, sin, positions, interleaved, torch.float64).to(x.dtype)
 
 
 def _oracle(case: KV, q, k_cache, v_cache, k_new, v_new, args, upcast: bool):
@@ -216,9 +207,7 @@ def _check(case: KV, dtype, device, backend: str):
         out, lse = flash_recipe.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **args)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (case.batch, case.nheads, case.seqlen_q)
     assert out.isfinite().all()
-    err = (out.double() - truth.double()).abs().max().item()
-    bound = 2 * (same.double() - truth.double()).abs().max().item() + 1e-5
-    assert err <= bound, f"out: {err:.2e} > {bound:.2e}"
+    assert_accurate("out", out, truth, same, FORWARD_FACTOR)
     torch.testing.assert_close(lse, truth_lse.float(), **ROUNDING[dtype])
     for b in range(case.batch):  # the update went exactly where the oracle put it, nowhere else
         rot_tol = ROUNDING[dtype]  # the rotated keys are rounded to the cache dtype once

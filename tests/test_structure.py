@@ -89,7 +89,7 @@ def test_flash_recipe_has_no_import_cycle():
     modules = _modules()
     assert "flash_recipe.dispatch.triton_backend" in modules and "flash_recipe.api" in modules
     graph = import_graph(modules)
-    assert "flash_recipe.validate" in graph["flash_recipe.kvcache"]  # the graph sees imports
+    assert "flash_recipe.validate" in graph["flash_recipe.decoding"]  # the graph sees imports
     assert cycles(graph) == []
 
 
@@ -177,3 +177,57 @@ def test_a_paged_launch_without_key_ranges_is_refused_by_the_kernel(monkeypatch)
     keys = KeyRanges(torch.zeros_like(lengths), lengths, 32, torch.tensor([[0, 1]], dtype=torch.int32))
     with pytest.raises(Exception, match="PAGED addresses key ranges through the page table: it needs KV_RANGES"):
         forward.attention_forward(q, pages, pages, 0.25, ScoreOptions(0, -1, 0, 0.0, None), keys=keys)
+
+
+def _layer(module: str) -> str:
+    """The layer a module belongs to: its first package below ``flash_recipe`` (or the module)."""
+    return ".".join(module.split(".")[:2])
+
+
+def private_crossings(modules: dict[str, ast.Module]) -> list[str]:
+    """``importer -> module._name``: private names (one leading underscore) a module takes from
+    another layer, by ``from x import _name`` or as ``x._name`` of an imported module."""
+    found = []
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    for name, tree in modules.items():
+        imported = {}  # local name -> module, for modules bound by an import
+        for node in _run_time_nodes(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flash_recipe"):
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    if target in modules:
+                        imported[alias.asname or alias.name] = target
+                    elif private(alias.name) and _layer(node.module) != _layer(name):
+                        found.append(f"{name} -> {node.module}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("flash_recipe") and alias.asname:
+                        imported[alias.asname] = alias.name
+        for node in _run_time_nodes(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and private(node.attr):
+                target = imported.get(node.value.id)
+                if target is not None and _layer(target) != _layer(name):
+                    found.append(f"{name} -> {target}.{node.attr}")
+    return sorted(found)
+
+
+def test_no_private_name_crosses_a_layer():
+    assert private_crossings(_modules()) == []
+
+
+def test_the_private_name_check_finds_both_forms():
+    modules = {
+        "flash_recipe.api": ast.parse("def _build(): pass\n"),
+        "flash_recipe.env.wheels": ast.parse("def _release(): pass\n"),
+        "flash_recipe.env.doctor": ast.parse("from flash_recipe.env import wheels\nwheels._release()\n"),
+        "flash_recipe.stand_in": ast.parse(
+            "from flash_recipe.api import _build, __doc__\nfrom flash_recipe.env import wheels\nwheels._release()\n"
+        ),
+    }
+    assert private_crossings(modules) == [
+        "flash_recipe.stand_in -> flash_recipe.api._build",
+        "flash_recipe.stand_in -> flash_recipe.env.wheels._release",
+    ]

@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 import flash_recipe  # noqa: E402
 from flash_recipe.integrations import transformers as fr_transformers  # noqa: E402
+from flash_recipe.testing import assert_accurate  # noqa: E402
 
 NAME = fr_transformers.ATTN_IMPLEMENTATION
 VOCAB, SEQLEN, PAD = 97, 11, 0
@@ -119,13 +120,10 @@ def _logits_row_by_row(model, ids, mask):
 
 
 def _check_rule(name: str, got, same, truth, factor: int, keep=None) -> None:
-    """max|got - truth| <= factor * max|same - truth| + 1e-5, over the entries ``keep`` selects."""
-    got, same = got.double(), same.double()
+    """The accuracy rule (``flash_recipe.testing``) over the entries ``keep`` selects."""
     if keep is not None:
         got, same, truth = got[keep], same[keep], truth[keep]
-    err = (got - truth).abs().max().item()
-    base = (same - truth).abs().max().item()
-    assert err <= factor * base + 1e-5, f"{name}: max error {err:.3g} > {factor} x {base:.3g} + 1e-5"
+    assert_accurate(name, got, truth, same, factor)
 
 
 # torch SDPA has no softcap: flash_recipe's CPU fallback for Gemma 2 is its reference backend.

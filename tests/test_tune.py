@@ -20,9 +20,9 @@ import pytest
 import torch
 from offline import compile_in_subprocess
 
-from flash_recipe import cli, tune
 from flash_recipe.ops import configs, forward, kvcache, tuned
 from flash_recipe.ops.configs import Config
+from flash_recipe.tools import cli, tune
 
 H100 = "NVIDIA H100 80GB HBM3"
 CUDA0 = torch.device("cuda", 0)
@@ -395,7 +395,7 @@ def test_the_tuner_drops_the_candidates_pruning_drops(monkeypatch):
         rows = [{"config": list(c), "form": "aligned", "fits": c != SLOW, "problem": "needs 200000 B"} for c in found]
         return [c for c in found if c != SLOW], rows
 
-    monkeypatch.setattr(tune, "prune", fake_prune)
+    monkeypatch.setattr(tune.search, "prune", fake_prune)
     timed = set()
     report = tune.tune(
         ["fwd"],
@@ -431,7 +431,7 @@ def test_pruning_drops_an_oversized_candidate_and_keeps_a_fitting_one():
     compiled; a 64x32 single-stage one fits both forms and is kept."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe import tune
+        from flash_recipe.tools import tune
         from flash_recipe.ops.configs import Config
         kept, rows = tune.prune("fwd", 256, "bfloat16", [Config(128, 128, 8, 3), Config(64, 32, 4, 1)], "sm120")
         print(json.dumps({"kept": kept}))
@@ -459,7 +459,7 @@ def _parse(*argv):
 
 
 def test_tune_is_a_subcommand_and_parses_its_options():
-    assert cli.SUBCOMMANDS["tune"][0] == "flash_recipe.tune"
+    assert cli.SUBCOMMANDS["tune"][0] == "flash_recipe.tools.tune"
     args = _parse()
     assert (args.kernel, args.head_dim, args.dtype, args.seqlen) == (
         list(configs.KERNELS),

@@ -16,7 +16,8 @@ import contextlib
 import contextvars
 import os
 import threading
-from typing import Callable, Iterator, Optional
+from collections.abc import Iterator
+from typing import Callable, Optional
 
 import torch
 

@@ -1,4 +1,4 @@
-"""The calls a backend runs, validated by the public layer (``flash_recipe.api``, ``flash_recipe.kvcache``).
+"""The calls a backend runs, validated by the public layer (``flash_recipe.api``, ``flash_recipe.decoding``).
 
 - ``AttentionCall``: one attention call in flash-attn's layout, dense or varlen;
 - ``CacheCall``: ``flash_attn_with_kvcache``: append to a KV cache, then attend over it;

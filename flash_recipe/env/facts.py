@@ -105,7 +105,7 @@ class _CompileCheck(TypedDict):
 
 class CompileCheck(_CompileCheck, total=False):
     """:func:`~flash_recipe.env.probes.triton_compile_check`: ``arch`` and ``ok`` always; ``error``
-    when not ok; the report row of :func:`flash_recipe.ops.compile_check.check_case` when it compiled."""
+    when not ok; the report row of :func:`flash_recipe.tools.compile_check.check_case` when it compiled."""
 
     error: str
     case: str

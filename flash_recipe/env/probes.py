@@ -17,7 +17,8 @@ import subprocess
 import sys
 import sysconfig
 import time
-from typing import Any, Callable, Mapping, Optional, TypeVar, Union, cast
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 from flash_recipe.env.distinfo import distribution_info
 from flash_recipe.env.facts import (
@@ -254,7 +255,7 @@ def triton_compile_check(arch: str) -> CompileCheck:
     limit, and the time taken. Needs no GPU: Triton compiles for a named target anywhere."""
     try:
         from flash_recipe.ops import configs
-        from flash_recipe.ops.compile_check import Case, check_case
+        from flash_recipe.tools.compile_check import Case, check_case
     except Exception as exc:
         return {"arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     if arch not in configs.SHARED_MEMORY_LIMIT:

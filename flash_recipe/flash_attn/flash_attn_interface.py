@@ -34,7 +34,8 @@ import torch
 
 from flash_recipe import dispatch, validate
 from flash_recipe.api import (
-    _build_flash_call,
+    FlashOptions,
+    build_flash_call,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -42,8 +43,8 @@ from flash_recipe.api import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from flash_recipe.decoding import flash_attn_with_kvcache, paged_varlen
 from flash_recipe.dispatch import AttentionCall
-from flash_recipe.kvcache import flash_attn_with_kvcache, paged_varlen
 
 __all__ = [
     "_flash_attn_backward",
@@ -90,22 +91,18 @@ def _call(
     validate.check_bool("causal", causal)
     validate.check_bool("return_softmax", return_softmax)
     window = (window_size_left, window_size_right)
-    call = _build_flash_call(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        True,
-        varlen=varlen,
-        paged=paged,
+    options = FlashOptions(
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        return_lse=True,
+        return_probs=return_softmax,
     )
-    return dataclasses.replace(call, return_probs=return_softmax)
+    return build_flash_call(q, k, v, options, varlen=varlen, paged=paged)
 
 
 def _replays_dropout(call: AttentionCall):

@@ -10,8 +10,9 @@
 - ``attention``: the torch custom ops with fake kernels and autograd;
 - ``configs``: launch configurations per architecture, as data (and the one lookup launchers use);
 - ``tuned``: the per-GPU cache of tuned configurations that ``flash-recipe tune`` writes;
-- ``features``: where the kernels use compiler features such as TMA tensor descriptors;
-- ``compile_check``: compile every variant for GPU targets without a GPU.
+- ``features``: where the kernels use compiler features such as TMA tensor descriptors.
+
+The offline compile of every variant for GPU targets is a tool: ``flash_recipe.tools.compile_check``.
 
 Importing a kernel module (``forward``, ``backward``, ``kvcache``, ``dropout``, ``tiles``,
 ``attention``) imports Triton; ``configs``, ``tuned`` and ``features`` do not. ``flash_recipe``

@@ -18,7 +18,7 @@ A configuration is chosen by ``(arch, kernel, head-dim bucket, element size)``:
 - element size: 2 for fp16/bf16, 4 for fp32 (fp32 tiles need twice the shared memory).
 
 Every entry is compiled for its targets, as a launch compiles it, by ``nox -s compile_check``
-(``flash_recipe.ops.compile_check``), which checks each kernel against ``SHARED_MEMORY_LIMIT``.
+(``flash_recipe.tools.compile_check``), which checks each kernel against ``SHARED_MEMORY_LIMIT``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import functools
 import os
 import re
 import sys
-from typing import Iterator, NamedTuple, Optional
+from collections.abc import Iterator
+from typing import NamedTuple, Optional
 
 # Shared memory one block may use (the opt-in maximum), in bytes, per compile target. Sources:
 # CUDA C++ Programming Guide, "Technical Specifications per Compute Capability" (sm80 163 KiB,
@@ -330,7 +331,7 @@ def interpreter_enabled() -> bool:
     return value.lower() in ("1", "true", "yes", "on", "y")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_release() -> tuple[int, int]:
     """``(major, minor)`` of the installed Triton, read from its metadata without importing it
     (the newest rules when no Triton distribution is found)."""
@@ -356,7 +357,7 @@ def interpreter_imported_late() -> bool:
     return standard is not None and type(standard.cdiv).__name__ != "InterpretedFunction"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpu_target(index: int) -> str:
     """The compile target of GPU ``index``: ``"sm90"``, ``"sm120"``, ``"gfx942"``."""
     import torch

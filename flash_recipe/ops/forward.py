@@ -90,8 +90,8 @@ def _fwd_inner(
         if TMA and not MASKED:
             b_k = k_tiles.load([tile_row + start_n, tile_col])
         else:
-            b_k, m_bad = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, k_end, head_dim, page_size,
-                            num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
+            b_k, m_bad = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, k_end, head_dim,
+                                   page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
             if PAGED:
                 b_bad = b_bad | m_bad  # [BLOCK_N]: rows whose page index was out of range
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
@@ -123,8 +123,8 @@ def _fwd_inner(
         if TMA and not MASKED:
             b_v = v_tiles.load([tile_row + start_n, tile_col])
         else:
-            b_v, _ = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, k_first, k_end, head_dim, page_size,
-                            num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
+            b_v, _ = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, k_first, k_end, head_dim,
+                               page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], o_k[None, :], rng_stride, dropout_p)
             b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
@@ -157,8 +157,8 @@ def attn_fwd_kernel(
     window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
-    TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FOLD: tl.constexpr,
+    TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
     ``(cdiv(max Sq * group_size, BLOCK_M) * num_splits, Hk, B)``.

@@ -211,7 +211,7 @@ def attention_kvcache(
     rotary: Optional[Rotary], softmax_scale: float, options: ScoreOptions, num_splits: int = 0,
     pack_gqa: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flash_attn_with_kvcache`` on validated input (see ``flash_recipe.kvcache``).
+    """``flash_attn_with_kvcache`` on validated input (see ``flash_recipe.decoding``).
 
     Appends ``k_new``/``v_new`` ``(B, Snew, Hk, D)`` to the cache in place, then attends from
     ``q (B, Sq, H, D)`` over rows ``[leftpad, cache_seqlens + Snew)`` of each batch entry's cache,

@@ -146,10 +146,7 @@ def triton_interpret(options: Options) -> str:
 
 def tool_version(path: RecipePath, env: dict[str, str], env_python: Path, cwd: Path) -> str:
     """The version of the tool that ran ``path``'s recipe, as it reports it; ``?`` if it does not."""
-    if path.tool == "pip":
-        cmd = [str(env_python), "-m", "pip", "--version"]
-    else:
-        cmd = [path.tool, "--version"]
+    cmd = [str(env_python), "-m", "pip", "--version"] if path.tool == "pip" else [path.tool, "--version"]
     out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True).stdout
     match = re.search(r"(\d+\.\d+(\.\d+)?)", out)
     return match.group(1) if match else "?"

@@ -17,9 +17,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import tomllib
 from packaging.markers import Marker

@@ -15,6 +15,7 @@ two matrices running at once therefore never share a port.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import os
@@ -25,8 +26,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 LOOPBACK = "127.0.0.1"
 
@@ -71,10 +72,10 @@ class PackageIndex:
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}/simple/"
 
-    def start(self, attempts: int = 5, timeout: float = 30.0) -> "PackageIndex":
+    def start(self, attempts: int = 5, timeout: float = 30.0) -> PackageIndex:
         for _ in range(attempts):
             self.port = free_port()
-            log = open(self.log_file, "ab")
+            log = open(self.log_file, "ab")  # noqa: SIM115 (the server writes to it until stop() closes it)
             self.process = subprocess.Popen(
                 [
                     str(self.pypi_server), "run", "--port", str(self.port), "--host", LOOPBACK,
@@ -109,13 +110,11 @@ class PackageIndex:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=10)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             process.wait()
 
-    def __enter__(self) -> "PackageIndex":
+    def __enter__(self) -> PackageIndex:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -46,7 +46,7 @@ class Workspace:
         self.trash = root / "trash"
         self.dir = Path(tempfile.mkdtemp(prefix=f"{run_name}-{path_id}-", dir=root))
         # Held while the path runs; the kernel drops it when this process dies, however it dies.
-        self._in_use: IO[str] | None = open(self.dir / ".in-use", "w")
+        self._in_use: IO[str] | None = open(self.dir / ".in-use", "w")  # noqa: SIM115 (held: the lock)
         fcntl.flock(self._in_use, fcntl.LOCK_EX)
         self.home = self.dir / "home"
         self.project = self.dir / "project"

@@ -2,23 +2,19 @@
 
 For a fixed-seed grid of shapes, in every dtype the device supports, each backend that can run
 computes the forward and backward of ``flash_attn_func``; both are compared with
-``flash_recipe.reference`` by the accuracy rule:
-
-    max |out - truth|   <= 2 * max |out_torch - truth| + 1e-5
-    max |grad - truth|  <= 3 * max |grad_torch - truth| + 1e-5   (for dq, dk and dv)
-
-where ``truth`` is the reference in fp32 (fp64 for fp32 inputs) and ``*_torch`` is the same plain
-torch computation in the input dtype. The fingerprint is the sha256 of the output and gradient
-bytes of the deterministic backends (``Backend.deterministic``: ``triton`` and ``reference``): the
-same package with the same torch and Triton on the same device gives the same fingerprint,
-whatever installed it.
+``flash_recipe.reference`` by the accuracy rule (``flash_recipe.testing.accuracy``): the error
+may be at most 2x (output) or 3x (dq, dk, dv) that of plain torch computing the same attention in
+the input dtype, plus a floor, measured against the reference in fp32 (fp64 for fp32 inputs).
+The fingerprint is the sha256 of the output and gradient bytes of the deterministic backends
+(``Backend.deterministic``: ``triton`` and ``reference``): the same package with the same torch
+and Triton on the same device gives the same fingerprint, whatever installed it.
 
 With ``--kvcache`` the report also covers ``flash_attn_with_kvcache`` (forward only): dense and
 paged caches, new rows appended, rotary embeddings (interleaved and GPT-NeoX), left padding, batch
 indices, windows, softcap, ALiBi and split-KV, against an oracle that rebuilds each batch entry's
 cache in torch. The output follows the same rule (2x); the cache after the call must hold the new
-values exactly where the oracle wrote them (the rotated keys within 2x of PyTorch rotating in the
-input dtype, plus 1e-5) and be bitwise unchanged everywhere else. These cases are added to the
+values exactly where the oracle wrote them (the rotated keys by the same rule, 2x PyTorch
+rotating in the input dtype) and be bitwise unchanged everywhere else. These cases are added to the
 default grid, so they change the fingerprint; without ``--kvcache`` the report is exactly the
 default one.
 """
@@ -33,6 +29,8 @@ import platform
 import sys
 from importlib import metadata
 from typing import Optional
+
+from flash_recipe.tools.verify_kvcache import KV_FULL_GRID, KV_SMALL_GRID, check_kvcache_case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,16 +176,13 @@ def _forward_backward(fn, q, k, v, dout):
     return (out.detach(), *(t.grad.detach() for t in leaves))
 
 
-def _max_err(a, b) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
 def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     """Verify one backend on one case; returns the errors, bounds, verdict and fingerprint."""
     import torch
 
     import flash_recipe
     from flash_recipe.reference import attention_reference, compute_dtype
+    from flash_recipe.testing import FACTORS, accuracy_bound, max_error
 
     q, k, v, dout = _inputs(case, dtype, device, seed)
     options = case.options(device)
@@ -213,11 +208,10 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     with flash_recipe.use_backend(backend):
         got = _forward_backward(lambda q_, k_, v_: flash_recipe.flash_attn_func(q_, k_, v_, **options), q, k, v, dout)
     names = ("out", "dq", "dk", "dv")
-    factors = (2.0, 3.0, 3.0, 3.0)
     errors, bounds = {}, {}
-    for name, factor, g, t, s in zip(names, factors, got, truth, torch_same):
-        errors[name] = _max_err(g, t)
-        bounds[name] = factor * _max_err(s, t) + 1e-5
+    for name, g, t, s in zip(names, got, truth, torch_same):
+        errors[name] = max_error(g, t)
+        bounds[name] = accuracy_bound(max_error(s, t), FACTORS[name])
     finite = all(bool(g.isfinite().all()) for g in got)
     digest = hashlib.sha256()
     for g in got:
@@ -229,308 +223,6 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
         "errors": errors,
         "bounds": bounds,
         "passed": finite and all(errors[n] <= bounds[n] for n in names),
-        "fingerprint": digest.hexdigest(),
-    }
-
-
-# ----------------------------------------------------------------------------- KV cache
-
-
-@dataclasses.dataclass(frozen=True)
-class KVCase:
-    """One ``flash_attn_with_kvcache`` call: ``new`` rows appended to a cache that holds ``seqlens``
-    rows per batch entry (``capacity`` rows each), then ``seqlen_q`` queries attend over it.
-
-    ``page`` > 0 stores the cache in shuffled pages of that many rows (``block_table``); ``rotary``
-    is the rotary dim (0: none); ``leftpad`` the first valid row per entry (empty: 0);
-    ``batch_idx`` maps batch element ``b`` to cache row ``batch + 1 - b`` of a cache with two
-    spare rows; ``splits`` is ``num_splits`` (0: chosen from the GPU's size).
-    """
-
-    batch: int
-    seqlen_q: int
-    new: int
-    nheads: int
-    nheads_k: int
-    head_dim: int
-    seqlens: tuple
-    capacity: int
-    causal: bool = True
-    page: int = 0
-    rotary: int = 0
-    interleaved: bool = True
-    leftpad: tuple = ()
-    batch_idx: bool = False
-    window: tuple = (-1, -1)
-    softcap: float = 0.0
-    alibi: bool = False
-    splits: int = 0
-
-    @property
-    def id(self) -> str:
-        parts = [
-            f"kv-B{self.batch}-Sq{self.seqlen_q}-new{self.new}-H{self.nheads}-Hk{self.nheads_k}-D{self.head_dim}",
-            f"cap{self.capacity}",
-            f"page{self.page}" if self.page else "dense",
-            "causal" if self.causal else "full",
-        ]
-        if self.rotary:
-            parts.append(f"rot{self.rotary}{'i' if self.interleaved else 'n'}")
-        for flag, name in ((self.leftpad, "leftpad"), (self.batch_idx, "batchidx"), (self.alibi, "alibi")):
-            if flag:
-                parts.append(name)
-        if self.window != (-1, -1):
-            parts.append(f"win{self.window[0]}_{self.window[1]}")
-        if self.softcap:
-            parts.append(f"cap{self.softcap:g}")
-        parts.append(f"split{self.splits}")
-        return "-".join(parts)
-
-
-# Small enough for the Triton interpreter: a decoding step with GQA; several new tokens into a
-# paged cache with GPT-NeoX rotary, left padding, a window and split-KV; a full cache with nothing
-# appended, batch indices, softcap and ALiBi (no causal mask).
-KV_SMALL_GRID = (
-    KVCase(2, 1, 1, 4, 2, 32, seqlens=(5, 40), capacity=64),
-    KVCase(
-        batch=2,
-        seqlen_q=3,
-        new=3,
-        nheads=4,
-        nheads_k=2,
-        head_dim=32,
-        seqlens=(10, 27),
-        capacity=64,
-        page=16,
-        rotary=16,
-        interleaved=False,
-        leftpad=(2, 0),
-        window=(8, 0),
-        splits=2,
-    ),
-    KVCase(
-        batch=3,
-        seqlen_q=2,
-        new=0,
-        nheads=2,
-        nheads_k=1,
-        head_dim=24,
-        seqlens=(7, 33, 48),
-        capacity=48,
-        causal=False,
-        batch_idx=True,
-        softcap=3.0,
-        alibi=True,
-        splits=3,
-    ),
-)
-
-# On a GPU: realistic decoding and chunked prefill over caches of thousands of rows, every
-# head-dim bucket, pages of 16 and 256 rows, split-KV chosen automatically.
-KV_FULL_GRID = KV_SMALL_GRID + (
-    KVCase(4, 1, 1, 32, 8, 128, seqlens=(1000, 4095, 17, 2047), capacity=4096),
-    KVCase(3, 4, 4, 16, 2, 128, seqlens=(300, 2000, 4092), capacity=4096, page=256, rotary=64, interleaved=False),
-    KVCase(
-        batch=2,
-        seqlen_q=128,
-        new=128,
-        nheads=8,
-        nheads_k=8,
-        head_dim=64,
-        seqlens=(0, 900),
-        capacity=2048,
-        page=16,
-        rotary=32,
-        leftpad=(0, 37),
-        window=(256, 0),
-    ),
-    KVCase(2, 5, 0, 8, 4, 256, seqlens=(777, 1500), capacity=2048, causal=False, batch_idx=True, alibi=True, splits=4),
-    KVCase(2, 1, 1, 12, 1, 96, seqlens=(3000, 1), capacity=3072, window=(100, 0), softcap=30.0),
-)
-
-
-def _kv_inputs(case: KVCase, dtype, device, seed: int):
-    """Deterministic inputs of one KV case: ``(q, k_cache, v_cache, k_new, v_new, kwargs)``, where
-    ``kwargs`` are the remaining arguments of ``flash_attn_with_kvcache``. Drawn on the CPU."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    b, hk, d = case.batch, case.nheads_k, case.head_dim
-    q = rand(b, case.seqlen_q, case.nheads, d)
-    k_new = rand(b, case.new, hk, d) if case.new else None
-    v_new = rand(b, case.new, hk, d) if case.new else None
-    kwargs = dict(
-        cache_seqlens=torch.tensor(case.seqlens, dtype=torch.int32, device=device),
-        causal=case.causal,
-        window_size=case.window,
-        softcap=case.softcap,
-        num_splits=case.splits,
-    )
-    if case.page:
-        width = case.capacity // case.page
-        num_pages = b * width + 3  # pages no sequence uses must stay untouched
-        order = torch.randperm(num_pages, generator=gen)[: b * width]
-        kwargs["block_table"] = order.view(b, width).to(device=device, dtype=torch.int32)
-        cache_shape = (num_pages, case.page, hk, d)
-    else:
-        rows = b + 2 if case.batch_idx else b
-        cache_shape = (rows, case.capacity, hk, d)
-        if case.batch_idx:
-            kwargs["cache_batch_idx"] = torch.tensor([b + 1 - i for i in range(b)], dtype=torch.int32, device=device)
-    k_cache, v_cache = rand(*cache_shape), rand(*cache_shape)
-    if case.leftpad:
-        kwargs["cache_leftpad"] = torch.tensor(case.leftpad, dtype=torch.int32, device=device)
-    if case.rotary:
-        # RoPE tables: position p, pair j turns by p * 10000^(-2j / rotary_dim); rounded to q's dtype.
-        positions = torch.arange(case.capacity, dtype=torch.float64)[:, None]
-        inv_freq = 10000.0 ** (-torch.arange(0, case.rotary, 2, dtype=torch.float64) / case.rotary)
-        angle = positions * inv_freq
-        kwargs.update(
-            rotary_cos=angle.cos().to(device=device, dtype=dtype),
-            rotary_sin=angle.sin().to(device=device, dtype=dtype),
-            rotary_interleaved=case.interleaved,
-        )
-    if case.alibi:
-        kwargs["alibi_slopes"] = torch.tensor(
-            [2.0 ** (-8.0 * (h + 1) / case.nheads) for h in range(case.nheads)], device=device
-        )
-    return q, k_cache, v_cache, k_new, v_new, kwargs
-
-
-def _rotate(x, cos, sin, positions, interleaved: bool, dtype):
-    """Rotary embedding of ``x (S, H, D)`` at ``positions (S,)``, computed in ``dtype``: the pair
-    ``(a, b)`` becomes ``(a cos - b sin, a sin + b cos)``; pairs are ``(2j, 2j + 1)`` when
-    ``interleaved``, else ``(j, j + R / 2)``; dims past ``R = 2 * cos.shape[1]`` pass through."""
-    import torch
-
-    half = cos.shape[1]
-    xc = x.to(dtype)
-    c = cos.to(dtype)[positions][:, None, :]  # (S, 1, R / 2)
-    s = sin.to(dtype)[positions][:, None, :]
-    head, tail = xc[..., : 2 * half], xc[..., 2 * half :]
-    if interleaved:
-        a, b = head[..., 0::2], head[..., 1::2]
-        head = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
-    else:
-        a, b = head[..., :half], head[..., half:]
-        head = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
-    return torch.cat((head, tail), dim=-1)
-
-
-def _kv_slots(case: KVCase, kwargs: dict, b: int, start: int, end: int) -> tuple:
-    """``(index0, index1)`` of rows ``[start, end)`` of batch element ``b``'s cache entry, for a
-    cache tensor indexed ``cache[index0, index1]``: (page, row in page) or (cache row, position)."""
-    import torch
-
-    device = kwargs["cache_seqlens"].device
-    positions = torch.arange(start, end, device=device)
-    if case.page:
-        table = kwargs["block_table"][b].long()
-        return table[positions // case.page], positions % case.page
-    row = kwargs["cache_batch_idx"][b] if case.batch_idx else b
-    return torch.full_like(positions, int(row)), positions
-
-
-def _kv_oracle(case: KVCase, q, k_cache, v_cache, k_new, v_new, kwargs: dict, upcast: bool):
-    """What the call must return and write: ``(out, k_cache_after, v_cache_after)``.
-
-    ``upcast``: the truth (rotation in fp64, attention in ``compute_dtype(dtype, True)``), else
-    plain PyTorch in the input dtype throughout. The caches come back in the compute precision.
-    """
-    import torch
-
-    from flash_recipe.reference import attention_reference, compute_dtype
-
-    dtype, device = q.dtype, q.device
-    high = compute_dtype(dtype, upcast)
-    rot_dtype = torch.float64 if upcast else dtype
-    k_after, v_after = k_cache.to(high, copy=True), v_cache.to(high, copy=True)
-    moves = case.causal or case.window != (-1, -1)  # q rotates at each row's own position
-    cos, sin = kwargs.get("rotary_cos"), kwargs.get("rotary_sin")
-    outs = []
-    for b in range(case.batch):
-        n = case.seqlens[b]
-        pad = case.leftpad[b] if case.leftpad else 0
-        if case.new:
-            k_b, v_b = k_new[b], v_new[b]
-            if case.rotary:
-                positions = torch.arange(n, n + case.new, device=device)
-                k_b = _rotate(k_b, cos, sin, positions, case.interleaved, rot_dtype)
-            slots = _kv_slots(case, kwargs, b, n, n + case.new)
-            k_after[slots] = k_b.to(high)
-            v_after[slots] = v_b.to(high)
-        q_b = q[b]
-        if case.rotary:
-            positions = torch.arange(n, n + case.seqlen_q, device=device)
-            if not moves:
-                positions = torch.full_like(positions, n)
-            q_b = _rotate(q_b, cos, sin, positions, case.interleaved, rot_dtype)
-        visible = _kv_slots(case, kwargs, b, pad, n + case.new)
-        keys, values = k_after[visible][None], v_after[visible][None]
-        slopes = kwargs.get("alibi_slopes")
-        out, _ = attention_reference(
-            q_b.to(high)[None],
-            keys,
-            values,
-            case.head_dim**-0.5,
-            case.causal,
-            keys.shape[1] - case.seqlen_q,
-            upcast=upcast,
-            window=case.window,
-            softcap=case.softcap,
-            alibi_slopes=slopes,
-        )
-        outs.append(out)
-    return torch.cat(outs), k_after, v_after
-
-
-def check_kvcache_case(case: KVCase, dtype, device, backend: str, seed: int) -> dict:
-    """Verify ``flash_attn_with_kvcache`` on one backend and one KV case (see the module docstring).
-
-    Raises ``flash_recipe.BackendUnavailableError`` when the backend cannot run the case.
-    Errors: ``out`` (bound: 2x PyTorch's same-precision error + 1e-5), ``k_cache`` and ``v_cache``
-    over the written rows (exact, except rotated keys: 2x + 1e-5), ``cache_rest`` over every other
-    row of both caches (exact).
-    """
-    import torch
-
-    import flash_recipe
-
-    q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case, dtype, device, seed)
-    k_got, v_got = k_cache.clone(), v_cache.clone()
-    with flash_recipe.use_backend(backend):
-        out = flash_recipe.flash_attn_with_kvcache(q, k_got, v_got, k_new, v_new, **kwargs)
-    truth = _kv_oracle(case, q, k_cache, v_cache, k_new, v_new, kwargs, upcast=True)
-    same = _kv_oracle(case, q, k_cache, v_cache, k_new, v_new, kwargs, upcast=False)
-    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)
-    for b in range(case.batch):
-        written[_kv_slots(case, kwargs, b, case.seqlens[b], case.seqlens[b] + case.new)] = True
-    errors = {
-        "out": _max_err(out, truth[0]),
-        "k_cache": _max_err(k_got[written], truth[1][written]),
-        "v_cache": _max_err(v_got[written], truth[2][written]),
-        "cache_rest": max(_max_err(k_got[~written], k_cache[~written]), _max_err(v_got[~written], v_cache[~written])),
-    }
-    bounds = {
-        "out": 2.0 * _max_err(same[0], truth[0]) + 1e-5,
-        "k_cache": 2.0 * _max_err(same[1][written], truth[1][written]) + 1e-5 if case.rotary else 0.0,
-        "v_cache": 0.0,
-        "cache_rest": 0.0,
-    }
-    digest = hashlib.sha256()
-    for t in (out, k_got, v_got):
-        digest.update(t.contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
-    return {
-        "case": case.id,
-        "dtype": str(dtype).replace("torch.", ""),
-        "backend": backend,
-        "errors": errors,
-        "bounds": bounds,
-        "passed": bool(out.isfinite().all()) and all(errors[n] <= bounds[n] for n in errors),
         "fingerprint": digest.hexdigest(),
     }
 

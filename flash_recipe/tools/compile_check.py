@@ -35,7 +35,7 @@ above all) and a head dim whose mask Triton cannot vectorise cost registers that
 do not avoid, and fp32 (full-precision dots on the FMA units) is the slow path by design. Run it
 as::
 
-    python -m flash_recipe.ops.compile_check --target sm90 --target sm120 [--json]
+    python -m flash_recipe.tools.compile_check --target sm90 --target sm120 [--json]
 
 It must run with ``TRITON_INTERPRET`` unset (the interpreter replaces the compiler).
 """
@@ -53,8 +53,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from flash_recipe.ops import configs
 
@@ -73,6 +74,23 @@ TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", 
 # aligned form, head dims up to 128; the rest report theirs.
 SPILL_BUDGET = 0
 SPILL_BUDGET_MAX_HEAD_DIM = 128
+# Named selections (``--preset``), each a list of (calls, dtypes, head dims, forms, targets).
+# "ci" (``nox -s compile_check``): the forward (plain and every score option), the backward and a
+# KV-cache decode step at the largest head dim of each configuration row (64, 128, 256), every
+# target in the aligned form in bf16 and fp32, and one target per configuration family in the
+# (slow) ragged form in bf16 (fp16 compiles to the same tiles as bf16; sm89, sm121, gfx90a and
+# gfx950 share their family's tables). "compat" (``nox -s compat``, once per Triton release): the
+# forward, backward and decode step for sm80 and sm90 at head dim 128 in bf16, both forms.
+_CI_CALLS, _CI_HEAD_DIMS = ("fwd", "options", "bwd", "decode", "decode_paged"), (64, 128, 256)
+RAGGED_TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx942")
+ALL = (CALLS, DTYPES, HEAD_DIM_BUCKETS, FORMS, TARGETS)
+PRESETS = {
+    "ci": [
+        (_CI_CALLS, ("bfloat16", "float32"), _CI_HEAD_DIMS, ("aligned",), TARGETS),
+        (_CI_CALLS, ("bfloat16",), _CI_HEAD_DIMS, ("ragged",), RAGGED_TARGETS),
+    ],
+    "compat": [(("fwd", "bwd", "decode", "decode_paged"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90"))],
+}
 # Kernels launched with a fixed configuration and no dots (no matrix units to check).
 ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine")
 # The forward's compile-time flags that make a launch take the ``"fwd_general"`` configuration
@@ -81,8 +99,13 @@ SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
 GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
 # The rows one iteration of a tiled kernel's main loop advances by: keys for the forward, decode and
 # dQ kernels, queries for dK/dV.
-LOOP_STEP = {"fwd": "BLOCK_N", "fwd_general": "BLOCK_N", "decode": "BLOCK_N", "bwd_dq": "BLOCK_N",
-             "bwd_dkdv": "BLOCK_M"}
+LOOP_STEP = {
+    "fwd": "BLOCK_N",
+    "fwd_general": "BLOCK_N",
+    "decode": "BLOCK_N",
+    "bwd_dq": "BLOCK_N",
+    "bwd_dkdv": "BLOCK_M",
+}
 # The speed proxy: SASS instructions per key in the forward's main loop (``loop_per_row``), at most
 # those of Triton's own tutorial fused-attention forward (python/tutorials/06-fused-attention.py)
 # counted the same way (``main_loop``), for the aligned bf16/fp16 forward at head dim 128 on sm90.
@@ -140,12 +163,17 @@ def _qkv(case: Case, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nhea
 
     dtype, head_dim = getattr(torch, case.dtype), head_dim or _head_dim(case)
     if case.form == "aligned":
-        return (torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
-                torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
-                torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype))
+        return (
+            torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
+            torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+            torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+        )
     packed = torch.randn(batch, max(seqlen_q, seqlen_k), nheads + 2 * nheads_k, head_dim, dtype=dtype)
-    return (packed[:, :seqlen_q, :nheads], packed[:, :seqlen_k, nheads:nheads + nheads_k],
-            packed[:, :seqlen_k, nheads + nheads_k:])
+    return (
+        packed[:, :seqlen_q, :nheads],
+        packed[:, :seqlen_k, nheads : nheads + nheads_k],
+        packed[:, :seqlen_k, nheads + nheads_k :],
+    )
 
 
 def _variant(case: Case, nheads: int, diag_offset: int):
@@ -187,8 +215,11 @@ def _run_call(case: Case) -> dict[str, str]:
             return {"attn_fwd_kernel": "fwd"}
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var)
-        return {"attn_bwd_preprocess_kernel": "bwd_preprocess", "attn_bwd_dkdv_kernel": "bwd_dkdv",
-                "attn_bwd_dq_kernel": "bwd_dq"}
+        return {
+            "attn_bwd_preprocess_kernel": "bwd_preprocess",
+            "attn_bwd_dkdv_kernel": "bwd_dkdv",
+            "attn_bwd_dq_kernel": "bwd_dq",
+        }
     if case.call == "varlen":
         lengths = [113, 0, 257] if ragged else [512, 1024, 256]
         cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
@@ -199,8 +230,12 @@ def _run_call(case: Case) -> dict[str, str]:
         forward.attention_forward(q, k, v, scale, var, varlen=varlen)
         out, lse = torch.randn_like(q), torch.randn(nheads, total, dtype=torch.float32)
         backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, varlen=varlen)
-        return {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "bwd_preprocess",
-                "attn_bwd_dkdv_kernel": "bwd_dkdv", "attn_bwd_dq_kernel": "bwd_dq"}
+        return {
+            "attn_fwd_kernel": "fwd",
+            "attn_bwd_preprocess_kernel": "bwd_preprocess",
+            "attn_bwd_dkdv_kernel": "bwd_dkdv",
+            "attn_bwd_dq_kernel": "bwd_dq",
+        }
     # A KV cache of 3 sequences, appended one new key and value row per query row: "decode" over a
     # dense cache (each sequence its own page of 1024 rows: a page table one entry wide, whose width
     # Triton specialises to the constant 1), the other calls over pages of 64 rows (aligned) or 16
@@ -223,8 +258,11 @@ def _run_call(case: Case) -> dict[str, str]:
     rotary = kvcache.Rotary(angles.cos().to(dtype), angles.sin().to(dtype), interleaved=not ragged)
     var = _variant(case, nheads, 0)
     kvcache.attention_kvcache(q, k_new, v_new, cache, rotary, scale, var, num_splits=4)
-    return {"rotary_append_kernel": "rotary_append", "attn_fwd_kernel": "decode" if decoding else "fwd",
-            "split_combine_kernel": "split_combine"}
+    return {
+        "rotary_append_kernel": "rotary_append",
+        "attn_fwd_kernel": "decode" if decoding else "fwd",
+        "split_combine_kernel": "split_combine",
+    }
 
 
 # -- compiling through Triton's launch path ----------------------------------------------------
@@ -328,10 +366,14 @@ def _nvidia_usage(kernel) -> dict:
         sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
     ptx = kernel.asm["ptx"]
-    return {"registers": int(found.group(1)), "spill_bytes": int(found.group(2)), "fma_dots": _fma_dots(kernel),
-            "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
-            "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
-            "loop_instructions": main_loop(sass.stdout)}
+    return {
+        "registers": int(found.group(1)),
+        "spill_bytes": int(found.group(2)),
+        "fma_dots": _fma_dots(kernel),
+        "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
+        "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
+        "loop_instructions": main_loop(sass.stdout),
+    }
 
 
 _MATRIX_SASS = re.compile(r"\b(HGMMA|HMMA|UTC\w*MMA)\b")
@@ -349,8 +391,7 @@ def main_loop(sass: str) -> Optional[int]:
     loops that issue matrix instructions, the main loop is the shortest: the kernels' masked stages
     repeat the unmasked loop's work plus their masks.
     """
-    code = [(int(address, 16), text.strip())
-            for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    code = [(int(address, 16), text.strip()) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     last_exit = max((a for a, t in code if re.match(r"(@!?U?P\w+\s+)?EXIT\b", t)), default=None)
     sizes = []
     for address, text in code:
@@ -366,8 +407,9 @@ def _fma_dots(kernel) -> int:
     """Dots that Triton lowered to FMA instructions: in the TTGIR, a ``tt.dot`` whose operands keep a
     ``#blocked`` layout (matrix-unit dots get an ``#mma`` parent, or become ``warp_group_dot`` on
     Hopper and ``tc_gen5_mma`` on Blackwell)."""
-    return sum(1 for line in kernel.asm["ttgir"].splitlines()
-               if re.search(r"= tt\.dot ", line) and "parent = #blocked" in line)
+    return sum(
+        1 for line in kernel.asm["ttgir"].splitlines() if re.search(r"= tt\.dot ", line) and "parent = #blocked" in line
+    )
 
 
 def _amd_usage(kernel) -> dict:
@@ -382,9 +424,13 @@ def _amd_usage(kernel) -> dict:
             raise RuntimeError(f"the AMD code object's metadata has no .{name}")
         return int(found.group(1))
 
-    return {"registers": field("vgpr_count"), "spill_bytes": field("private_segment_fixed_size"),
-            "fma_dots": _fma_dots(kernel), "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
-            "matrix_unit": "mfma" if "mfma" in asm else None}
+    return {
+        "registers": field("vgpr_count"),
+        "spill_bytes": field("private_segment_fixed_size"),
+        "fma_dots": _fma_dots(kernel),
+        "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
+        "matrix_unit": "mfma" if "mfma" in asm else None,
+    }
 
 
 def check_case(case: Case, target: str) -> list[dict]:
@@ -398,25 +444,36 @@ def check_case(case: Case, target: str) -> list[dict]:
         label = labels[name]
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
-        if target.startswith("gfx"):
-            usage = _amd_usage(kernel)
-        else:
-            usage = _nvidia_usage(kernel)
+        usage = _amd_usage(kernel) if target.startswith("gfx") else _nvidia_usage(kernel)
         step = _constants(kernel).get(LOOP_STEP.get(label, ""))
         loop = usage.get("loop_instructions")
         per_kv_head = None
         if label == "decode" and loop and step and case.form == "aligned":
             programs = 1 if _constants(kernel).get("PACK_GQA") else DECODE_GROUPS[case.call]
             per_kv_head = round(loop * kernel.metadata.num_warps / step * programs, 2)
-        rows.append(_verdict({
-            "case": case.id, "kernel": label, "target": target, "dtype": case.dtype, "head_dim": case.head_dim,
-            "form": case.form, "shared_bytes": kernel.metadata.shared,
-            "shared_limit": configs.SHARED_MEMORY_LIMIT[target], "num_warps": kernel.metadata.num_warps,
-            "num_stages": kernel.metadata.num_stages, **usage, "loop_step": step,
-            "score_options": any(_constants(kernel).get(flag) for flag in SCORE_OPTIONS),
-            "loop_per_row": round(loop / step, 3) if loop and step else None, "seconds": seconds,
-            "call": case.call, "per_key_per_kv_head": per_kv_head,
-        }))
+        rows.append(
+            _verdict(
+                {
+                    "case": case.id,
+                    "kernel": label,
+                    "target": target,
+                    "dtype": case.dtype,
+                    "head_dim": case.head_dim,
+                    "form": case.form,
+                    "shared_bytes": kernel.metadata.shared,
+                    "shared_limit": configs.SHARED_MEMORY_LIMIT[target],
+                    "num_warps": kernel.metadata.num_warps,
+                    "num_stages": kernel.metadata.num_stages,
+                    **usage,
+                    "loop_step": step,
+                    "score_options": any(_constants(kernel).get(flag) for flag in SCORE_OPTIONS),
+                    "loop_per_row": round(loop / step, 3) if loop and step else None,
+                    "seconds": seconds,
+                    "call": case.call,
+                    "per_key_per_kv_head": per_kv_head,
+                }
+            )
+        )
     return rows
 
 
@@ -432,15 +489,25 @@ def _constants(kernel) -> dict:
 def proxy_applies(row: dict) -> bool:
     """Whether ``row`` is the kernel the speed proxy (``PROXY``) bounds, compiled by a Triton at
     least as new as the one the bound was measured with."""
-    return (row["target"] == PROXY["target"] and row["kernel"] == PROXY["kernel"] and row["form"] == "aligned"
-            and row["head_dim"] == PROXY["head_dim"] and row["dtype"] in ("float16", "bfloat16")
-            and configs.triton_release() >= PROXY["since_triton"])
+    return (
+        row["target"] == PROXY["target"]
+        and row["kernel"] == PROXY["kernel"]
+        and row["form"] == "aligned"
+        and row["head_dim"] == PROXY["head_dim"]
+        and row["dtype"] in ("float16", "bfloat16")
+        and configs.triton_release() >= PROXY["since_triton"]
+    )
 
 
 def decode_bound(row: dict) -> Optional[int]:
     """The instruction bound (``DECODE_BOUND``) that applies to ``row``, or None."""
-    if (row["kernel"] == "decode" and row["form"] == "aligned" and row["target"] in DECODE_TARGETS
-            and row["head_dim"] == 128 and row["dtype"] in ("float16", "bfloat16")):
+    if (
+        row["kernel"] == "decode"
+        and row["form"] == "aligned"
+        and row["target"] in DECODE_TARGETS
+        and row["head_dim"] == 128
+        and row["dtype"] in ("float16", "bfloat16")
+    ):
         return DECODE_BOUND[row["call"]]
     return None
 
@@ -457,18 +524,28 @@ def _verdict(row: dict) -> dict:
         problems.append("the compiled kernel stores nothing (Triton compiled it to a trap)")
     if row["shared_bytes"] > row["shared_limit"]:
         problems.append(f"shared memory {row['shared_bytes']} B over the {row['shared_limit']} B limit")
-    budgeted = (row["form"] == "aligned" and row["dtype"] != "float32" and row["kernel"] not in ELEMENTWISE
-                and row["head_dim"] <= SPILL_BUDGET_MAX_HEAD_DIM and not row.get("score_options"))
+    budgeted = (
+        row["form"] == "aligned"
+        and row["dtype"] != "float32"
+        and row["kernel"] not in ELEMENTWISE
+        and row["head_dim"] <= SPILL_BUDGET_MAX_HEAD_DIM
+        and not row.get("score_options")
+    )
     if budgeted and row["spill_bytes"] > SPILL_BUDGET:
-        problems.append(f"spills {row['spill_bytes']} B per thread (budget {SPILL_BUDGET} B at head dim <= "
-                        f"{SPILL_BUDGET_MAX_HEAD_DIM})")
+        problems.append(
+            f"spills {row['spill_bytes']} B per thread (budget {SPILL_BUDGET} B at head dim <= "
+            f"{SPILL_BUDGET_MAX_HEAD_DIM})"
+        )
     if proxy_applies(row) and not (row["loop_per_row"] or float("inf")) <= PROXY["per_key"]:
-        problems.append(f"main loop {row['loop_per_row']} instructions per key, over the {PROXY['per_key']:.3f} "
-                        "of Triton's tutorial forward")
+        problems.append(
+            f"main loop {row['loop_per_row']} instructions per key, over the {PROXY['per_key']:.3f} "
+            "of Triton's tutorial forward"
+        )
     bound = decode_bound(row)
     if bound is not None and not (row["per_key_per_kv_head"] or float("inf")) <= bound:
-        problems.append(f"decoding issues {row['per_key_per_kv_head']} warp-instructions per cached key per kv head, "
-                        f"over {bound}")
+        problems.append(
+            f"decoding issues {row['per_key_per_kv_head']} warp-instructions per cached key per kv head, over {bound}"
+        )
     if needs_matrix_units(row["kernel"], row["dtype"]) and (row["fma_dots"] or not row["matrix_unit"]):
         problems.append(f"fp16/bf16 dots do not all use the matrix units ({row['fma_dots']} lowered to FMA)")
     return {**row, "problems": problems, "ok": not problems}
@@ -479,31 +556,66 @@ def _check(job: tuple[Case, str]) -> list[dict]:
     try:
         return check_case(case, target)
     except Exception as exc:  # report and go on: one failure must not hide the others
-        return [{"case": case.id, "kernel": case.call, "target": target, "ok": False,
-                 "problems": [f"{type(exc).__name__}: {exc}"[:2000]]}]
+        return [
+            {
+                "case": case.id,
+                "kernel": case.call,
+                "target": target,
+                "ok": False,
+                "problems": [f"{type(exc).__name__}: {exc}"[:2000]],
+            }
+        ]
 
 
 def _line(row: dict) -> str:
     if "shared_bytes" not in row:
         return f"BAD {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {row['problems'][0]}"
     loop = f"{row['loop_per_row']:>5.2f}/row" if row.get("loop_per_row") else " " * 9
-    detail = (f"{row['shared_bytes']:>6} / {row['shared_limit']:<6} B shared  {row['registers']:>3} regs  "
-              f"{row['spill_bytes']:>5} B spill  {row['matrix_unit'] or '-':<11} "
-              f"w{row['num_warps']} s{row['num_stages']}  {loop}")
+    detail = (
+        f"{row['shared_bytes']:>6} / {row['shared_limit']:<6} B shared  {row['registers']:>3} regs  "
+        f"{row['spill_bytes']:>5} B spill  {row['matrix_unit'] or '-':<11} "
+        f"w{row['num_warps']} s{row['num_stages']}  {loop}"
+    )
     verdict = "ok " if row["ok"] else "BAD"
     problems = f"  <- {'; '.join(row['problems'])}" if row["problems"] else ""
     return f"{verdict} {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {detail}{problems}"
 
 
+def narrowed(chosen: Optional[list], selection) -> list:
+    """The values of ``selection`` that a repeatable option chose, in the option's order (all of
+    them when it chose none)."""
+    return [x for x in chosen if x in selection] if chosen else list(selection)
+
+
+def select_jobs(preset=None, targets=None, calls=None, dtypes=None, head_dims=None, forms=None) -> list:
+    """The ``(Case, target)`` pairs to compile: the ``preset``'s selections (default: everything),
+    narrowed by the values the repeatable options chose."""
+    jobs = []
+    for all_calls, all_dtypes, all_dims, all_forms, all_targets in PRESETS.get(preset or "", [ALL]):
+        for target in narrowed(targets, all_targets):
+            chosen = (narrowed(calls, all_calls), narrowed(dtypes, all_dtypes), narrowed(head_dims, all_dims))
+            jobs += [(case, target) for case in cases(*chosen, narrowed(forms, all_forms))]
+    return jobs
+
+
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flash_recipe.ops.compile_check",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m flash_recipe.tools.compile_check", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--target", action="append", choices=TARGETS, help="architecture (repeatable); default: all")
     parser.add_argument("--call", action="append", choices=CALLS, help="launcher call (repeatable); default: all")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="dtype (repeatable); default: all")
-    parser.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIM_BUCKETS,
-                        help="head-dim bucket (repeatable); default: all")
+    parser.add_argument(
+        "--head-dim",
+        action="append",
+        type=int,
+        choices=HEAD_DIM_BUCKETS,
+        help="head-dim bucket (repeatable); default: all",
+    )
     parser.add_argument("--form", action="append", choices=FORMS, help="aligned and/or ragged; default: both")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a named selection (see PRESETS); the options above narrow it"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")
     parser.add_argument("--json", action="store_true", help="print one JSON object per kernel")
     args = parser.parse_args(argv)
@@ -512,9 +624,7 @@ def main(argv: Optional[list] = None) -> int:
     if configs.interpreter_enabled():
         print("unset TRITON_INTERPRET: the compile check needs Triton's compiler", file=sys.stderr)
         return 2
-    jobs = [(case, target) for target in args.target or TARGETS
-            for case in cases(args.call or CALLS, args.dtype or DTYPES, args.head_dim or HEAD_DIM_BUCKETS,
-                              args.form or FORMS)]
+    jobs = select_jobs(args.preset, args.target, args.call, args.dtype, args.head_dim, args.form)
     rows, started = [], time.perf_counter()
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     results = pool.map(_check, jobs) if pool else map(_check, jobs)
@@ -528,8 +638,10 @@ def main(argv: Optional[list] = None) -> int:
             pool.shutdown()
     failures = sum(not row["ok"] for row in rows)
     minutes = (time.perf_counter() - started) / 60
-    print(f"{len(rows) - failures} of {len(rows)} kernels from {len(jobs)} calls passed ({minutes:.1f} min)",
-          file=sys.stderr)
+    print(
+        f"{len(rows) - failures} of {len(rows)} kernels from {len(jobs)} calls passed ({minutes:.1f} min)",
+        file=sys.stderr,
+    )
     return 1 if failures else 0
 
 

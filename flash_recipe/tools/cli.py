@@ -14,26 +14,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
+
+import flash_recipe
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
-    "verify": ("flash_recipe.verify", "check every backend against the fp32 reference and print a fingerprint"),
+    "verify": ("flash_recipe.tools.verify", "check every backend against the fp32 reference and print a fingerprint"),
     "doctor": ("flash_recipe.env.doctor", "diagnose this environment's FlashAttention install and print the fix"),
     "recipe": ("flash_recipe.env.recipe", "print the recommended install recipe for this environment"),
-    "bench": ("flash_recipe.bench", "measure attention throughput against torch SDPA and other peers"),
-    "warmup": ("flash_recipe.warmup", "compile the Triton kernels for the local GPU ahead of time"),
-    "tune": ("flash_recipe.tune", "time launch configurations on the local GPU and keep the fastest for it"),
+    "bench": ("flash_recipe.tools.bench", "measure attention throughput against torch SDPA and other peers"),
+    "warmup": ("flash_recipe.tools.warmup", "compile the Triton kernels for the local GPU ahead of time"),
+    "tune": ("flash_recipe.tools.tune", "time launch configurations on the local GPU and keep the fastest for it"),
 }
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("flash-recipe")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flash-recipe",
         description="FlashAttention in Triton: verify, diagnose, install, benchmark.",
     )
-    parser.add_argument("--version", action="version", version=f"flash-recipe {_version()}")
+    parser.add_argument("--version", action="version", version=f"flash-recipe {flash_recipe.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
+    for name, (_module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
     return parser
 
@@ -57,13 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     name = argv[0]
     module_name, help_text = SUBCOMMANDS[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("flash_recipe"):
-            print(f"flash-recipe {name}: not available in this version ({exc})", file=sys.stderr)
-            return 2
-        raise
+    # Every subcommand ships with the package: an import error is a broken install or a bug, and
+    # its traceback says which.
+    module = importlib.import_module(module_name)
     sub_parser = argparse.ArgumentParser(prog=f"flash-recipe {name}", description=help_text)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])

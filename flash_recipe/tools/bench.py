@@ -16,7 +16,7 @@ holds about ``--tokens`` tokens.
 
 ``--json FILE`` writes the context line and every row, rewritten after each row, so an
 interrupted run keeps what it measured. ``peak_memory`` measures what one training step of a peer
-allocates (used by ``python -m flash_recipe.campaign``).
+allocates (used by ``python -m flash_recipe.tools.campaign``).
 """
 
 from __future__ import annotations
@@ -55,11 +55,6 @@ class Shape:
     def flops(self, mode: str) -> float:
         fwd = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.head_dim
         return fwd * (0.5 if self.causal else 1.0) * FLOP_FACTOR[mode]
-
-
-def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal: bool, mode: str = "fwd") -> float:
-    """The standard FLOP count used for TFLOP/s (see the module docstring)."""
-    return 4.0 * batch * nheads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0) * FLOP_FACTOR[mode]
 
 
 # ----------------------------------------------------------------------------- peers
@@ -433,7 +428,7 @@ def context_line() -> str:
     import torch
 
     import flash_recipe
-    from flash_recipe.verify import versions
+    from flash_recipe.tools.verify import versions
 
     v = versions()
     device = (

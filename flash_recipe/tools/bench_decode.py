@@ -15,7 +15,7 @@ in the same run is reported beside it). Peers, each timed in the same process:
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with ``enable_gqa`` on the cache
   (torch picks its backend).
 
-Run it as ``python -m flash_recipe.bench_decode [--batch 1,8,32,64] [--cache 1024,8192,32768]
+Run it as ``python -m flash_recipe.tools.bench_decode [--batch 1,8,32,64] [--cache 1024,8192,32768]
 [--json FILE]``; it needs a CUDA GPU.
 """
 
@@ -28,8 +28,13 @@ import sys
 from typing import Callable, Optional
 
 # Peak HBM bandwidth in bytes/s by GPU model name (vendor figures).
-PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12,
-                  "A100-SXM4-40GB": 1.555e12}
+PEAK_BANDWIDTH = {
+    "H100 80GB HBM3": 3.35e12,
+    "H100 PCIe": 2.0e12,
+    "H200": 4.8e12,
+    "A100-SXM4-80GB": 2.04e12,
+    "A100-SXM4-40GB": 1.555e12,
+}
 PEERS = ("flash_recipe", "flash_recipe_unpacked", "sdpa")
 
 
@@ -71,8 +76,17 @@ def _step(peer: str, q, k_cache, v_cache, seqlens) -> Callable[[], object]:
     raise ValueError(f"peer must be one of {', '.join(PEERS)}, got {peer!r}")
 
 
-def run(batches, caches, nheads: int, nheads_k: int, head_dim: int, peers=PEERS, warmup: int = 25,
-        rep: int = 100, report=print) -> dict:
+def run(
+    batches,
+    caches,
+    nheads: int,
+    nheads_k: int,
+    head_dim: int,
+    peers=PEERS,
+    warmup: int = 25,
+    rep: int = 100,
+    report=print,
+) -> dict:
     """Time every peer at every (batch, cache length); returns the context and the rows."""
     import torch
     import triton.testing
@@ -80,10 +94,19 @@ def run(batches, caches, nheads: int, nheads_k: int, head_dim: int, peers=PEERS,
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     peak = peak_bandwidth(name)
-    context = {"device": name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-               "triton": triton.__version__, "peak_bytes_per_s": peak, "copy_bytes_per_s": copy_bandwidth(device),
-               "nheads": nheads, "nheads_k": nheads_k, "head_dim": head_dim, "dtype": "bfloat16",
-               "command": "python -m flash_recipe.bench_decode " + " ".join(sys.argv[1:])}
+    context = {
+        "device": name,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "peak_bytes_per_s": peak,
+        "copy_bytes_per_s": copy_bandwidth(device),
+        "nheads": nheads,
+        "nheads_k": nheads_k,
+        "head_dim": head_dim,
+        "dtype": "bfloat16",
+        "command": "python -m flash_recipe.tools.bench_decode " + " ".join(sys.argv[1:]),
+    }
     rows = []
     for batch in batches:
         for cache in caches:
@@ -125,12 +148,15 @@ def markdown(result: dict) -> str:
     """The rows as a table: one line per (batch, cache), each peer's GB/s and share of peak."""
     ctx = result["context"]
     peers = list(dict.fromkeys(row["peer"] for row in result["rows"]))
-    lines = [f"device {ctx['device']}, {ctx['date']}, torch {ctx['torch']}, triton {ctx['triton']}, "
-             f"H={ctx['nheads']} Hk={ctx['nheads_k']} D={ctx['head_dim']} {ctx['dtype']}, peak "
-             f"{(ctx['peak_bytes_per_s'] or 0) / 1e9:.0f} GB/s, copy {ctx['copy_bytes_per_s'] / 1e9:.0f} GB/s; "
-             f"command: {ctx['command']}", "",
-             "| batch | cache | " + " | ".join(f"{p} GB/s (% peak)" for p in peers) + " | flash_recipe / sdpa |",
-             "|---:|---:|" + "---:|" * (len(peers) + 1)]
+    lines = [
+        f"device {ctx['device']}, {ctx['date']}, torch {ctx['torch']}, triton {ctx['triton']}, "
+        f"H={ctx['nheads']} Hk={ctx['nheads_k']} D={ctx['head_dim']} {ctx['dtype']}, peak "
+        f"{(ctx['peak_bytes_per_s'] or 0) / 1e9:.0f} GB/s, copy {ctx['copy_bytes_per_s'] / 1e9:.0f} GB/s; "
+        f"command: {ctx['command']}",
+        "",
+        "| batch | cache | " + " | ".join(f"{p} GB/s (% peak)" for p in peers) + " | flash_recipe / sdpa |",
+        "|---:|---:|" + "---:|" * (len(peers) + 1),
+    ]
     by_key: dict = {}
     for row in result["rows"]:
         by_key.setdefault((row["batch"], row["cache"]), {})[row["peer"]] = row
@@ -144,14 +170,19 @@ def markdown(result: dict) -> str:
             share = f" ({100 * row['of_peak']:.0f}%)" if "of_peak" in row else ""
             cells.append(f"{row['bytes_per_s'] / 1e9:.0f}{share}")
         ours, sdpa = found.get("flash_recipe", {}), found.get("sdpa", {})
-        ratio = (f"{ours['bytes_per_s'] / sdpa['bytes_per_s']:.2f}x"
-                 if "bytes_per_s" in ours and "bytes_per_s" in sdpa else "n/a")
+        ratio = (
+            f"{ours['bytes_per_s'] / sdpa['bytes_per_s']:.2f}x"
+            if "bytes_per_s" in ours and "bytes_per_s" in sdpa
+            else "n/a"
+        )
         lines.append(f"| {batch} | {cache} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flash_recipe.bench_decode", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m flash_recipe.tools.bench_decode", description=__doc__.split("\n\n")[0]
+    )
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     parser.add_argument("--batch", type=ints, default=[1, 8, 32, 64])
     parser.add_argument("--cache", type=ints, default=[1024, 8192, 32768])

@@ -83,7 +83,7 @@ def run(args) -> int:
         print(
             "flash-recipe warmup: no CUDA or ROCm GPU is visible, so there is nothing to compile for; "
             "run it on a machine with the target GPU (the offline compile check is "
-            "`python -m flash_recipe.ops.compile_check`).",
+            "`python -m flash_recipe.tools.compile_check`).",
             file=sys.stderr,
         )
         return 2

@@ -1,0 +1,196 @@
+"""A GPU campaign in one command: ``python -m flash_recipe.tools.campaign --out DIR``.
+
+On a CUDA machine with whatever torch and Triton are installed, it runs these steps, each in its
+own subprocess with its own time budget; the budgets add up to less than 20 minutes for one H100
+(they are planned, not yet calibrated on a GPU: ``--budget STEP=SECONDS`` changes one):
+
+=======  ===========================================================================================
+env      the device, its memory, torch/CUDA/Triton/flash_recipe versions, the backend chosen for the
+         target shape, the bench peers this machine has
+verify   ``flash-recipe verify --kvcache --grid full`` in fp16, bf16 and fp32: every backend against
+         the reference, ``flash_attn_with_kvcache`` included
+bench    ``flash-recipe bench`` at the target shapes (bf16, head dim 128, 16 heads, seqlen 4k, 8k and
+         16k at 16k tokens each, causal and not), forward, backward and both, with its peers side by
+         side: SDPA flash, cuDNN and efficient, compiled FlexAttention, and flash_recipe with TMA
+         descriptors off (a peer this machine lacks is left out and named in the report)
+memory   peak memory of one training step (forward; forward and backward) of flash_recipe and SDPA
+         flash at seqlen 32k and 64k, above its inputs (``bench.peak_memory``)
+tests    pytest on the checkout's GPU-relevant test files, when a ``tests/`` folder lies next to the
+         package (else recorded as skipped: an installed wheel has none)
+tune     ``flash-recipe tune --head-dim 64,128 --dtype bfloat16 --kernel fwd,decode``, its ``--json``
+         report kept
+=======  ===========================================================================================
+
+A step that fails, crashes, hangs or outlives its budget is recorded as such (a step over budget
+has its whole process group stopped; what a finished step leaves running is stopped too) and the
+campaign goes on. The targets are then judged from this run's measurements, flash_recipe against
+SDPA's flash backend measured side by side in the same process:
+
+- forward at least 1.25x SDPA flash's TFLOP/s at each target shape, causal and not;
+- backward at least 1.1x;
+- peak memory at most 1.05x SDPA flash's at 32k and 64k, forward and forward + backward;
+- peak memory linear in the sequence length: from 32k to 64k it grows at most 1.1 x 2.
+
+Each is reported per shape with both values, the ratio and PASS or MISS; a shape either side did
+not measure is a MISS that says why.
+
+Output, kept to a few files in one folder, so that it is easy to carry off a machine whole:
+``campaign.md``
+(the report), ``campaign.json`` (everything, machine readable), ``campaign.log`` (every step's
+command and full output, in order), ``bench-fwd.png`` and ``bench-bwd.png`` (TFLOP/s against
+sequence length per peer; they need matplotlib) and the tuned-configuration file ``tune`` wrote,
+if any (``*.tune.json``, one per GPU model; ``FLASH_RECIPE_TUNE_CACHE=DIR`` makes flash_recipe
+use it): six at most. ``campaign.md`` and ``campaign.json`` are rewritten after every step, so a campaign that is
+itself interrupted still leaves its report. Step results travel through a temporary folder,
+``{scratch}`` in the commands, removed at the end.
+
+Every step runs with ``FLASH_RECIPE_TUNE_CACHE`` pointing to an empty folder of the scratch, so
+the measurements use the configurations flash_recipe ships, never a tuned file left on the
+machine; ``tune`` runs last and writes there (``--tune-first`` runs it first, so that verify,
+bench, memory and tests use what it found). ``TRITON_INTERPRET`` and ``FLASH_RECIPE_BACKEND`` are
+removed from the steps' environment, and the folder flash_recipe was imported from is put first
+on their ``PYTHONPATH``, so every step runs this same flash_recipe.
+
+``--dry-run`` prints and writes the plan (steps, commands, budgets, shapes) and runs nothing; it
+works without a GPU. Without it, a machine with no CUDA device is refused (exit status 2).
+``--only bench,memory`` and ``--skip tests`` choose steps (``env`` always runs).
+
+Exit status: 0 when every step that ran passed (the targets are findings in the report, PASS or
+MISS, not an exit status); 1 when a step failed or ran out of time; 2 for a usage error or no GPU.
+
+The package: ``plan`` (budgets, targets, the steps), ``steps`` (running one and collecting its
+results), ``workers`` (the steps run in-process), ``targets`` (the verdicts, pure), ``report``
+(campaign.md and campaign.json) and ``cli`` (the command line and the run).
+"""
+
+from __future__ import annotations
+
+from flash_recipe.tools.campaign.cli import (
+    build_parser,
+    cuda_available,
+    main,
+    run_campaign,
+)
+from flash_recipe.tools.campaign.plan import (
+    BENCH_MODES,
+    BENCH_PEERS,
+    BENCH_REPS,
+    BENCH_WARMUP,
+    BUDGETS_S,
+    GPU_TEST_FILES,
+    LINEAR_SLACK,
+    MEMORY_PEERS,
+    MEMORY_RATIO,
+    MEMORY_SEQLENS,
+    OUTPUT_FILES,
+    REFERENCE,
+    RESERVE_S,
+    SPEED_TARGETS,
+    STEP_NAMES,
+    STOP_GRACE_S,
+    SUBJECT,
+    TARGET,
+    TOTAL_BUDGET_S,
+    TUNE_HEAD_DIMS,
+    TUNE_JOBS,
+    TUNE_KERNELS,
+    TUNE_SEQLEN,
+    VERIFY_DTYPES,
+    Step,
+    bench_shapes,
+    build_plan,
+    find_test_tree,
+    format_plan,
+    memory_shapes,
+    package_root,
+    select,
+)
+from flash_recipe.tools.campaign.report import (
+    build_targets,
+    new_report,
+    render_markdown,
+    timestamp,
+    write_report,
+)
+from flash_recipe.tools.campaign.steps import (
+    collect,
+    make_plots,
+    run_step,
+    step_environment,
+    without_unavailable_peers,
+)
+from flash_recipe.tools.campaign.targets import (
+    memory_table,
+    memory_targets,
+    parse_junit,
+    speed_targets,
+    summarize_targets,
+    summarize_verify,
+)
+from flash_recipe.tools.campaign.workers import (
+    env_probe,
+    memory_rows,
+    run_worker,
+    worker_parser,
+    write_json,
+)
+
+__all__ = [
+    "BENCH_MODES",
+    "BENCH_PEERS",
+    "BENCH_REPS",
+    "BENCH_WARMUP",
+    "BUDGETS_S",
+    "GPU_TEST_FILES",
+    "LINEAR_SLACK",
+    "MEMORY_PEERS",
+    "MEMORY_RATIO",
+    "MEMORY_SEQLENS",
+    "OUTPUT_FILES",
+    "REFERENCE",
+    "RESERVE_S",
+    "SPEED_TARGETS",
+    "STEP_NAMES",
+    "STOP_GRACE_S",
+    "SUBJECT",
+    "Step",
+    "TARGET",
+    "TOTAL_BUDGET_S",
+    "TUNE_HEAD_DIMS",
+    "TUNE_JOBS",
+    "TUNE_KERNELS",
+    "TUNE_SEQLEN",
+    "VERIFY_DTYPES",
+    "bench_shapes",
+    "build_parser",
+    "build_plan",
+    "build_targets",
+    "collect",
+    "cuda_available",
+    "env_probe",
+    "find_test_tree",
+    "format_plan",
+    "main",
+    "make_plots",
+    "memory_rows",
+    "memory_shapes",
+    "memory_table",
+    "memory_targets",
+    "new_report",
+    "package_root",
+    "parse_junit",
+    "render_markdown",
+    "run_campaign",
+    "run_step",
+    "run_worker",
+    "select",
+    "speed_targets",
+    "step_environment",
+    "summarize_targets",
+    "summarize_verify",
+    "timestamp",
+    "without_unavailable_peers",
+    "worker_parser",
+    "write_json",
+    "write_report",
+]

@@ -1,0 +1,201 @@
+"""The report: ``campaign.md`` and ``campaign.json`` from the steps' records and the targets."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+from flash_recipe.tools.campaign.plan import BENCH_MODES, REFERENCE, SUBJECT, TARGET, TOTAL_BUDGET_S, bench_shapes
+from flash_recipe.tools.campaign.targets import memory_table, memory_targets, speed_targets, summarize_targets
+from flash_recipe.tools.campaign.workers import write_json
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _quantity(value, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.3f}x" if unit == "x" else f"{value:.1f} {unit}"
+
+
+def build_targets(steps: dict) -> list:
+    """Every target from the bench and memory steps of this run (see the module docstring)."""
+    targets = []
+    bench_step = steps.get("bench")
+    if bench_step is not None and bench_step.get("status") != "skipped":
+        rows = (bench_step.get("data") or {}).get("rows", [])
+        targets += speed_targets(rows, [shape.id for shape in bench_shapes()])
+    memory_step = steps.get("memory")
+    if memory_step is not None and memory_step.get("status") != "skipped":
+        rows = (memory_step.get("data") or {}).get("rows", [])
+        if rows:
+            targets += memory_targets(rows)
+        else:
+            targets.append({"target": "peak memory", "verdict": "MISS", "ratio": None, "note": "no memory measurement"})
+    return targets
+
+
+def render_markdown(report: dict) -> str:
+    """``campaign.md`` from the report (the same dictionary as ``campaign.json``)."""
+    env = report.get("environment") or {}
+    versions = env.get("versions") or {}
+    lines = ["# flash-recipe GPU campaign", ""]
+    if report.get("dry_run"):
+        lines += ["**Dry run: the plan only; nothing was run or measured.**", ""]
+    lines += [
+        f"- device: {env.get('device') or ('no CUDA device' if env else 'not probed')}"
+        + (f" (sm{env['capability'].replace('.', '')}, {env.get('memory_gib')} GiB)" if env.get("capability") else ""),
+        f"- date: {report['started']}" + (f", finished {report['finished']}" if report.get("finished") else ""),
+        f"- flash_recipe {versions.get('flash_recipe', report.get('flash_recipe', '?'))}, torch "
+        f"{versions.get('torch', '?')} (CUDA {versions.get('torch_cuda', '?')}), Triton {versions.get('triton', '?')}, "
+        f"Python {versions.get('python', '?')}",
+        f"- command: `{report['command']}`",
+        f"- backend chosen for the target shape: {env.get('chosen_backend', 'n/a')}",
+        f"- environment of the steps: {', '.join(f'`{k}={v}`' for k, v in (env.get('variables') or {}).items())}",
+        "",
+    ]
+    targets = report.get("targets") or []
+    if targets:
+        passed = sum(t["verdict"] == "PASS" for t in targets)
+        lines += [f"## Targets: {passed} PASS, {len(targets) - passed} MISS", ""]
+        for group in summarize_targets(targets):
+            bound = ("≥ " if group["target"].endswith("speed") else "≤ ") + f"{_fmt(group['required'], 2)}x"
+            lines.append(
+                f"- **{group['target']}** {bound}: {group['verdict']} ({group['passed']} of {group['count']}; "
+                f"worst {_quantity(group['worst_ratio'], 'x')})"
+            )
+        lines.append("")
+        lines += [
+            f"{SUBJECT} against {REFERENCE}, measured side by side in this run (bf16, head dim "
+            f"{TARGET['head_dim']}, {TARGET['nheads']} heads). Speed: TFLOP/s (forward "
+            "`4·B·H·S²·D`, halved when causal; backward 2.5x). Memory: the peak a training step allocates above "
+            "its inputs.",
+            "",
+            f"| target | shape | {SUBJECT} | {REFERENCE} | ratio | required | verdict |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
+        for t in targets:
+            unit = t.get("unit", "")
+            bound = ("≥ " if t["target"].endswith("speed") else "≤ ") + f"{_fmt(t.get('required'), 2)}x"
+            verdict = t["verdict"] + (f" ({t['note']})" if t.get("note") else "")
+            lines.append(
+                f"| {t['target']} | {t.get('shape', '')} | {_quantity(t.get('subject'), unit)} | "
+                f"{_quantity(t.get('reference'), unit)} | "
+                f"{_quantity(t.get('ratio'), 'x')} | {bound} | {verdict} |"
+            )
+        lines.append("")
+    steps = report.get("steps") or {}
+    lines += ["## Steps", "", "| step | status | time | budget | detail |", "|---|---|---:|---:|---|"]
+    for step in report["plan"]:
+        done = steps.get(step["name"], {})
+        status = done.get("status", "skipped: " + step["skip"] if step.get("skip") else "not run")
+        seconds = f"{done['seconds']} s" if done.get("seconds") is not None else ""
+        detail = str(done.get("detail", "")).replace("|", "\\|")
+        lines.append(f"| {step['name']} | {status} | {seconds} | {step['budget_s']} s | {detail} |")
+    lines += ["", "Commands (`{scratch}`: a temporary folder; full output in `campaign.log`):", ""]
+    lines += [f"- {step['name']}: `{step['command']}`" for step in report["plan"] if step["command"]]
+    lines.append("")
+    memory = (steps.get("memory") or {}).get("data") or {}
+    if memory.get("rows"):
+        seqlens = sorted({row["seqlen"] for row in memory["rows"]})
+        lines += [
+            "## Peak memory",
+            "",
+            "MiB allocated by one training step above its inputs (forward: with inputs that require grad; "
+            "fwd_bwd: forward and backward), batch 1, 16 heads, head dim 128, bf16.",
+            "",
+            "| mode | mask | peer | " + " | ".join(f"S{s}" for s in seqlens) + f" | S{seqlens[-1]}/S{seqlens[0]} |",
+            "|---|---|---|" + "---:|" * (len(seqlens) + 1),
+        ]
+        for entry in memory_table(memory["rows"]):
+            cells = [_fmt(entry["peak_mb"].get(s), 1) for s in seqlens]
+            lines.append(
+                f"| {entry['mode']} | {'causal' if entry['causal'] else 'full'} | {entry['peer']} | "
+                + " | ".join(cells)
+                + f" | {_fmt(entry['growth'])}x |"
+            )
+        lines.append("")
+    bench_data = (steps.get("bench") or {}).get("data") or {}
+    if bench_data.get("rows"):
+        from flash_recipe.tools.bench import to_markdown
+
+        context = bench_data.get("context", "")
+        lines += ["## Bench", "", to_markdown(bench_data["rows"], bench_data.get("modes", BENCH_MODES), context)]
+        for name, problem in (report.get("plots") or {}).items():
+            lines.append(f"![{name}]({name})" if problem is None else f"{name}: not drawn ({problem})")
+        lines.append("")
+    verify = (steps.get("verify") or {}).get("data")
+    if verify:
+        lines += [
+            "## Verify",
+            "",
+            f"{'PASSED' if verify['passed'] else 'FAILED'} on {verify.get('device')}; backends "
+            f"{', '.join(verify.get('backends') or [])}; fingerprint `{verify.get('fingerprint')}`",
+            "",
+            "| kind/dtype | checks | passed |",
+            "|---|---:|---:|",
+        ]
+        lines += [f"| {key} | {c['checks']} | {c['passed']} |" for key, c in sorted(verify["counts"].items())]
+        for name, why in (verify.get("skipped") or {}).items():
+            lines.append(f"\nskipped {name}: {'; '.join(why)}")
+        for row in verify["mismatches"][:20]:
+            worst = {n: f"{row['errors'][n]:.2e} > {row['bounds'][n]:.2e}" for n in row["errors"]}
+            lines.append(f"- MISMATCH {row['case']} {row['dtype']} {row['backend']}: {worst}")
+        lines.append("")
+    tests = (steps.get("tests") or {}).get("data")
+    if tests:
+        lines += [
+            "## GPU tests",
+            "",
+            f"{tests['passed']} passed, {tests['failures']} failed, {tests['errors']} errors, "
+            f"{tests['skipped']} skipped",
+            "",
+        ]
+        lines += [f"- {f['kind']}: `{f['test']}`: {f['message']}" for f in tests["failed"][:30]]
+        lines.append("")
+    tune = steps.get("tune")
+    if tune:
+        files = (tune.get("data") or {}).get("files") or []
+        lines += ["## Tune", "", f"{tune['status']}: {tune.get('detail', '')}"]
+        if files:
+            lines.append(
+                f"\nTuned configurations: {', '.join(f'`{f}`' for f in files)} (use with `FLASH_RECIPE_TUNE_CACHE=DIR`)"
+            )
+        if tune.get("output_tail"):
+            lines += ["", "```", tune["output_tail"], "```"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: Path) -> None:
+    write_json(str(out / "campaign.json"), report)
+    (out / "campaign.md").write_text(render_markdown(report))
+
+
+def timestamp() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def new_report(plan: list, command: str, dry_run: bool) -> dict:
+    import flash_recipe
+
+    return {
+        "format": 1,
+        "command": command,
+        "dry_run": dry_run,
+        "started": timestamp(),
+        "finished": None,
+        "flash_recipe": flash_recipe.__version__,
+        "budget_s": {"steps": sum(step.budget_s for step in plan), "total": TOTAL_BUDGET_S},
+        "plan": [step.as_dict() for step in plan],
+        "environment": None,
+        "steps": {},
+        "targets": [],
+        "plots": {},
+    }

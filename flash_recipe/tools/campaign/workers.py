@@ -1,0 +1,108 @@
+"""The steps the campaign runs in itself (``python -m flash_recipe.tools.campaign --step ...``):
+the environment probe and the peak-memory rows."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from flash_recipe.tools.campaign.plan import MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shapes
+
+# ----------------------------------------------------------------------------- the workers
+
+
+def write_json(path: str, document) -> None:
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(document, f, indent=1)
+    os.replace(partial, path)
+
+
+def env_probe() -> dict:
+    """The device and the software: what the report's header says."""
+    import platform
+
+    import torch
+
+    import flash_recipe
+    from flash_recipe.tools import bench
+    from flash_recipe.tools.verify import versions
+
+    info = {"cuda": torch.cuda.is_available(), "versions": versions(), "platform": platform.platform()}
+    info["variables"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FLASH_RECIPE_", "TRITON_"))}
+    if info["cuda"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            device=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+            device_count=torch.cuda.device_count(),
+        )
+        q = torch.zeros(
+            1, 128, TARGET["nheads"], TARGET["head_dim"], device="cuda", dtype=getattr(torch, TARGET["dtype"])
+        )
+        reasons = flash_recipe.explain(q, q, q, causal=True)
+        info["backends_for_target"] = reasons
+        info["chosen_backend"] = next((name for name, why in reasons.items() if why is None), None)
+        info["bench_peers"] = list(bench.peers("cuda"))
+    return info
+
+
+def memory_rows(seqlens, peers, result: Optional[str] = None, progress=print) -> list:
+    """Peak memory (``bench.peak_memory``) of each peer, forward and forward + backward, at each
+    sequence length, causal and not; rows written to ``result`` after each one."""
+    import torch
+
+    from flash_recipe.tools import bench
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    available = bench.peers(device.type)
+    rows = []
+    for shape in memory_shapes(seqlens):
+        for mode in bench.MEMORY_MODES:
+            for name in peers:
+                row = {"shape": shape.id, "peer": name, **dataclasses.asdict(shape)}
+                try:
+                    if name not in available:
+                        raise ValueError(f"peer {name!r} is not available on {device.type}")
+                    row.update(bench.peak_memory(available[name], shape, device, mode))
+                except Exception as exc:  # reported, not fatal (out of memory included)
+                    row.update(
+                        mode=mode, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                    )
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                text = row.get("error") or f"peak {row['peak_mb']:.1f} MiB above {row['before_mb']:.1f} MiB"
+                progress(f"{shape.id:<44} {mode:<8} {name:<14} {text}")
+                if result:
+                    write_json(result, rows)
+    return rows
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    """Options of ``--step env|memory``: the in-process part of a step, run in its subprocess."""
+    parser = argparse.ArgumentParser(prog="python -m flash_recipe.tools.campaign --step")
+    parser.add_argument("--step", choices=("env", "memory"), required=True)
+    parser.add_argument("--result", required=True, help="write the step's JSON result here")
+    parser.add_argument(
+        "--seqlen", type=lambda text: [int(x) for x in text.split(",") if x], default=list(MEMORY_SEQLENS)
+    )
+    parser.add_argument("--peer", action="append", help="peer to measure (repeatable)")
+    return parser
+
+
+def run_worker(argv: list) -> int:
+    args = worker_parser().parse_args(argv)
+    if args.step == "env":
+        info = env_probe()
+        write_json(args.result, info)
+        print(json.dumps(info, indent=1))
+        return 0
+    rows = memory_rows(args.seqlen, args.peer or list(MEMORY_PEERS), args.result)
+    write_json(args.result, rows)
+    return 0 if rows and all("error" not in row for row in rows) else 1

@@ -1,0 +1,110 @@
+"""``flash-recipe tune``: time launch configurations on the local GPU and keep the fastest.
+
+For each kernel (``fwd``, ``fwd_general``, ``bwd_dkdv``, ``bwd_dq``, ``decode``; the general forward
+is timed and checked on a softcapped call), head-dim bucket and element size
+(2 for fp16 and bf16, which share their tiles; 4 for fp32), the tuner
+
+1. takes the candidates: the table's own configuration, then a small grid (``GRID``);
+2. prunes them by the launch-specialised shared-memory fit: each candidate is compiled for the
+   GPU's own compile target through the real launchers, as ``flash_recipe.tools.compile_check``
+   compiles a launch (``aligned`` and ``ragged`` forms), and dropped when its kernel needs more
+   shared memory per block than the architecture offers (``configs.SHARED_MEMORY_LIMIT``) or
+   compiles to a trap;
+3. checks each remaining candidate's output on small aligned and ragged shapes against the fp32
+   reference by the accuracy rule (at most 2x the error of PyTorch in the input precision for
+   the output, 3x for the gradients, plus 1e-5), with output buffers filled with NaN first: a
+   candidate that computes anything else, or leaves a tile unwritten, is rejected;
+4. times it through the real launcher (``ops.forward.attention_forward``,
+   ``ops.backward.attention_backward``, ``ops.kvcache.attention_kvcache``) inside
+   ``configs.overriding`` (``triton.testing.do_bench``, median, L2 flushed between runs) on the
+   timing shapes: each sequence length at about ``tokens`` tokens per batch, causal and not; a
+   decoding step (one query row, GQA 4:1) per batch size and cache length. The backward's
+   configurations are timed as the whole backward with only the tuned kernel changed;
+5. keeps the candidate with the least geometric mean, over the timing shapes and dtypes, of its
+   time divided by the table's, if that is at most ``1 - min_gain``; else the table's.
+
+Decoding's split-KV count is tuned after the decode configuration: each of ``splits`` is checked,
+then timed per batch size and cache length, and the fastest is kept per bucket of programs
+(``batch * nheads``) and cache length when it beats ``kvcache.heuristic_splits`` by ``min_gain``.
+
+The winners are written to the per-device cache (``flash_recipe.ops.tuned``: where it lives, its
+format, its key), which ``configs.launch_config`` and ``kvcache.auto_splits`` read from then on. A
+run covers what it is asked for and keeps the file's other entries.
+
+The package, one module per step:
+
+- ``problem``: the kernels, the candidate grid, the shapes and one checked launch (``Problem``, ``Check``);
+- ``candidates``: the candidates of a kernel and their pruning by the compile check;
+- ``search``: checking and timing them (``Tuner``, its settings frozen) and ``tune``;
+- ``cli``: the ``flash-recipe tune`` subcommand.
+"""
+
+from __future__ import annotations
+
+from flash_recipe.tools.tune.candidates import (
+    candidates,
+    prune,
+)
+from flash_recipe.tools.tune.cli import (
+    add_arguments,
+    clear,
+    run,
+    show,
+)
+from flash_recipe.tools.tune.problem import (
+    COMPILE_CALL,
+    DTYPES,
+    EIGHT_WARPS_MIN_TILE,
+    ELEMENT_SIZE,
+    GENERAL_SOFTCAP,
+    GRID,
+    HEAD_DIMS,
+    KERNELS,
+    SPLITS,
+    Check,
+    CheckSizes,
+    Problem,
+    Shape,
+    Timer,
+    Trial,
+    TuneError,
+    describe,
+    nan_outputs,
+)
+from flash_recipe.tools.tune.search import (
+    Tuner,
+    gpu_timer,
+    timing_shapes,
+    tune,
+)
+
+__all__ = [
+    "COMPILE_CALL",
+    "Check",
+    "CheckSizes",
+    "DTYPES",
+    "EIGHT_WARPS_MIN_TILE",
+    "ELEMENT_SIZE",
+    "GENERAL_SOFTCAP",
+    "GRID",
+    "HEAD_DIMS",
+    "KERNELS",
+    "Problem",
+    "SPLITS",
+    "Shape",
+    "Timer",
+    "Trial",
+    "TuneError",
+    "Tuner",
+    "add_arguments",
+    "candidates",
+    "clear",
+    "describe",
+    "gpu_timer",
+    "nan_outputs",
+    "prune",
+    "run",
+    "show",
+    "timing_shapes",
+    "tune",
+]

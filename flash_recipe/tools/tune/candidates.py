@@ -1,0 +1,102 @@
+"""The candidates of one kernel (the table's configuration, then ``GRID``) and their pruning by
+the launch-specialised shared-memory fit (``flash_recipe.tools.compile_check``)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+from flash_recipe.ops import configs
+from flash_recipe.ops.configs import Config
+from flash_recipe.tools.tune.problem import COMPILE_CALL, EIGHT_WARPS_MIN_TILE, ELEMENT_SIZE, GRID, TuneError
+
+# -- candidates and pruning -------------------------------------------------------------------
+
+
+def candidates(kernel: str, table: Config, grid: Optional[dict] = None) -> list[Config]:
+    """The table's configuration first, then ``grid[kernel]`` (a list of configs, default ``GRID``'s
+    product, with eight warps only on tiles of at least ``EIGHT_WARPS_MIN_TILE`` elements), each once."""
+    if grid is not None and kernel in grid:
+        found = [Config(*c) for c in grid[kernel]]
+    else:
+        found = [
+            Config(*c) for c in itertools.product(*GRID[kernel]) if c[2] < 8 or c[0] * c[1] >= EIGHT_WARPS_MIN_TILE
+        ]
+    return list(dict.fromkeys([Config(*table)] + found))
+
+
+def _compile_one(job: tuple) -> list[dict]:
+    """Compile one candidate in one form for a target; one row per compiled launch of the kernel."""
+    from flash_recipe.tools import compile_check
+
+    kernel, head_dim, dtype, config, target, form = job
+    row = {"kernel": kernel, "config": list(config), "form": form, "target": target}
+    try:
+        with configs.overriding(kernel, head_dim, ELEMENT_SIZE[dtype], Config(*config)):
+            compiled = compile_check.check_case(compile_check.Case(COMPILE_CALL[kernel], dtype, head_dim, form), target)
+    except Exception as exc:  # a candidate the compiler refuses is dropped, with the reason
+        return [{**row, "fits": False, "problem": f"does not compile: {type(exc).__name__}: {exc}"[:500]}]
+    rows = []
+    for found in compiled:
+        if found["kernel"] != kernel:
+            continue
+        problems = []
+        if found["shared_bytes"] > found["shared_limit"]:
+            problems.append(
+                f"needs {found['shared_bytes']} B of shared memory, {target} offers {found['shared_limit']} B"
+            )
+        if not found["stores"]:
+            problems.append("compiles to a trap")
+        rows.append(
+            {
+                **row,
+                "shared_bytes": found["shared_bytes"],
+                "shared_limit": found["shared_limit"],
+                "fits": not problems,
+                "problem": "; ".join(problems) or None,
+            }
+        )
+    return rows or [{**row, "fits": False, "problem": f"the {COMPILE_CALL[kernel]} call launched no {kernel} kernel"}]
+
+
+def prune(
+    kernel: str,
+    head_dim: int,
+    dtype: str,
+    found: list,
+    target: str,
+    forms: tuple = ("aligned", "ragged"),
+    jobs: int = 1,
+) -> tuple[list[Config], list[dict]]:
+    """Keep the candidates that fit ``target``: compiled through the real launchers with a launch's
+    specialisation (``compile_check.check_case``, in each of ``forms``), none may need more shared
+    memory than ``configs.SHARED_MEMORY_LIMIT[target]`` or compile to a trap.
+
+    Returns the kept configurations (in the given order) and one row per compiled kernel:
+    ``config``, ``form``, ``shared_bytes``, ``shared_limit``, ``fits``, ``problem``. A candidate
+    dropped in one form is not compiled in the next. Needs Triton's compiler (``TRITON_INTERPRET``
+    unset); ``jobs > 1`` compiles in that many processes.
+    """
+    if configs.interpreter_enabled():
+        raise TuneError("pruning compiles the kernels for the GPU: unset TRITON_INTERPRET")
+    if target not in configs.SHARED_MEMORY_LIMIT:
+        raise TuneError(f"no shared-memory limit on record for {target}; known: {sorted(configs.SHARED_MEMORY_LIMIT)}")
+    kept, rows = [Config(*c) for c in found], []
+    pool = None
+    if jobs > 1 and len(found) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        # Fresh processes: a forked copy of a process that has used the GPU must not touch it.
+        pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for form in forms:  # a candidate that fails one form is not compiled in the next
+            work = [(kernel, head_dim, dtype, tuple(c), target, form) for c in kept]
+            results = list(pool.map(_compile_one, work) if pool else map(_compile_one, work))
+            rows += [row for result in results for row in result]
+            bad = {tuple(row["config"]) for row in rows if not row["fits"]}
+            kept = [c for c in kept if tuple(c) not in bad]
+    finally:
+        if pool:
+            pool.shutdown()
+    return kept, rows
