@@ -91,7 +91,7 @@ def _fwd_inner(
             b_k = k_tiles.load([tile_row + start_n, tile_col])
         else:
             b_k, m_bad = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, k_end, head_dim,
-                                   page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
+                                   page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BN, BD]
             if PAGED:
                 b_bad = b_bad | m_bad  # [BLOCK_N]: rows whose page index was out of range
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
@@ -158,7 +158,8 @@ def attn_fwd_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FOLD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
     ``(cdiv(max Sq * group_size, BLOCK_M) * num_splits, Hk, B)``.
