@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 import pytest
 
-from flash_recipe.env import doctor, facts, probes, rules
+from flash_recipe.env import doctor, facts, findings, probes, rules, rules_build, rules_runtime
 
 ENV_DIR = Path(probes.__file__).resolve().parent
 
@@ -203,7 +203,9 @@ def check_module(module: ModuleType) -> KeyChecker:
     return KeyChecker(vars(module)).check(inspect.getsource(module))
 
 
-@pytest.mark.parametrize("module", [rules, doctor, probes], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize(
+    "module", [findings, rules_build, rules_runtime, doctor, probes], ids=lambda m: m.__name__.rsplit(".", 1)[-1]
+)
 def test_every_key_read_on_the_facts_is_declared(module):
     checker = check_module(module)
     assert checker.problems == []
@@ -212,7 +214,7 @@ def test_every_key_read_on_the_facts_is_declared(module):
 def test_the_checker_follows_the_rules_to_their_facts():
     """The keys are checked where rules read them: through ctx's properties, aliases, ``or {}``, a helper's return
     type and loops, down to nested TypedDicts."""
-    checked = check_module(rules).checked
+    checked = set().union(*(check_module(module).checked for module in rules.RULE_MODULES))
     expected = {
         ("TorchFacts", "cxx11abi"),
         ("TorchFacts", "import_error"),
@@ -429,13 +431,13 @@ def test_env_package_does_not_parse_triton_interpret_itself():
 
 # -- each rule's name is written once ----------------------------------------------------------------------------
 def test_rule_names_come_from_the_registration(monkeypatch):
-    monkeypatch.setattr(rules, "RULES", [])
+    monkeypatch.setattr(findings, "RULES", [])
 
     @rules.rule("toy-rule")
     def _toy(ctx, finding):
         return finding("a toy", "info", ["seen"], "upstream-flash-attn", "true", note="n")
 
-    ((name, check),) = rules.RULES
+    ((name, check),) = findings.RULES
     found = check(rules.Context(facts={}))
     assert name == "toy-rule" and found.rule == "toy-rule"
     assert found.to_dict() == {
@@ -455,7 +457,7 @@ def test_no_rule_spells_its_name_twice():
     Finding itself, for the rule that raised."""
     names = [name for name, _ in rules.RULES]
     assert len(names) == len(set(names))
-    tree = ast.parse(inspect.getsource(rules))
+    tree = ast.parse("".join(inspect.getsource(module) for module in (findings, *rules.RULE_MODULES)))
     constructors = sorted(
         {
             fn.name

@@ -16,7 +16,7 @@ from flash_recipe.env import probes
 from flash_recipe.env.facts import Facts
 from flash_recipe.env.published import LATEST
 from flash_recipe.env.rules import Context, Finding, evaluate
-from flash_recipe.env.wheels import _release_tuple, inspect_wheel_file
+from flash_recipe.env.wheels import inspect_wheel_file, release_tuple
 
 FLEX_FACTS = (
     "FlexAttention has no ahead-of-time build step and no build_flex_attention_kernels() function: "
@@ -319,7 +319,7 @@ def format_report(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.flash_attn_wheel is not None:
         try:
-            _release_tuple(args.flash_attn_wheel)
+            release_tuple(args.flash_attn_wheel)
         except ValueError as exc:
             sys.stderr.write(f"flash-recipe doctor: error: --flash-attn-wheel: {exc}\n")
             return 2
