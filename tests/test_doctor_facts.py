@@ -252,7 +252,7 @@ def _misspelt(ctx: Context, finding: Build) -> Optional[Finding]:
 
 def test_the_checker_reports_a_misspelt_key():
     """The same checker over a rule with misspelt keys (and a misspelt probe): each one is reported."""
-    problems = KeyChecker(vars(rules)).check(MISSPELT_RULE).problems
+    problems = KeyChecker(vars(rules_runtime)).check(MISSPELT_RULE).problems
     assert sorted(problem.split(": ", 1)[1] for problem in problems) == [
         "Context has no attribute 'trch'",
         "EnvVarFacts has no key 'MAX_JOB'",
