@@ -73,6 +73,28 @@ def install_torch(facts: dict[str, Any], installer: str) -> str:
     return f"poetry source add --priority=explicit pytorch {url} && poetry add --source pytorch torch"
 
 
+# The CUDA torch index offered when no NVIDIA driver says which CUDA it supports.
+DEFAULT_CUDA_LABEL = "cu128"
+
+
+def install_cuda_torch(facts: dict[str, Any], installer: str) -> str:
+    """Replace a CPU-only torch with a CUDA build: from the index of the driver's CUDA when a
+    driver is seen, else from ``DEFAULT_CUDA_LABEL``'s (a comment says to pick the driver's)."""
+    _check_installer(installer)
+    driver = (facts.get("gpus") or {}).get("driver_cuda")
+    label = "cu" + "".join(driver.split(".")[:2]) if driver else DEFAULT_CUDA_LABEL
+    url = TORCH_INDEX.format(label=label)
+    hint = "" if driver else f"   # {label}: or the cuXYZ index of the CUDA your NVIDIA driver supports"
+    if installer == "pip":
+        return f"python -m pip uninstall -y torch && python -m pip install torch --index-url {url}{hint}"
+    project = facts.get("project") or {}
+    if installer == "uv":
+        if project.get("pyproject"):
+            return f"uv add torch --index pytorch={url}{hint}"
+        return f"uv pip uninstall torch && uv pip install torch --index-url {url}{hint}"
+    return f"poetry source add --priority=explicit pytorch {url} && poetry add --source pytorch torch{hint}"
+
+
 def upgrade_torch(facts: dict[str, Any], installer: str, minimum: str, project: Optional[dict[str, Any]] = None) -> str:
     """Upgrade torch to ``minimum`` or newer from the index this environment takes torch from: the
     project's own torch index when the probes found one, else the download.pytorch.org index of

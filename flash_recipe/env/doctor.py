@@ -279,6 +279,14 @@ def format_report(report: dict[str, Any]) -> str:
     _section(lines, "upstream flash-attn")
     if fa.get("error"):
         lines.append(f"  probe failed: {fa['error']}")
+    elif not fa.get("installed") and fa.get("module_location"):
+        lines.append(
+            f"  no flash-attn distribution is installed, but `import flash_attn` finds {fa['module_location']}"
+        )
+        lines.append(f"  import flash_attn: {fa.get('package_error') or 'imports'}")
+        if fa.get("package_error") is None:
+            loads = "loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"
+            lines.append("  compiled module flash_attn_2_cuda: " + loads)
     elif not fa.get("installed"):
         lines.append("  not installed (flash_recipe does not need it)")
     else:
@@ -290,6 +298,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  wheel tags: {', '.join(fa['wheel_tags'])}")
         loads = "loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"
         lines.append("  compiled module flash_attn_2_cuda: " + loads)
+        if fa.get("package_error"):
+            lines.append(f"  import flash_attn: {fa['package_error']}")
 
     backends = facts.get("backends", {})
     _section(lines, "flash_recipe backends")

@@ -198,8 +198,9 @@ class _FlashAttnInstalled(TypedDict):
 
 
 class FlashAttnFacts(_FlashAttnInstalled, total=False):
-    """:func:`~flash_recipe.env.probes.probe_flash_attn`: ``installed`` and ``name`` always; the rest
-    once installed (the ``distribution_info`` keys, the wheel's, and the import check's)."""
+    """:func:`~flash_recipe.env.probes.probe_flash_attn`: ``installed`` and ``name`` always; the
+    ``distribution_info`` keys and the wheel's once installed; ``module_location`` and the import
+    check's whenever ``import flash_attn`` finds a package, installed as a distribution or not."""
 
     version: str
     location: Optional[str]
@@ -211,6 +212,7 @@ class FlashAttnFacts(_FlashAttnInstalled, total=False):
     extension_files: list[str]
     wheel_filename: Optional[str]
     wheel_name_parts: Optional[WheelNameParts]
+    module_location: Optional[str]  # where `import flash_attn` finds the package (with or without dist-info)
     module_error: Optional[str]  # why flash_attn_2_cuda does not import; None when it does
     package_error: Optional[str]
     loads: bool

@@ -188,12 +188,39 @@ class Context:
             platform=plat.get("wheel_platform") or "linux_x86_64",
         )
 
+    @property
+    def cpu_only_torch(self) -> bool:
+        """torch imports and is a CPU-only build: no flash-attn can be built or loaded against it."""
+        torch = self.torch
+        return bool(torch.get("installed")) and not torch.get("import_error") and torch.get("build") == "cpu"
+
+    def cuda_torch_fix(self) -> tuple[str, str]:
+        """(recipe, command) for a CPU-only torch: flash-attn needs a CUDA build of torch first, and
+        flash_recipe runs without one. Never a flash-attn build, which cannot work here."""
+        command = (
+            "# flash-attn needs a CUDA build of torch; this torch is CPU-only, so no flash-attn wheel or build "
+            "can load here.\n"
+            "# flash_recipe runs without one (torch SDPA on the CPU). For flash-attn, on a machine with an "
+            "NVIDIA GPU, take a CUDA torch first:\n" + commands.install_cuda_torch(self.facts, self.installer)
+        )
+        return f"torch-index-{self.installer}", command
+
     def wheel_fix(self) -> tuple[str, str]:
-        """(recipe, command) installing the published wheel for this environment, or a source build."""
+        """(recipe, command) installing the published wheel for this environment, or a source build;
+        on a CPU-only torch, :meth:`cuda_torch_fix` instead."""
+        if self.cpu_only_torch:
+            return self.cuda_torch_fix()
         res = self.resolved()
         if res["status"] == "published":
             return "upstream-flash-attn", commands.install_wheel_url(res["url"], self.installer)
-        command = commands.no_build_isolation(self.facts, self.installer, self.version, force_build=True)
+        return self.build_fix(force_build=True)
+
+    def build_fix(self, force_build: bool = False) -> tuple[str, str]:
+        """(recipe, command) building flash-attn against the installed torch with build isolation
+        off; on a CPU-only torch, :meth:`cuda_torch_fix` instead."""
+        if self.cpu_only_torch:
+            return self.cuda_torch_fix()
+        command = commands.no_build_isolation(self.facts, self.installer, self.version, force_build=force_build)
         return "upstream-flash-attn", command
 
 

@@ -11,6 +11,7 @@ notes (flash-attention issues #246, #931, #940, #1736, #219, #389, #773, #489, #
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any, Optional
 
 from flash_recipe.env import commands
@@ -41,7 +42,9 @@ def _build_isolation(ctx: Context, finding: Build) -> Optional[Finding]:
             )
     if not evidence:
         return None
-    if ctx.installer == "poetry":
+    if ctx.cpu_only_torch:
+        recipe, command = ctx.cuda_torch_fix()
+    elif ctx.installer == "poetry":
         # Poetry cannot switch build isolation off: install the published wheel by URL
         res = ctx.resolved()
         recipe = "upstream-flash-attn"
@@ -247,12 +250,13 @@ def _compile_oom(ctx: Context, finding: Build) -> Optional[Finding]:
         evidence.append("ninja is not installed: without it the build compiles one file at a time (about 2 hours)")
     if not evidence:
         return None
+    recipe, command = ctx.build_fix(force_build=True)
     return finding(
         "a flash-attn compile with too many parallel jobs runs out of memory (or crawls without ninja)",
         "error" if lines else "warning",
         evidence,
-        "upstream-flash-attn",
-        commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True),
+        recipe,
+        command,
         failure=7,
         note=(
             f"MAX_JOBS={safe} follows upstream's own rule (half the cores, one job per 9 GB free); "
@@ -304,17 +308,19 @@ def _download_blocked(ctx: Context, finding: Build) -> Optional[Finding]:
     if not evidence:
         return None
     res = ctx.resolved()
-    command = (
-        f"# on a machine with access: curl -LO '{res['url']}' ; copy it here, then:\n"
-        f"python -m pip install ./{res['filename']}"
-        if res["url"]
-        else commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True)
-    )
+    if res["url"] and not ctx.cpu_only_torch:
+        recipe = "upstream-flash-attn"
+        command = (
+            f"# on a machine with access: curl -LO '{res['url']}' ; copy it here, then:\n"
+            f"python -m pip install ./{res['filename']}"
+        )
+    else:
+        recipe, command = ctx.build_fix(force_build=True)
     return finding(
         "setup.py could not download the prebuilt wheel and silently falls back to an hours-long compile",
         "error" if fell_back else "warning",
         evidence,
-        "upstream-flash-attn",
+        recipe,
         command,
         failure=8,
     )
@@ -336,7 +342,10 @@ def _version_mismatch(ctx: Context, finding: Build) -> Optional[Finding]:
     if not evidence:
         return None
     res = ctx.resolved()
-    if res["url"]:
+    recipe = "upstream-flash-attn"
+    if ctx.cpu_only_torch:
+        recipe, command = ctx.cuda_torch_fix()
+    elif res["url"]:
         command = commands.install_wheel_url(res["url"], ctx.installer)
     else:
         command = "python -m pip install flash-attn==" + ctx.version
@@ -344,7 +353,7 @@ def _version_mismatch(ctx: Context, finding: Build) -> Optional[Finding]:
         "the wheel's file name and its METADATA disagree on the version (a renamed file)",
         "error",
         evidence,
-        "upstream-flash-attn",
+        recipe,
         command,
         failure=9,
         note=(
@@ -416,12 +425,46 @@ def _no_wheel(ctx: Context, finding: Build) -> Optional[Finding]:
     if nearest:
         differs = "; ".join(nearest["differs"]) or "same coupling"
         note = f"nearest published: {nearest['filename']} ({differs}); it only loads with that torch."
+    recipe, command = ctx.build_fix(force_build=True)
     return finding(
         "upstream published no wheel for this torch/Python/ABI: pip will compile flash-attn for hours",
         "warning",
         evidence,
-        "upstream-flash-attn",
-        commands.no_build_isolation(ctx.facts, ctx.installer, ctx.version, force_build=True),
+        recipe,
+        command,
         failure=11,
         note=note,
+    )
+
+
+# -- a flash_attn module that no installed distribution owns ---------------------------------------
+@rule("flash-attn-unowned-module")
+def _unowned_module(ctx: Context, finding: Build) -> Optional[Finding]:
+    fa = ctx.flash_attn
+    location = fa.get("module_location")
+    error = fa.get("package_error")
+    if fa.get("installed") or not location or not error:
+        return None
+    evidence = [
+        f"import flash_attn: {error}",
+        f"`import flash_attn` finds {location}, which no installed flash-attn distribution owns (no dist-info: "
+        "a vendored copy, a directory on PYTHONPATH, or an install whose metadata was removed)",
+    ]
+    remove = f"rm -rf {shlex.quote(location)}   # or take the directory holding it off PYTHONPATH"
+    stand_in = "# or run without flash-attn: call flash_recipe.install_as_flash_attn() before the imports that need it"
+    if ctx.cpu_only_torch:
+        recipe, fix = ctx.cuda_torch_fix()
+    else:
+        recipe, fix = ctx.wheel_fix()
+        fix = f"{fix}   # the flash-attn wheel for this torch, Python and C++ ABI"
+    return finding(
+        "a flash_attn package that is not an installed distribution fails to import",
+        "error",
+        evidence,
+        recipe,
+        "\n".join([remove, fix, stand_in]),
+        note=(
+            "Installers cannot see or remove it, and every `import flash_attn` (transformers, ring-flash-attn, "
+            "your code) raises the error above until it is gone."
+        ),
     )
