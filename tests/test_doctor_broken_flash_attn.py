@@ -145,3 +145,51 @@ def test_vendored_flash_attn_that_imports_is_no_finding(tmp_path):
     report = json.loads(doctor(tmp_path, site, "--json").stdout)
     assert not [f for f in report["findings"] if f["rule"] == "flash-attn-unowned-module"]
     assert report["facts"]["flash_attn"]["package_error"] is None
+
+
+# -- the flash-recipe install command: from the index only where it is there ---------------------------
+@pytest.mark.parametrize(
+    "release, expected",
+    [
+        (
+            {"on_index": True, "checkout": "/src/flash-recipe", "repository": "https://example.org/fr"},
+            {
+                "pip": "python -m pip install flash-recipe",
+                "uv": "uv add flash-recipe",
+                "poetry": "poetry add flash-recipe",
+            },
+        ),
+        (
+            {"on_index": False, "checkout": "/src/flash-recipe", "repository": "https://example.org/fr"},
+            {
+                "pip": "python -m pip install /src/flash-recipe",
+                "uv": "uv add /src/flash-recipe",
+                "poetry": "poetry add /src/flash-recipe",
+            },
+        ),
+        (
+            {"on_index": None, "checkout": None, "repository": "https://example.org/fr"},
+            {
+                "pip": 'python -m pip install "flash-recipe @ git+https://example.org/fr"',
+                "uv": 'uv add "flash-recipe @ git+https://example.org/fr"',
+                "poetry": 'poetry add "git+https://example.org/fr"',
+            },
+        ),
+    ],
+    ids=["on-index", "checkout", "git"],
+)
+def test_install_command_takes_the_index_only_where_it_serves_flash_recipe(release, expected):
+    from flash_recipe.env import commands
+
+    for installer, command in expected.items():
+        assert commands.install_flash_recipe(installer, release) == command
+
+
+def test_repository_url_is_pyprojects():
+    import re
+
+    from flash_recipe.env import release
+
+    text = (ROOT / "pyproject.toml").read_text()
+    assert release.repository_url() == re.search(r'^Repository = "(.+)"', text, re.M).group(1)
+    assert release.checkout_dir() == str(ROOT)

@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 import pytest
 
-from flash_recipe.env import doctor, facts, findings, probes, rules, rules_build, rules_runtime
+from flash_recipe.env import doctor, facts, findings, probes, release, rules, rules_build, rules_runtime
 
 ENV_DIR = Path(probes.__file__).resolve().parent
 
@@ -275,8 +275,10 @@ def test_the_checker_reports_a_misspelt_key():
 # -- the declarations against the code -----------------------------------------------------------------------------
 def test_facts_names_every_probe_and_context_reads_each():
     hints = typing.get_type_hints(facts.Facts)
-    assert set(hints) == set(probes.PROBES) | {"project", "network"}
-    runners = dict(probes.PROBES, project=probes.probe_project, network=probes.probe_network)
+    assert set(hints) == set(probes.PROBES) | {"project", "network", "release"}
+    runners = dict(
+        probes.PROBES, project=probes.probe_project, network=probes.probe_network, release=release.probe_release
+    )
     for name, tp in hints.items():
         probe_type, error = atoms(tp)
         assert error is facts.ProbeError
@@ -366,7 +368,7 @@ def test_the_probes_here_return_the_keys_their_types_declare(tmp_path):
         problems += undeclared(probes.triton_compile_check(arch), facts.CompileCheck, f"compile {arch}")
     problems += undeclared(probes.sdpa_kernel_check("cpu"), facts.SdpaKernels, "sdpa_kernel_check")
     assert problems == []
-    assert found["flash_attn"]["installed"] or set(found["flash_attn"]) == {"installed", "name"}
+    assert found["flash_attn"]["installed"] or set(found["flash_attn"]) == {"installed", "name", "module_location"}
 
 
 @pytest.mark.slow

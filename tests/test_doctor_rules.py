@@ -339,7 +339,12 @@ def test_compile_oom_from_max_jobs(monkeypatch):
     monkeypatch.setenv("FLASH_ATTENTION_FORCE_BUILD", "TRUE")
     f = rules_fired(Context(facts=this_machine()))["compile-oom"]
     assert "MAX_JOBS=64" in f.evidence[0]
-    assert "FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=" in f.command
+    if probes.probe_torch().get("build") == "cpu":  # no build proposed on a CPU-only torch: a CUDA torch first
+        assert "flash-attn needs a CUDA build of torch" in f.command and "FORCE_BUILD" not in f.command
+    else:
+        assert "FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=" in f.command
+    gpu = rules_fired(Context(facts=gpu_facts(env={"MAX_JOBS": "64", "FLASH_ATTENTION_FORCE_BUILD": "TRUE"})))
+    assert "FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=" in gpu["compile-oom"].command
 
 
 def test_compile_oom_quiet_with_a_sane_max_jobs(monkeypatch):

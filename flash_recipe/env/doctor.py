@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any, Optional
 
-from flash_recipe.env import probes
+from flash_recipe.env import probes, release
 from flash_recipe.env.facts import Facts
 from flash_recipe.env.published import LATEST
 from flash_recipe.env.rules import Context, Finding, evaluate
@@ -55,6 +55,7 @@ def diagnose(args: argparse.Namespace, facts: Optional[Facts] = None) -> dict[st
     if facts is None:
         facts = probes.collect()
         facts["project"] = probes.run_probe("project", lambda: probes.probe_project(args.project))
+        facts["release"] = probes.run_probe("release", release.probe_release)
         if args.online:
             facts["network"] = probes.run_probe("network", probes.probe_network)
     project = facts.get("project") if isinstance(facts.get("project"), dict) else {}

@@ -306,9 +306,21 @@ class ProjectFacts(TypedDict):
     torch_index: Optional[TorchIndex]
 
 
+class _Release(TypedDict):
+    repository: Optional[str]  # [project.urls] Repository
+    checkout: Optional[str]  # the source tree flash_recipe runs from, or None
+    on_index: Optional[bool]  # the configured index serves flash-recipe; None when it could not be asked
+
+
+class ReleaseFacts(_Release, total=False):
+    """:func:`~flash_recipe.env.release.probe_release`: where flash-recipe can be installed from."""
+
+    index_error: str
+
+
 class Facts(TypedDict, total=False):
-    """Probe name -> what it found (or :class:`ProbeError`). ``project`` and ``network`` are added by
-    the doctor (``network`` only with ``--online``); ``collect`` runs the others."""
+    """Probe name -> what it found (or :class:`ProbeError`). ``project``, ``release`` and ``network``
+    are added by the doctor (``network`` only with ``--online``); ``collect`` runs the others."""
 
     platform: Union[PlatformFacts, ProbeError]
     torch: Union[TorchFacts, ProbeError]
@@ -323,3 +335,4 @@ class Facts(TypedDict, total=False):
     backends: Union[BackendsFacts, ProbeError]
     project: Union[ProjectFacts, ProbeError]
     network: Union[NetworkFacts, ProbeError]
+    release: Union[ReleaseFacts, ProbeError]

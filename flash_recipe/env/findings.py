@@ -29,6 +29,7 @@ from flash_recipe.env.facts import (
     NvccFacts,
     PlatformFacts,
     ProjectFacts,
+    ReleaseFacts,
     SdpaFacts,
     TorchFacts,
     TritonFacts,
@@ -130,6 +131,10 @@ class Context:
     @property
     def network(self) -> NetworkFacts:
         return self._probe("network")
+
+    @property
+    def release(self) -> ReleaseFacts:
+        return self._probe("release")
 
     # -- shortcuts -------------------------------------------------------------------------------
     @property

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any, Optional
 
-from flash_recipe.env import commands, probes
+from flash_recipe.env import commands, probes, release
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +51,8 @@ def recommend(facts: dict[str, Any], installer: Optional[str] = None) -> dict[st
             f"torch {torch.get('version')} ({torch.get('build', '?')} build) is already installed; "
             f"flash-recipe is pure Python"
         )
-    steps.append(commands.install_flash_recipe(chosen))
+    release = facts.get("release") if isinstance(facts.get("release"), dict) else {}
+    steps.append(commands.install_flash_recipe(chosen, release, uv_project=bool(project.get("pyproject"))))
     steps.append("flash-recipe doctor   # check the result")
     return {
         "installer": chosen,
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         "torch": probes.run_probe("torch", probes.probe_torch),
         "gpus": probes.run_probe("gpus", probes.probe_gpus),
         "project": probes.run_probe("project", lambda: probes.probe_project(args.project)),
+        "release": probes.run_probe("release", release.probe_release),
     }
     result = recommend(facts, args.installer)
     if args.json:

@@ -257,7 +257,8 @@ def _cpu_torch_flash_attn(ctx: Context, finding: Build) -> Optional[Finding]:
         recipe = "upstream-flash-attn"
         command = (
             "# flash-attn cannot run without an NVIDIA (or AMD) GPU; here use flash_recipe, "
-            "which falls back to torch SDPA:\n" + commands.install_flash_recipe(ctx.installer)
+            "which falls back to torch SDPA:\n"
+            + commands.install_flash_recipe(ctx.installer, ctx.release, uv_project=bool(ctx.project.get("pyproject")))
         )
     return finding(
         "upstream flash-attn needs a CUDA (or ROCm) build of torch",
