@@ -10,8 +10,8 @@ Each ```bash block is preceded by an HTML comment (invisible on GitHub) that say
 - ``<!-- runs: recipes/<path> ... -->``: each line is a line of those recipes' ``recipe.sh``,
   which the install matrix runs verbatim, once the means the harness gives the hermetic index by
   are taken out (``HARNESS_ONLY``) and the values the harness fills in are put in (``FILLED_IN``);
-- ``<!-- runs: tests/<file> ... -->`` or ``noxfile.py``: the subcommand or session and every
-  option of each line appear in that file, which runs them;
+- ``<!-- runs: tests/<file> ... -->`` or ``noxfile.py``: every option of each line appears in
+  those files, the tests or sessions that run the command with them;
 - ``<!-- gpu-only: <reason> -->``: needs a GPU (or a machine this project has none of).
 
 README's Python example runs here too.
