@@ -176,13 +176,18 @@ def test_recipe_detects_installer_from_project_files(tmp_path, capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     code, out, _ = main(capsys, "recipe")
     assert code == 0
-    # not on the configured index: the checkout these tests run from
-    assert f"poetry add {ROOT}" in out and "installer: poetry" in out
+    # not on the configured index: the checkout these tests run from, or the repository for a wheel
+    assert "installer: poetry" in out and "poetry add flash-recipe" not in out
+    assert f"poetry add {ROOT}" in out or 'poetry add "git+https://github.com/flash-recipe/flash-recipe"' in out
     uv_dir = tmp_path / "uvproj"
     uv_dir.mkdir()
     (uv_dir / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.uv]\n')
     result = json.loads(main(capsys, "recipe", "--json", "--project", str(uv_dir))[1])
-    assert result["installer"] == "uv" and result["recipe"] == "uv-project" and f"uv add {ROOT}" in result["steps"]
+    assert (
+        result["installer"] == "uv"
+        and result["recipe"] == "uv-project"
+        and "uv add flash-recipe" not in result["steps"]
+    )
 
 
 def test_recipe_installer_override_and_no_torch(no_torch_python, tmp_path):

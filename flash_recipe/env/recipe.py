@@ -47,6 +47,12 @@ def recommend(facts: dict[str, Any], installer: Optional[str] = None) -> dict[st
     else:
         uv_recipe = "uv-project" if project.get("pyproject") else "uv-pip"
         recipe = {"pip": "torch-index-pip", "uv": uv_recipe, "poetry": "poetry-index"}[chosen]
+        release = facts.get("release") if isinstance(facts.get("release"), dict) else {}
+        if not release.get("on_index"):  # the recipe of the source the command takes
+            if release.get("checkout") and chosen == "poetry":
+                recipe = "poetry-path"
+            elif release.get("repository") and not release.get("checkout"):
+                recipe = {"pip": "pip-git", "poetry": "poetry-git"}.get(chosen, recipe)
         why.append(
             f"torch {torch.get('version')} ({torch.get('build', '?')} build) is already installed; "
             f"flash-recipe is pure Python"

@@ -19,6 +19,7 @@ def cited_recipes() -> set[str]:
     """Every recipe folder name a rule or ``flash-recipe recipe`` can cite (a test checks that each
     exists under recipes/)."""
     names = {"upstream-flash-attn", "pip-no-build-isolation", "uv-project", "uv-pip", "poetry-index"}
+    names |= {"pip-git", "poetry-git", "poetry-path"}  # flash-recipe recipe, where the index lacks flash-recipe
     names |= {f"torch-index-{installer}" for installer in commands.INSTALLERS}
     return names
 
