@@ -112,14 +112,17 @@ def test_unowned_broken_flash_attn_in_json_and_for_each_installer(tmp_path):
     assert finding["evidence"][0] == f"import flash_attn: ImportError: {UNDEFINED}"
     fa = report["facts"]["flash_attn"]
     assert fa["installed"] is False and fa["module_location"] == str(site / "flash_attn")
+    # the same facts, the fix written for the other installers
+    from flash_recipe.env.rules import Context, evaluate
+
     for installer, torch_command in (
         ("uv", "uv pip install torch --index-url"),
         ("poetry", "poetry add --source pytorch torch"),
     ):
-        report = json.loads(doctor(tmp_path, site, "--json", "--installer", installer).stdout)
-        (finding,) = [f for f in report["findings"] if f["rule"] == "flash-attn-unowned-module"]
-        assert torch_command in finding["command"], finding["command"]
-        assert not any(word in finding["command"] for word in BUILD_WORDS)
+        found = evaluate(Context(facts=report["facts"], installer=installer, project=report["facts"]["project"]))
+        (finding,) = [f for f in found if f.rule == "flash-attn-unowned-module"]
+        assert torch_command in finding.command, finding.command
+        assert not any(word in finding.command for word in BUILD_WORDS)
 
 
 @cpu_only
@@ -137,6 +140,19 @@ def test_installed_flash_attn_for_another_torch_on_cpu_torch_proposes_no_build(t
     assert "flash-attn needs a CUDA build of torch" in findings
     assert not any(word in out for word in BUILD_WORDS), out
     assert "2.8.3 installed by pip" in section(out, "UPSTREAM FLASH-ATTN")
+
+
+@cpu_only
+def test_a_flash_attention_source_tree_is_never_to_be_deleted(tmp_path):
+    """Run inside a flash-attention clone: its unbuilt flash_attn imports first; the fix moves away from it."""
+    clone = tmp_path / "flash-attention"
+    fake_flash_attn(clone, "import flash_attn_2_cuda\n")
+    (clone / "setup.py").write_text("")
+    report = json.loads(doctor(tmp_path, clone, "--json").stdout)
+    (finding,) = [f for f in report["findings"] if f["rule"] == "flash-attn-unowned-module"]
+    assert "No module named 'flash_attn_2_cuda'" in finding["evidence"][0]
+    assert f"{clone} is a source tree" in finding["evidence"][2]
+    assert "rm -rf" not in finding["command"] and "outside the source tree" in finding["command"]
 
 
 def test_vendored_flash_attn_that_imports_is_no_finding(tmp_path):

@@ -10,6 +10,7 @@ notes (flash-attention issues #246, #931, #940, #1736, #219, #389, #773, #489, #
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from typing import Any, Optional
@@ -450,7 +451,13 @@ def _unowned_module(ctx: Context, finding: Build) -> Optional[Finding]:
         f"`import flash_attn` finds {location}, which no installed flash-attn distribution owns (no dist-info: "
         "a vendored copy, a directory on PYTHONPATH, or an install whose metadata was removed)",
     ]
-    remove = f"rm -rf {shlex.quote(location)}   # or take the directory holding it off PYTHONPATH"
+    parent = os.path.dirname(location)
+    if any(os.path.exists(os.path.join(parent, name)) for name in ("setup.py", "pyproject.toml")):
+        # a source tree (a flash-attention clone): never advise deleting it
+        evidence.append(f"{parent} is a source tree: Python imports its unbuilt flash_attn from there")
+        remove = f"cd ~   # run Python outside the source tree {shlex.quote(parent)}, or take it off PYTHONPATH"
+    else:
+        remove = f"rm -rf {shlex.quote(location)}   # or take the directory holding it off PYTHONPATH"
     stand_in = "# or run without flash-attn: call flash_recipe.install_as_flash_attn() before the imports that need it"
     if ctx.cpu_only_torch:
         recipe, fix = ctx.cuda_torch_fix()
