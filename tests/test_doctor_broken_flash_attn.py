@@ -212,3 +212,18 @@ def test_repository_url_is_pyprojects():
 
     from_checkout = Path(flash_recipe.__file__).resolve().parents[1] == ROOT
     assert release.checkout_dir() == (str(ROOT) if from_checkout else None)
+
+
+@cpu_only
+def test_readme_sample_is_the_doctors_output(tmp_path):
+    """README's sample is this scenario's real FINDINGS section (the vendored copy at /tmp/demo/vendor)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    sample = re.search(r"```text\n(FINDINGS\n.*?)```", readme, re.S).group(1)
+    site = tmp_path / "vendor"
+    fake_flash_attn(site, RAISES)
+    out = doctor(tmp_path, site).stdout.replace(str(site), "/tmp/demo/vendor")
+    findings = section(out, "FINDINGS").splitlines()
+    for line in sample.splitlines():
+        assert line in findings, line
