@@ -103,10 +103,16 @@ def shim_path(tmp_path: Path) -> str:
     return os.pathsep.join([str(directory), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
+def user_environment() -> dict[str, str]:
+    """This process's environment without what the test suite sets for itself (conftest turns the
+    Triton interpreter on), as a user's shell has it."""
+    return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASH_RECIPE_BACKEND")}
+
+
 def run_here(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
     work = tmp_path / "work"
     work.mkdir()
-    env = dict(os.environ)
+    env = user_environment()
     env.update(
         PATH=shim_path(tmp_path),
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
@@ -157,7 +163,7 @@ def test_readme_example_runs(tmp_path):
         for m in [p.values[1]]
         if p.values[0].name == "README.md" and m.group("lang") == "python"
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(user_environment(), PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         [sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
