@@ -112,7 +112,8 @@ def test_doctor_reads_a_log_and_exits_1(tmp_path, capsys, monkeypatch):
     code, out, _ = main(capsys, "doctor", "--log", str(log), "--installer", "pip")
     assert code == 1
     assert "[error] build-isolation-no-torch" in out
-    assert "fix (recipes/pip-no-build-isolation):" in out
+    # this machine's torch is CPU-only: the fix is a CUDA torch, not a build without isolation
+    assert "fix (recipes/torch-index-pip):" in out and "--no-build-isolation" not in out
     monkeypatch.setattr(sys, "stdin", io.StringIO(log.read_text()))
     code, out, _ = main(capsys, "doctor", "--json", "--log", "-")
     assert code == 1 and json.loads(out)["findings"][0]["rule"] == "build-isolation-no-torch"
@@ -175,12 +176,18 @@ def test_recipe_detects_installer_from_project_files(tmp_path, capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     code, out, _ = main(capsys, "recipe")
     assert code == 0
-    assert "poetry add flash-recipe" in out and "installer: poetry" in out
+    # not on the configured index: the checkout these tests run from, or the repository for a wheel
+    assert "installer: poetry" in out and "poetry add flash-recipe" not in out
+    assert f"poetry add {ROOT}" in out or 'poetry add "git+https://github.com/flash-recipe/flash-recipe"' in out
     uv_dir = tmp_path / "uvproj"
     uv_dir.mkdir()
     (uv_dir / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.uv]\n')
     result = json.loads(main(capsys, "recipe", "--json", "--project", str(uv_dir))[1])
-    assert result["installer"] == "uv" and result["recipe"] == "uv-project" and "uv add flash-recipe" in result["steps"]
+    assert (
+        result["installer"] == "uv"
+        and result["recipe"] == "uv-project"
+        and "uv add flash-recipe" not in result["steps"]
+    )
 
 
 def test_recipe_installer_override_and_no_torch(no_torch_python, tmp_path):
@@ -188,7 +195,7 @@ def test_recipe_installer_override_and_no_torch(no_torch_python, tmp_path):
     result = json.loads(proc.stdout)
     assert result["recipe"] == "torch-index-pip"
     assert result["steps"][0].startswith("python -m pip install torch --index-url https://download.pytorch.org/whl/")
-    assert result["steps"][1] == "python -m pip install flash-recipe"
+    assert result["steps"][1] == f"python -m pip install {ROOT}"
 
 
 def test_doctor_bad_version_and_missing_log_are_usage_errors(capsys, tmp_path):

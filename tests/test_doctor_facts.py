@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 import pytest
 
-from flash_recipe.env import doctor, facts, probes, rules
+from flash_recipe.env import doctor, facts, findings, probes, release, rules, rules_build, rules_runtime
 
 ENV_DIR = Path(probes.__file__).resolve().parent
 
@@ -207,7 +207,9 @@ def check_module(module: ModuleType) -> KeyChecker:
     return KeyChecker(vars(module)).check(inspect.getsource(module))
 
 
-@pytest.mark.parametrize("module", [rules, doctor, probes], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize(
+    "module", [findings, rules_build, rules_runtime, doctor, probes], ids=lambda m: m.__name__.rsplit(".", 1)[-1]
+)
 def test_every_key_read_on_the_facts_is_declared(module):
     checker = check_module(module)
     assert checker.problems == []
@@ -216,7 +218,7 @@ def test_every_key_read_on_the_facts_is_declared(module):
 def test_the_checker_follows_the_rules_to_their_facts():
     """The keys are checked where rules read them: through ctx's properties, aliases, ``or {}``, a helper's return
     type and loops, down to nested TypedDicts."""
-    checked = check_module(rules).checked
+    checked = set().union(*(check_module(module).checked for module in rules.RULE_MODULES))
     expected = {
         ("TorchFacts", "cxx11abi"),
         ("TorchFacts", "import_error"),
@@ -254,7 +256,7 @@ def _misspelt(ctx: Context, finding: Build) -> Optional[Finding]:
 
 def test_the_checker_reports_a_misspelt_key():
     """The same checker over a rule with misspelt keys (and a misspelt probe): each one is reported."""
-    problems = KeyChecker(vars(rules)).check(MISSPELT_RULE).problems
+    problems = KeyChecker(vars(rules_runtime)).check(MISSPELT_RULE).problems
     assert sorted(problem.split(": ", 1)[1] for problem in problems) == [
         "Context has no attribute 'trch'",
         "EnvVarFacts has no key 'MAX_JOB'",
@@ -277,8 +279,10 @@ def test_the_checker_reports_a_misspelt_key():
 # -- the declarations against the code -----------------------------------------------------------------------------
 def test_facts_names_every_probe_and_context_reads_each():
     hints = typing.get_type_hints(facts.Facts)
-    assert set(hints) == set(probes.PROBES) | {"project", "network"}
-    runners = dict(probes.PROBES, project=probes.probe_project, network=probes.probe_network)
+    assert set(hints) == set(probes.PROBES) | {"project", "network", "release"}
+    runners = dict(
+        probes.PROBES, project=probes.probe_project, network=probes.probe_network, release=release.probe_release
+    )
     for name, tp in hints.items():
         probe_type, error = atoms(tp)
         assert error is facts.ProbeError
@@ -368,7 +372,7 @@ def test_the_probes_here_return_the_keys_their_types_declare(tmp_path):
         problems += undeclared(probes.triton_compile_check(arch), facts.CompileCheck, f"compile {arch}")
     problems += undeclared(probes.sdpa_kernel_check("cpu"), facts.SdpaKernels, "sdpa_kernel_check")
     assert problems == []
-    assert found["flash_attn"]["installed"] or set(found["flash_attn"]) == {"installed", "name"}
+    assert found["flash_attn"]["installed"] or set(found["flash_attn"]) == {"installed", "name", "module_location"}
 
 
 @pytest.mark.slow
@@ -433,13 +437,13 @@ def test_env_package_does_not_parse_triton_interpret_itself():
 
 # -- each rule's name is written once ----------------------------------------------------------------------------
 def test_rule_names_come_from_the_registration(monkeypatch):
-    monkeypatch.setattr(rules, "RULES", [])
+    monkeypatch.setattr(findings, "RULES", [])
 
     @rules.rule("toy-rule")
     def _toy(ctx, finding):
         return finding("a toy", "info", ["seen"], "upstream-flash-attn", "true", note="n")
 
-    ((name, check),) = rules.RULES
+    ((name, check),) = findings.RULES
     found = check(rules.Context(facts={}))
     assert name == "toy-rule" and found.rule == "toy-rule"
     assert found.to_dict() == {
@@ -459,7 +463,7 @@ def test_no_rule_spells_its_name_twice():
     Finding itself, for the rule that raised."""
     names = [name for name, _ in rules.RULES]
     assert len(names) == len(set(names))
-    tree = ast.parse(inspect.getsource(rules))
+    tree = ast.parse("".join(inspect.getsource(module) for module in (findings, *rules.RULE_MODULES)))
     constructors = sorted(
         {
             fn.name

@@ -339,7 +339,12 @@ def test_compile_oom_from_max_jobs(monkeypatch):
     monkeypatch.setenv("FLASH_ATTENTION_FORCE_BUILD", "TRUE")
     f = rules_fired(Context(facts=this_machine()))["compile-oom"]
     assert "MAX_JOBS=64" in f.evidence[0]
-    assert "FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=" in f.command
+    if probes.probe_torch().get("build") == "cpu":  # no build proposed on a CPU-only torch: a CUDA torch first
+        assert "flash-attn needs a CUDA build of torch" in f.command and "FORCE_BUILD" not in f.command
+    else:
+        assert "FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=" in f.command
+    gpu = rules_fired(Context(facts=gpu_facts(env={"MAX_JOBS": "64", "FLASH_ATTENTION_FORCE_BUILD": "TRUE"})))
+    assert "FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=" in gpu["compile-oom"].command
 
 
 def test_compile_oom_quiet_with_a_sane_max_jobs(monkeypatch):
@@ -830,12 +835,12 @@ def test_no_backend():
 
 # -- the rule set as a whole -------------------------------------------------------------------
 def test_a_broken_rule_does_not_hide_the_others(monkeypatch):
-    from flash_recipe.env import rules as rules_module
+    from flash_recipe.env import findings
 
     def explode(ctx):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(rules_module, "RULES", [("explodes", explode)] + list(RULES))
+    monkeypatch.setattr(findings, "RULES", [("explodes", explode)] + list(RULES))
     found = rules_fired(Context(facts=gpu_facts(), log=ISOLATED_BUILD_LOG))
     assert found["explodes"].severity == "info" and "boom" in found["explodes"].evidence[0]
     assert "build-isolation-no-torch" in found
@@ -846,7 +851,7 @@ def test_every_known_failure_has_a_rule():
 
     from flash_recipe.env import rules as rules_module
 
-    source = inspect.getsource(rules_module)
+    source = "".join(inspect.getsource(module) for module in rules_module.RULE_MODULES)
     numbers = {int(n) for n in __import__("re").findall(r"failure=(\d+)", source)}
     assert numbers == set(range(1, 14))
 

@@ -31,6 +31,10 @@ class FlashAttnBackend(Backend):
         if probes.import_error("flash_attn") == "flash_attn is not installed":
             return "flash_attn is not installed"
         error = probes.import_error("flash_attn_2_cuda")
+        package_error = probes.import_error("flash_attn")
+        if error is not None and package_error is not None:
+            # the package's own error says why (an undefined symbol, a missing module), as the doctor quotes it
+            return f"flash_attn does not import ({package_error})"
         if error is not None:
             return f"flash_attn is installed but its compiled module does not load ({error})"
         return None

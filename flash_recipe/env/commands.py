@@ -6,6 +6,7 @@ string ready to paste. Nothing here runs a command.
 
 from __future__ import annotations
 
+import shlex
 from typing import Any, Optional
 
 INSTALLERS = ("pip", "uv", "poetry")
@@ -73,6 +74,28 @@ def install_torch(facts: dict[str, Any], installer: str) -> str:
     return f"poetry source add --priority=explicit pytorch {url} && poetry add --source pytorch torch"
 
 
+# The CUDA torch index offered when no NVIDIA driver says which CUDA it supports.
+DEFAULT_CUDA_LABEL = "cu128"
+
+
+def install_cuda_torch(facts: dict[str, Any], installer: str) -> str:
+    """Replace a CPU-only torch with a CUDA build: from the index of the driver's CUDA when a
+    driver is seen, else from ``DEFAULT_CUDA_LABEL``'s (a comment says to pick the driver's)."""
+    _check_installer(installer)
+    driver = (facts.get("gpus") or {}).get("driver_cuda")
+    label = "cu" + "".join(driver.split(".")[:2]) if driver else DEFAULT_CUDA_LABEL
+    url = TORCH_INDEX.format(label=label)
+    hint = "" if driver else f"   # {label}: or the cuXYZ index of the CUDA your NVIDIA driver supports"
+    if installer == "pip":
+        return f"python -m pip uninstall -y torch && python -m pip install torch --index-url {url}{hint}"
+    project = facts.get("project") or {}
+    if installer == "uv":
+        if project.get("pyproject"):
+            return f"uv add torch --index pytorch={url}{hint}"
+        return f"uv pip uninstall torch && uv pip install torch --index-url {url}{hint}"
+    return f"poetry source add --priority=explicit pytorch {url} && poetry add --source pytorch torch{hint}"
+
+
 def upgrade_torch(facts: dict[str, Any], installer: str, minimum: str, project: Optional[dict[str, Any]] = None) -> str:
     """Upgrade torch to ``minimum`` or newer from the index this environment takes torch from: the
     project's own torch index when the probes found one, else the download.pytorch.org index of
@@ -114,13 +137,27 @@ def install_package(
     return f"python -m pip install --upgrade {spec}"
 
 
-def install_flash_recipe(installer: str) -> str:
+def install_flash_recipe(installer: str, release: Optional[dict[str, Any]] = None, uv_project: bool = True) -> str:
+    """Install flash-recipe with ``installer`` from where it can be had (``release``: the facts of
+    :func:`flash_recipe.env.release.probe_release`): the package index only where the configured
+    index serves it; else the checkout flash_recipe runs from; else the git repository.
+    ``uv_project``: a uv project (``uv add``) rather than a plain environment (``uv pip install``)."""
     _check_installer(installer)
-    return {
-        "pip": "python -m pip install flash-recipe",
-        "uv": "uv add flash-recipe",
-        "poetry": "poetry add flash-recipe",
-    }[installer]
+    release = release or {}
+    url = release.get("repository")
+    if release.get("on_index") or not (release.get("checkout") or url):
+        source = {"pip": "flash-recipe", "uv": "flash-recipe", "poetry": "flash-recipe"}
+    elif release.get("checkout"):
+        path = shlex.quote(release["checkout"])
+        source = {"pip": path, "uv": path, "poetry": path}
+    else:
+        source = {"pip": f'"flash-recipe @ git+{url}"', "uv": f'"flash-recipe @ git+{url}"', "poetry": f'"git+{url}"'}
+    uv = "uv add" if uv_project else "uv pip install"
+    command = {"pip": "python -m pip install", "uv": uv, "poetry": "poetry add"}[installer]
+    line = f"{command} {source[installer]}"
+    if not release.get("on_index") and line.endswith(" flash-recipe"):
+        line += "   # not found on the configured index; the repository is not known here"
+    return line
 
 
 def install_wheel_url(url: str, installer: str) -> str:

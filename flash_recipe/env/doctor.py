@@ -12,11 +12,11 @@ import json
 import sys
 from typing import Any, Optional
 
-from flash_recipe.env import probes
+from flash_recipe.env import probes, release
 from flash_recipe.env.facts import Facts
 from flash_recipe.env.published import LATEST
 from flash_recipe.env.rules import Context, Finding, evaluate
-from flash_recipe.env.wheels import _release_tuple, inspect_wheel_file
+from flash_recipe.env.wheels import inspect_wheel_file, release_tuple
 
 FLEX_FACTS = (
     "FlexAttention has no ahead-of-time build step and no build_flex_attention_kernels() function: "
@@ -55,6 +55,7 @@ def diagnose(args: argparse.Namespace, facts: Optional[Facts] = None) -> dict[st
     if facts is None:
         facts = probes.collect()
         facts["project"] = probes.run_probe("project", lambda: probes.probe_project(args.project))
+        facts["release"] = probes.run_probe("release", release.probe_release)
         if args.online:
             facts["network"] = probes.run_probe("network", probes.probe_network)
     project = facts.get("project") if isinstance(facts.get("project"), dict) else {}
@@ -279,6 +280,14 @@ def format_report(report: dict[str, Any]) -> str:
     _section(lines, "upstream flash-attn")
     if fa.get("error"):
         lines.append(f"  probe failed: {fa['error']}")
+    elif not fa.get("installed") and fa.get("module_location"):
+        lines.append(
+            f"  no flash-attn distribution is installed, but `import flash_attn` finds {fa['module_location']}"
+        )
+        lines.append(f"  import flash_attn: {fa.get('package_error') or 'imports'}")
+        if fa.get("package_error") is None:
+            loads = "loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"
+            lines.append("  compiled module flash_attn_2_cuda: " + loads)
     elif not fa.get("installed"):
         lines.append("  not installed (flash_recipe does not need it)")
     else:
@@ -290,6 +299,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  wheel tags: {', '.join(fa['wheel_tags'])}")
         loads = "loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"
         lines.append("  compiled module flash_attn_2_cuda: " + loads)
+        if fa.get("package_error"):
+            lines.append(f"  import flash_attn: {fa['package_error']}")
 
     backends = facts.get("backends", {})
     _section(lines, "flash_recipe backends")
@@ -319,7 +330,7 @@ def format_report(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.flash_attn_wheel is not None:
         try:
-            _release_tuple(args.flash_attn_wheel)
+            release_tuple(args.flash_attn_wheel)
         except ValueError as exc:
             sys.stderr.write(f"flash-recipe doctor: error: --flash-attn-wheel: {exc}\n")
             return 2

@@ -198,8 +198,9 @@ class _FlashAttnInstalled(TypedDict):
 
 
 class FlashAttnFacts(_FlashAttnInstalled, total=False):
-    """:func:`~flash_recipe.env.probes.probe_flash_attn`: ``installed`` and ``name`` always; the rest
-    once installed (the ``distribution_info`` keys, the wheel's, and the import check's)."""
+    """:func:`~flash_recipe.env.probes.probe_flash_attn`: ``installed`` and ``name`` always; the
+    ``distribution_info`` keys and the wheel's once installed; ``module_location`` and the import
+    check's whenever ``import flash_attn`` finds a package, installed as a distribution or not."""
 
     version: str
     location: Optional[str]
@@ -211,6 +212,7 @@ class FlashAttnFacts(_FlashAttnInstalled, total=False):
     extension_files: list[str]
     wheel_filename: Optional[str]
     wheel_name_parts: Optional[WheelNameParts]
+    module_location: Optional[str]  # where `import flash_attn` finds the package (with or without dist-info)
     module_error: Optional[str]  # why flash_attn_2_cuda does not import; None when it does
     package_error: Optional[str]
     loads: bool
@@ -304,9 +306,21 @@ class ProjectFacts(TypedDict):
     torch_index: Optional[TorchIndex]
 
 
+class _Release(TypedDict):
+    repository: Optional[str]  # [project.urls] Repository
+    checkout: Optional[str]  # the source tree flash_recipe runs from, or None
+    on_index: Optional[bool]  # the configured index serves flash-recipe; None when it could not be asked
+
+
+class ReleaseFacts(_Release, total=False):
+    """:func:`~flash_recipe.env.release.probe_release`: where flash-recipe can be installed from."""
+
+    index_error: str
+
+
 class Facts(TypedDict, total=False):
-    """Probe name -> what it found (or :class:`ProbeError`). ``project`` and ``network`` are added by
-    the doctor (``network`` only with ``--online``); ``collect`` runs the others."""
+    """Probe name -> what it found (or :class:`ProbeError`). ``project``, ``release`` and ``network``
+    are added by the doctor (``network`` only with ``--online``); ``collect`` runs the others."""
 
     platform: Union[PlatformFacts, ProbeError]
     torch: Union[TorchFacts, ProbeError]
@@ -321,3 +335,4 @@ class Facts(TypedDict, total=False):
     backends: Union[BackendsFacts, ProbeError]
     project: Union[ProjectFacts, ProbeError]
     network: Union[NetworkFacts, ProbeError]
+    release: Union[ReleaseFacts, ProbeError]

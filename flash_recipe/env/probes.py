@@ -330,11 +330,37 @@ print("\n" + MARKER + json.dumps(out))
 _LOAD_MARKER = "flash-recipe-probe: "
 
 
+def _module_location(name: str) -> Optional[str]:
+    """Where ``import name`` would find the top-level module or package, without importing it."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        location = str(next(iter(spec.submodule_search_locations)))
+    else:
+        location = spec.origin
+    # flash_recipe's own stand-in, when this process installed it, is not a flash_attn on the path
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if location and os.path.abspath(location).startswith(own + os.sep):
+        return None
+    return location
+
+
 def probe_flash_attn(load: bool = True) -> FlashAttnFacts:
-    """Upstream flash-attn: installed or not, versions, wheel tags, compiled module, installer."""
+    """Upstream flash-attn: installed or not, versions, wheel tags, compiled module, installer; and
+    where ``import flash_attn`` finds a package, which a vendored copy or a half-removed install
+    provides without any distribution metadata."""
     dist = distribution_info("flash-attn")
     out = cast(FlashAttnFacts, dict(dist))
+    out["module_location"] = _module_location("flash_attn")
     if not dist["installed"]:
+        if out["module_location"] and load:
+            out.update(_import_check())
         return out
     from importlib import metadata
 
@@ -357,20 +383,27 @@ def probe_flash_attn(load: bool = True) -> FlashAttnFacts:
         except ValueError:
             out["wheel_name_parts"] = None
     if load:
-        env = dict(os.environ)
-        script = _LOAD_SCRIPT.replace("MARKER", repr(_LOAD_MARKER))
-        code, text = _run([sys.executable, "-c", script], timeout=_SUBPROCESS_TIMEOUT, env=env)
-        line = next((ln for ln in text.splitlines() if ln.startswith(_LOAD_MARKER)), "")
-        try:
-            import json
-
-            result = json.loads(line[len(_LOAD_MARKER) :])
-        except ValueError:
-            result = {"flash_attn_2_cuda": f"the import check exited with status {code}: {text.strip()[-300:]}"}
-        out["module_error"] = result.get("flash_attn_2_cuda")
-        out["package_error"] = result.get("flash_attn")
-        out["loads"] = result.get("flash_attn_2_cuda") is None
+        out.update(_import_check())
     return out
+
+
+def _import_check() -> FlashAttnFacts:
+    """Import ``flash_attn_2_cuda`` and ``flash_attn`` in a child process: ``module_error``,
+    ``package_error`` (each the exception verbatim, or None) and ``loads``."""
+    script = _LOAD_SCRIPT.replace("MARKER", repr(_LOAD_MARKER))
+    code, text = _run([sys.executable, "-c", script], timeout=_SUBPROCESS_TIMEOUT, env=dict(os.environ))
+    line = next((ln for ln in text.splitlines() if ln.startswith(_LOAD_MARKER)), "")
+    try:
+        import json
+
+        result = json.loads(line[len(_LOAD_MARKER) :])
+    except ValueError:
+        result = {"flash_attn_2_cuda": f"the import check exited with status {code}: {text.strip()[-300:]}"}
+    return {
+        "module_error": result.get("flash_attn_2_cuda"),
+        "package_error": result.get("flash_attn"),
+        "loads": result.get("flash_attn_2_cuda") is None,
+    }
 
 
 def probe_flex() -> FlexFacts:

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any, Optional
 
-from flash_recipe.env import commands, probes
+from flash_recipe.env import commands, probes, release
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,11 +47,18 @@ def recommend(facts: dict[str, Any], installer: Optional[str] = None) -> dict[st
     else:
         uv_recipe = "uv-project" if project.get("pyproject") else "uv-pip"
         recipe = {"pip": "torch-index-pip", "uv": uv_recipe, "poetry": "poetry-index"}[chosen]
+        release = facts.get("release") if isinstance(facts.get("release"), dict) else {}
+        if not release.get("on_index"):  # the recipe of the source the command takes
+            if release.get("checkout") and chosen == "poetry":
+                recipe = "poetry-path"
+            elif release.get("repository") and not release.get("checkout"):
+                recipe = {"pip": "pip-git", "poetry": "poetry-git"}.get(chosen, recipe)
         why.append(
             f"torch {torch.get('version')} ({torch.get('build', '?')} build) is already installed; "
             f"flash-recipe is pure Python"
         )
-    steps.append(commands.install_flash_recipe(chosen))
+    release = facts.get("release") if isinstance(facts.get("release"), dict) else {}
+    steps.append(commands.install_flash_recipe(chosen, release, uv_project=bool(project.get("pyproject"))))
     steps.append("flash-recipe doctor   # check the result")
     return {
         "installer": chosen,
@@ -67,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         "torch": probes.run_probe("torch", probes.probe_torch),
         "gpus": probes.run_probe("gpus", probes.probe_gpus),
         "project": probes.run_probe("project", lambda: probes.probe_project(args.project)),
+        "release": probes.run_probe("release", release.probe_release),
     }
     result = recommend(facts, args.installer)
     if args.json:

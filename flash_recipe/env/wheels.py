@@ -30,7 +30,7 @@ _NAME_RE = re.compile(
 )
 
 
-def _release_tuple(version: str) -> tuple[int, ...]:
+def release_tuple(version: str) -> tuple[int, ...]:
     """``"2.7.4.post1"`` -> ``(2, 7, 4)``; raises ValueError for a malformed version."""
     match = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.post\d+)?$", version)
     if not match:
@@ -51,7 +51,7 @@ def cuda_label(flash_version: str, cuda: str) -> str:
     >>> cuda_label("2.8.3", "12.8"), cuda_label("2.6.3", "12.4"), cuda_label("2.6.3", "11.8")
     ('cu12', 'cu123', 'cu118')
     """
-    release = _release_tuple(flash_version)
+    release = release_tuple(flash_version)
     match = re.match(r"^(\d+)(?:\.\d+)*$", str(cuda).split("+")[0])
     if not match:
         raise ValueError(f"cuda must be a CUDA version such as 12.8 or 12, got {cuda!r}")
@@ -93,7 +93,7 @@ def wheel_filename(
     if cuda is not None:
         device = cuda_label(flash_version, cuda)
     else:
-        _release_tuple(flash_version)
+        release_tuple(flash_version)
         h_major, h_minor = _major_minor(hip, "HIP version")
         device = f"rocm{h_major}{h_minor}"
     tag = f"cp{py_major}{py_minor}"
@@ -204,7 +204,7 @@ def resolve(
     ``filename``, ``url`` and ``differs``, or None).
     """
     version = flash_version or LATEST
-    _release_tuple(version)
+    release_tuple(version)
     out: dict[str, Any] = {"version": version, "filename": None, "url": None, "nearest": None}
     want: dict[str, Any] = {"python": ".".join(python.split(".")[:2]), "platform": platform}
     if torch:
