@@ -31,12 +31,12 @@ def _parse(add_arguments, argv):
 
 
 def test_plan_has_every_part_in_order_within_20_minutes():
-    assert list(PLAN) == ["env", "verify", "bench", "memory", "tests", "tune"]
+    assert list(PLAN) == ["env", "verify", "bench", "memory", "decode", "tests", "tune"]
     total = sum(step.budget_s for step in PLAN.values())
     assert total + campaign.RESERVE_S <= campaign.TOTAL_BUDGET_S == 20 * 60
     assert all(step.budget_s > 0 for step in PLAN.values())
     tuned_first = [step.name for step in campaign.build_plan(tune_first=True)]
-    assert tuned_first == ["env", "tune", "verify", "bench", "memory", "tests"]
+    assert tuned_first == ["env", "tune", "verify", "bench", "memory", "decode", "tests"]
 
 
 def test_bench_step_measures_the_target_shapes_with_the_peers():
@@ -105,7 +105,14 @@ def test_budgets_can_be_changed_per_step(capsys, tmp_path):
 def test_only_and_skip_choose_steps_and_env_always_stays():
     plan = list(PLAN.values())
     assert [s.name for s in campaign.select(plan, only=["bench", "verify"])] == ["env", "verify", "bench"]
-    assert [s.name for s in campaign.select(plan, skip=["tests"])] == ["env", "verify", "bench", "memory", "tune"]
+    assert [s.name for s in campaign.select(plan, skip=["tests"])] == [
+        "env",
+        "verify",
+        "bench",
+        "memory",
+        "decode",
+        "tune",
+    ]
     with pytest.raises(ValueError, match="--only takes step names .* got nope"):
         campaign.select(plan, only=["nope"])
 
@@ -124,7 +131,7 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["campaign.json", "campaign.md"]
     report = json.loads((tmp_path / "out" / "campaign.json").read_text())
     assert report["dry_run"] and report["steps"] == {} and report["targets"] == []
-    assert [s["name"] for s in report["plan"]] == ["env", "verify", "bench", "memory", "tests"]
+    assert [s["name"] for s in report["plan"]] == ["env", "verify", "bench", "memory", "decode", "tests"]
     assert "Dry run" in (tmp_path / "out" / "campaign.md").read_text()
 
 
@@ -312,6 +319,50 @@ def test_speed_targets_ratio_verdict_and_missing_measurements():
 
 def _memory_row(peer, seqlen, mode, peak, causal=True):
     return {"peer": peer, "seqlen": seqlen, "mode": mode, "causal": causal, "peak_mb": peak}
+
+
+def test_decode_step_and_its_targets():
+    """The decode step runs bench_decode at Llama-3-8B's shape; its targets: >= SDPA at every row,
+    and >= 80% of the GPU's peak bandwidth from an 8k cache; a row not measured is a MISS."""
+    argv = PLAN["decode"].command("/scratch")
+    assert argv[1:3] == ["-m", "flash_recipe.tools.bench_decode"] and argv[-2:] == ["--json", "/scratch/decode.json"]
+
+    def row(batch, cache, peer, gbs, share=None):
+        return {
+            "batch": batch,
+            "cache": cache,
+            "peer": peer,
+            "bytes_per_s": gbs * 1e9,
+            **({"of_peak": share} if share is not None else {}),
+        }
+
+    rows = [
+        row(8, 1024, "flash_recipe", 500, 0.15),
+        row(8, 1024, "sdpa", 800, 0.24),
+        row(8, 8192, "flash_recipe", 2900, 0.87),
+        row(8, 8192, "sdpa", 2800, 0.84),
+        row(8, 32768, "flash_recipe", 2600, 0.78),
+        {"batch": 8, "cache": 32768, "peer": "sdpa", "error": "OOM"},
+    ]
+    targets = {(t["target"], t["shape"]): t for t in campaign.decode_targets(rows)}
+    assert set(targets) == {
+        ("decode vs sdpa", "B8-S1024"),
+        ("decode vs sdpa", "B8-S8192"),
+        ("decode vs sdpa", "B8-S32768"),
+        ("decode of peak", "B8-S8192"),
+        ("decode of peak", "B8-S32768"),
+    }  # no peak target below 8k
+    assert targets["decode vs sdpa", "B8-S1024"]["verdict"] == "MISS"
+    assert targets["decode vs sdpa", "B8-S8192"]["verdict"] == "PASS"
+    assert targets["decode vs sdpa", "B8-S8192"]["ratio"] == pytest.approx(2900 / 2800)
+    assert (
+        targets["decode vs sdpa", "B8-S32768"]["verdict"] == "MISS"
+        and "OOM" in targets["decode vs sdpa", "B8-S32768"]["note"]
+    )
+    assert targets["decode of peak", "B8-S8192"]["verdict"] == "PASS"
+    assert targets["decode of peak", "B8-S32768"]["verdict"] == "MISS"
+    summary = {s["target"]: s for s in campaign.summarize_targets(list(targets.values()))}
+    assert summary["decode of peak"]["worst_ratio"] == pytest.approx(0.78)  # the least share is the worst
 
 
 def test_memory_targets_ratio_and_linearity():

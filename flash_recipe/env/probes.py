@@ -340,10 +340,8 @@ def _module_location(name: str) -> Optional[str]:
         return None
     if spec is None:
         return None
-    if spec.submodule_search_locations:
-        location = str(next(iter(spec.submodule_search_locations)))
-    else:
-        location = spec.origin
+    locations = spec.submodule_search_locations
+    location = str(next(iter(locations))) if locations else spec.origin
     # flash_recipe's own stand-in, when this process installed it, is not a flash_attn on the path
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if location and os.path.abspath(location).startswith(own + os.sep):

@@ -120,6 +120,7 @@ from flash_recipe.tools.campaign.steps import (
     without_unavailable_peers,
 )
 from flash_recipe.tools.campaign.targets import (
+    decode_targets,
     memory_table,
     memory_targets,
     parse_junit,
@@ -175,6 +176,7 @@ __all__ = [
     "memory_rows",
     "memory_shapes",
     "memory_table",
+    "decode_targets",
     "memory_targets",
     "new_report",
     "package_root",

@@ -49,9 +49,16 @@ SPEED_TARGETS = {"fwd": 1.25, "bwd": 1.1}  # flash_recipe TFLOP/s over SDPA flas
 MEMORY_RATIO = 1.05  # flash_recipe peak memory over SDPA flash's, at most
 LINEAR_SLACK = 1.1  # peak growth at most this times the sequence-length growth
 
-STEP_NAMES = ("verify", "bench", "memory", "tests", "tune")
-# Seconds per step, planned for one H100 (``--budget STEP=SECONDS`` changes one).
-BUDGETS_S = {"env": 30, "verify": 240, "bench": 300, "memory": 90, "tests": 210, "tune": 270}
+# Decoding (``flash_recipe.tools.bench_decode``): Llama-3-8B's attention shape, one query row per
+# sequence; at caches of DECODE_LONG rows and more, flash_recipe must read the cache at DECODE_PEAK
+# of the GPU's peak memory bandwidth or better, and at every row at least as fast as SDPA.
+DECODE_BATCHES, DECODE_CACHES = (1, 8, 32, 64), (1024, 8192, 32768)
+DECODE_PEAK, DECODE_LONG = 0.8, 8192
+
+STEP_NAMES = ("verify", "bench", "memory", "decode", "tests", "tune")
+# Seconds per step, planned for one H100 (``--budget STEP=SECONDS`` changes one); on an H100 on
+# 2026-11-25 bench took 189 s and memory 33 s.
+BUDGETS_S = {"env": 30, "verify": 240, "bench": 240, "memory": 60, "decode": 90, "tests": 210, "tune": 270}
 
 OUTPUT_FILES = ("campaign.md", "campaign.json", "campaign.log", "bench-fwd.png", "bench-bwd.png")
 
@@ -195,6 +202,15 @@ def build_plan(
         },
         result="memory.json",
     )  # fmt: skip
+    decode = Step(
+        "decode",
+        "decoding: KV-cache bandwidth of one step, Llama-3-8B's shape, with SDPA beside it",
+        [python, "-m", "flash_recipe.tools.bench_decode", "--batch", joined(DECODE_BATCHES)]
+        + ["--cache", joined(DECODE_CACHES), "--json", "{scratch}/decode.json"],
+        budgets["decode"],
+        params={"batches": list(DECODE_BATCHES), "caches": list(DECODE_CACHES), "shape": "H32-Hk8-D128-bfloat16"},
+        result="decode.json",
+    )
     if test_tree is not None:
         files = [str(test_tree / name) for name in GPU_TEST_FILES if (test_tree / name).is_file()]
         config = test_tree.parent / "pyproject.toml"
@@ -233,7 +249,7 @@ def build_plan(
         },
         result="tune.json",
     )
-    steps = [verify, bench, memory, tests]
+    steps = [verify, bench, memory, decode, tests]
     return [env, tune, *steps] if tune_first else [env, *steps, tune]
 
 
@@ -273,6 +289,7 @@ def format_plan(plan: list) -> str:
     lines.append(
         f"targets: {SUBJECT} vs {REFERENCE} in this run: forward >= {SPEED_TARGETS['fwd']}x and backward >= "
         f"{SPEED_TARGETS['bwd']}x TFLOP/s at each target shape; peak memory <= {MEMORY_RATIO}x at "
-        f"{' and '.join(str(s) for s in MEMORY_SEQLENS)}, growing at most {LINEAR_SLACK} x linearly"
+        f"{' and '.join(str(s) for s in MEMORY_SEQLENS)}, growing at most {LINEAR_SLACK} x linearly; decoding at "
+        f">= {DECODE_PEAK:.0%} of peak bandwidth from a {DECODE_LONG}-row cache, and >= SDPA at every row"
     )
     return "\n".join(lines)

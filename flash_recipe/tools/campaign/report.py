@@ -6,7 +6,13 @@ import datetime
 from pathlib import Path
 
 from flash_recipe.tools.campaign.plan import BENCH_MODES, REFERENCE, SUBJECT, TARGET, TOTAL_BUDGET_S, bench_shapes
-from flash_recipe.tools.campaign.targets import memory_table, memory_targets, speed_targets, summarize_targets
+from flash_recipe.tools.campaign.targets import (
+    decode_targets,
+    memory_table,
+    memory_targets,
+    speed_targets,
+    summarize_targets,
+)
 from flash_recipe.tools.campaign.workers import write_json
 
 # ----------------------------------------------------------------------------- the report
@@ -38,6 +44,13 @@ def build_targets(steps: dict) -> list:
             targets += memory_targets(rows)
         else:
             targets.append({"target": "peak memory", "verdict": "MISS", "ratio": None, "note": "no memory measurement"})
+    decode_step = steps.get("decode")
+    if decode_step is not None and decode_step.get("status") != "skipped":
+        rows = (decode_step.get("data") or {}).get("rows", [])
+        if rows:
+            targets += decode_targets(rows)
+        else:
+            targets.append({"target": "decode", "verdict": "MISS", "ratio": None, "note": "no decoding measurement"})
     return targets
 
 
@@ -130,6 +143,11 @@ def render_markdown(report: dict) -> str:
         for name, problem in (report.get("plots") or {}).items():
             lines.append(f"![{name}]({name})" if problem is None else f"{name}: not drawn ({problem})")
         lines.append("")
+    decode_data = (steps.get("decode") or {}).get("data") or {}
+    if decode_data.get("rows"):
+        from flash_recipe.tools.bench_decode import markdown
+
+        lines += ["## Decoding", "", markdown(decode_data), ""]
     verify = (steps.get("verify") or {}).get("data")
     if verify:
         lines += [

@@ -200,6 +200,10 @@ def collect(step: Step, record: dict, scratch: Path, out: Path, log) -> dict:
         rows = document if isinstance(document, list) else []
         record["data"] = {"rows": rows}
         record["detail"] = f"{len(rows)} rows, {sum('error' in r for r in rows)} with errors ({record['detail']})"
+    elif step.name == "decode":
+        rows = document.get("rows", [])
+        record["data"] = document
+        record["detail"] = f"{len(rows)} rows, {sum('error' in r for r in rows)} with errors ({record['detail']})"
     elif step.name == "env":
         record["data"] = document
         record["detail"] = f"{document.get('device', 'no CUDA device')}"

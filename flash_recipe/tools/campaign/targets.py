@@ -7,7 +7,15 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
 
-from flash_recipe.tools.campaign.plan import LINEAR_SLACK, MEMORY_RATIO, REFERENCE, SPEED_TARGETS, SUBJECT
+from flash_recipe.tools.campaign.plan import (
+    DECODE_LONG,
+    DECODE_PEAK,
+    LINEAR_SLACK,
+    MEMORY_RATIO,
+    REFERENCE,
+    SPEED_TARGETS,
+    SUBJECT,
+)
 
 # ----------------------------------------------------------------------------- summaries (pure)
 
@@ -42,6 +50,52 @@ def speed_targets(rows: list, shape_ids: list, subject: str = SUBJECT, reference
                 entry["verdict"] = _verdict(entry["ratio"] >= required)
             targets.append(entry)
     return targets
+
+
+def decode_targets(rows: list) -> list:
+    """Decoding targets from ``bench_decode`` rows: per (batch, cache) flash_recipe's bandwidth over
+    SDPA's, PASS at 1 or more; and at caches of ``DECODE_LONG`` rows or more its share of the GPU's
+    peak bandwidth, PASS at ``DECODE_PEAK`` or more. A row either side did not measure is a MISS."""
+    by_key = {(row["batch"], row["cache"], row["peer"]): row for row in rows}
+    targets = []
+    for batch, cache in sorted({(row["batch"], row["cache"]) for row in rows}):
+        ours, sdpa = by_key.get((batch, cache, "flash_recipe"), {}), by_key.get((batch, cache, "sdpa"), {})
+        shape = f"B{batch}-S{cache}"
+        entry: dict[str, Any] = {
+            "target": "decode vs sdpa",
+            "shape": shape,
+            "required": 1.0,
+            "unit": "GB/s",
+            "subject": _gbs(ours),
+            "reference": _gbs(sdpa),
+        }
+        if entry["subject"] is None or entry["reference"] is None:
+            entry.update(ratio=None, verdict="MISS", note=ours.get("error") or sdpa.get("error") or "not measured")
+        else:
+            entry.update(
+                ratio=entry["subject"] / entry["reference"], verdict=_verdict(entry["subject"] >= entry["reference"])
+            )
+        targets.append(entry)
+        if cache >= DECODE_LONG:
+            share = ours.get("of_peak")
+            targets.append(
+                {
+                    "target": "decode of peak",
+                    "shape": shape,
+                    "required": DECODE_PEAK,
+                    "unit": "x",
+                    "subject": share,
+                    "reference": None,
+                    "ratio": share,
+                    "verdict": _verdict(share is not None and share >= DECODE_PEAK),
+                    **({} if share is not None else {"note": "no peak bandwidth known for this GPU"}),
+                }
+            )
+    return targets
+
+
+def _gbs(row: dict):
+    return row["bytes_per_s"] / 1e9 if "bytes_per_s" in row else None
 
 
 def memory_targets(rows: list, subject: str = SUBJECT, reference: str = REFERENCE) -> list:
@@ -118,7 +172,8 @@ def summarize_targets(targets: list) -> list:
     summary = []
     for name, entries in groups.items():
         ratios = [t["ratio"] for t in entries if t.get("ratio") is not None]
-        worst = (min(ratios) if name.endswith("speed") else max(ratios)) if ratios else None
+        higher_is_better = name.endswith("speed") or name.startswith("decode")
+        worst = (min(ratios) if higher_is_better else max(ratios)) if ratios else None
         passed = sum(t["verdict"] == "PASS" for t in entries)
         summary.append(
             {
