@@ -55,25 +55,40 @@ def copy_bandwidth(device) -> float:
 
 
 def _step(peer: str, q, k_cache, v_cache, seqlens) -> Callable[[], object]:
+    """One decoding step of ``peer`` over the cache, as a function of no arguments."""
+    if peer not in PEERS:
+        raise ValueError(f"peer must be one of {', '.join(PEERS)}, got {peer!r}")
+    return _STEPS[peer](q, k_cache, v_cache, seqlens)
+
+
+def _flash_recipe(q, k_cache, v_cache, seqlens):
+    import flash_recipe
+
+    return lambda: flash_recipe.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+
+
+def _flash_recipe_unpacked(q, k_cache, v_cache, seqlens):
     import torch
 
-    import flash_recipe
     from flash_recipe.ops.kvcache import Cache, attention_kvcache
     from flash_recipe.ops.launch import ScoreOptions
 
-    if peer == "flash_recipe":
-        return lambda: flash_recipe.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
-    if peer == "flash_recipe_unpacked":
-        table = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)[:, None]
-        cache = Cache(k_cache, v_cache, table, seqlens, None)
-        options = ScoreOptions(0, -1, 0, 0.0, None)
-        scale = q.shape[-1] ** -0.5
-        return lambda: attention_kvcache(q, None, None, cache, None, scale, options, pack_gqa=False)
-    if peer == "sdpa":
-        qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-        gqa = q.shape[2] != k_cache.shape[2]
-        return lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=gqa)
-    raise ValueError(f"peer must be one of {', '.join(PEERS)}, got {peer!r}")
+    table = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)[:, None]
+    cache = Cache(k_cache, v_cache, table, seqlens, None)
+    options = ScoreOptions(0, -1, 0, 0.0, None)
+    scale = q.shape[-1] ** -0.5
+    return lambda: attention_kvcache(q, None, None, cache, None, scale, options, pack_gqa=False)
+
+
+def _sdpa(q, k_cache, v_cache, seqlens):
+    import torch
+
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    gqa = q.shape[2] != k_cache.shape[2]
+    return lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=gqa)
+
+
+_STEPS = {"flash_recipe": _flash_recipe, "flash_recipe_unpacked": _flash_recipe_unpacked, "sdpa": _sdpa}
 
 
 def run(

@@ -61,20 +61,13 @@ def decode_targets(rows: list) -> list:
     for batch, cache in sorted({(row["batch"], row["cache"]) for row in rows}):
         ours, sdpa = by_key.get((batch, cache, "flash_recipe"), {}), by_key.get((batch, cache, "sdpa"), {})
         shape = f"B{batch}-S{cache}"
-        entry: dict[str, Any] = {
-            "target": "decode vs sdpa",
-            "shape": shape,
-            "required": 1.0,
-            "unit": "GB/s",
-            "subject": _gbs(ours),
-            "reference": _gbs(sdpa),
-        }
-        if entry["subject"] is None or entry["reference"] is None:
+        mine, theirs = _gbs(ours), _gbs(sdpa)
+        entry: dict[str, Any] = {"target": "decode vs sdpa", "shape": shape, "required": 1.0, "unit": "GB/s"}
+        entry.update(subject=mine, reference=theirs)
+        if mine is None or theirs is None:
             entry.update(ratio=None, verdict="MISS", note=ours.get("error") or sdpa.get("error") or "not measured")
         else:
-            entry.update(
-                ratio=entry["subject"] / entry["reference"], verdict=_verdict(entry["subject"] >= entry["reference"])
-            )
+            entry.update(ratio=mine / theirs, verdict=_verdict(mine >= theirs))
         targets.append(entry)
         if cache >= DECODE_LONG:
             share = ours.get("of_peak")
