@@ -18,7 +18,9 @@ same. ``register()`` adds the name ``"flash_recipe"``; importing this module reg
 On a torch without the registry (2.9 and older) ``register()`` raises RuntimeError naming 2.10.
 
 The registry replaces kernels, not torch's choice of backend: SDPA's C++ selection still decides
-when its flash backend runs (CUDA, fp16/bf16, sm80 or newer, head dim at most 256, no attn_mask).
+when its flash backend runs (CUDA, fp16/bf16, sm80 or newer, head dim at most 256, no attn_mask,
+and ``is_causal`` only with seqlen_q == seqlen_k: torch 2.11 on an H100 refuses the rest with
+"Flash attention does not support the is_causal flag when seqlen_q != seqlen_k").
 Elsewhere (a T4, fp32, a CPU) SDPA never reaches these ops; ``flash_recipe.scaled_dot_product_attention``
 is the route there.
 
@@ -126,7 +128,8 @@ class _Handle:
     def __init__(self, dispatch_key: str):
         self.library = torch.library.Library("aten", "IMPL", dispatch_key)
         for op, kernel in _KERNELS.items():
-            self.library.impl(op, kernel, dispatch_key)
+            if hasattr(torch.ops.aten, op):  # each op of OPS that this torch release has
+                self.library.impl(op, kernel, dispatch_key)
 
     def remove(self) -> None:
         if self.library is not None:
