@@ -20,6 +20,9 @@ rank the same work, the contiguous one leaves rank 0 idle for most of the ring. 
 masking the layout changes nothing. ``shard`` and ``unshard`` convert between a full sequence and
 the shards.
 
+``ulysses_attention`` (``flash_recipe.ulysses``) splits heads instead of keys, and composes with
+the ring into USP.
+
 Run it with one process per GPU, for example ``torchrun --nproc-per-node 8 train.py`` with::
 
     torch.distributed.init_process_group("nccl")
@@ -36,10 +39,11 @@ import torch.distributed as dist
 
 from flash_recipe import dispatch, validate
 from flash_recipe.flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+from flash_recipe.ulysses import ulysses_attention
 
 LAYOUTS = ("zigzag", "contiguous")
 
-__all__ = ["LAYOUTS", "merge_partial", "ring_attention", "shard", "unshard"]
+__all__ = ["LAYOUTS", "merge_partial", "ring_attention", "shard", "ulysses_attention", "unshard"]
 
 
 def _group_size(group) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""One rank of the multi-process tests of ring attention (``test_distributed.py``,
-``test_ring_flash_attn.py``), started by ``multiprocess.run_ranks``.
+"""One rank of the multi-process tests of ring and Ulysses attention (``test_distributed.py``,
+``test_ulysses.py``, ``test_ring_flash_attn.py``, ``test_yunchang.py``), started by ``multiprocess.run_ranks``.
 
 ``python ring_worker.py SPEC``: SPEC is JSON ``{"cases": [...]}``. The rank joins a gloo group
 through ``FLASH_RECIPE_INIT`` (a ``file://`` rendezvous), ``RANK`` and ``WORLD_SIZE``; every rank
@@ -172,7 +172,54 @@ def ring_flash_attn_client(case: dict) -> dict:
     raise ValueError(f"unknown function {function!r}")
 
 
-KINDS = {"builtin": builtin, "ring_flash_attn": ring_flash_attn_client}
+def _groups(ulysses: int):
+    """``(ulysses group, ring group)`` of this rank for Ulysses degree ``ulysses`` x ring degree
+    ``world / ulysses``: Ulysses groups are runs of consecutive ranks, ring groups strided (every
+    rank creates every group, as torch.distributed requires)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if ulysses == world:
+        return None, None
+    mine = {}
+    for start in range(0, world, ulysses):
+        ranks = list(range(start, start + ulysses))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["ulysses"] = group
+    for offset in range(ulysses):
+        ranks = list(range(offset, world, ulysses))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["ring"] = group
+    return mine["ulysses"], mine["ring"]
+
+
+def ulysses(case: dict) -> dict:
+    """``flash_recipe.distributed.ulysses_attention``, alone or over a ring (USP)."""
+    from flash_recipe.distributed import ulysses_attention
+
+    q, k, v, dout = inputs(case)
+    causal, layout = case["causal"], case.get("ring_layout", "zigzag")
+    group, ring_group = _groups(case["ulysses"])
+
+    def local(t):
+        if ring_group is not None:
+            t = shard(t, ring_group, layout=layout)
+        return shard(t, group, layout="contiguous")
+
+    def full(t):
+        t = unshard(t.detach().contiguous(), group, layout="contiguous")
+        return t if ring_group is None else unshard(t, ring_group, layout=layout)
+
+    leaves = [local(t).clone().requires_grad_() for t in (q, k, v)]
+    with flash_recipe.use_backend(case.get("backend", "reference")):
+        call_causal = case.get("call_causal", causal)  # another mask than the oracle's: a test that must fail
+        out = ulysses_attention(*leaves, group, causal=call_causal, ring_group=ring_group, ring_layout=layout)
+        out.backward(local(dout))
+    result = {"out": full(out), **{name: full(t.grad) for name, t in zip(("dq", "dk", "dv"), leaves)}}
+    return judge(result, q, k, v, dout, causal)
+
+
+KINDS = {"builtin": builtin, "ring_flash_attn": ring_flash_attn_client, "ulysses": ulysses}
 
 
 def main() -> None:
