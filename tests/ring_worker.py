@@ -219,7 +219,51 @@ def ulysses(case: dict) -> dict:
     return judge(result, q, k, v, dout, causal)
 
 
-KINDS = {"builtin": builtin, "ring_flash_attn": ring_flash_attn_client, "ulysses": ulysses}
+def yunchang_client(case: dict) -> dict:
+    """yunchang, unchanged, on flash_recipe's stand-in: ``UlyssesAttention`` over the world, or
+    ``LongContextAttention`` (Ulysses x ring) with the shards yunchang's own extract functions cut."""
+    if not flash_recipe.install_as_flash_attn():
+        raise RuntimeError("install_as_flash_attn() left an upstream flash-attn in place")
+    import yunchang
+    from yunchang.kernels import AttnType
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = inputs(case)
+    causal, seqlen = case["causal"], case["seqlen"]
+    if case["function"] == "ulysses":
+        attention = yunchang.UlyssesAttention(None, attn_type=AttnType.FA)
+
+        def extract(t):
+            return yunchang.basic_extract_local(t, rank, world)
+    else:
+        ring_impl, ulysses_degree = case["ring_impl"], case["ulysses"]
+        yunchang.set_seq_parallel_pg(ulysses_degree, world // ulysses_degree, rank, world)
+        attention = yunchang.LongContextAttention(ring_impl_type=ring_impl, attn_type=AttnType.FA)
+
+        def extract(t):
+            return yunchang.EXTRACT_FUNC_DICT[ring_impl](t, rank, world, world // ulysses_degree, ulysses_degree)
+
+    local = [extract(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*local, causal=causal)
+    out.backward(extract(dout))
+    # Which rows of the full sequence this rank holds: yunchang's own cut of the row numbers.
+    rows = extract(torch.arange(seqlen, dtype=torch.float64).view(1, seqlen, 1, 1)).flatten().long()
+    every_rows = [torch.empty_like(rows) for _ in range(world)]
+    dist.all_gather(every_rows, rows)
+
+    def full(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.detach().contiguous())
+        whole = t.new_empty((t.shape[0], seqlen, *t.shape[2:]))
+        for part, where in zip(parts, every_rows):
+            whole[:, where] = part
+        return whole
+
+    result = {"out": full(out), **{name: full(t.grad) for name, t in zip(("dq", "dk", "dv"), local)}}
+    return judge(result, q, k, v, dout, causal)
+
+
+KINDS = {"builtin": builtin, "ring_flash_attn": ring_flash_attn_client, "ulysses": ulysses, "yunchang": yunchang_client}
 
 
 def main() -> None:
