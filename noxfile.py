@@ -137,7 +137,10 @@ def diffusers(session: nox.Session) -> None:
     install_built_wheel(session, pins=DIFFUSERS)
     session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
     run_pytest(
-        session, str(ROOT / "tests" / "test_diffusers.py"), *session.posargs, env={"FLASH_RECIPE_REQUIRE_DIFFUSERS": "1"}
+        session,
+        str(ROOT / "tests" / "test_diffusers.py"),
+        *session.posargs,
+        env={"FLASH_RECIPE_REQUIRE_DIFFUSERS": "1"},
     )
 
 

@@ -131,9 +131,7 @@ def ulysses_attention(
     if nheads % world:
         raise ValueError(f"nheads ({nheads}) must be a multiple of the Ulysses group size ({world})")
     if nheads_k % world and world % nheads_k:
-        raise ValueError(
-            f"nheads_k ({nheads_k}) must be a multiple or a divisor of the Ulysses group size ({world})"
-        )
+        raise ValueError(f"nheads_k ({nheads_k}) must be a multiple or a divisor of the Ulysses group size ({world})")
     if nheads_k < world:  # every rank needs the key head its query heads use
         k, v = (t.repeat_interleave(world // nheads_k, dim=2) for t in (k, v))
     q, k, v = (_SequenceToHeads.apply(t, group, world) for t in (q, k, v))
@@ -144,6 +142,7 @@ def ulysses_attention(
     else:
         from flash_recipe.distributed import ring_attention
 
-        out = ring_attention(q, k, v, ring_group, causal=causal, softmax_scale=softmax_scale, layout=ring_layout,
-                             softcap=softcap)
+        out = ring_attention(
+            q, k, v, ring_group, causal=causal, softmax_scale=softmax_scale, layout=ring_layout, softcap=softcap
+        )
     return _HeadsToSequence.apply(out, group, world)

@@ -121,7 +121,10 @@ def test_sdpa_op_runs_flash_recipe(
     flash = [t.transpose(1, 2) for t in (q, k, v, dout)]
     truth = _oracle(*flash, upcast=True, **options)
     same = _oracle(*flash, upcast=False, **options)
-    got = {"out": out.detach().transpose(1, 2), **{n: t.grad.transpose(1, 2) for n, t in zip(("dq", "dk", "dv"), leaves)}}
+    got = {
+        "out": out.detach().transpose(1, 2),
+        **{n: t.grad.transpose(1, 2) for n, t in zip(("dq", "dk", "dv"), leaves)},
+    }
     _check_rule(got, truth, same)
     expected_lse = attention_reference(*(t.double() for t in flash[:3]), **options)[1]
     torch.testing.assert_close(lse, expected_lse.float(), atol=1e-3, rtol=1e-3)
@@ -148,7 +151,9 @@ def test_varlen_attn_runs_flash_recipe(active, launches, lengths, nheads, nheads
     k, v = (_rand(total, nheads_k, 16, dtype=dtype, seed=s) for s in (2, 3))
     dout = _rand(total, nheads, 16, dtype=dtype, seed=4)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = varlen.varlen_attn(*leaves, cu, cu, max(lengths), max(lengths), window_size=window, enable_gqa=nheads_k < nheads)
+    out = varlen.varlen_attn(
+        *leaves, cu, cu, max(lengths), max(lengths), window_size=window, enable_gqa=nheads_k < nheads
+    )
     assert launches == {"fwd": 1, "bwd": 0}
     out.backward(dout)
     assert launches == {"fwd": 1, "bwd": 1}
@@ -330,5 +335,8 @@ def test_sdpa_on_a_gpu(launches):
     flash = [t.detach().transpose(1, 2) for t in (q, k, v)]
     truth = _oracle(*flash, torch.ones_like(flash[0]), upcast=True, causal=True, diag_offset=0)
     same = _oracle(*flash, torch.ones_like(flash[0]), upcast=False, causal=True, diag_offset=0)
-    got = {"out": out.detach().transpose(1, 2), **{n: t.grad.transpose(1, 2) for n, t in zip(("dq", "dk", "dv"), (q, k, v))}}
+    got = {
+        "out": out.detach().transpose(1, 2),
+        **{n: t.grad.transpose(1, 2) for n, t in zip(("dq", "dk", "dv"), (q, k, v))},
+    }
     _check_rule(got, truth, same)

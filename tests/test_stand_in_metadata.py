@@ -29,7 +29,9 @@ print(json.dumps({
 
 
 def test_metadata_answers_in_this_process_only():
-    answer = json.loads(subprocess.run([sys.executable, "-c", CHECK], check=True, capture_output=True, text=True).stdout)
+    answer = json.loads(
+        subprocess.run([sys.executable, "-c", CHECK], check=True, capture_output=True, text=True).stdout
+    )
     assert answer == {
         "before": [],
         "versions": ["2.8.3"] * 3,
@@ -44,9 +46,7 @@ def test_metadata_answers_in_this_process_only():
 def test_pip_sees_no_flash_attn():
     """The same environment, asked by pip after a process installed the stand-in: no flash-attn."""
     subprocess.run([sys.executable, "-c", "import flash_recipe; flash_recipe.install_as_flash_attn()"], check=True)
-    listing = subprocess.run(
-        [sys.executable, "-m", "pip", "list", "--format", "json"], capture_output=True, text=True
-    )
+    listing = subprocess.run([sys.executable, "-m", "pip", "list", "--format", "json"], capture_output=True, text=True)
     if listing.returncode != 0 and "No module named pip" in listing.stderr:
         pytest.skip("this environment has no pip")
     names = {p["name"].lower().replace("_", "-") for p in json.loads(listing.stdout)}

@@ -154,8 +154,22 @@ def _window(value: Optional[int], name: str) -> int:
     return value
 
 
-def _make_call(what, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
-               window=(-1, -1), top_left=False, seed=None):
+def _make_call(
+    what,
+    query,
+    key,
+    value,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    scale,
+    window=(-1, -1),
+    top_left=False,
+    seed=None,
+):
     """The ``AttentionCall`` for flash-attn-layout tensors, or NotImplementedError with the reason."""
     from flash_recipe import validate
     from flash_recipe.dispatch import AttentionCall
@@ -222,14 +236,31 @@ def _refuse_unsupported(what, return_debug_mask, alibi_slopes=None, seqused_k=No
             raise _refuse(what, f"{name} is not supported; restore_flash_attention_impl() gives torch's kernels back")
 
 
-def _flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                             return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
-                             seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None, out=None):
+def _flash_attention_forward(
+    query,
+    key,
+    value,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    return_debug_mask,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+    seqused_k=None,
+    alibi_slopes=None,
+    block_table=None,
+    num_splits=None,
+    out=None,
+):
     what = "_flash_attention_forward"
     _refuse_unsupported(what, return_debug_mask, alibi_slopes, seqused_k, block_table)
     window = (_window(window_size_left, "window_size_left"), _window(window_size_right, "window_size_right"))
-    call = _make_call(what, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
-                      window)
+    call = _make_call(what, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale, window)
     result, lse, rng_state, philox_offset = _forward(what, call)
     if out is None:
         out = torch.empty_like(query)
@@ -237,20 +268,54 @@ def _flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max
     return out, lse, rng_state, philox_offset, query.new_empty((0,))
 
 
-def _flash_attention_forward_no_dropout_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
-                                                dropout_p, is_causal, return_debug_mask, *, scale=None,
-                                                window_size_left=None, window_size_right=None, seqused_k=None,
-                                                alibi_slopes=None, block_table=None, num_splits=None):
+def _flash_attention_forward_no_dropout_inplace(
+    out,
+    query,
+    key,
+    value,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    return_debug_mask,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+    seqused_k=None,
+    alibi_slopes=None,
+    block_table=None,
+    num_splits=None,
+):
     if dropout_p != 0.0:
         raise ValueError(f"_flash_attention_forward_no_dropout_inplace takes dropout_p=0.0, got {dropout_p}")
     if out.shape != query.shape or out.dtype != query.dtype:
-        raise ValueError(f"out must have query's shape and dtype {tuple(query.shape)}, {query.dtype}; "
-                         f"got {tuple(out.shape)}, {out.dtype}")
-    return _flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                                    return_debug_mask, scale=scale, window_size_left=window_size_left,
-                                    window_size_right=window_size_right, seqused_k=seqused_k,
-                                    alibi_slopes=alibi_slopes, block_table=block_table, num_splits=num_splits,
-                                    out=out)[1]
+        raise ValueError(
+            f"out must have query's shape and dtype {tuple(query.shape)}, {query.dtype}; "
+            f"got {tuple(out.shape)}, {out.dtype}"
+        )
+    return _flash_attention_forward(
+        query,
+        key,
+        value,
+        cum_seq_q,
+        cum_seq_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        return_debug_mask,
+        scale=scale,
+        window_size_left=window_size_left,
+        window_size_right=window_size_right,
+        seqused_k=seqused_k,
+        alibi_slopes=alibi_slopes,
+        block_table=block_table,
+        num_splits=num_splits,
+        out=out,
+    )[1]
 
 
 def _backward(what, call, grad_out, out, logsumexp, like):
@@ -263,13 +328,43 @@ def _backward(what, call, grad_out, out, logsumexp, like):
     return tuple(torch.empty_like(t).copy_(g) for t, g in zip(like, grads))
 
 
-def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-                              dropout_p, is_causal, rng_state, unused, *, scale=None, window_size_left=None,
-                              window_size_right=None):
+def _flash_attention_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    rng_state,
+    unused,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+):
     what = "_flash_attention_backward"
     window = (_window(window_size_left, "window_size_left"), _window(window_size_right, "window_size_right"))
-    call = _make_call(what, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
-                      window, seed=_seed(dropout_p, rng_state, what))
+    call = _make_call(
+        what,
+        query,
+        key,
+        value,
+        cum_seq_q,
+        cum_seq_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        scale,
+        window,
+        seed=_seed(dropout_p, rng_state, what),
+    )
     return _backward(what, call, grad_out, out, logsumexp, (query, key, value))
 
 
@@ -281,8 +376,9 @@ def _transposed(*tensors):
     return tuple(t.transpose(1, 2) for t in tensors)
 
 
-def _scaled_dot_product_flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
-                                        *, scale=None):
+def _scaled_dot_product_flash_attention(
+    query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None
+):
     what = "_scaled_dot_product_flash_attention"
     _refuse_unsupported(what, return_debug_mask)
     q, k, v = _transposed(query, key, value)
@@ -294,13 +390,41 @@ def _scaled_dot_product_flash_attention(query, key, value, dropout_p=0.0, is_cau
     return out, lse, None, None, query.shape[2], key.shape[2], rng_state, philox_offset, empty
 
 
-def _scaled_dot_product_flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
-                                                 max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
-                                                 scale=None):
+def _scaled_dot_product_flash_attention_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    *,
+    scale=None,
+):
     what = "_scaled_dot_product_flash_attention_backward"
     q, k, v, o, dout = _transposed(query, key, value, out, grad_out)
-    call = _make_call(what, q, k, v, None, None, 0, 0, dropout_p, is_causal, scale, top_left=True,
-                      seed=_seed(dropout_p, philox_seed, what))
+    call = _make_call(
+        what,
+        q,
+        k,
+        v,
+        None,
+        None,
+        0,
+        0,
+        dropout_p,
+        is_causal,
+        scale,
+        top_left=True,
+        seed=_seed(dropout_p, philox_seed, what),
+    )
     grads = _backward(what, call, dout, o, logsumexp, (q, k, v))
     return tuple(g.transpose(1, 2) for g in grads)
 
