@@ -11,7 +11,9 @@ flash_recipe's torch fallback, since the interpreter computes bf16 dot products 
 The comparison: the model's output and the gradients of its two inputs, forward and backward, on
 each backend against the same model in float64 on ``native`` (torch SDPA); the error may be at most
 2x (output) and 3x (gradients) the error of ``native`` in the same dtype, plus 1e-5: the accuracy
-rule, applied to the whole model. The test lives in its own environment: ``nox -s diffusers``
+rule, applied to the whole model. diffusers' context parallelism is not tested: on a machine
+without an accelerator diffusers 0.42.1 divides by ``torch.accelerator.device_count()`` (0) when
+it places the ranks (``ModelMixin._resolve_parallel_config``). The test lives in its own environment: ``nox -s diffusers``
 (``FLASH_RECIPE_REQUIRE_DIFFUSERS=1``); elsewhere it is skipped.
 """
 
