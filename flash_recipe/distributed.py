@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 
 from flash_recipe import dispatch, validate
+from flash_recipe.api import flash_attn_func
 from flash_recipe.flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
-from flash_recipe.ulysses import ulysses_attention
+from flash_recipe.ulysses import all_to_all_attention
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -287,3 +288,48 @@ def ring_attention(
     k, v = k.contiguous(), v.contiguous()  # the shards are sent as they are
     out, lse = _RingAttention.apply(q, k, v, group, causal, softmax_scale, layout, softcap, deterministic)
     return (out, lse) if return_lse else out
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    softcap: float = 0.0,
+    ring_group: Optional[dist.ProcessGroup] = None,
+    ring_layout: str = "zigzag",
+) -> torch.Tensor:
+    """Attention over a sequence sharded across ``group`` (default: the world), with an all-to-all
+    over heads (``flash_recipe.ulysses`` draws it).
+
+    Arguments:
+        q: ``(batch_size, S/U, nheads, headdim)``, this rank's contiguous shard of the queries
+            (with ``ring_group``: of its ring shard); k, v: ``(batch_size, S/U, nheads_k, headdim)``.
+            ``nheads % U == 0``; ``nheads_k % U == 0`` or ``U % nheads_k == 0``.
+        causal, softmax_scale, softcap: as ``ring_attention``.
+        ring_group: a second group across which the sequence is also cut, first (USP): the
+            attention after the all-to-all is ``ring_attention`` over it, in ``ring_layout``.
+
+    Returns:
+        ``out (batch_size, S/U, nheads, headdim)``: this rank's rows of the full attention,
+        differentiable with respect to q, k and v. Every rank must call it with the same shapes.
+    """
+    validate.check_qkv(q, k, v, ("q", "k", "v"))
+    validate.check_bool("causal", causal)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k and v must be shards as long as q's ({q.shape[1]} rows), got {k.shape[1]}")
+    softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
+    softcap = validate.check_softcap(softcap)
+    _check_layout(ring_layout)
+
+    def attend(q, k, v):
+        if ring_group is None:
+            return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, softcap=softcap)
+        return ring_attention(
+            q, k, v, ring_group, causal=causal, softmax_scale=softmax_scale, layout=ring_layout, softcap=softcap
+        )
+
+    return all_to_all_attention(q, k, v, group, attend)

@@ -1,5 +1,6 @@
 """Ulysses context parallelism (DeepSpeed-Ulysses): an all-to-all over heads, and with a ring group
-too, USP (Ulysses x ring). Exported as ``flash_recipe.distributed.ulysses_attention``.
+too, USP (Ulysses x ring). The entry point is ``flash_recipe.distributed.ulysses_attention``; this
+module holds the exchange (``all_to_all_attention``).
 
 Each of the ``U`` ranks of ``group`` holds a contiguous shard of the sequence with every head:
 ``q (B, S/U, H, D)``, ``k, v (B, S/U, Hk, D)``. An all-to-all gives each rank the whole sequence
@@ -28,12 +29,8 @@ groups {0, 2} and {1, 3}::
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
-
-from flash_recipe import validate
 
 
 def _rank_world(group) -> tuple[int, int]:
@@ -91,41 +88,10 @@ class _HeadsToSequence(torch.autograd.Function):
         return _sequence_to_heads(grad, ctx.group, ctx.world), None, None
 
 
-def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group: Optional[dist.ProcessGroup] = None,
-    *,
-    causal: bool = False,
-    softmax_scale: Optional[float] = None,
-    softcap: float = 0.0,
-    ring_group: Optional[dist.ProcessGroup] = None,
-    ring_layout: str = "zigzag",
-) -> torch.Tensor:
-    """Attention over a sequence sharded across ``group`` (default: the world), heads all-to-all.
-
-    Arguments:
-        q: ``(batch_size, S/U, nheads, headdim)``, this rank's contiguous shard of the queries
-            (with ``ring_group``: of its ring shard); k, v: ``(batch_size, S/U, nheads_k, headdim)``.
-            ``nheads % U == 0``; ``nheads_k % U == 0`` or ``U % nheads_k == 0``; ``nheads % nheads_k == 0``.
-        causal: each query sees the keys at or before its position in the full sequence.
-        softmax_scale: default ``1 / sqrt(headdim)``.
-        softcap: > 0 turns the scores into ``softcap * tanh(scores / softcap)``.
-        ring_group: a second process group across which the sequence is also cut (USP, module
-            docstring): the attention after the all-to-all is ``ring_attention`` over it.
-        ring_layout: ``"zigzag"`` or ``"contiguous"``, the layout of the ring shards.
-
-    Returns:
-        ``out (batch_size, S/U, nheads, headdim)``: this rank's rows of the full attention,
-        differentiable with respect to q, k and v. Every rank must call it with the same shapes.
-    """
-    validate.check_qkv(q, k, v, ("q", "k", "v"))
-    validate.check_bool("causal", causal)
-    softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
-    softcap = validate.check_softcap(softcap)
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"k and v must be shards as long as q's ({q.shape[1]} rows), got {k.shape[1]}")
+def all_to_all_attention(q, k, v, group, attend) -> torch.Tensor:
+    """The Ulysses exchange around ``attend``: ``q (B, S/U, H, D)``, ``k, v (B, S/U, Hk, D)`` ->
+    ``attend(q, k, v)`` on ``(B, S, H/U, D)`` (and ``(B, S, Hk', D)``, ``Hk' = max(Hk, U) / U``) ->
+    ``(B, S/U, H, D)``. Differentiable; the checks name what the head counts must be."""
     _, world = _rank_world(group)
     nheads, nheads_k = q.shape[2], k.shape[2]
     if nheads % world:
@@ -135,14 +101,4 @@ def ulysses_attention(
     if nheads_k < world:  # every rank needs the key head its query heads use
         k, v = (t.repeat_interleave(world // nheads_k, dim=2) for t in (k, v))
     q, k, v = (_SequenceToHeads.apply(t, group, world) for t in (q, k, v))
-    if ring_group is None:
-        from flash_recipe.api import flash_attn_func
-
-        out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, softcap=softcap)
-    else:
-        from flash_recipe.distributed import ring_attention
-
-        out = ring_attention(
-            q, k, v, ring_group, causal=causal, softmax_scale=softmax_scale, layout=ring_layout, softcap=softcap
-        )
-    return _HeadsToSequence.apply(out, group, world)
+    return _HeadsToSequence.apply(attend(q, k, v), group, world)

@@ -13,8 +13,8 @@ each backend against the same model in float64 on ``native`` (torch SDPA); the e
 2x (output) and 3x (gradients) the error of ``native`` in the same dtype, plus 1e-5: the accuracy
 rule, applied to the whole model. diffusers' context parallelism is not tested: on a machine
 without an accelerator diffusers 0.42.1 divides by ``torch.accelerator.device_count()`` (0) when
-it places the ranks (``ModelMixin._resolve_parallel_config``). The test lives in its own environment: ``nox -s diffusers``
-(``FLASH_RECIPE_REQUIRE_DIFFUSERS=1``); elsewhere it is skipped.
+it places the ranks (``ModelMixin._resolve_parallel_config``). The test lives in its own
+environment: ``nox -s diffusers`` (``FLASH_RECIPE_REQUIRE_DIFFUSERS=1``); elsewhere it is skipped.
 """
 
 from __future__ import annotations

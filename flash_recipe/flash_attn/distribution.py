@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 NAME = "flash-attn"
+MODULE = "flash_attn"  # the stand-in, once installed, is this module of sys.modules
 INSTALLER = "flash-recipe-stand-in"  # the INSTALLER text that marks the stand-in's metadata
 
 
@@ -32,8 +33,7 @@ class StandInDistribution(importlib.metadata.Distribution):
     """flash-attn's metadata, answered from memory for flash_recipe's stand-in."""
 
     def read_text(self, filename):
-        from flash_recipe.flash_attn import __version__
-
+        __version__ = getattr(sys.modules.get(MODULE), "__version__", "")
         files = {
             "METADATA": (
                 f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {__version__}\n"
@@ -45,7 +45,7 @@ class StandInDistribution(importlib.metadata.Distribution):
         return files.get(str(filename))
 
     def locate_file(self, path):
-        return Path(sys.modules["flash_recipe"].__file__).parent / "flash_attn" / path
+        return Path(__file__).parent / path
 
 
 def is_stand_in(dist: importlib.metadata.Distribution) -> bool:
@@ -60,9 +60,7 @@ class _Finder(importlib.metadata.DistributionFinder):
         return None
 
     def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
-        from flash_recipe.alias import is_installed
-
-        if not is_installed():
+        if not getattr(sys.modules.get(MODULE), "__flash_recipe__", False):  # the stand-in is not installed
             return iter(())
         if context.name is not None and _normalized(context.name) != NAME:
             return iter(())

@@ -138,9 +138,11 @@ class _Handle:
 
 
 def _triton_backend():
-    from flash_recipe import dispatch
+    """The backend every call runs on: flash_recipe's Triton kernels, never the selection's
+    fallbacks (its sdpa backend would call back into these very ops)."""
+    from flash_recipe.dispatch import TritonBackend
 
-    return next(backend for backend in dispatch.BACKENDS if backend.name == "triton")
+    return TritonBackend()
 
 
 def _refuse(what: str, why: str):
