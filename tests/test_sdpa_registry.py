@@ -183,6 +183,38 @@ def test_varlen_attn_out_writes_in_place(active, launches):
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
+def test_seqused_k_and_block_table(active):
+    """Forward only, as ``varlen_attn`` documents them: ``seqused_k`` keeps the first keys of each
+    slot; ``block_table`` reads the keys from pages. Both equal a plain varlen call on those keys."""
+    lengths_q, slots, used = [3, 1, 4], [9, 20, 6], [7, 20, 0]
+    cu_q, cu_slots, cu_used = _offsets(lengths_q), _offsets(slots), _offsets(used)
+    q = _rand(sum(lengths_q), 4, 16, dtype=torch.float16, seed=1)
+    k, v = (_rand(sum(slots), 2, 16, dtype=torch.float16, seed=s) for s in (2, 3))
+    kept = torch.cat([torch.arange(int(cu_slots[b]), int(cu_slots[b]) + used[b]) for b in range(3)])
+    gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters else {}
+    if not gqa:
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn has no enable_gqa")
+    with flash_recipe.use_backend("triton"):
+        expected = flash_recipe.flash_attn_varlen_func(q, k[kept], v[kept], cu_q, cu_used, 4, 20, causal=True)
+    seqused = torch.tensor(used, dtype=torch.int32)
+    got = varlen.varlen_attn(q, k, v, cu_q, cu_slots, 4, 20, window_size=(-1, 0), seqused_k=seqused, **gqa)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    # The same keys in pages of 16 rows, sequence b in pages table[b], shuffled in the pool.
+    pages_k, pages_v = (torch.zeros(6, 16, 2, 16, dtype=torch.float16) for _ in range(2))
+    table = torch.tensor([[4, 0], [1, 5], [3, 2]], dtype=torch.int32)
+    for b in range(3):
+        rows = k[int(cu_slots[b]) : int(cu_slots[b]) + used[b]], v[int(cu_slots[b]) : int(cu_slots[b]) + used[b]]
+        for j in range(used[b]):
+            page, row = int(table[b, j // 16]), j % 16
+            pages_k[page, row], pages_v[page, row] = rows[0][j], rows[1][j]
+    got = varlen.varlen_attn(
+        q, pages_k, pages_v, cu_q, None, 4, 20, window_size=(-1, 0), seqused_k=seqused, block_table=table, **gqa
+    )
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="page indices"):
+        varlen.varlen_attn(q, pages_k, pages_v, cu_q, None, 4, 20, seqused_k=seqused, block_table=table + 6, **gqa)
+
+
 def test_flash_attention_forward_dense_is_bottom_right(active):
     """The flash-attn-layout op aligns is_causal bottom-right, as flash-attn (torch's FA2) does, and
     returns the five-tuple; its backward op agrees with flash_recipe's flash_attn_func."""
@@ -297,10 +329,16 @@ def test_import_registers_nothing():
             ),
             "alibi_slopes is not supported",
         ),
+        (
+            lambda q: torch.ops.aten._flash_attention_forward(
+                q, q, q, None, None, 5, 5, 0.0, False, False, seqused_k=torch.ones(1, dtype=torch.int32)
+            ),
+            "need packed queries",
+        ),
         (lambda q: SDPA(q.bfloat16(), q.bfloat16(), q.bfloat16()), "bfloat16"),
         (lambda q: SDPA(q, q, q[..., :8]), "head dim"),
     ],
-    ids=["debug-mask", "alibi", "bf16-interpreter", "value-head-dim"],
+    ids=["debug-mask", "alibi", "seqused-dense", "bf16-interpreter", "value-head-dim"],
 )
 def test_what_cannot_run_raises_clearly(active, call, words):
     with pytest.raises((NotImplementedError, ValueError), match=words):

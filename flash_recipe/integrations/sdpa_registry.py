@@ -58,9 +58,15 @@ Dropout runs: the forward draws its seed from torch's generator for the device
 bits, 0; ``philox_offset`` is 0); the backward regenerates the same mask from it. The mask is
 flash_recipe's counter-based one, not the one torch's kernel would draw for that seed.
 
+``seqused_k`` (int32 ``(N,)``) keeps the first ``seqused_k[b]`` keys of each slot
+``cum_seq_k[b]:cum_seq_k[b + 1]`` (aligned with that count); ``block_table`` (int32
+``(N, max_pages)``) makes ``key, value`` pages ``(num_pages, page_size, Hk, D)``, ``page_size`` a
+multiple of 16, with ``seqused_k`` (or ``cum_seq_k``'s lengths) as each sequence's key count. Both
+are forward only, as ``varlen_attn`` documents them (inference).
+
 What raises NotImplementedError (a RuntimeError; the message names the argument): a debug mask
 (``return_debug_mask=True``), ``alibi_slopes`` (the backward op has no slopes, so its gradient
-would be wrong), ``seqused_k`` and ``block_table``, and any call flash_recipe's Triton kernels
+would be wrong), and any call flash_recipe's Triton kernels
 cannot run (the reason is in the message: value head dim differing from the query's, head dim
 above 256, a device the kernels do not run on). torch's original kernel is not reachable once
 an implementation is active, so these calls are refused rather than sent elsewhere.
@@ -260,14 +266,122 @@ def _flash_attention_forward(
     out=None,
 ):
     what = "_flash_attention_forward"
-    _refuse_unsupported(what, return_debug_mask, alibi_slopes, seqused_k, block_table)
+    _refuse_unsupported(what, return_debug_mask, alibi_slopes)
     window = (_window(window_size_left, "window_size_left"), _window(window_size_right, "window_size_right"))
+    if seqused_k is not None or block_table is not None:
+        if cum_seq_q is None or dropout_p != 0.0:
+            raise _refuse(what, "seqused_k and block_table need packed queries (cum_seq_q) and dropout_p=0.0")
+        if block_table is not None:
+            result, lse = _paged_forward(
+                what,
+                query,
+                key,
+                value,
+                cum_seq_q,
+                cum_seq_k,
+                max_q,
+                max_k,
+                is_causal,
+                scale,
+                window,
+                seqused_k,
+                block_table,
+            )
+            zero = torch.zeros((), dtype=torch.uint64, device=query.device)
+            out = torch.empty_like(query) if out is None else out
+            out.copy_(result)
+            return out, lse, torch.zeros(2, dtype=torch.uint64, device=query.device), zero, query.new_empty((0,))
+        key, value, cum_seq_k = _used_keys(key, value, cum_seq_k, seqused_k)
     call = _make_call(what, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale, window)
     result, lse, rng_state, philox_offset = _forward(what, call)
     if out is None:
         out = torch.empty_like(query)
     out.copy_(result)
     return out, lse, rng_state, philox_offset, query.new_empty((0,))
+
+
+def _lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+
+
+def _used_keys(key, value, cum_seq_k, seqused_k):
+    """``seqused_k`` without pages: the first ``seqused_k[b]`` keys of each sequence's slot
+    ``cum_seq_k[b]:cum_seq_k[b + 1]``, packed (a copy), with their own offsets."""
+    from flash_recipe import validate
+
+    if cum_seq_k is None:
+        raise ValueError("seqused_k without block_table needs cum_seq_k (the key slots)")
+    cum_seq_k = validate.check_offsets("cum_seq_k", cum_seq_k, key.shape[0], key.device)
+    used = validate.check_index("seqused_k", seqused_k, (cum_seq_k.numel() - 1,), key.device)
+    slots = cum_seq_k[1:] - cum_seq_k[:-1]
+    if bool(((used < 0) | (used > slots)).any()):
+        raise ValueError(
+            f"seqused_k must lie in [0, the key slot's length]: got {used.tolist()}, slots {slots.tolist()}"
+        )
+    starts = cum_seq_k[:-1].long()
+    offsets = _lengths_to_offsets(used)
+    within = torch.arange(int(offsets[-1]), device=key.device) - torch.repeat_interleave(
+        offsets[:-1].long(), used.long()
+    )
+    rows = torch.repeat_interleave(starts, used.long()) + within
+    return key[rows], value[rows], offsets
+
+
+def _paged_forward(
+    what, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window, seqused_k, block_table
+):
+    """Packed queries over paged keys ``(num_pages, page_size, Hk, D)``: sequence ``b``'s key ``j``
+    is row ``j % page_size`` of page ``block_table[b, j // page_size]``; ``seqused_k`` (else the
+    lengths in ``cum_seq_k``) gives each sequence's number of keys. Forward only."""
+    from flash_recipe import validate
+    from flash_recipe.dispatch import AttentionCall, PagedCall
+
+    names = ("query", "key", "value")
+    for name, t in zip(names[1:], (key, value)):
+        validate.check_tensor(name, t, 4, "(num_pages, page_size, nheads_k, headdim) with block_table")
+    if key.shape != value.shape or key.shape[0] == 0:
+        raise ValueError(
+            f"value must have key's shape with at least one page, got {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    validate.check_qkv(query, key[0], value[0], names, varlen=True)
+    batch = validate.check_offsets("cum_seq_q", cum_seq_q, query.shape[0], query.device).numel() - 1
+    if seqused_k is not None:
+        lengths = validate.check_index("seqused_k", seqused_k, (batch,), query.device)
+    elif cum_seq_k is not None:
+        cum_seq_k = validate.check_offsets("cum_seq_k", cum_seq_k, None, query.device)
+        lengths = cum_seq_k[1:] - cum_seq_k[:-1]
+    else:
+        raise ValueError("block_table needs seqused_k or cum_seq_k (the number of keys of each sequence)")
+    cu_q, cu_k, max_q, max_k = validate.check_varlen(query, None, cum_seq_q, _lengths_to_offsets(lengths), max_q, max_k)
+    page_size = key.shape[1]
+    table = validate.check_block_table(block_table, batch, page_size, query.device, "key.shape[1]")
+    if cu_k.device.type == "cpu":
+        ends = lengths.tolist()
+        if max(ends, default=0) > table.shape[1] * page_size:
+            raise ValueError(
+                f"a key sequence is longer than its block_table addresses ({table.shape[1] * page_size} rows)"
+            )
+        validate.check_pages("block_table", table, key.shape[0], page_size, [0] * batch, ends)
+    call = AttentionCall(
+        q=query,
+        k=key,
+        v=value,
+        softmax_scale=validate.check_scale(scale, query.shape[-1], name="scale"),
+        causal=bool(is_causal),
+        window=window,
+        return_lse=True,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+    )
+    paged = PagedCall(call, table)
+    backend = _triton_backend()
+    why = backend.is_available() or backend.supports(call) or backend.supports_paged(paged)
+    if why is not None:
+        raise _refuse(what, why)
+    with torch.no_grad():
+        return backend.run_paged(paged)
 
 
 def _flash_attention_forward_no_dropout_inplace(
