@@ -4,6 +4,8 @@
 - ``install_matrix``: every install recipe in ``recipes/``, one session per path, each in a fresh
   environment against loopback servers only; ``install_matrix_report`` follows automatically;
 - ``ring_flash_attn``: ring-flash-attn from PyPI, unchanged, on flash_recipe (``install_as_flash_attn``);
+- ``yunchang``: yunchang (USP) from PyPI, unchanged, on flash_recipe;
+- ``diffusers``: a diffusers transformer on its ``flash`` and ``flash_varlen`` backends, on flash_recipe;
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``compat``: the interpreter and the compiler path under each supported Triton release;
@@ -103,6 +105,42 @@ def ring_flash_attn(session: nox.Session) -> None:
         str(ROOT / "tests" / "test_ring_flash_attn.py"),
         *session.posargs,
         env={"FLASH_RECIPE_REQUIRE_RING": "1"},
+    )
+
+
+# yunchang's release (installed without its "flash" extra, which would pull flash-attn).
+YUNCHANG = ("yunchang==0.6.4",)
+
+
+@nox.session(default=False)
+def yunchang(session: nox.Session) -> None:
+    """yunchang from PyPI, unchanged, on flash_recipe's stand-in for flash-attn: UlyssesAttention on
+    2 gloo processes and LongContextAttention (Ulysses 2 x ring 2, basic/zigzag/strip rings) on 4,
+    fp16 forward and backward: ``tests/test_yunchang.py``. Extra arguments go to pytest."""
+    install_built_wheel(session, pins=YUNCHANG)
+    session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
+    run_pytest(
+        session, str(ROOT / "tests" / "test_yunchang.py"), *session.posargs, env={"FLASH_RECIPE_REQUIRE_YUNCHANG": "1"}
+    )
+
+
+# The diffusers release the attention-backend test runs.
+DIFFUSERS = ("diffusers==0.42.1",)
+
+
+@nox.session(default=False)
+def diffusers(session: nox.Session) -> None:
+    """A small diffusers Flux transformer (random weights from a config, nothing from a hub) on the
+    ``flash`` and ``flash_varlen`` attention backends, served by flash_recipe's stand-in, forward
+    and backward in fp16 and bf16 against ``native`` and float64: ``tests/test_diffusers.py``.
+    Extra arguments go to pytest."""
+    install_built_wheel(session, pins=DIFFUSERS)
+    session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
+    run_pytest(
+        session,
+        str(ROOT / "tests" / "test_diffusers.py"),
+        *session.posargs,
+        env={"FLASH_RECIPE_REQUIRE_DIFFUSERS": "1"},
     )
 
 

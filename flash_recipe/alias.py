@@ -10,7 +10,10 @@ After ``install_as_flash_attn()`` these imports resolve to ``flash_recipe.flash_
     flash_attn.layers.rotary         -> apply_rotary_emb
 
 Any other ``flash_attn`` module or name raises ImportError (AttributeError for an attribute)
-naming what is missing and what is provided. A working upstream flash-attn is never shadowed
+naming what is missing and what is provided. While it is installed, ``importlib.metadata`` answers
+for flash-attn in this process (``flash_recipe.flash_attn.distribution``; nothing on disk), so
+libraries that check the version at import time (diffusers, transformers) see it: install the
+stand-in before importing them. A working upstream flash-attn is never shadowed
 unless ``force=True``.
 """
 
@@ -116,4 +119,8 @@ def install_as_flash_attn(force: bool = False) -> bool:
         sys.modules[name] = importlib.import_module(STAND_IN + name[len(PACKAGE) :])
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
+    from flash_recipe.flash_attn.distribution import FINDER
+
+    if FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, FINDER)
     return True

@@ -20,6 +20,9 @@ rank the same work, the contiguous one leaves rank 0 idle for most of the ring. 
 masking the layout changes nothing. ``shard`` and ``unshard`` convert between a full sequence and
 the shards.
 
+``ulysses_attention`` (``flash_recipe.ulysses``) splits heads instead of keys, and composes with
+the ring into USP.
+
 Run it with one process per GPU, for example ``torchrun --nproc-per-node 8 train.py`` with::
 
     torch.distributed.init_process_group("nccl")
@@ -35,11 +38,12 @@ import torch
 import torch.distributed as dist
 
 from flash_recipe import dispatch, validate
-from flash_recipe.api import FlashOptions, build_flash_call
+from flash_recipe.api import FlashOptions, build_flash_call, flash_attn_func
+from flash_recipe.ulysses import all_to_all_attention
 
 LAYOUTS = ("zigzag", "contiguous")
 
-__all__ = ["LAYOUTS", "merge_partial", "ring_attention", "shard", "unshard"]
+__all__ = ["LAYOUTS", "merge_partial", "ring_attention", "shard", "ulysses_attention", "unshard"]
 
 
 def _group_size(group) -> tuple[int, int]:
@@ -278,3 +282,48 @@ def ring_attention(
     k, v = k.contiguous(), v.contiguous()  # the shards are sent as they are
     out, lse = _RingAttention.apply(q, k, v, group, causal, softmax_scale, layout, softcap, deterministic)
     return (out, lse) if return_lse else out
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    softcap: float = 0.0,
+    ring_group: Optional[dist.ProcessGroup] = None,
+    ring_layout: str = "zigzag",
+) -> torch.Tensor:
+    """Attention over a sequence sharded across ``group`` (default: the world), with an all-to-all
+    over heads (``flash_recipe.ulysses`` draws it).
+
+    Arguments:
+        q: ``(batch_size, S/U, nheads, headdim)``, this rank's contiguous shard of the queries
+            (with ``ring_group``: of its ring shard); k, v: ``(batch_size, S/U, nheads_k, headdim)``.
+            ``nheads % U == 0``; ``nheads_k % U == 0`` or ``U % nheads_k == 0``.
+        causal, softmax_scale, softcap: as ``ring_attention``.
+        ring_group: a second group across which the sequence is also cut, first (USP): the
+            attention after the all-to-all is ``ring_attention`` over it, in ``ring_layout``.
+
+    Returns:
+        ``out (batch_size, S/U, nheads, headdim)``: this rank's rows of the full attention,
+        differentiable with respect to q, k and v. Every rank must call it with the same shapes.
+    """
+    validate.check_qkv(q, k, v, ("q", "k", "v"))
+    validate.check_bool("causal", causal)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k and v must be shards as long as q's ({q.shape[1]} rows), got {k.shape[1]}")
+    softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
+    softcap = validate.check_softcap(softcap)
+    _check_layout(ring_layout)
+
+    def attend(q, k, v):
+        if ring_group is None:
+            return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, softcap=softcap)
+        return ring_attention(
+            q, k, v, ring_group, causal=causal, softmax_scale=softmax_scale, layout=ring_layout, softcap=softcap
+        )
+
+    return all_to_all_attention(q, k, v, group, attend)

@@ -1,5 +1,5 @@
-"""One rank of the multi-process tests of ring attention (``test_distributed.py``,
-``test_ring_flash_attn.py``), started by ``multiprocess.run_ranks``.
+"""One rank of the multi-process tests of ring and Ulysses attention (``test_distributed.py``,
+``test_ulysses.py``, ``test_ring_flash_attn.py``, ``test_yunchang.py``), started by ``multiprocess.run_ranks``.
 
 ``python ring_worker.py SPEC``: SPEC is JSON ``{"cases": [...]}``. The rank joins a gloo group
 through ``FLASH_RECIPE_INIT`` (a ``file://`` rendezvous), ``RANK`` and ``WORLD_SIZE``; every rank
@@ -172,7 +172,98 @@ def ring_flash_attn_client(case: dict) -> dict:
     raise ValueError(f"unknown function {function!r}")
 
 
-KINDS = {"builtin": builtin, "ring_flash_attn": ring_flash_attn_client}
+def _groups(ulysses: int):
+    """``(ulysses group, ring group)`` of this rank for Ulysses degree ``ulysses`` x ring degree
+    ``world / ulysses``: Ulysses groups are runs of consecutive ranks, ring groups strided (every
+    rank creates every group, as torch.distributed requires)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if ulysses == world:
+        return None, None
+    mine = {}
+    for start in range(0, world, ulysses):
+        ranks = list(range(start, start + ulysses))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["ulysses"] = group
+    for offset in range(ulysses):
+        ranks = list(range(offset, world, ulysses))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["ring"] = group
+    return mine["ulysses"], mine["ring"]
+
+
+def ulysses(case: dict) -> dict:
+    """``flash_recipe.distributed.ulysses_attention``, alone or over a ring (USP)."""
+    from flash_recipe.distributed import ulysses_attention
+
+    q, k, v, dout = inputs(case)
+    causal, layout = case["causal"], case.get("ring_layout", "zigzag")
+    group, ring_group = _groups(case["ulysses"])
+
+    def local(t):
+        if ring_group is not None:
+            t = shard(t, ring_group, layout=layout)
+        return shard(t, group, layout="contiguous")
+
+    def full(t):
+        t = unshard(t.detach().contiguous(), group, layout="contiguous")
+        return t if ring_group is None else unshard(t, ring_group, layout=layout)
+
+    leaves = [local(t).clone().requires_grad_() for t in (q, k, v)]
+    with flash_recipe.use_backend(case.get("backend", "reference")):
+        call_causal = case.get("call_causal", causal)  # another mask than the oracle's: a test that must fail
+        out = ulysses_attention(*leaves, group, causal=call_causal, ring_group=ring_group, ring_layout=layout)
+        out.backward(local(dout))
+    result = {"out": full(out), **{name: full(t.grad) for name, t in zip(("dq", "dk", "dv"), leaves)}}
+    return judge(result, q, k, v, dout, causal)
+
+
+def yunchang_client(case: dict) -> dict:
+    """yunchang, unchanged, on flash_recipe's stand-in: ``UlyssesAttention`` over the world, or
+    ``LongContextAttention`` (Ulysses x ring) with the shards yunchang's own extract functions cut."""
+    if not flash_recipe.install_as_flash_attn():
+        raise RuntimeError("install_as_flash_attn() left an upstream flash-attn in place")
+    import yunchang
+    from yunchang.kernels import AttnType
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = inputs(case)
+    causal, seqlen = case["causal"], case["seqlen"]
+    if case["function"] == "ulysses":
+        attention = yunchang.UlyssesAttention(None, attn_type=AttnType.FA)
+
+        def extract(t):
+            return yunchang.basic_extract_local(t, rank, world)
+    else:
+        ring_impl, ulysses_degree = case["ring_impl"], case["ulysses"]
+        yunchang.set_seq_parallel_pg(ulysses_degree, world // ulysses_degree, rank, world)
+        attention = yunchang.LongContextAttention(ring_impl_type=ring_impl, attn_type=AttnType.FA)
+
+        def extract(t):
+            return yunchang.EXTRACT_FUNC_DICT[ring_impl](t, rank, world, world // ulysses_degree, ulysses_degree)
+
+    local = [extract(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*local, causal=causal)
+    out.backward(extract(dout))
+    # Which rows of the full sequence this rank holds: yunchang's own cut of the row numbers.
+    rows = extract(torch.arange(seqlen, dtype=torch.float64).view(1, seqlen, 1, 1)).flatten().long()
+    every_rows = [torch.empty_like(rows) for _ in range(world)]
+    dist.all_gather(every_rows, rows)
+
+    def full(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.detach().contiguous())
+        whole = t.new_empty((t.shape[0], seqlen, *t.shape[2:]))
+        for part, where in zip(parts, every_rows):
+            whole[:, where] = part
+        return whole
+
+    result = {"out": full(out), **{name: full(t.grad) for name, t in zip(("dq", "dk", "dv"), local)}}
+    return judge(result, q, k, v, dout, causal)
+
+
+KINDS = {"builtin": builtin, "ring_flash_attn": ring_flash_attn_client, "ulysses": ulysses, "yunchang": yunchang_client}
 
 
 def main() -> None:
