@@ -59,3 +59,22 @@ def test_a_real_distribution_is_not_the_stand_in():
     from flash_recipe.flash_attn.distribution import is_stand_in
 
     assert not is_stand_in(md.distribution("torch"))
+
+
+def test_the_doctor_tells_the_stand_in_from_an_install():
+    """In a process that installed the stand-in, ``importlib.metadata`` answers for flash-attn,
+    but the doctor's distribution probe reports no installed flash-attn, and says it is the stand-in."""
+    from flash_recipe.env import distinfo
+    from flash_recipe.flash_attn import distribution
+
+    assert distinfo.STAND_IN_INSTALLER == distribution.INSTALLER
+    code = (
+        "import importlib.metadata, json, flash_recipe\n"
+        "flash_recipe.install_as_flash_attn()\n"
+        "from flash_recipe.env.distinfo import distribution_info\n"
+        "print(json.dumps([importlib.metadata.version('flash-attn'), distribution_info('flash-attn')]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    version, info = json.loads(done.stdout.strip().splitlines()[-1])
+    assert version and info == {"installed": False, "name": "flash-attn", "stand_in": True}

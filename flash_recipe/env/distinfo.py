@@ -10,11 +10,16 @@ import json
 from importlib import metadata
 from typing import Any
 
+# The INSTALLER text of the metadata that ``install_as_flash_attn()`` answers in its own process
+# (``flash_recipe.flash_attn.distribution.INSTALLER``; not imported here: that package imports torch).
+STAND_IN_INSTALLER = "flash-recipe-stand-in"
+
 
 def distribution_info(name: str) -> dict[str, Any]:
     """Describe the installed distribution ``name``.
 
-    Returns a dict with ``installed`` (bool) and, when installed: ``version``, ``location`` (the
+    Returns a dict with ``installed`` (bool; False, with ``stand_in`` True, for the stand-in's
+    in-process metadata) and, when installed: ``version``, ``location`` (the
     site directory), ``installer`` (``pip``, ``uv``, ``poetry``, ... or None when unrecorded),
     ``editable`` (bool), ``direct_url`` (the PEP 610 URL or None) and ``vcs`` (the VCS info dict
     for git installs, or None).
@@ -24,6 +29,8 @@ def distribution_info(name: str) -> dict[str, Any]:
     except metadata.PackageNotFoundError:
         return {"installed": False, "name": name}
     installer = (dist.read_text("INSTALLER") or "").strip() or None
+    if installer == STAND_IN_INSTALLER:  # flash_recipe's in-process stand-in: nothing is installed
+        return {"installed": False, "name": name, "stand_in": True}
     direct: dict[str, Any] = {}
     raw = dist.read_text("direct_url.json")
     if raw:
