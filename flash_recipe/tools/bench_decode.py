@@ -101,8 +101,12 @@ def run(
     warmup: int = 25,
     rep: int = 100,
     report=print,
+    graph: bool = False,
 ) -> dict:
-    """Time every peer at every (batch, cache length); returns the context and the rows."""
+    """Time every peer at every (batch, cache length); returns the context and the rows.
+
+    Each step is timed as Python calls it (``us``: the launch overhead of each call included), and
+    with ``graph`` also replayed from a CUDA graph (``graph_us``: the GPU's time alone)."""
     import torch
     import triton.testing
 
@@ -143,6 +147,9 @@ def run(
                     row.update(us=ms * 1e3, bytes_per_s=kv_bytes / (ms * 1e-3))
                     if peak:
                         row["of_peak"] = row["bytes_per_s"] / peak
+                    if graph:
+                        ms = triton.testing.do_bench(_captured(fn), warmup=warmup, rep=rep)
+                        row.update(graph_us=ms * 1e3, graph_bytes_per_s=kv_bytes / (ms * 1e-3))
                 except Exception as exc:  # a peer that fails is reported, and the others go on
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 rows.append(row)
@@ -151,19 +158,40 @@ def run(
     return {"context": context, "rows": rows}
 
 
+def _captured(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream, as torch asks); returns
+    the graph's replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _line(row: dict) -> str:
     head = f"B{row['batch']:<3} S{row['cache']:<6} {row['peer']:<22}"
     if "error" in row:
         return f"{head} n/a ({row['error']})"
     share = f"{100 * row['of_peak']:5.1f}% of peak" if "of_peak" in row else ""
-    return f"{head} {row['us']:9.1f} us  {row['bytes_per_s'] / 1e9:7.0f} GB/s  {share}"
+    graphed = f"  graph {row['graph_us']:9.1f} us" if "graph_us" in row else ""
+    return f"{head} {row['us']:9.1f} us  {row['bytes_per_s'] / 1e9:7.0f} GB/s  {share}{graphed}"
 
 
-def markdown(result: dict) -> str:
-    """The rows as a table: one line per (batch, cache), each peer's GB/s and share of peak."""
+def markdown(result: dict, key: str = "bytes_per_s") -> str:
+    """The rows as a table: one line per (batch, cache), each peer's GB/s and share of peak;
+    ``key="graph_bytes_per_s"`` tabulates the CUDA-graph timings instead."""
     ctx = result["context"]
     peers = list(dict.fromkeys(row["peer"] for row in result["rows"]))
+    peak = ctx["peak_bytes_per_s"]
+    timing = "replayed from a CUDA graph (GPU time alone)" if key.startswith("graph") else "called from Python"
     lines = [
+        f"Decoding steps {timing}.",
         f"device {ctx['device']}, {ctx['date']}, torch {ctx['torch']}, triton {ctx['triton']}, "
         f"H={ctx['nheads']} Hk={ctx['nheads_k']} D={ctx['head_dim']} {ctx['dtype']}, peak "
         f"{(ctx['peak_bytes_per_s'] or 0) / 1e9:.0f} GB/s, copy {ctx['copy_bytes_per_s'] / 1e9:.0f} GB/s; "
@@ -179,17 +207,13 @@ def markdown(result: dict) -> str:
         cells = []
         for peer in peers:
             row = found.get(peer, {})
-            if "bytes_per_s" not in row:
+            if key not in row:
                 cells.append("n/a")
                 continue
-            share = f" ({100 * row['of_peak']:.0f}%)" if "of_peak" in row else ""
-            cells.append(f"{row['bytes_per_s'] / 1e9:.0f}{share}")
+            share = f" ({100 * row[key] / peak:.0f}%)" if peak else ""
+            cells.append(f"{row[key] / 1e9:.0f}{share}")
         ours, sdpa = found.get("flash_recipe", {}), found.get("sdpa", {})
-        ratio = (
-            f"{ours['bytes_per_s'] / sdpa['bytes_per_s']:.2f}x"
-            if "bytes_per_s" in ours and "bytes_per_s" in sdpa
-            else "n/a"
-        )
+        ratio = f"{ours[key] / sdpa[key]:.2f}x" if key in ours and key in sdpa else "n/a"
         lines.append(f"| {batch} | {cache} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)
 
@@ -205,15 +229,20 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--nheads-k", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--json", help="write the context and rows as JSON to this file")
-    parser.add_argument("--markdown", help="write the table to this file")
+    parser.add_argument("--markdown", help="write the table(s) to this file")
+    parser.add_argument(
+        "--cuda-graph", action="store_true", help="also time each step replayed from a CUDA graph (GPU time alone)"
+    )
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU", file=sys.stderr)
         return 2
-    result = run(args.batch, args.cache, args.nheads, args.nheads_k, args.head_dim)
+    result = run(args.batch, args.cache, args.nheads, args.nheads_k, args.head_dim, graph=args.cuda_graph)
     table = markdown(result)
+    if args.cuda_graph:
+        table += "\n\n" + markdown(result, "graph_bytes_per_s")
     print(table)
     if args.json:
         with open(args.json, "w") as out:
