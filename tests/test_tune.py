@@ -381,7 +381,9 @@ def test_the_tuner_times_the_split_kv_counts_of_a_decoding_step():
     )
     assert {(t.config, t.num_splits) for t in timed if t.num_splits != 1} == {(table, 2), (table, 4)}
     entries = {(e["programs"], e["cache_len"]): e["num_splits"] for e in report["num_splits"]}
-    assert entries == {(4, 128): 4, (16, 128): 4}  # 1 x 4 and 3 x 4 programs
+    # 4 query heads over 1 kv head pack into one program per batch entry (ops.kvcache.program_heads):
+    # 1 x 1 and 3 x 1 programs, bucketed to powers of two
+    assert entries == {(1, 128): 4, (4, 128): 4}
 
 
 def test_the_tuner_drops_the_candidates_pruning_drops(monkeypatch):

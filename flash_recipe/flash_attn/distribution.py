@@ -59,7 +59,8 @@ class _Finder(importlib.metadata.DistributionFinder):
     def find_spec(self, fullname, path=None, target=None):
         return None
 
-    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+    def find_distributions(self, context=None):
+        context = context if context is not None else importlib.metadata.DistributionFinder.Context()
         if not getattr(sys.modules.get(MODULE), "__flash_recipe__", False):  # the stand-in is not installed
             return iter(())
         if context.name is not None and _normalized(context.name) != NAME:

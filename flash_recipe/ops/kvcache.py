@@ -206,6 +206,17 @@ def heuristic_splits(batch: int, nheads: int, seqlen_q: int, capacity: int, devi
     return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(capacity, 4 * 64), 64))
 
 
+def program_heads(q: torch.Tensor, nheads_k: int, pack_gqa: Optional[bool] = None) -> tuple[int, int]:
+    """The heads and query rows per head that a decoding step over ``q (B, Sq, H, D)`` launches
+    programs for: ``(H, Sq)``, or where the GQA group is packed (``forward.gqa_packing``)
+    ``(Hk, Sq * H / Hk)``: what the split-KV count is chosen for."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    kernel = "decode" if seqlen_q <= 16 else "fwd"
+    group = nheads // nheads_k
+    packed = gqa_packing(q.device, kernel, seqlen_q, head_dim, group, 0.0, q.element_size(), pack_gqa)[0]
+    return (nheads_k, seqlen_q * group) if packed else (nheads, seqlen_q)
+
+
 def attention_kvcache(
     q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], cache: Cache,
     rotary: Optional[Rotary], softmax_scale: float, options: ScoreOptions, num_splits: int = 0,
@@ -230,11 +241,7 @@ def attention_kvcache(
     batch, seqlen_q, nheads, head_dim = q.shape
     kernel = "decode" if seqlen_q <= 16 else "fwd"
     if num_splits == 0:
-        # Packing serves a GQA group from one program: Hk heads of Sq * group rows each.
-        nheads_k = cache.k.shape[2]
-        group = nheads // nheads_k
-        packed = gqa_packing(q.device, kernel, seqlen_q, head_dim, group, 0.0, q.element_size(), pack_gqa)[0]
-        heads, rows = (nheads_k, seqlen_q * group) if packed else (nheads, seqlen_q)
+        heads, rows = program_heads(q, cache.k.shape[2], pack_gqa)
         num_splits = auto_splits(batch, heads, rows, cache.capacity, q.device, head_dim, q.element_size())
     return attention_forward(q, cache.k, cache.v, softmax_scale, options, keys=keys, num_splits=num_splits,
                              kernel=kernel, pack_gqa=pack_gqa)

@@ -52,6 +52,15 @@ def timing_shapes(kernel: str, head_dim: int, seqlens, causal, tokens: int, nhea
     return [Shape(max(1, tokens // s), s, s, nheads, nheads, head_dim, c) for s in seqlens for c in causal]
 
 
+def _programs_per_batch(timing, shape) -> int:
+    """Programs per batch entry of a decoding step, as ``kvcache.auto_splits`` counts them (a GQA
+    group packed into one program per kv head: ``kvcache.program_heads``)."""
+    from flash_recipe.ops import kvcache
+
+    heads, rows = kvcache.program_heads(timing.q, shape.nheads_k)
+    return heads * -(-rows // 16)
+
+
 def _geomean(values) -> float:
     values = list(values)
     return math.exp(sum(math.log(v) for v in values) / len(values))
@@ -232,7 +241,7 @@ class Tuner:
                         self.say(f"{label}: {splits} splits failed on {shape.id}: {_failure(exc)}")
                 if heuristic in ms:
                     bucket = (
-                        tuned.power_of_two_at_least(shape.batch * shape.nheads * -(-shape.seqlen_q // 16)),
+                        tuned.power_of_two_at_least(shape.batch * _programs_per_batch(timing, shape)),
                         tuned.power_of_two_at_least(shape.seqlen_k),
                     )
                     measured.setdefault(bucket, []).append((heuristic, ms))
