@@ -454,6 +454,35 @@ def test_paged_varlen_equals_packed(backend, device):
     torch.testing.assert_close(got_lse, want_lse, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (4, -1)], ids=["causal", "causal-window4"])
+def test_paged_varlen_decoding_packs_gqa_and_meets_the_accuracy_rule(window, device, nan_outputs):
+    """What serving engines call: packed sequences of 1 to 4 query rows over a paged cache, GQA 4:1
+    (each group packed into one query tile), against the fp32 reference by the accuracy rule."""
+    lengths_q, lengths_k = [1, 2, 4, 1], [20, 5, 33, 9]
+    cu_q = torch.tensor([0, 1, 3, 7, 8], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 20, 25, 58, 67], dtype=torch.int32, device=device)
+    q = _rand(8, 8, 32, dtype=torch.float16, device=device, seed=1)
+    k, v = (_rand(67, 2, 32, dtype=torch.float16, device=device, seed=s) for s in (2, 3))
+    k_pages, table = _paged_copy(k, lengths_k, 16, seed=4)
+    v_pages, _ = _paged_copy(v, lengths_k, 16, seed=4)
+    with flash_recipe.use_backend("triton"):
+        out = flash_recipe.flash_attn_varlen_func(
+            q, k_pages, v_pages, cu_q, cu_k, 4, 33, causal=True, window_size=window, block_table=table
+        )
+    for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        qb, kb, vb = q[rows][None], k[int(cu_k[b]) : int(cu_k[b + 1])][None], v[int(cu_k[b]) : int(cu_k[b + 1])][None]
+        results = []
+        for upcast in (True, False):
+            high = compute_dtype(q.dtype, upcast)
+            results.append(
+                attention_reference(
+                    qb.to(high), kb.to(high), vb.to(high), 32**-0.5, True, nk - nq, window=window, upcast=upcast
+                )[0][0]
+            )
+        assert_accurate(f"out of sequence {b}", out[rows], results[0], results[1], FORWARD_FACTOR)
+
+
 def test_paged_varlen_refuses_bad_tables():
     q = torch.zeros(4, 2, 16)
     pages = torch.zeros(3, 16, 2, 16)
