@@ -86,9 +86,16 @@ def _dkdv_inner(
     o_n, o_r, o_d, start, end, seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, OWN_LSE: tl.constexpr,
 ):
-    """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``."""
+    """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``.
+
+    With ``OWN_LSE``, a masked stage gives a row that sees exactly one key (``sees_one_key``) its
+    exact softmax: P = 1 on that key, so dV gets exactly its dO, and dS = 0. Computed, P is
+    ``exp(s - lse)`` with both near the logit (up to a softcap of 50), whose fp32 rounding leaves
+    P off 1 by a few ulp of 50 and dS the difference of two rounded sums. The launcher routes such
+    rows to masked stages (a single key: ``attn_bwd_dkdv_kernel``); unmasked stages have none.
+    """
     for start_m in range(loop_bound(start), loop_bound(end), BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         o_m = start_m + o_r  # query rows [BLOCK_M]
@@ -106,6 +113,9 @@ def _dkdv_inner(
         b_st, b_tt = scores(b_qk, o_m[None, :], o_n[:, None], seqlen_k, lo_offset, hi_offset, diag_offset,
                             sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_pt = tl.math.exp2((b_st - b_lse[None, :]) * LOG2E)  # [BLOCK_N, BLOCK_M]
+        if MASKED and OWN_LSE:
+            m_one = sees_one_key(o_m, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT)[None, :]  # [1, BLOCK_M]
+            b_pt = tl.where(m_one & (b_st > float("-inf")), 1.0, b_pt)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
             # out uses P * keep / (1 - p): so do dV and, through dP, dS.
@@ -116,6 +126,8 @@ def _dkdv_inner(
         else:
             b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
         b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED and OWN_LSE:
+            b_dst = tl.where(m_one, 0.0, b_dst)
         if SOFTCAP:
             b_dst = b_dst * (1.0 - b_tt * b_tt)
         b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision="ieee")
@@ -172,6 +184,9 @@ def attn_bwd_dkdv_kernel(
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     begin, full_begin, full_end, end = query_blocks(k_start, seqlen_q, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT,
                                                     BLOCK_M, BLOCK_N)
+    if OWN_LSE:  # a single key: every row sees only it, so every row goes to a masked stage (``_dkdv_inner``)
+        full_begin = tl.where(seqlen_k == 1, end, full_begin)
+        full_end = tl.where(seqlen_k == 1, end, full_end)
 
     for g in range(0, loop_bound(group_size)):
         i_h = (i_hk * group_size + g).to(tl.int64)
@@ -194,16 +209,11 @@ def attn_bwd_dkdv_kernel(
                 b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                 seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
                 o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride, dropout_p,
-                stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M,
+                stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, OWN_LSE,
             )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
     dv_base = DV + i_b * stride_dvb + bos_k * stride_dvn + i_hk.to(tl.int64) * stride_dvh
-    if OWN_LSE:
-        if seqlen_k == 1:  # every row that sees the key sees only it: dS = 0 (see ``sees_one_key``)
-            # (A row that sees one key of several, at a window's or the diagonal's edge, still adds
-            # its dS rounding noise here: zeroing it per row would cost registers in the main loop.)
-            b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     store_tile(dk_base, k_start, stride_dkn, seqlen_k, head_dim, o_c, o_d, b_dk * sm_scale, not EVEN_N, MASK_D)
     store_tile(dv_base, k_start, stride_dvn, seqlen_k, head_dim, o_c, o_d, b_dv, not EVEN_N, MASK_D)
 
