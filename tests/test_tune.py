@@ -40,16 +40,19 @@ def _fresh_cache(monkeypatch, tmp_path):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Only the missing GPU driver is mocked: ``torch.cuda`` reports device 0 as an H100 (sm90, 132
-    multiprocessors) and device 1 as an A100 (sm80, 108), and the interpreter is switched off so
-    that flash_recipe treats CUDA devices as GPUs. Nothing in flash_recipe is replaced."""
-    gpus = {0: (H100, 9, 0, 132), 1: ("NVIDIA A100-SXM4-80GB", 8, 0, 108)}
+    multiprocessors, 227 KiB of shared memory per block) and device 1 as an A100 (sm80, 108,
+    163 KiB), and the interpreter is switched off so that flash_recipe treats CUDA devices as
+    GPUs. Nothing in flash_recipe is replaced."""
+    gpus = {0: (H100, 9, 0, 132, 232448), 1: ("NVIDIA A100-SXM4-80GB", 8, 0, 108, 166912)}
 
     def index(device):
         return torch.device(device).index if not isinstance(device, int) else device
 
     def properties(device):
-        name, major, minor, sms = gpus[index(device)]
-        return types.SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=sms)
+        name, major, minor, sms, shared = gpus[index(device)]
+        return types.SimpleNamespace(
+            name=name, major=major, minor=minor, multi_processor_count=sms, shared_memory_per_block_optin=shared
+        )
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)

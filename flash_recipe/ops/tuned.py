@@ -34,8 +34,8 @@ The format (``FORMAT`` 1)::
 A file that cannot be read (whatever is wrong with it, nesting too deep for the parser included),
 is not this format, or is stale is ignored with one ``TunedCacheWarning`` per process, and the
 table is used. A ``configs`` entry that cannot fit the GPU (``fits``: its pipelined tiles need more
-shared memory than the compile target offers) is dropped with the same warning; the rest of the
-file is used.
+shared memory than the GPU offers a block) is dropped with the same warning; the rest of the file
+is used.
 
 Writers (``save``) hold an exclusive lock on ``<file>.lock`` beside the file while they read,
 merge and replace it, so two tuners saving at once keep each other's entries. The file is read once per process and
@@ -214,20 +214,17 @@ def shared_memory_floor(config, head_dim: int, element_size: int) -> int:
     return (num_stages - 1) * min(block_m, block_n) * head_dim * element_size
 
 
-def fits(target: str, tuned: Tuned) -> tuple:
-    """``tuned`` without the ``configs`` entries that cannot fit ``target``'s shared memory, and a
-    line per entry dropped. A target without a known limit keeps everything."""
-    from flash_recipe.ops import configs
-
-    limit = configs.SHARED_MEMORY_LIMIT.get(target)
-    if limit is None:
+def fits(tuned: Tuned, limit: Optional[int], gpu: str) -> tuple:
+    """``tuned`` without the ``configs`` entries that cannot fit in ``limit`` bytes of shared
+    memory per block (GPU ``gpu``'s), and a line per entry dropped. ``limit`` None keeps everything."""
+    if not limit:
         return tuned, []
     kept, dropped = {}, []
     for (kernel, bucket, size), config in tuned.configs.items():
         need = shared_memory_floor(config, bucket, size)
         if need > limit:
             dropped.append(f"the {kernel} entry at head dim {bucket}, {size}-byte elements {tuple(config)} needs at "
-                           f"least {need} bytes of shared memory, {target} has {limit}")
+                           f"least {need} bytes of shared memory, the {gpu} offers {limit} per block")
         else:
             kept[(kernel, bucket, size)] = config
     return tuned._replace(configs=kept), dropped
@@ -259,6 +256,13 @@ def _gpu_name(index: int) -> str:
     return name
 
 
+def _shared_memory(index: int) -> Optional[int]:
+    """The most shared memory a block may opt in to on GPU ``index``, or None where torch does not say."""
+    import torch
+
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+
+
 def _load(index: int, target: str) -> Optional[Tuned]:
     gpu = _gpu_name(index)
     path = cache_path(gpu)
@@ -270,7 +274,7 @@ def _load(index: int, target: str) -> Optional[Tuned]:
     except BadCacheFile as exc:
         problem = str(exc)
     if problem is None:
-        found, dropped = fits(target, found)
+        found, dropped = fits(found, _shared_memory(index), gpu)
         if dropped:
             _warn(path, f"flash_recipe ignores {len(dropped)} tuned configuration(s) in {path}: "
                         f"{'; '.join(dropped)}. The built-in table is used for them; run `flash-recipe tune` to "
