@@ -301,7 +301,10 @@ assert len(BY_NAME) == len(CASES), "case names must be unique"
 
 
 def _child(name: str, backend: str, conn) -> None:
-    """In the child: run the case under ``backend`` and send back what happened."""
+    """In the child: run the case under ``backend`` and send back what happened. The cases use CPU
+    tensors, so the Triton kernels run through the interpreter, on a machine with a GPU too
+    (Triton reads the variable when first imported, which happens here, not in the server)."""
+    os.environ["TRITON_INTERPRET"] = "1"
     import flash_recipe
 
     torch.set_num_threads(1)
