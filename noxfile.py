@@ -66,7 +66,7 @@ def tests(session: nox.Session) -> None:
     install_built_wheel(session, "[transformers]")
     session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
     # The harness tests start a real pypiserver.
-    session.install(f"pypiserver=={TOOLS['pypiserver']}", f"waitress=={TOOLS['waitress']}")
+    session.install(*(f"{name}=={TOOLS[name]}" for name in ("pypiserver", "waitress", "passlib")))
     run_pytest(session, str(ROOT / "tests"), *session.posargs)
 
 

@@ -156,7 +156,10 @@ def flash_attn_func(
             (testing only).
 
     Dtypes: float16, bfloat16 and float32 (fp32 is computed in full fp32, never TF32). The last
-    dim of q, k, v must be contiguous; other strides are free, so views of packed tensors work.
+    dim of q, k, v must be contiguous; other strides are free, so views of packed tensors work
+    (stride 0 too: ``expand``-ed tensors). A NaN in the inputs is not checked for (that would cost
+    a pass over the tensors): it propagates, on every backend, to the output rows whose scores
+    it reaches, as in flash-attn.
 
     Returns:
         out: ``(batch_size, seqlen_q, nheads, headdim)``.
@@ -428,36 +431,29 @@ def scaled_dot_product_attention(
         counter-based mask (reproducible under ``torch.manual_seed``, as ``flash_attn_func``'s),
         not the one torch's kernels would draw; ``use_backend("sdpa")`` gives torch's.
     """
-    names = ("query", "key", "value")
-    tensors = (query, key, value)
-    for name, t in zip(names, tensors):
-        if isinstance(t, torch.Tensor) and t.dim() == 3:
-            continue
-        validate.check_tensor(name, t, 4, "(batch, nheads, seqlen, headdim)")
-    unbatched = all(t.dim() == 3 for t in tensors)
+    validate.check_sdpa(query, key, value, validate.check_bool("enable_gqa", enable_gqa))
+    unbatched = query.dim() == 3
     if unbatched:
-        query, key, value = (t.unsqueeze(0) for t in tensors)
+        query, key, value = (t.unsqueeze(0) for t in (query, key, value))
     # flash layout views; a non-contiguous last dim is copied, as torch itself would.
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     q, k, v = (validate.unit_last_stride(t if t.stride(-1) == 1 else t.contiguous()) for t in (q, k, v))
-    validate.check_qkv(q, k, v, names, same_v_dim=False)
-    if not enable_gqa and q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"key must have as many heads as query ({q.shape[2]}) unless enable_gqa=True, got {k.shape[2]}"
-        )
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
         if is_causal:
             raise ValueError("attn_mask and is_causal=True cannot be used together")
         if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
-            raise TypeError(f"attn_mask must be bool or have the query's dtype ({q.dtype}), got {attn_mask.dtype}")
+            raise TypeError(
+                f"attn_mask must be bool or have the query's dtype ({q.dtype}), got {attn_mask.dtype}; "
+                f"fix: attn_mask.to(torch.bool) for a mask of True = attend, or attn_mask.to(query.dtype)"
+            )
     call = AttentionCall(
         q=q,
         k=k,
         v=v,
         softmax_scale=validate.check_scale(scale, q.shape[-1], name="scale"),
-        causal=bool(is_causal),
+        causal=validate.check_bool("is_causal", is_causal),
         diag_offset=0,
         attn_mask=attn_mask,
         dropout_p=validate.check_dropout(dropout_p),

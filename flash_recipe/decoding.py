@@ -13,12 +13,15 @@ memory access or a plausible wrong number.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 import torch
 
 from flash_recipe import dispatch, validate
 from flash_recipe.dispatch import AttentionCall, CacheCall, PagedCall
+
+MAX_SPLITS = 128  # the most num_splits flash-attn takes
 
 
 def _check_cache_tensors(q, k_cache, v_cache, k, v) -> tuple:
@@ -94,7 +97,9 @@ def build_cache_call(
     softcap = validate.check_softcap(softcap)
     if alibi_slopes is not None:
         validate.check_alibi(alibi_slopes, batch, nheads, q.device)
-    num_splits = validate.check_int("num_splits", num_splits, minimum=0, meaning="0 chooses automatically")
+    num_splits = validate.check_int(
+        "num_splits", num_splits, minimum=0, meaning="0 chooses automatically", maximum=MAX_SPLITS
+    )
     validate.check_bool("rotary_interleaved", rotary_interleaved)
     validate.check_bool("return_softmax_lse", return_softmax_lse)
     attention = AttentionCall(
@@ -245,7 +250,8 @@ def flash_attn_with_kvcache(
         rotary_interleaved: rotate dims ``(0, 1), (2, 3), ...`` (True) or ``(0, rotary_dim / 2), ...``
             (False, GPT-NeoX).
         num_splits: split each row's keys over this many programs and merge (split-KV), so one
-            query token over a long cache still fills the GPU; 0 chooses from the GPU's size.
+            query token over a long cache still fills the GPU; 0 chooses from the GPU's size; at
+            most 128, as in flash-attn.
         return_softmax_lse: also return the log-sum-exp ``(batch_size, nheads, seqlen_q)`` float32.
 
     Returns:
@@ -320,8 +326,10 @@ def paged_varlen(call: AttentionCall, block_table) -> tuple:
         raise NotImplementedError(
             "dropout is not supported with block_table (paged KV is for inference); pass dropout_p=0.0"
         )
-    paged = PagedCall(call, block_table)
     capacity = block_table.shape[1] * page_size
+    if call.max_seqlen_k > capacity:  # no sequence is longer than its block_table can address
+        call = dataclasses.replace(call, max_seqlen_k=capacity)
+    paged = PagedCall(call, block_table)
     if call.cu_seqlens_k.device.type == "cpu":
         ends = paged.lengths_k.tolist()
         if max(ends, default=0) > capacity:

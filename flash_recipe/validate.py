@@ -14,6 +14,7 @@ Layouts (B batch, Sq/Sk query/key length, H query heads, Hk key/value heads, D h
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from typing import Optional
@@ -23,6 +24,17 @@ import torch
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 PAGE_MULTIPLE = 16  # page sizes must be multiples of this (the smallest key block)
+MAX_INT32 = 2**31 - 1  # lengths, windows and offsets reach the kernels as int32, as in flash-attn
+FLASH_LAYOUT = "(batch, seqlen, nheads, headdim)"
+SDPA_LAYOUT = "(batch, nheads, seqlen, headdim)"
+LAYOUT_HINT = (
+    "; flash_attn_func takes q, k, v as (batch, seqlen, nheads, headdim): tensors in "
+    "(batch, nheads, seqlen, headdim) go to flash_recipe.scaled_dot_product_attention, or pass q.transpose(1, 2)"
+)
+
+
+def _dtype_fix(name: str) -> str:
+    return f"; fix: {name}.to(torch.float16), {name}.to(torch.bfloat16) or {name}.to(torch.float32)"
 
 
 def check_tensor(name: str, t, ndim: int, layout: str) -> None:
@@ -30,7 +42,7 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {t.dtype}")
+        raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {t.dtype}" + _dtype_fix(name))
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
 
@@ -46,23 +58,26 @@ def check_qkv(
     q, k, v, names=("q", "k", "v"), same_v_dim: bool = True, varlen: bool = False, same_batch: bool = True
 ) -> None:
     """Shapes ``q (B, Sq, H, D)``, ``k (B, Sk, Hk, D)``, ``v (B, Sk, Hk, Dv)`` (varlen: without
-    the batch dim, ``(total, heads, headdim)``; a KV cache: ``same_batch=False``); raise on mismatch."""
+    the batch dim, ``(total, heads, headdim)``; a KV cache: ``same_batch=False``); raise on mismatch.
+
+    A dense call whose shapes would agree read as ``(B, H, S, D)`` (SDPA's layout) says so: the
+    usual cause is SDPA-layout tensors passed to ``flash_attn_func``."""
     qn, kn, vn = names
-    layout = "(total_tokens, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)"
+    layout = "(total_tokens, nheads, headdim)" if varlen else FLASH_LAYOUT
     for name, t in zip(names, (q, k, v)):
         check_tensor(name, t, 3 if varlen else 4, layout)
+    check_same_kind(names, (q, k, v))
     if varlen:  # views with a batch dim of 1, so the checks below read the same
         q, k, v = (t.unsqueeze(0) for t in (q, k, v))
+    hint = "" if varlen or not same_batch or not _fits_sdpa_layout(q, k, v, same_v_dim) else LAYOUT_HINT
     for name, t in ((kn, k), (vn, v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have the same dtype as {qn} ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on the same device as {qn} ({q.device}), got {t.device}")
         if same_batch and t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} must have the same batch size as {qn} ({q.shape[0]}), got {t.shape[0]}")
     if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
         what = "total tokens and nheads" if varlen else "seqlen and nheads"
-        raise ValueError(f"{vn} must have the same {what} as {kn} {tuple(k.shape[1:3])}, got {tuple(v.shape[1:3])}")
+        raise ValueError(
+            f"{vn} must have the same {what} as {kn} {tuple(k.shape[1:3])}, got {tuple(v.shape[1:3])}" + hint
+        )
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"{kn} must have the same head dim as {qn} ({q.shape[3]}), got {k.shape[3]}")
     if same_v_dim and v.shape[3] != q.shape[3]:
@@ -70,11 +85,82 @@ def check_qkv(
     nheads, nheads_k = q.shape[2], k.shape[2]
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(
-            f"the number of query heads ({nheads}) must be a multiple of the number of key/value heads, got {nheads_k}"
+            f"the number of query heads ({nheads}) must be a multiple of the number of key/value heads of {kn}, "
+            f"got {nheads_k}" + hint
         )
-    head_dim = q.shape[3]
+    check_head_dim(qn, q.shape[3])
+
+
+def check_same_kind(names, tensors) -> None:
+    """Every tensor after the first has the first's dtype and device (the message gives the fix)."""
+    first, first_name = tensors[0], names[0]
+    for name, t in zip(names[1:], tensors[1:]):
+        if t.dtype != first.dtype:
+            raise TypeError(
+                f"{name} must have the same dtype as {first_name} ({first.dtype}), got {t.dtype}; "
+                f"fix: {name}.to({first_name}.dtype)"
+            )
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} must be on the same device as {first_name} ({first.device}), got {t.device}; "
+                f"fix: {name}.to({first_name}.device)"
+            )
+
+
+def check_head_dim(name: str, head_dim: int) -> None:
     if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+        raise ValueError(f"{name} must have a head dim (last dimension) between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def _fits_sdpa_layout(q, k, v, same_v_dim: bool) -> bool:
+    """Whether 4-dim ``q, k, v`` agree when read as ``(B, H, S, D)``."""
+    return (
+        k.shape[0] == v.shape[0] == q.shape[0]
+        and k.shape[1:3] == v.shape[1:3]
+        and k.shape[1] > 0
+        and q.shape[1] % k.shape[1] == 0
+        and k.shape[3] == q.shape[3]
+        and (not same_v_dim or v.shape[3] == q.shape[3])
+    )
+
+
+def check_sdpa(query, key, value, enable_gqa: bool) -> None:
+    """``query (B, H, Sq, D)``, ``key (B, Hk, Sk, D)``, ``value (B, Hk, Sk, Dv)`` (or all without
+    the batch dim), checked in SDPA's layout: the messages give the shapes as passed."""
+    names = ("query", "key", "value")
+    tensors = (query, key, value)
+    for name, t in zip(names, tensors):
+        if isinstance(t, torch.Tensor) and t.dim() == 3:
+            check_tensor(name, t, 3, "(nheads, seqlen, headdim)")
+        else:
+            check_tensor(name, t, 4, SDPA_LAYOUT)
+    if len({t.dim() for t in tensors}) != 1:
+        raise ValueError(
+            f"query, key and value must all have 4 dimensions {SDPA_LAYOUT} or all 3, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    check_same_kind(names, tensors)
+    shapes = {name: tuple(t.shape) for name, t in zip(names, tensors)}
+    full = tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in tensors)
+    (b, h, _, d), (bk, hk, sk, dk), (bv, hv, sv, _) = (t.shape for t in full)
+    layout = SDPA_LAYOUT if query.dim() == 4 else "(nheads, seqlen, headdim)"
+    if bk != b or bv != b:
+        name = "key" if bk != b else "value"
+        raise ValueError(f"{name} must have the batch size of query {shapes['query']} {layout}, got {shapes[name]}")
+    if (hv, sv) != (hk, sk):
+        raise ValueError(
+            f"value must have the nheads and seqlen of key {shapes['key']} {layout}, got {shapes['value']}"
+        )
+    if dk != d:
+        raise ValueError(f"key must have the head dim of query {shapes['query']} {layout}, got {shapes['key']}")
+    if not enable_gqa and hk != h:
+        raise ValueError(
+            f"key must have as many heads as query {shapes['query']} {layout} unless enable_gqa=True, "
+            f"got {shapes['key']}; fix: enable_gqa=True, or repeat key and value's heads"
+        )
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"key must have a number of heads that divides query's ({h}) {layout}, got {shapes['key']}")
+    check_head_dim("query", d)
 
 
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +179,10 @@ def last_dim_contiguous(names, tensors) -> tuple:
     tensors = tuple(None if t is None else unit_last_stride(t) for t in tensors)
     for name, t in zip(names, tensors):
         if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+            raise ValueError(
+                f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}; "
+                f"fix: {name}.contiguous()"
+            )
     return tensors
 
 
@@ -109,6 +198,8 @@ def check_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> fl
         return head_dim**-0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"{name} must be a finite number or None (1 / sqrt(headdim)), got {softmax_scale}")
     return float(softmax_scale)
 
 
@@ -116,7 +207,7 @@ def check_dropout(dropout_p, name: str = "dropout_p") -> float:
     """A dropout probability in [0, 1), as a float."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
+    if not 0.0 <= dropout_p < 1.0:  # NaN fails this too
         raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
     return float(dropout_p)
 
@@ -150,13 +241,18 @@ def is_int(value) -> bool:
     return True
 
 
-def check_int(name: str, value, minimum: Optional[int] = None, meaning: str = "") -> int:
-    """``value`` as a Python int (see ``is_int``), at least ``minimum``; raise naming ``name``."""
+def check_int(
+    name: str, value, minimum: Optional[int] = None, meaning: str = "", maximum: Optional[int] = MAX_INT32
+) -> int:
+    """``value`` as a Python int (see ``is_int``), in ``[minimum, maximum]`` (by default at most
+    int32's largest, as the kernels take it); raise naming ``name``."""
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = operator.index(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}{f' ({meaning})' if meaning else ''}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
     return value
 
 
@@ -177,15 +273,17 @@ def check_window(causal, window_size) -> tuple[int, int]:
     left, right = (operator.index(w) for w in pair)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be -1 (unbounded) or >= 0, got {(left, right)}")
+    if max(left, right) > MAX_INT32:
+        raise ValueError(f"window_size entries must be at most {MAX_INT32} (or -1, unbounded), got {(left, right)}")
     return left, right
 
 
 def check_softcap(softcap) -> float:
-    """A softcap >= 0 (0 disables it), as a float."""
+    """A finite softcap >= 0 (0 disables it), as a float."""
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    if softcap < 0.0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    if not (0.0 <= softcap < math.inf):  # NaN fails this too
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
     return float(softcap)
 
 
@@ -196,11 +294,13 @@ def check_offsets(name: str, cu, total: Optional[int], device) -> torch.Tensor:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        raise TypeError(f"{name} must be int32, got {cu.dtype}; fix: {name}.to(torch.int32)")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}")
     if cu.device != device:
-        raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
+        raise ValueError(
+            f"{name} must be on the same device as q ({device}), got {cu.device}; fix: {name}.to(q.device)"
+        )
     cu = cu.contiguous()
     if cu.device.type == "cpu":
         values = cu.tolist()
@@ -215,7 +315,8 @@ def check_offsets(name: str, cu, total: Optional[int], device) -> torch.Tensor:
 
 
 def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
-    """Validate packed-sequence offsets (``k`` None: paged keys, whose total is not checked). Their
+    """Validate packed-sequence offsets (``k`` None: paged keys, whose total is not checked) and
+    ``max_seqlen_q/k`` (ints up to int32's largest, lowered to the packed tensors' totals). Their
     values are read only for CPU tensors: on a GPU that would cost a synchronisation per call, so
     there (as in flash-attn) they are trusted, and the kernels clamp them to the packed tensors."""
     cu_seqlens_q = check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
@@ -231,6 +332,10 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -
             longest = max(b - a for a, b in zip(cu.tolist(), cu.tolist()[1:]))
             if value < longest:
                 raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {value}")
+    # The grid is sized from these: no sequence is longer than the packed tensor that holds it.
+    max_seqlen_q = min(max_seqlen_q, q.shape[0])
+    if k is not None:
+        max_seqlen_k = min(max_seqlen_k, k.shape[0])
     return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
@@ -239,11 +344,11 @@ def check_index(name: str, t, shape: tuple, device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
+        raise TypeError(f"{name} must be int32, got {t.dtype}; fix: {name}.to(torch.int32)")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}")
+        raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}; fix: {name}.to(q.device)")
     return t.contiguous()
 
 

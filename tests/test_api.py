@@ -30,11 +30,21 @@ BAD_CALLS = [
         "int-dtype",
         lambda: flash_attn_func(Q.int(), K, K),
         TypeError,
-        ["q", "float16, bfloat16 or float32", "torch.int32"],
+        ["q", "float16, bfloat16 or float32", "torch.int32", "fix: q.to(torch.float16)"],
     ),
     ("float64", lambda: flash_attn_func(Q.double(), K, K), TypeError, ["q", "torch.float64"]),
-    ("dtype-mismatch", lambda: flash_attn_func(Q, K.half(), K), TypeError, ["k", "same dtype", "torch.float16"]),
-    ("device-mismatch", lambda: flash_attn_func(Q, K.to("meta"), K), ValueError, ["k", "same device", "meta"]),
+    (
+        "dtype-mismatch",
+        lambda: flash_attn_func(Q, K.half(), K),
+        TypeError,
+        ["k", "same dtype", "torch.float16", "fix: k.to(q.dtype)"],
+    ),
+    (
+        "device-mismatch",
+        lambda: flash_attn_func(Q, K.to("meta"), K),
+        ValueError,
+        ["k", "same device", "meta", "fix: k.to(q.device)"],
+    ),
     (
         "batch-mismatch",
         lambda: flash_attn_func(Q, t(3, 10, 2, 16), t(3, 10, 2, 16)),
@@ -71,7 +81,7 @@ BAD_CALLS = [
         "last-dim-strided",
         lambda: flash_attn_func(t(2, 8, 4, 32)[..., ::2], K, K),
         ValueError,
-        ["q", "contiguous last dimension", "stride 2"],
+        ["q", "contiguous last dimension", "stride 2", "fix: q.contiguous()"],
     ),
     ("dropout-range", lambda: flash_attn_func(Q, K, K, dropout_p=1.5), ValueError, ["dropout_p", "[0, 1)", "1.5"]),
     (

@@ -40,16 +40,19 @@ def _fresh_cache(monkeypatch, tmp_path):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Only the missing GPU driver is mocked: ``torch.cuda`` reports device 0 as an H100 (sm90, 132
-    multiprocessors) and device 1 as an A100 (sm80, 108), and the interpreter is switched off so
-    that flash_recipe treats CUDA devices as GPUs. Nothing in flash_recipe is replaced."""
-    gpus = {0: (H100, 9, 0, 132), 1: ("NVIDIA A100-SXM4-80GB", 8, 0, 108)}
+    multiprocessors, 227 KiB of shared memory per block) and device 1 as an A100 (sm80, 108,
+    163 KiB), and the interpreter is switched off so that flash_recipe treats CUDA devices as
+    GPUs. Nothing in flash_recipe is replaced."""
+    gpus = {0: (H100, 9, 0, 132, 232448), 1: ("NVIDIA A100-SXM4-80GB", 8, 0, 108, 166912)}
 
     def index(device):
         return torch.device(device).index if not isinstance(device, int) else device
 
     def properties(device):
-        name, major, minor, sms = gpus[index(device)]
-        return types.SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=sms)
+        name, major, minor, sms, shared = gpus[index(device)]
+        return types.SimpleNamespace(
+            name=name, major=major, minor=minor, multi_processor_count=sms, shared_memory_per_block_optin=shared
+        )
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
@@ -206,6 +209,7 @@ CORRUPT = {
     "duplicate-entry": _document(configs=[tuned.config_entry("fwd", 128, 2, (64, 64, 4, 2))] * 2),
     "splits-too-many": _document(num_splits=[tuned.splits_entry(128, 2, 32, 8192, 1000)]),
     "programs-not-a-bucket": _document(num_splits=[{**tuned.splits_entry(128, 2, 32, 8192, 4), "programs": 20}]),
+    "nested-too-deep": "[" * 100_000 + "]" * 100_000,  # json raises RecursionError, not ValueError
 }
 
 
@@ -220,6 +224,58 @@ def test_a_corrupt_file_is_ignored_with_one_warning(fake_gpu, name):
     assert path in str(warning.message) and "built-in table" in str(warning.message)
     with pytest.raises(tuned.BadCacheFile):
         tuned.read(path)
+
+
+def test_an_entry_that_cannot_fit_the_gpu_is_dropped_with_one_warning_and_the_rest_used(fake_gpu):
+    huge = tuned.config_entry("bwd_dq", 128, 2, (256, 256, 16, 8))  # 7 stages of 256x128 tiles: 448 KiB
+    path = _write(_document(configs=_document()["configs"] + [huge]))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert configs.launch_config(CUDA0, "bwd_dq", 128, 2) == configs.get_config("sm90", "bwd_dq", 128, 2)
+            assert configs.launch_config(CUDA0, "fwd", 128, 2) == Config(64, 32, 4, 5)  # the fitting entry
+    (warning,) = _tuned_warnings(record)
+    message = str(warning.message)
+    assert path in message and "bwd_dq" in message and "458752" in message and "232448" in message
+
+
+def test_the_shared_memory_floor_keeps_every_table_configuration():
+    """The floor is a lower bound: no configuration of the table (which the compile check proves
+    fits) is above its targets' limits."""
+    for (family, kernel), rows in configs._TABLE.items():
+        targets = [t for t, f in configs.FAMILIES.items() if f == family]
+        for max_bucket, size, config in rows:
+            for target in targets:
+                floor = tuned.shared_memory_floor(config, max_bucket, size)
+                assert floor <= configs.SHARED_MEMORY_LIMIT[target], (family, kernel, config, target)
+
+
+_SAVER = """
+import sys
+from flash_recipe.ops import tuned
+key = {"gpu": "Race GPU", "target": "sm90", "triton": "t", "flash_recipe": "f"}
+offset = int(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    tuned.save(key, [], [tuned.splits_entry(64, 2, 2 ** (i % 20), 2 ** (offset + i // 20), 1)])
+"""
+
+
+def test_two_processes_saving_at_once_keep_every_entry(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, tuned.ENV_VAR: str(tmp_path / "race")}
+    saves = 150
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SAVER, str(offset), str(saves)], env=env, stderr=subprocess.PIPE)
+        for offset in (0, 20)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-2000:]
+    found = tuned.read(tmp_path / "race" / tuned.file_name("Race GPU"))
+    assert len(found.splits) == 2 * saves
 
 
 def test_auto_splits_takes_the_tuned_count_for_its_bucket_else_the_heuristic(fake_gpu):

@@ -31,14 +31,21 @@ The format (``FORMAT`` 1)::
   heuristic was measured as fast as any count, and stays.
 - any other field (timings, the shapes measured) is informational and not read.
 
-A file that cannot be read, is not this format, or is stale is ignored with one
-``TunedCacheWarning`` per process, and the table is used. The file is read once per process and
+A file that cannot be read (whatever is wrong with it, nesting too deep for the parser included),
+is not this format, or is stale is ignored with one ``TunedCacheWarning`` per process, and the
+table is used. A ``configs`` entry that cannot fit the GPU (``fits``: its pipelined tiles need more
+shared memory than the GPU offers a block) is dropped with the same warning; the rest of the file
+is used.
+
+Writers (``save``) hold an exclusive lock on ``<file>.lock`` beside the file while they read,
+merge and replace it, so two tuners saving at once keep each other's entries. The file is read once per process and
 device; changing ``FLASH_RECIPE_TUNE_CACHE`` (or ``XDG_CACHE_HOME``) makes the next launch read
 the file it now names, and ``forget()`` drops what was read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -193,9 +200,34 @@ def read(path: os.PathLike) -> Tuned:
         raise BadCacheFile(f"cannot be read ({exc})") from None
     try:
         document = json.loads(text)
-    except ValueError as exc:
-        raise BadCacheFile(f"is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+        raise BadCacheFile(f"is not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     return parse(document)
+
+
+def shared_memory_floor(config, head_dim: int, element_size: int) -> int:
+    """A lower bound, in bytes, of the shared memory a launch with ``config`` (``block_m, block_n,
+    num_warps, num_stages``) at head-dim bucket ``head_dim`` needs: every kernel's main loop
+    feeds a dot from a ``(block, head_dim)`` tile it loads, which Triton's software pipeline keeps
+    in shared memory, one buffer per stage beyond the first (at least that of the smaller block)."""
+    block_m, block_n, _, num_stages = config
+    return (num_stages - 1) * min(block_m, block_n) * head_dim * element_size
+
+
+def fits(tuned: Tuned, limit: Optional[int], gpu: str) -> tuple:
+    """``tuned`` without the ``configs`` entries that cannot fit in ``limit`` bytes of shared
+    memory per block (GPU ``gpu``'s), and a line per entry dropped. ``limit`` None keeps everything."""
+    if not limit:
+        return tuned, []
+    kept, dropped = {}, []
+    for (kernel, bucket, size), config in tuned.configs.items():
+        need = shared_memory_floor(config, bucket, size)
+        if need > limit:
+            dropped.append(f"the {kernel} entry at head dim {bucket}, {size}-byte elements {tuple(config)} needs at "
+                           f"least {need} bytes of shared memory, the {gpu} offers {limit} per block")
+        else:
+            kept[(kernel, bucket, size)] = config
+    return tuned._replace(configs=kept), dropped
 
 
 def key_problem(found: dict, expected: dict) -> Optional[str]:
@@ -224,6 +256,13 @@ def _gpu_name(index: int) -> str:
     return name
 
 
+def _shared_memory(index: int) -> Optional[int]:
+    """The most shared memory a block may opt in to on GPU ``index``, or None where torch does not say."""
+    import torch
+
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+
+
 def _load(index: int, target: str) -> Optional[Tuned]:
     gpu = _gpu_name(index)
     path = cache_path(gpu)
@@ -235,13 +274,21 @@ def _load(index: int, target: str) -> Optional[Tuned]:
     except BadCacheFile as exc:
         problem = str(exc)
     if problem is None:
+        found, dropped = fits(found, _shared_memory(index), gpu)
+        if dropped:
+            _warn(path, f"flash_recipe ignores {len(dropped)} tuned configuration(s) in {path}: "
+                        f"{'; '.join(dropped)}. The built-in table is used for them; run `flash-recipe tune` to "
+                        f"tune again, or delete the file.")
         return found
+    _warn(path, f"flash_recipe ignores the tuned configurations in {path}: {problem}. The built-in table "
+                f"is used; run `flash-recipe tune` to tune again, or delete the file.")
+    return None
+
+
+def _warn(path: Path, message: str) -> None:
     if str(path) not in _WARNED:
         _WARNED.add(str(path))
-        warnings.warn(f"flash_recipe ignores the tuned configurations in {path}: {problem}. The built-in table "
-                      f"is used; run `flash-recipe tune` to tune again, or delete the file.",
-                      TunedCacheWarning, stacklevel=2)
-    return None
+        warnings.warn(message, TunedCacheWarning, stacklevel=3)
 
 
 def for_device(device, target: str) -> Optional[Tuned]:
@@ -315,9 +362,37 @@ def save(key: dict, configs: list, splits: list, directory: Optional[os.PathLike
 
     Entries already in a usable file with the same key are kept unless an entry here has the same
     lookup key; a file that is unreadable or keyed otherwise is replaced. The file is written
-    whole to a temporary name and renamed, so a reader never sees half of it.
+    whole to a temporary name and renamed, so a reader never sees half of it; the read, merge and
+    rename happen under ``locked``, so writers in other processes wait and merge in turn.
     """
     path = cache_path(key["gpu"], directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with locked(path):
+        _merge_and_replace(path, key, configs, splits)
+    forget()
+    return path
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """Hold an exclusive lock on ``<path>.lock`` (created 0600 if missing, never through a symlink)."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    handle = os.open(str(path) + ".lock", flags, 0o600)
+    try:
+        if os.name == "nt":
+            import msvcrt
+
+            msvcrt.locking(handle, msvcrt.LK_LOCK, 1)  # retries for 10 s, then raises OSError
+        else:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
+def _merge_and_replace(path: Path, key: dict, configs: list, splits: list) -> None:
     kept_configs, kept_splits = [], []
     try:
         old = read(path)
@@ -333,7 +408,6 @@ def save(key: dict, configs: list, splits: list, directory: Optional[os.PathLike
     document = {"format": FORMAT, "key": dict(key), "configs": kept_configs + list(configs),
                 "num_splits": kept_splits + list(splits)}
     parse(document)  # never write what the reader would refuse
-    path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as f:
@@ -343,8 +417,6 @@ def save(key: dict, configs: list, splits: list, directory: Optional[os.PathLike
     except BaseException:
         os.unlink(temporary)
         raise
-    forget()
-    return path
 
 
 def cache_files(directory: Optional[os.PathLike] = None) -> list:

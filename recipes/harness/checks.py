@@ -9,10 +9,13 @@ environment; ``hermetic_lock`` does both for poetry.lock.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import zipfile
@@ -25,6 +28,7 @@ from packaging.utils import canonicalize_name
 from recipes.harness.config import Options
 from recipes.harness.paths import RecipePath
 from recipes.harness.prepare import Build, is_torch_coupled, locked_versions, log
+from recipes.harness.processes import die_with_parent, ended_with_harness
 from recipes.harness.workspace import run_step
 
 # Run inside the path's environment by that environment's interpreter: what got installed, from
@@ -165,11 +169,29 @@ def run_verify(env_dir: Path, *, env: dict[str, str], cwd: Path, log_file: Path,
         verify_env["TRITON_INTERPRET"] = "1"
     started = time.monotonic()
     cmd = [env_dir / "bin" / "flash-recipe", "verify", "--json"]
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=verify_env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=verify_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    with ended_with_harness(proc):  # its children end with it, and with the harness
+        try:
+            stdout, stderr = proc.communicate(timeout=900)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     seconds = round(time.monotonic() - started, 1)
     with open(log_file, "a") as handle:
-        handle.write(f"\n$ {' '.join(map(str, cmd))}  (TRITON_INTERPRET={interpret})\n{proc.stdout}\n{proc.stderr}\n")
-    return VerifyRun(proc.returncode, proc.stdout, proc.stderr, seconds)
+        handle.write(f"\n$ {' '.join(map(str, cmd))}  (TRITON_INTERPRET={interpret})\n{stdout}\n{stderr}\n")
+    return VerifyRun(proc.returncode, stdout, stderr, seconds)
 
 
 # --- judging ---------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ TOOLS = {
     "uv": "0.13.9",
     "pypiserver": "2.4.2",
     "waitress": "3.0.2",
+    "passlib": "1.7.4",  # pypiserver's htpasswd reader: uploads need the run's password
     "build": "1.6.1",
 }
 

@@ -316,16 +316,53 @@ def locked_pins(lock_text: str, python_version: str, extras: Sequence[str] = ())
 FOREIGN_PLATFORMS = ("win_amd64", "macosx_11_0_arm64", "manylinux2014_aarch64")
 
 
-def download_foreign(pip: list, dest: Path, pin: str, python_version: str) -> bool:
-    """Download ``pin``'s wheel for another platform (the first of ``FOREIGN_PLATFORMS`` it has)
-    for this Python into ``dest``; False if none has one."""
+def locked_hashes(lock_text: str) -> dict[tuple[str, str], list[str]]:
+    """``(name, version) -> ["sha256:...", ...]``: the hashes poetry.lock records for each file
+    of each locked package."""
+    hashes: dict[tuple[str, str], list[str]] = {}
+    for package in tomllib.loads(lock_text).get("package", []):
+        key = (canonicalize_name(package["name"]), package["version"])
+        hashes.setdefault(key, []).extend(f["hash"] for f in package.get("files", []) if "hash" in f)
+    return hashes
+
+
+def hashed_requirements(pins: Sequence[str], hashes: dict[tuple[str, str], list[str]]) -> str:
+    """A requirements file of ``pins`` (``name==version``) for pip's ``--require-hashes`` mode:
+    each line carries every hash poetry.lock records for that version (the export of the lock)."""
+    lines = []
+    for pin in pins:
+        name, version = pin.split("==")
+        found = hashes.get((canonicalize_name(name), version))
+        if not found:
+            raise RuntimeError(f"poetry.lock records no file hashes for {pin}")
+        lines.append(" ".join([pin, *(f"--hash={h}" for h in found)]))
+    return "".join(line + "\n" for line in lines)
+
+
+def mismatched_locked_files(directory: Path, lock_text: str) -> list[str]:
+    """The files in ``directory`` that poetry.lock names but whose sha256 differs from the lock's."""
+    expected = {}
+    for package in tomllib.loads(lock_text).get("package", []):
+        for f in package.get("files", []):
+            if f.get("hash", "").startswith("sha256:"):
+                expected[f["file"]] = f["hash"][len("sha256:") :]
+    bad = []
+    for path in sorted(directory.iterdir()):
+        if path.name in expected and hashlib.sha256(path.read_bytes()).hexdigest() != expected[path.name]:
+            bad.append(path.name)
+    return bad
+
+
+def download_foreign(pip: list, dest: Path, requirements: Path, python_version: str) -> bool:
+    """Download the wheel of the one pin in the hashed ``requirements`` file for another platform
+    (the first of ``FOREIGN_PLATFORMS`` it has) for this Python into ``dest``; False if none has one."""
     for platform in FOREIGN_PLATFORMS:
         try:
-            run([*pip, "download", "--quiet", "--no-deps", "--dest", dest, "--only-binary=:all:", "--platform",
-                 platform, "--python-version", python_version, pin])  # fmt: skip
+            run([*pip, "download", "--quiet", "--no-deps", "--require-hashes", "--dest", dest, "--only-binary=:all:",
+                 "--platform", platform, "--python-version", python_version, "-r", requirements])  # fmt: skip
         except RuntimeError:
             continue
-        log(f"  {pin}: the {platform} wheel (no file for this machine)")
+        log(f"  {requirements.read_text().split()[0]}: the {platform} wheel (no file for this machine)")
         return True
     return False
 
@@ -347,7 +384,7 @@ def wheelhouse(options: Options, tools: Tools, build: Build) -> Wheelhouse:
     groups = sorted({r for g in pyproject.get("dependency-groups", {}) for r in dependency_group(pyproject, g)})
     requirement_names = [Requirement(r).name for r in pyproject["project"]["dependencies"]]
     fingerprint = json.dumps(
-        [options.torch_version, options.torch_index, options.python, pins, groups, requirement_names]
+        [options.torch_version, options.torch_index, options.python, pins, groups, requirement_names, "hashed"]
     )
     # One directory per torch choice; inside it, one wheelhouse per dependency set. A new
     # dependency set (pyproject.toml or poetry.lock changed) replaces the older ones.
@@ -376,6 +413,25 @@ def wheelhouse(options: Options, tools: Tools, build: Build) -> Wheelhouse:
         if len(torch_wheels) != 1:
             raise RuntimeError(f"expected one torch wheel, got {[w.name for w in torch_wheels]}")
         exact = torch_wheels[0].name.split("-")[1]
+        if pins:
+            # First, and checked against the lock's hashes: what a later resolution needs of
+            # these is then already in deps_dir, and pip keeps the file it finds there.
+            log(f"filling the wheelhouse: {len(pins)} packages pinned by poetry.lock, with their hashes")
+            hashes = locked_hashes(lock_text)
+            hashed = tmp / "lock-hashed.txt"
+            hashed.write_text(hashed_requirements(pins, hashes))
+            hashed_download = [*pip, "download", "--quiet", "--no-deps", "--require-hashes", "--dest", deps_dir]
+            try:
+                run([*hashed_download, "-r", hashed])
+            except RuntimeError:
+                one = tmp / "lock-hashed-one.txt"
+                for pin in pins:  # one by one: a pin with no file for this machine
+                    one.write_text(hashed_requirements([pin], hashes))
+                    try:
+                        run([*hashed_download, "-r", one])
+                    except RuntimeError:
+                        if not download_foreign(pip, deps_dir, one, python_version):
+                            log(f"  no distribution of {pin} for this interpreter; skipped")
         constraints = tmp / "lock-constraints.txt"
         constraints.write_text("".join(f"{pin}\n" for pin in pins))
         log("filling the wheelhouse: dependencies, build backend, dependency groups")
@@ -386,17 +442,10 @@ def wheelhouse(options: Options, tools: Tools, build: Build) -> Wheelhouse:
                 *pyproject["build-system"]["requires"], *groups,
             ]
         )  # fmt: skip
-        if pins:
-            log(f"filling the wheelhouse: {len(pins)} packages pinned by poetry.lock")
-            try:
-                run([*pip, "download", "--quiet", "--no-deps", "--dest", deps_dir, *pins])
-            except RuntimeError:
-                for pin in pins:  # one by one: a pin with no file for this machine
-                    try:
-                        run([*pip, "download", "--quiet", "--no-deps", "--dest", deps_dir, pin])
-                    except RuntimeError:
-                        if not download_foreign(pip, deps_dir, pin, python_version):
-                            log(f"  no distribution of {pin} for this interpreter; skipped")
+        if lock_text:
+            bad = mismatched_locked_files(deps_dir, lock_text)
+            if bad:
+                raise RuntimeError(f"files in the wheelhouse differ from poetry.lock's hashes: {', '.join(bad)}")
         for leftover in [*deps_dir.glob("torch-*"), *deps_dir.glob("flash_recipe-*")]:
             leftover.unlink()
 

@@ -1,7 +1,9 @@
 """Loopback servers for a path run: package indexes, the git remote, and the network tripwire.
 
 - ``PackageIndex``: a real pypiserver on a free loopback port, serving some directories, with
-  the fallback to PyPI switched off.
+  the fallback to PyPI switched off. Listing and downloading are open; uploading and removing
+  need a password drawn at random for each server (``self.credentials``) that nothing else is
+  told, so another local user cannot add a package to the served, cached wheelhouse.
 - ``StaticServer``: a threaded static HTTP server; serving a bare repository after
   ``git update-server-info`` makes it a git remote (git's "dumb" HTTP protocol).
 - ``Tripwire``: an HTTP proxy that every path run is pointed at (``http_proxy`` and friends),
@@ -15,13 +17,17 @@ two matrices running at once therefore never share a port.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
+import hashlib
 import http.server
 import os
+import secrets
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -29,18 +35,9 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from recipes.harness.processes import die_with_parent
+
 LOOPBACK = "127.0.0.1"
-
-
-def die_with_parent() -> None:
-    """For ``preexec_fn``: on Linux, the child gets SIGTERM when the harness dies, even by SIGKILL
-    (nox kills a session's command half a second after Ctrl-C)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def free_port() -> int:
@@ -57,8 +54,18 @@ def _get(url: str, timeout: float = 2.0) -> int:
         return response.status
 
 
+def htpasswd_line(user: str, password: str) -> str:
+    """An htpasswd entry in the ``{SHA}`` scheme, which pypiserver's htpasswd reader (passlib) checks."""
+    digest = base64.b64encode(hashlib.sha1(password.encode()).digest()).decode()
+    return f"{user}:{{SHA}}{digest}\n"
+
+
 class PackageIndex:
-    """pypiserver serving ``directories`` at ``self.url`` (the simple index, ending in /simple/)."""
+    """pypiserver serving ``directories`` at ``self.url`` (the simple index, ending in /simple/).
+
+    Uploads and removals need ``self.credentials`` (a user and a random password made for this
+    server); the htpasswd file that holds it lives in a private temporary directory while the
+    server runs."""
 
     def __init__(self, pypi_server: Path, directories: Sequence[Path], log_file: Path, name: str = "index"):
         self.pypi_server = pypi_server
@@ -67,19 +74,31 @@ class PackageIndex:
         self.name = name
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
+        self.credentials = ("flash-recipe-matrix", secrets.token_urlsafe(32))
+        self._secrets: tempfile.TemporaryDirectory | None = None
 
     @property
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}/simple/"
 
+    def _password_file(self) -> Path:
+        if self._secrets is None:
+            self._secrets = tempfile.TemporaryDirectory(prefix="flash-recipe-index-")  # mode 0700
+        path = Path(self._secrets.name) / "htpasswd"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(htpasswd_line(*self.credentials))
+        return path
+
     def start(self, attempts: int = 5, timeout: float = 30.0) -> PackageIndex:
+        passwords = self._password_file()
         for _ in range(attempts):
             self.port = free_port()
             log = open(self.log_file, "ab")  # noqa: SIM115 (the server writes to it until stop() closes it)
             self.process = subprocess.Popen(
                 [
                     str(self.pypi_server), "run", "--port", str(self.port), "--host", LOOPBACK,
-                    "--authenticate", ".", "--passwords", ".", "--disable-fallback",
+                    "--authenticate", "update", "--passwords", str(passwords), "--disable-fallback",
                     "--hash-algo", "sha256",
                     *map(str, self.directories),
                 ],
@@ -99,26 +118,37 @@ class PackageIndex:
                         return self
                 except (urllib.error.URLError, OSError):
                     time.sleep(0.1)
-            self.stop()
+            process, self.process = self.process, None
+            if process.poll() is None:
+                end_group(process)
+        self.stop()
         raise RuntimeError(f"pypiserver ({self.name}) did not start; see {self.log_file}")
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        if process is not None and process.poll() is None:
+            end_group(process)
+        if self._secrets is not None:
+            self._secrets.cleanup()
+            self._secrets = None
 
     def __enter__(self) -> PackageIndex:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def end_group(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """End ``process``'s process group (it was started with ``start_new_session``): SIGTERM, then
+    SIGKILL after ``grace`` seconds."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

@@ -14,6 +14,7 @@ import fcntl
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import IO
 from recipes.harness.config import Options
 from recipes.harness.paths import RecipePath
 from recipes.harness.prepare import Build, Tools
-from recipes.harness.servers import die_with_parent
+from recipes.harness.processes import die_with_parent, ended_with_harness
 
 # Variables of the calling environment that would let a path see the user's configuration,
 # another environment or the network.
@@ -30,11 +31,34 @@ _DROPPED_PREFIXES = ("PIP_", "UV_", "POETRY_", "PYTHON", "VIRTUAL_ENV", "CONDA_"
 _DROPPED = {"http_proxy", "https_proxy", "all_proxy", "no_proxy", "ftp_proxy", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"}
 
 
-def workroot() -> Path:
-    """The directory holding every path's workspace (created if missing)."""
-    root = Path(tempfile.gettempdir()) / "flash-recipe-matrix"
-    root.mkdir(exist_ok=True)
-    return root
+class UnsafeWorkroot(RuntimeError):
+    """The work root exists but another user could steer what the harness deletes in it."""
+
+
+def workroot(base: Path | None = None) -> Path:
+    """The directory holding every path's workspace: ``flash-recipe-matrix-<uid>`` in ``base``
+    (default the system temporary directory), created 0700 if missing.
+
+    On a shared machine another user can create that name first; the harness then refuses it
+    (``UnsafeWorkroot``) unless it is a real directory (not a symlink), owned by this user, and
+    private (mode 0700, no access for group or others)."""
+    base = Path(base if base is not None else tempfile.gettempdir())
+    root = base / f"flash-recipe-matrix-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, 0o700)
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        problem = "is a symlink" if stat.S_ISLNK(st.st_mode) else "is not a directory"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    elif stat.S_IMODE(st.st_mode) != 0o700:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):o}, not 700"
+    else:
+        return root
+    raise UnsafeWorkroot(
+        f"the install matrix's work root {root} {problem}: another user may have created it to steer what the "
+        f"harness deletes. Check it, remove it (or `chmod 700` it if it is yours) and run again."
+    )
 
 
 class Workspace:
@@ -151,7 +175,8 @@ class StepFailed(Exception):
 def run_step(cmd: list, *, cwd: Path, env: dict[str, str], log_file: Path, timeout: float = 900) -> str:
     """Run ``cmd``, appending its output to ``log_file``; raise StepFailed on a non-zero exit.
 
-    The command runs in its own process group, which is killed on Ctrl-C or timeout.
+    The command runs in its own process group, which is killed on Ctrl-C or timeout, and ended
+    when the step ends or the harness dies by any signal (``processes.ended_with_harness``).
     """
     with open(log_file, "a") as handle:
         handle.write(f"\n$ {' '.join(map(str, cmd))}\n")
@@ -167,13 +192,14 @@ def run_step(cmd: list, *, cwd: Path, env: dict[str, str], log_file: Path, timeo
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except BaseException:  # KeyboardInterrupt, timeout: take the whole group down
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
+        with ended_with_harness(proc):
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except BaseException:  # KeyboardInterrupt, timeout: take the whole group down
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
         handle.write(out)
     if proc.returncode != 0:
         raise StepFailed(f"exit {proc.returncode}: {' '.join(map(str, cmd))}")
@@ -197,17 +223,42 @@ def dir_size_mb(root: Path) -> float:
     return round(total / 2**20, 1)
 
 
+def _real_dir(path: Path) -> bool:
+    """A directory itself, not a symlink to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def sweep(root: Path) -> None:
-    """Discard path directories left by runs that were killed (their lock is free)."""
+    """Discard path directories left by runs that were killed (their lock is free). Only real
+    directories with a regular ``.in-use`` file are candidates: a symlink is never followed."""
     for directory in root.iterdir():
-        if directory.name == "trash" or not (directory / ".in-use").exists():
+        if directory.name == "trash" or not _real_dir(directory):
             continue
-        with open(directory / ".in-use") as handle:
+        try:
+            fd = os.open(directory / ".in-use", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # missing, or a symlink
+            continue
+        with os.fdopen(fd) as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a running matrix holds it
-        discard(directory, root / "trash")
+            discard(directory, root / "trash")
+
+
+def _trash_dir(trash: Path) -> Path:
+    """``trash`` as a private real directory: anything else by that name (a symlink planted to
+    make the deletion below reach elsewhere) is removed first, without following it."""
+    if trash.is_symlink() or (trash.exists() and not _real_dir(trash)):
+        trash.unlink()
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(trash, 0o700)
+    return trash
 
 
 def discard(directory: Path, trash: Path) -> None:
@@ -215,18 +266,23 @@ def discard(directory: Path, trash: Path) -> None:
 
     Deleting a torch environment (tens of thousands of files) takes seconds to a minute on a
     busy disk; the next path need not wait for it. Whatever an interrupted run leaves in
-    ``trash`` is deleted by the next call.
+    ``trash`` is deleted by the next call. Symlinks are removed as links, never followed
+    (``rm -rf`` and ``shutil.rmtree`` both work so), and a ``directory`` that is a symlink is
+    only unlinked.
     """
+    if directory.is_symlink():
+        directory.unlink()
+        return
     if not directory.exists():
         return
-    trash.mkdir(parents=True, exist_ok=True)
+    trash = _trash_dir(trash)
     target = Path(tempfile.mkdtemp(prefix=f"{directory.name}.", dir=trash))
     try:
         directory.rename(target / directory.name)
     except OSError:  # another file system: delete in place
         shutil.rmtree(directory, ignore_errors=True)
     subprocess.Popen(
-        ["rm", "-rf", *map(str, trash.iterdir())],
+        ["rm", "-rf", "--", *map(str, trash.iterdir())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
