@@ -119,8 +119,7 @@ def install_as_flash_attn(force: bool = False) -> bool:
         sys.modules[name] = importlib.import_module(STAND_IN + name[len(PACKAGE) :])
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
-    from flash_recipe.flash_attn.distribution import FINDER
-
-    if FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, FINDER)
+    metadata = importlib.import_module(STAND_IN + ".distribution").FINDER  # the stand-in's metadata finder
+    if metadata not in sys.meta_path:
+        sys.meta_path.insert(0, metadata)
     return True

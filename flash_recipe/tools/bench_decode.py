@@ -25,7 +25,7 @@ import argparse
 import datetime
 import json
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 # Peak HBM bandwidth in bytes/s by GPU model name (vendor figures).
 PEAK_BANDWIDTH = {
@@ -54,7 +54,7 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def _step(peer: str, q, k_cache, v_cache, seqlens) -> Callable[[], object]:
+def _step(peer: str, q, k_cache, v_cache, seqlens) -> Callable[[], Any]:
     """One decoding step of ``peer`` over the cache, as a function of no arguments."""
     if peer not in PEERS:
         raise ValueError(f"peer must be one of {', '.join(PEERS)}, got {peer!r}")
@@ -158,7 +158,7 @@ def run(
     return {"context": context, "rows": rows}
 
 
-def _captured(fn: Callable[[], object]) -> Callable[[], object]:
+def _captured(fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` captured in a CUDA graph (after a warm-up on a side stream, as torch asks); returns
     the graph's replay."""
     import torch
