@@ -259,3 +259,48 @@ def test_tensor_descriptors_on_packed_keys_with_gqa_and_batches(causal, device, 
             pointer_out = flash_recipe.flash_attn_kvpacked_func(q, kv, causal=causal)
     assert launched[0] is not None and launched[1] is None
     assert torch.equal(tma_out, pointer_out)  # the pointer path's accuracy is tested above
+
+
+ONE_KEY_CASES = [
+    # (B, Sq, Sk, H, D, window, softcap, alibi): every row sees exactly one key, inputs scaled by 4
+    pytest.param(3, 61, 1, 4, 128, (-1, -1), 0.0, True, id="Sk1-alibi"),
+    pytest.param(3, 3, 8, 4, 80, (0, 0), 50.0, False, id="window0-softcap50"),
+]
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,nheads,head_dim,window,softcap,alibi", ONE_KEY_CASES)
+def test_fp32_rows_that_see_one_key_at_large_logits(
+    batch, seqlen_q, seqlen_k, nheads, head_dim, window, softcap, alibi, device
+):
+    """A row that sees exactly one key has P = 1 and dS = 0 exactly; computed from logits near a
+    softcap of 50 or from one ALiBi-shifted key, the fp32 rounding of ``exp(s - lse)`` left dV and
+    dK beyond the accuracy rule. The dK/dV kernel now gives such rows their exact softmax."""
+    from flash_recipe.testing.accuracy import FACTORS, assert_accurate
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (4 * torch.randn(batch, n, nheads, head_dim, generator=gen) for n in (seqlen_q, seqlen_k, seqlen_k))
+    dout = torch.randn(batch, seqlen_q, nheads, head_dim, generator=gen)
+    slopes = torch.rand(batch, nheads, generator=gen) * 0.5 if alibi else None
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    with flash_recipe.use_backend("triton"):
+        out = flash_recipe.flash_attn_func(
+            *leaves, window_size=window, softcap=softcap, alibi_slopes=None if slopes is None else slopes.to(device)
+        )
+    got = dict(zip(("out", "dq", "dk", "dv"), (out, *torch.autograd.grad(out, leaves, dout.to(device)))))
+    results = []
+    for upcast in (True, False):
+        dtype = torch.float64 if upcast else torch.float32
+        ref = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        o, _ = attention_reference(
+            *ref,
+            head_dim**-0.5,
+            False,
+            seqlen_k - seqlen_q,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=slopes,
+            upcast=upcast,
+        )
+        results.append(dict(zip(("out", "dq", "dk", "dv"), (o, *torch.autograd.grad(o, ref, dout.to(dtype))))))
+    for name, value in got.items():
+        assert_accurate(name, value.cpu(), results[0][name], results[1][name], FACTORS[name])
