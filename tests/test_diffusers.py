@@ -37,6 +37,8 @@ assert flash_recipe.install_as_flash_attn(), "an upstream flash-attn is installe
 from diffusers import FluxTransformer2DModel  # noqa: E402
 from diffusers.models import attention_dispatch  # noqa: E402
 
+from flash_recipe.testing.accuracy import FACTORS, assert_accurate  # noqa: E402
+
 
 def _model() -> FluxTransformer2DModel:
     torch.manual_seed(0)
@@ -101,7 +103,5 @@ def test_backend_matches_native_by_the_rule(backend, dtype, monkeypatch):
         assert len(launches) == 4
     for name, value in got.items():
         assert torch.isfinite(value).all(), name
-        factor = 2 if name == "out" else 3
-        error = (value.double() - truth[name]).abs().max().item()
-        bound = factor * (same[name].double() - truth[name]).abs().max().item() + 1e-5
-        assert error <= bound, f"{backend} {dtype} {name}: error {error:.3e} > bound {bound:.3e}"
+        factor = FACTORS["out"] if name == "out" else FACTORS["dq"]
+        assert_accurate(f"{backend} {dtype} {name}", value, truth[name], same[name], factor)
