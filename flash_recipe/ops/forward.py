@@ -56,7 +56,7 @@ from flash_recipe.ops.tiles import (
 def _fwd_inner(
     b_acc, b_m, b_l, b_bad, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, start, end,
-    k_first, k_end, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+    k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
     k_tiles, v_tiles, tile_row, tile_col, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
     FOLD: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -64,8 +64,10 @@ def _fwd_inner(
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
 
     ``o_m`` holds each query row's position (``[BLOCK_M]``) and ``slope`` its ALiBi slope (a scalar,
-    or ``[BLOCK_M, 1]`` when the rows are several heads). A masked stage reads only key rows
-    ``[k_first, k_end)`` (the keys some row of the tile sees) and loads the rest as 0.
+    or ``[BLOCK_M, 1]`` when the rows are several heads). A masked stage with a window's left edge
+    reads only key rows from ``k_first`` (the first key any row of the tile sees) and loads the
+    rows before it as 0. (Bounding the reads by the last key a row sees too kept one more scalar
+    alive through the loop, which cost sm120's forward 8 bytes of spill.)
 
     The logit of a score is ``r * nat_scale`` (minus ``slope * |i + diag_offset - j|`` with ALiBi),
     where ``r`` is the raw ``q . k``, or with softcap ``tanh(q . k * tanh_scale)``; ``qk_scale`` is
@@ -90,7 +92,7 @@ def _fwd_inner(
         if TMA and not MASKED:
             b_k = k_tiles.load([tile_row + start_n, tile_col])
         else:
-            b_k, m_bad = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, k_end, head_dim,
+            b_k, m_bad = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, seqlen_k, head_dim,
                                    page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BN, BD]
             if PAGED:
                 b_bad = b_bad | m_bad  # [BLOCK_N]: rows whose page index was out of range
@@ -123,7 +125,7 @@ def _fwd_inner(
         if TMA and not MASKED:
             b_v = v_tiles.load([tile_row + start_n, tile_col])
         else:
-            b_v, _ = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, k_first, k_end, head_dim,
+            b_v, _ = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, k_first, seqlen_k, head_dim,
                                page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], o_k[None, :], rng_stride, dropout_p)
@@ -309,7 +311,7 @@ def attn_fwd_kernel(
         b_acc, b_m, b_l, b_bad = _fwd_inner(
             b_acc, b_m, b_l, b_bad, b_q, k_base, v_base, stride_kb, stride_kn, stride_vb, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, lo, hi,
-            k_first, end, seed, rng_base, rng_stride, dropout_p, table, bos_k, PAGE_ROWS, num_pages,
+            k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, PAGE_ROWS, num_pages,
             K_TILES, V_TILES, tile_row, tile_col,
             stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED and not ONE_PAGE, FOLD, TMA,
             BLOCK_N, BLOCK_D,
