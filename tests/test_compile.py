@@ -13,7 +13,7 @@ import pytest
 from offline import compile_in_subprocess
 
 from flash_recipe.ops import configs
-from flash_recipe.tools import compile_check
+from flash_recipe.tools import compile_check, compiled_code
 
 
 def test_every_target_has_a_limit_and_a_family():
@@ -87,9 +87,9 @@ def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instruction
         (0x100, "BRA 0x100"),
     ]
     sass = "\n".join(f"        /*{address:04x}*/    {text} ;    /* 0x0000 */" for address, text in lines)
-    assert compile_check.main_loop(sass) == 4
-    assert compile_check.main_loop(sass.replace("@P1 BRA 0x80", "NOP")) == 5  # the masked loop, NOP excluded
-    assert compile_check.main_loop("/*0000*/ MOV R1, R2 ;\n/*0010*/ @P0 BRA 0x0 ;") is None  # no matrix loop
+    assert compiled_code.main_loop(sass) == 4
+    assert compiled_code.main_loop(sass.replace("@P1 BRA 0x80", "NOP")) == 5  # the masked loop, NOP excluded
+    assert compiled_code.main_loop("/*0000*/ MOV R1, R2 ;\n/*0010*/ @P0 BRA 0x0 ;") is None  # no matrix loop
     rotated = [  # a loop that tests its exit at the top and jumps back unconditionally (sm80)
         (0x000, "ISETP.GE.AND P0, PT, R1, R2, PT"),
         (0x010, "@P0 BRA 0x60"),
@@ -101,9 +101,9 @@ def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instruction
         (0x070, "BRA 0x70"),
     ]
     sass = "\n".join(f"        /*{address:04x}*/    {text} ;" for address, text in rotated)
-    assert compile_check.main_loop(sass) == 6
+    assert compiled_code.main_loop(sass) == 6
     uniform = sass.replace("@P0 BRA 0x60", "BRA.U UP0, 0x60").replace("BRA 0x0", "BRA.U !UP1, 0x0")  # sm120
-    assert compile_check.main_loop(uniform) == 6
+    assert compiled_code.main_loop(uniform) == 6
 
 
 @pytest.mark.slow
@@ -260,7 +260,8 @@ def test_the_instruction_bound_fails_without_packing():
         import json
         from flash_recipe.ops import forward
         from flash_recipe.tools import compile_check
-        forward.gqa_packing = lambda *args, **kwargs: (False, args[1], None)
+        packing = forward.gqa_packing
+        forward.gqa_packing = lambda *args, **kwargs: packing(*args[:7], pack_gqa=False)
         for row in compile_check.check_case(compile_check.Case("decode", "bfloat16", 128, "aligned"), "sm90"):
             print(json.dumps(row))
     """)

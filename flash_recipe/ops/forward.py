@@ -383,10 +383,8 @@ def attention_forward(
     if kernel == "fwd" and not (plain and options.dropout_p == 0.0 and dims.head_dim in configs.HEAD_DIM_BUCKETS):
         kernel = "fwd_general"
     group = dims.nheads // dims.nheads_k
-    pack, kernel, block_m = gqa_packing(q.device, kernel, dims.seqlen_q, dims.head_dim, group, options.dropout_p,
-                                       q.element_size(), pack_gqa)
-    cfg = configs.launch_config(q.device, kernel, dims.head_dim, q.element_size())
-    block_m = block_m or cfg.block_m
+    pack, cfg, block_m = gqa_packing(q.device, kernel, dims.seqlen_q, dims.head_dim, group, options.dropout_p,
+                                     q.element_size(), pack_gqa)
     table = keys.table if keys is not None else None
     if table is not None:
         paging = dict(PAGE_TABLE=table, stride_tb=table.stride(0), page_size=k.shape[1], num_pages=k.shape[0],
@@ -443,7 +441,7 @@ PACK_MAX_ROWS = 64
 def gqa_packing(
     device: torch.device, kernel: str, seqlen_q: int, head_dim: int, group: int, dropout_p: float,
     element_size: int, pack_gqa: Optional[bool] = None,
-) -> tuple[bool, str, Optional[int]]:
+) -> tuple[bool, configs.Config, int]:
     """Whether a launch packs each GQA group into one query tile, with its configuration and block.
 
     Every program streams all the keys it sees, so a launch reads each kv head's keys once per
@@ -455,17 +453,17 @@ def gqa_packing(
       raised to the next power of two of ``Sq * group``, so every key is read once;
     - a longer one packs only where that needs fewer tiles than unpacked with the same block.
 
-    Returns ``(pack, kernel, block_m)``: the configuration to use, and the query block where it is
-    not the configuration's own (else None). ``pack_gqa=False`` never packs.
+    Returns ``(pack, config, block_m)``: the launch configuration of ``kernel`` (``"decode"``'s for
+    a short packed query) and the query block to launch with. ``pack_gqa=False`` never packs.
     """
-    if pack_gqa is False or group <= 1 or dropout_p > 0.0:
-        return False, kernel, None
     rows = seqlen_q * group
-    if rows <= PACK_MAX_ROWS:
+    packable = pack_gqa is not False and group > 1 and dropout_p == 0.0
+    if packable and rows <= PACK_MAX_ROWS:
         cfg = configs.launch_config(device, "decode", head_dim, element_size)
-        return True, "decode", max(cfg.block_m, triton.next_power_of_2(rows))
-    block_m = configs.launch_config(device, kernel, head_dim, element_size).block_m
-    return triton.cdiv(rows, block_m) < group * triton.cdiv(seqlen_q, block_m), kernel, None
+        return True, cfg, max(cfg.block_m, triton.next_power_of_2(rows))
+    cfg = configs.launch_config(device, kernel, head_dim, element_size)
+    pack = packable and triton.cdiv(rows, cfg.block_m) < group * triton.cdiv(seqlen_q, cfg.block_m)
+    return pack, cfg, cfg.block_m
 
 
 def _base2_scale(nat_scale: float) -> float:

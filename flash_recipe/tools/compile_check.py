@@ -23,7 +23,7 @@ Each call is made in two forms:
 For every compiled kernel it reports shared memory against the architecture's opt-in limit
 (``configs.SHARED_MEMORY_LIMIT``), registers and spilled bytes per thread (the cubin's resource
 usage on NVIDIA, the code object's metadata on AMD), the matrix instruction its dots use, and on
-NVIDIA the SASS instructions of one main-loop iteration per row it advances (``main_loop``: per key
+NVIDIA the SASS instructions of one main-loop iteration per row it advances (``compiled_code.main_loop``: per key
 for the forward). A kernel fails when its compiled code stores nothing (Triton lowers what it cannot
 lower properly to a trap), when it exceeds the shared-memory limit, when any of its fp16/bf16 dots
 is lowered to FMA instead of the matrix units, when, as one of the tiled attention kernels in
@@ -48,16 +48,13 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Optional
 
 from flash_recipe.ops import configs
+from flash_recipe.tools import compiled_code
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIM_BUCKETS = configs.HEAD_DIM_BUCKETS
@@ -108,7 +105,7 @@ LOOP_STEP = {
 }
 # The speed proxy: SASS instructions per key in the forward's main loop (``loop_per_row``), at most
 # those of Triton's own tutorial fused-attention forward (python/tutorials/06-fused-attention.py)
-# counted the same way (``main_loop``), for the aligned bf16/fp16 forward at head dim 128 on sm90.
+# counted the same way (``compiled_code.main_loop``), for the aligned bf16/fp16 forward at head dim 128 on sm90.
 # Measured outside the project with Triton 3.9.0, the tutorial compiled as it runs on Hopper (host
 # tensor descriptors, 128x128 tiles, 8 warps), its loop costs 521, 521 and 519 instructions per
 # 128 keys with 2, 3 and 4 stages: the best is 519 / 128.
@@ -351,88 +348,6 @@ def _offline_launches(target: str):
         vars(driver).update(saved)
 
 
-def _nvidia_usage(kernel) -> dict:
-    """Registers and stack bytes per thread of the compiled cubin (``cuobjdump -res-usage``, the
-    tool Triton ships), the matrix instruction its PTX uses, and the instructions of its main loop
-    (``main_loop`` on ``cuobjdump -sass``). The kernels keep no arrays in local memory, so their
-    stack frame is where spilled registers go."""
-    import triton.backends.nvidia
-
-    cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
-        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
-    ptx = kernel.asm["ptx"]
-    return {
-        "registers": int(found.group(1)),
-        "spill_bytes": int(found.group(2)),
-        "fma_dots": _fma_dots(kernel),
-        "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
-        "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
-        "loop_instructions": main_loop(sass.stdout),
-    }
-
-
-_MATRIX_SASS = re.compile(r"\b(HGMMA|HMMA|UTC\w*MMA)\b")
-# A branch and its target address: ``@!P0 BRA 0x1370``, ``BRA.U !UP0, 0x17a0``, ``BRA `(.L_x_3) 0x90``.
-_BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+\s*,\s*)?(?:`?\(?\.L_x_\d+\)?\s*)?0x([0-9a-f]+)")
-
-
-def main_loop(sass: str) -> Optional[int]:
-    """Instructions in one iteration of the main loop of a disassembled kernel (``cuobjdump -sass``),
-    or None for a kernel without a loop of matrix instructions.
-
-    A loop is a branch back to an earlier address from before the kernel's last ``EXIT``; its body
-    is every instruction from the target to the branch, NOPs excepted. (Backward branches after the
-    last exit are out-of-line blocks, such as a barrier's retry, returning into the code.) Of the
-    loops that issue matrix instructions, the main loop is the shortest: the kernels' masked stages
-    repeat the unmasked loop's work plus their masks.
-    """
-    code = [(int(address, 16), text.strip()) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    last_exit = max((a for a, t in code if re.match(r"(@!?U?P\w+\s+)?EXIT\b", t)), default=None)
-    sizes = []
-    for address, text in code:
-        branch = _BRANCH.match(text)
-        if branch and int(branch.group(1), 16) < address and (last_exit is None or address < last_exit):
-            body = [t for a, t in code if int(branch.group(1), 16) <= a <= address and not t.startswith("NOP")]
-            if any(_MATRIX_SASS.search(t) for t in body):
-                sizes.append(len(body))
-    return min(sizes, default=None)
-
-
-def _fma_dots(kernel) -> int:
-    """Dots that Triton lowered to FMA instructions: in the TTGIR, a ``tt.dot`` whose operands keep a
-    ``#blocked`` layout (matrix-unit dots get an ``#mma`` parent, or become ``warp_group_dot`` on
-    Hopper and ``tc_gen5_mma`` on Blackwell)."""
-    return sum(
-        1 for line in kernel.asm["ttgir"].splitlines() if re.search(r"= tt\.dot ", line) and "parent = #blocked" in line
-    )
-
-
-def _amd_usage(kernel) -> dict:
-    """VGPRs and scratch bytes per work-item from the AMD code object's metadata. Scratch
-    (``private_segment_fixed_size``) is where spilled VGPRs go; spilled SGPRs land in VGPR lanes
-    and cost no memory."""
-    asm = kernel.asm.get("amdgcn", "")
-
-    def field(name):
-        found = re.search(rf"\.{name}:\s+(\d+)", asm)
-        if found is None:
-            raise RuntimeError(f"the AMD code object's metadata has no .{name}")
-        return int(found.group(1))
-
-    return {
-        "registers": field("vgpr_count"),
-        "spill_bytes": field("private_segment_fixed_size"),
-        "fma_dots": _fma_dots(kernel),
-        "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
-        "matrix_unit": "mfma" if "mfma" in asm else None,
-    }
-
-
 def check_case(case: Case, target: str) -> list[dict]:
     """Compile ``case`` for ``target`` through the launch path; one report row per kernel launched."""
     start = time.perf_counter()
@@ -444,7 +359,7 @@ def check_case(case: Case, target: str) -> list[dict]:
         label = labels[name]
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
-        usage = _amd_usage(kernel) if target.startswith("gfx") else _nvidia_usage(kernel)
+        usage = compiled_code.amd_usage(kernel) if target.startswith("gfx") else compiled_code.nvidia_usage(kernel)
         step = _constants(kernel).get(LOOP_STEP.get(label, ""))
         loop = usage.get("loop_instructions")
         per_kv_head = None

@@ -1,0 +1,95 @@
+"""What the compiled code of a kernel says: its registers, spills and stores, the matrix unit its
+dots use, and the instructions of its main loop (``flash_recipe.tools.compile_check`` reads each
+kernel it compiles through these)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+
+def nvidia_usage(kernel) -> dict:
+    """Registers and stack bytes per thread of the compiled cubin (``cuobjdump -res-usage``, the
+    tool Triton ships), the matrix instruction its PTX uses, and the instructions of its main loop
+    (``main_loop`` on ``cuobjdump -sass``). The kernels keep no arrays in local memory, so their
+    stack frame is where spilled registers go."""
+    import triton.backends.nvidia
+
+    cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
+        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    if found is None:
+        raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK line: {usage.stdout[:200]!r}")
+    ptx = kernel.asm["ptx"]
+    return {
+        "registers": int(found.group(1)),
+        "spill_bytes": int(found.group(2)),
+        "fma_dots": fma_dots(kernel),
+        "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
+        "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
+        "loop_instructions": main_loop(sass.stdout),
+    }
+
+
+_MATRIX_SASS = re.compile(r"\b(HGMMA|HMMA|UTC\w*MMA)\b")
+# A branch and its target address: ``@!P0 BRA 0x1370``, ``BRA.U !UP0, 0x17a0``, ``BRA `(.L_x_3) 0x90``.
+_BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+\s*,\s*)?(?:`?\(?\.L_x_\d+\)?\s*)?0x([0-9a-f]+)")
+
+
+def main_loop(sass: str) -> Optional[int]:
+    """Instructions in one iteration of the main loop of a disassembled kernel (``cuobjdump -sass``),
+    or None for a kernel without a loop of matrix instructions.
+
+    A loop is a branch back to an earlier address from before the kernel's last ``EXIT``; its body
+    is every instruction from the target to the branch, NOPs excepted. (Backward branches after the
+    last exit are out-of-line blocks, such as a barrier's retry, returning into the code.) Of the
+    loops that issue matrix instructions, the main loop is the shortest: the kernels' masked stages
+    repeat the unmasked loop's work plus their masks.
+    """
+    code = [(int(address, 16), text.strip()) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    last_exit = max((a for a, t in code if re.match(r"(@!?U?P\w+\s+)?EXIT\b", t)), default=None)
+    sizes = []
+    for address, text in code:
+        branch = _BRANCH.match(text)
+        if branch and int(branch.group(1), 16) < address and (last_exit is None or address < last_exit):
+            body = [t for a, t in code if int(branch.group(1), 16) <= a <= address and not t.startswith("NOP")]
+            if any(_MATRIX_SASS.search(t) for t in body):
+                sizes.append(len(body))
+    return min(sizes, default=None)
+
+
+def fma_dots(kernel) -> int:
+    """Dots that Triton lowered to FMA instructions: in the TTGIR, a ``tt.dot`` whose operands keep a
+    ``#blocked`` layout (matrix-unit dots get an ``#mma`` parent, or become ``warp_group_dot`` on
+    Hopper and ``tc_gen5_mma`` on Blackwell)."""
+    return sum(
+        1 for line in kernel.asm["ttgir"].splitlines() if re.search(r"= tt\.dot ", line) and "parent = #blocked" in line
+    )
+
+
+def amd_usage(kernel) -> dict:
+    """VGPRs and scratch bytes per work-item from the AMD code object's metadata. Scratch
+    (``private_segment_fixed_size``) is where spilled VGPRs go; spilled SGPRs land in VGPR lanes
+    and cost no memory."""
+    asm = kernel.asm.get("amdgcn", "")
+
+    def field(name):
+        found = re.search(rf"\.{name}:\s+(\d+)", asm)
+        if found is None:
+            raise RuntimeError(f"the AMD code object's metadata has no .{name}")
+        return int(found.group(1))
+
+    return {
+        "registers": field("vgpr_count"),
+        "spill_bytes": field("private_segment_fixed_size"),
+        "fma_dots": fma_dots(kernel),
+        "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
+        "matrix_unit": "mfma" if "mfma" in asm else None,
+    }
