@@ -127,6 +127,8 @@ class CompileCheck(_CompileCheck, total=False):
     loop_step: Optional[int]
     loop_per_row: Optional[float]
     score_options: bool
+    call: str
+    per_key_per_kv_head: Optional[float]
     seconds: float
     problems: list[str]
 

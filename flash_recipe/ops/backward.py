@@ -139,9 +139,11 @@ def _dkdv_inner(
         "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
         "EVEN_N": lambda a: not a["IS_VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
-        # Exact one-key rows (``_dkdv_inner``) in fp32, whose accuracy rule the rounding exceeds;
-        # fp16/bf16 bounds absorb it, and their registers are kept for the main loop (sm100 spilled).
-        "ONE_KEY": lambda a: a["OWN_LSE"] and a["Q"].element_size() == 4,
+        # Exact one-key rows (``_dkdv_inner``) in fp32, whose accuracy rule the rounding exceeds, and
+        # with a single key in any dtype, where torch's own dK is exactly 0 and so is the bound's
+        # factor term. Otherwise fp16/bf16 bounds absorb the rounding, and their registers are kept
+        # for the main loop (sm100 spilled).
+        "ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or a["seqlen_k"] == 1),
     }
 )
 @triton.jit
