@@ -8,7 +8,8 @@
 - ``diffusers``: a diffusers transformer on its ``flash`` and ``flash_varlen`` backends, on flash_recipe;
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
-- ``compat``: the interpreter and the compiler path under each supported Triton release;
+- ``torch_compat``: each supported torch release with the Triton its wheel pins (verify, core tests,
+  the compiler path);
 - ``lint``: ruff's checks and formatting, the import layers and mypy (pyproject.toml's settings);
 - ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed
   (``recipes/harness/reproduce.py``).
@@ -20,6 +21,7 @@ sessions here only call it.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -44,9 +46,11 @@ RUN_ID = os.environ.get("FLASH_RECIPE_MATRIX_RUN") or f"{time.strftime('%Y%m%dT%
 HARNESS = (sys.executable, "-m", "recipes.harness")
 
 
-def install_built_wheel(session: nox.Session, extras: str = "", pins: tuple = ()) -> None:
-    """Install torch (``FLASH_RECIPE_TORCH``) and ``pins`` first, then the wheel built from this checkout."""
-    session.install(TORCH, *pins)
+def install_built_wheel(session: nox.Session, extras: str = "", pins: tuple = (), torch: str | None = TORCH) -> None:
+    """Install ``torch`` (default ``FLASH_RECIPE_TORCH``; None: the one installed) and ``pins``
+    first, then the wheel built from this checkout."""
+    if torch or pins:
+        session.install(*filter(None, (torch, *pins)))
     dist = Path(session.create_tmp()) / "dist"
     session.run("python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), str(ROOT))
     wheels = sorted(dist.glob("flash_recipe-*.whl"))
@@ -240,26 +244,77 @@ def compile_check(session: nox.Session) -> None:
     )
 
 
-# One release per Triton minor version that pyproject admits (flash_recipe.env.versions.TRITON_MIN
-# and newer); CI runs the first and the last.
-TRITON_RELEASES = ("3.2.0", "3.3.1", "3.4.0", "3.5.1", "3.6.0", "3.7.1", "3.8.0", "3.9.0")
+# Each torch minor release pyproject admits, with the Triton its Linux wheel pins (its
+# ``Requires-Dist``). CI runs the first and the last. The CPU build of 2.13.0 on this project's
+# machines pins none; the pair's Triton is installed beside it all the same.
+TORCH_PAIRS = {
+    "2.6": ("2.6.0", "3.2.0"),
+    "2.7": ("2.7.1", "3.3.1"),
+    "2.8": ("2.8.0", "3.4.0"),
+    "2.9": ("2.9.1", "3.5.1"),
+    "2.10": ("2.10.0", "3.6.0"),
+    "2.11": ("2.11.0", "3.6.0"),
+    "2.12": ("2.12.1", "3.7.1"),
+    "2.13": ("2.13.0", "3.7.1"),
+    "2.14": ("2.14.1", "3.8.0"),
+    "2.15": ("2.15.0", "3.9.0"),
+}
+# The core subset each pair runs: the API, packed sequences, the KV cache, torch.compile, the
+# flash-attn stand-in, and the version gates (which must be taken on the torch that lacks a feature).
+TORCH_COMPAT_TESTS = (
+    "test_api.py",
+    "test_varlen.py",
+    "test_kvcache.py",
+    "test_torch_compile.py",
+    "test_flash_attn_compat.py",
+    "test_torch_gates.py",
+)
+TORCH_COMPAT_USAGE = "usage: nox -s 'torch_compat(2.9)' [-- --torch-index pip-config|cpu|cu126|cu128|cu130|URL]"
 
 
 @nox.session(default=False)
-@nox.parametrize("triton", TRITON_RELEASES, ids=list(TRITON_RELEASES))
-def compat(session: nox.Session, triton: str) -> None:
-    """One Triton release: ``flash-recipe verify`` through its interpreter (small grid, fp16 and
-    fp32), then the launch-specialised compile of the forward, backward and decode kernels for
-    sm80 and sm90 at head dim 128 in bf16. ``nox -s "compat(3.6.0)"`` runs one release. It needs
-    a torch that does not pin Triton, such as the CPU build (``FLASH_RECIPE_TORCH``): a CUDA torch
-    from PyPI pins its own."""
-    install_built_wheel(session, pins=(f"triton=={triton}",))
-    session.chdir(session.create_tmp())
-    session.run("python", "-c", f"import triton, sys; sys.exit(triton.__version__ != {triton!r})")
-    verify = "flash-recipe verify --backend triton --grid small --dtype float16 --dtype float32"
-    session.run(*verify.split(), env={"TRITON_INTERPRET": "1"})
-    compile_check = "python -W ignore -m flash_recipe.tools.compile_check --preset compat --jobs 2"
-    session.run(*compile_check.split(), env={"TRITON_INTERPRET": "0"})
+@nox.parametrize("minor", list(TORCH_PAIRS), ids=list(TORCH_PAIRS))
+def torch_compat(session: nox.Session, minor: str) -> None:
+    """One torch release with the Triton its wheel pins, as a user has them: ``flash-recipe verify``
+    through the interpreter (small grid, fp16 and fp32), the core tests (``TORCH_COMPAT_TESTS``),
+    then the launch-specialised compile of the forward, backward and decode kernels for sm80 and
+    sm90 at head dim 128 in bf16. ``nox -s "torch_compat(2.9)"`` runs one pair.
+
+    ``-- --torch-index pip-config|cpu|cu126|...|URL`` picks the build (default: what pip's
+    configuration serves; from the registry that is a CUDA build of several GB, which runs on a
+    CPU). torch and the environment are removed when the session ends, pip's cache is not used,
+    so one build at a time is on disk. torch above the cap of this machine's pip constraints
+    (2.14.1) is installed with pip's configuration file lifted (``PIP_CONFIG_FILE``).
+    """
+    from recipes.harness.config import PIP_CONFIG, torch_index_url
+
+    args = list(session.posargs)
+    if args and (len(args) != 2 or args[0] != "--torch-index"):
+        session.error(TORCH_COMPAT_USAGE)
+    index = torch_index_url(args[-1] if args else PIP_CONFIG)
+    torch_version, triton_version = TORCH_PAIRS[minor]
+    env = {"PIP_NO_CACHE_DIR": "1"}
+    if tuple(map(int, torch_version.split("."))) > (2, 14, 1):
+        env["PIP_CONFIG_FILE"] = os.devnull  # lifts the machine's constraint file (it caps torch at 2.14.1)
+    try:
+        options = ["--index-url", index, "--extra-index-url", "https://pypi.org/simple"] if index else []
+        session.install(*options, f"torch=={torch_version}", f"triton=={triton_version}", env=env)
+        install_built_wheel(session, torch=None)
+        session.install(*nox.project.dependency_groups(PYPROJECT, "test"), env=env)
+        session.run(
+            "python",
+            "-c",
+            "import sys, torch, triton; print('torch', torch.__version__, 'triton', triton.__version__); "
+            f"sys.exit(torch.__version__.split('+')[0] != {torch_version!r} "
+            f"or triton.__version__ != {triton_version!r})",
+        )
+        run_pytest(session, *(str(ROOT / "tests" / name) for name in TORCH_COMPAT_TESTS))
+        verify = "flash-recipe verify --backend triton --grid small --dtype float16 --dtype float32"
+        session.run(*verify.split(), env={"TRITON_INTERPRET": "1"})
+        compile_check = "python -W ignore -m flash_recipe.tools.compile_check --preset compat --jobs 2"
+        session.run(*compile_check.split(), env={"TRITON_INTERPRET": "0"})
+    finally:
+        shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
 @nox.session(default=False, venv_backend="venv")

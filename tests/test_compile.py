@@ -214,16 +214,22 @@ def test_a_decode_step_over_a_dense_cache_compiles():
 
 
 def test_the_presets_select_what_ci_and_compat_compile():
-    """``--preset ci``: 5 calls x 3 head dims, every target aligned in bf16 and fp32, one target per
-    family ragged in bf16; ``--preset compat``: 4 calls at head dim 128 in bf16, both forms, sm80 and
+    """``--preset ci``: 5 calls x 3 head dims, every target aligned in bf16 and fp32; on one target
+    per family the small head dims (16, 32) aligned and the large ones ragged, in bf16: every head-dim
+    bucket is compiled. ``--preset compat``: 4 calls at head dim 128 in bf16, both forms, sm80 and
     sm90. An option narrows a preset; no preset means every combination."""
     ci = compile_check.select_jobs("ci")
-    aligned = [(c, t) for c, t in ci if c.form == "aligned"]
+    small = [(c, t) for c, t in ci if c.head_dim in (16, 32)]
+    aligned = [(c, t) for c, t in ci if c.form == "aligned" and c.head_dim not in (16, 32)]
     ragged = [(c, t) for c, t in ci if c.form == "ragged"]
+    families = {"sm80", "sm86", "sm90", "sm100", "sm120", "gfx942"}
     assert len(aligned) == 5 * 3 * 2 * len(compile_check.TARGETS) and len(ragged) == 5 * 3 * 6
+    assert len(small) == 5 * 2 * 6 and {(c.form, c.dtype) for c, _ in small} == {("aligned", "bfloat16")}
     assert {c.call for c, _ in ci} == {"fwd", "options", "bwd", "decode", "decode_paged"}
-    assert {c.dtype for c, _ in ragged} == {"bfloat16"} and {c.head_dim for c, _ in ci} == {64, 128, 256}
-    assert {t for _, t in ragged} == {"sm80", "sm86", "sm90", "sm100", "sm120", "gfx942"}
+    assert {c.head_dim for c, _ in ci} == set(compile_check.HEAD_DIM_BUCKETS)
+    assert {c.dtype for c, _ in ragged} == {"bfloat16"} and {c.head_dim for c, _ in ragged} == {64, 128, 256}
+    assert {t for _, t in ragged} == families and {t for _, t in small} == families
+    assert {configs.arch_family(t) for t in families} == set(configs.FAMILIES.values())
     compat = compile_check.select_jobs("compat")
     assert len(compat) == 4 * 2 * 2 and {t for _, t in compat} == {"sm80", "sm90"}
     assert {(c.dtype, c.head_dim) for c, _ in compat} == {("bfloat16", 128)}

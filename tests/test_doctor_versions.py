@@ -70,12 +70,18 @@ def test_triton_bound_follows_from_the_torch_bound():
     assert pinned is not None and pinned >= tuple(versions.TRITON_MIN)
 
 
-def test_compat_session_starts_at_the_oldest_supported_triton():
-    """``nox -s compat`` covers every Triton minor release from TRITON_MIN on, one release each."""
+def test_torch_compat_pairs_every_supported_torch_with_its_pinned_triton():
+    """``nox -s torch_compat`` has one session per torch minor release from TORCH_MIN to the newest
+    it names, each with the Triton that release's wheel pins (``versions.TRITON_OF_TORCH``)."""
+    import ast
     import re
 
     text = (ROOT / "noxfile.py").read_text(encoding="utf-8")
-    releases = re.search(r"^TRITON_RELEASES = \(([^)]*)\)", text, re.M).group(1)
-    minors = [tuple(int(p) for p in v.split(".")[:2]) for v in re.findall(r'"([\d.]+)"', releases)]
-    assert minors[0] == versions.TRITON_MIN
-    assert minors == [(3, minor) for minor in range(versions.TRITON_MIN[1], minors[-1][1] + 1)]
+    pairs = ast.literal_eval(re.search(r"^TORCH_PAIRS = (\{.*?^\})", text, re.M | re.S).group(1))
+    minors = [tuple(int(p) for p in key.split(".")) for key in pairs]
+    assert minors[0] == versions.TORCH_MIN
+    assert minors == [(2, minor) for minor in range(versions.TORCH_MIN[1], minors[-1][1] + 1)]
+    for key, (torch_release, triton_release) in pairs.items():
+        minor = tuple(int(p) for p in key.split("."))
+        assert torch_release.startswith(key + "."), (key, torch_release)
+        assert tuple(int(p) for p in triton_release.split(".")[:2]) == versions.TRITON_OF_TORCH[minor], key

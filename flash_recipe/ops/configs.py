@@ -78,6 +78,7 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(32, 32, 4, 1)),
     ],
     ("sm80", "fwd"): [
+        (32, 2, Config(128, 64, 8, 3)),  # 4 warps spill 16 B at head dim 32
         (64, 2, Config(128, 64, 4, 3)),
         (128, 2, Config(128, 64, 8, 3)),
         (256, 2, Config(64, 64, 4, 2)),
@@ -129,6 +130,7 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(32, 16, 4, 1)),
     ],
     ("sm86", "bwd_dq"): [
+        (32, 2, Config(64, 64, 4, 1)),  # 2 stages spill 8 B at head dim 32
         (64, 2, Config(64, 64, 4, 2)),
         (128, 2, Config(64, 32, 4, 1)),
         (256, 2, Config(32, 32, 4, 1)),
@@ -175,6 +177,7 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(16, 32, 4, 1)),
     ],
     ("sm86", "decode"): [
+        (16, 2, Config(16, 64, 4, 2)),  # 128-key blocks spill 8 B at head dim 16 (paged)
         (64, 2, Config(16, 128, 4, 2)),
         (128, 2, Config(16, 64, 4, 2)),
         (256, 2, Config(16, 32, 4, 2)),
