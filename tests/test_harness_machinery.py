@@ -606,6 +606,46 @@ def test_check_install_git_and_file_sources(tmp_path):
     assert installed.checks[-1] == checks.Check("source: file", True, "file:///tmp/checkout")
 
 
+def _torch_wheel(tmp_path, rows: list[str]):
+    """A stand-in torch wheel whose RECORD holds ``rows`` (the check reads nothing else)."""
+    wheel = tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("torch-2.13.0+cpu.dist-info/RECORD", "\n".join(rows) + "\n")
+    return wheel
+
+
+def test_the_installed_torch_must_be_the_served_wheel_untouched(tmp_path):
+    """The probe's digest of the installed torch's RECORD must equal the served wheel's: rows an
+    installer adds (INSTALLER, REQUESTED, bytecode, console scripts, RECORD's own) do not count, a
+    file with another hash or a missing file does."""
+    shipped = [
+        "torch/__init__.py,sha256=aaa,10",
+        "torch/_C.so,sha256=bbb,20",
+        "torch-2.13.0+cpu.dist-info/METADATA,sha256=ccc,30",
+        "torch-2.13.0+cpu.dist-info/RECORD,,",
+    ]
+    installed = [
+        *reversed(shipped),
+        "torch/__pycache__/__init__.cpython-311.pyc,,",
+        "torch-2.13.0+cpu.dist-info/INSTALLER,sha256=ddd,4",
+        "torch-2.13.0+cpu.dist-info/REQUESTED,sha256=eee,0",
+        "../../../bin/torchrun,sha256=fff,200",
+    ]
+    wheel, build = _torch_wheel(tmp_path, shipped), _build(tmp_path)
+
+    def run(rows):
+        probe = _probe(build, torch_record=checks.record_digest(rows))
+        result = checks.check_install(
+            probe, get("torch-index-pip"), build=build, torch_version="2.13.0", torch_wheel=wheel
+        )
+        return {c.name: c.ok for c in result.checks if c.name.startswith("torch is")}
+
+    assert run(installed) == {f"torch is {wheel.name}, untouched (RECORD)": True}
+    assert list(run([r.replace("sha256=bbb", "sha256=zzz") for r in installed]).values()) == [False]
+    assert list(run([r for r in installed if not r.startswith("torch/_C.so")]).values()) == [False]
+    assert "torch_record" in checks.PROBE and "def record_digest" in checks.PROBE
+
+
 VERIFY_REPORT = {
     "passed": True,
     "backends": ["sdpa", "triton"],

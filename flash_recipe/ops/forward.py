@@ -95,7 +95,7 @@ def _fwd_inner(
             b_k, m_bad = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, seqlen_k, head_dim,
                                    page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BN, BD]
             if PAGED:
-                b_bad = b_bad | m_bad  # [BLOCK_N]: rows whose page index was out of range
+                b_bad = b_bad | m_bad.to(tl.int32)  # [BLOCK_N]: rows whose page index was out of range
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             b_s = tanh(b_s * tanh_scale)
@@ -292,7 +292,8 @@ def attn_fwd_kernel(
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    b_bad = tl.zeros([BLOCK_N], dtype=tl.int1)  # paged: key rows whose page index was out of range
+    # paged: key rows whose page index was out of range (int32: Triton 3.2's interpreter has no int1 zeros)
+    b_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
 
     begin, full_begin, full_end, end = key_blocks(pos_start, pos_last, seqlen_k, lo_offset, hi_offset, MASK_LEFT,
                                                   MASK_RIGHT, BLOCK_N)
@@ -323,7 +324,7 @@ def attn_fwd_kernel(
     b_lse = tl.where(m_empty, float("inf"), (b_m + tl.math.log2(b_l_safe)) * LN2)  # [BLOCK_M]
     if PAGED:
         if not ONE_PAGE:
-            bad = bad | (tl.max(b_bad.to(tl.int32), 0) > 0)
+            bad = bad | (tl.max(b_bad, 0) > 0)
         b_out = tl.where(bad, float("nan"), b_out)
         b_lse = tl.where(bad, float("nan"), b_lse)
 

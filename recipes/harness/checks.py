@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -31,8 +32,25 @@ from recipes.harness.prepare import Build, is_torch_coupled, locked_versions, lo
 from recipes.harness.processes import die_with_parent, ended_with_harness
 from recipes.harness.workspace import run_step
 
+
+def record_digest(lines: list[str]) -> str:
+    """sha256 over the sorted ``path,hash`` rows of a RECORD that come from the wheel, and their
+    count: an installer adds INSTALLER, REQUESTED, direct_url.json, bytecode and console scripts.
+    Computed alike on an installed RECORD (inside :data:`PROBE`) and on a wheel's own."""
+    import hashlib
+
+    added = ("/INSTALLER", "/REQUESTED", "/direct_url.json", "/RECORD", "/uv_cache.json", "/uv_build.json")
+    rows = sorted(
+        ",".join(line.split(",")[:2])
+        for line in lines
+        if line and "__pycache__/" not in line and not line.split(",")[0].endswith(added) and not line.startswith("../")
+    )
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest() + ":" + str(len(rows))
+
+
 # Run inside the path's environment by that environment's interpreter: what got installed, from
-# where, by whom, and the hash of every Python file of the imported package.
+# where, by whom, the hash of every Python file of the imported package, and the RECORD digest of
+# the torch installed beside it.
 PROBE = r"""
 import hashlib, json, sys, importlib.util, importlib.metadata as md
 from pathlib import Path
@@ -41,6 +59,7 @@ pkg = Path(spec.origin).parent
 files = {p.relative_to(pkg.parent).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
          for p in pkg.rglob("*.py")}
 dist = md.distribution("flash-recipe")
+{RECORD_DIGEST}
 def version(name):
     try:
         return md.version(name)
@@ -55,8 +74,10 @@ print(json.dumps({
     "direct_url": json.loads(dist.read_text("direct_url.json") or "null"),
     "torch": version("torch"),
     "triton": version("triton"),
+    "torch_record": record_digest((md.distribution("torch").read_text("RECORD") or "").splitlines())
+    if version("torch") else None,
 }))
-"""
+""".replace("{RECORD_DIGEST}", inspect.getsource(record_digest))
 
 
 @dataclass
@@ -126,6 +147,13 @@ def wheel_file_hashes(wheel: Path) -> dict[str, str]:
             for name in archive.namelist()
             if name.startswith("flash_recipe/") and name.endswith(".py")
         }
+
+
+def wheel_record_digest(wheel: Path) -> str:
+    """:data:`RECORD_DIGEST` of the RECORD inside ``wheel``."""
+    with zipfile.ZipFile(wheel) as archive:
+        record = next(name for name in archive.namelist() if name.endswith(".dist-info/RECORD"))
+        return record_digest(archive.read(record).decode().splitlines())
 
 
 def installer_matches(tool: str, installer: str | None) -> bool:
@@ -203,11 +231,19 @@ def check_environment(env_dir: Path) -> Check:
 
 
 def check_install(
-    probe: dict, path: RecipePath, *, build: Build, torch_version: str, git_url: str | None = None
+    probe: dict,
+    path: RecipePath,
+    *,
+    build: Build,
+    torch_version: str,
+    torch_wheel: Path | None = None,
+    git_url: str | None = None,
 ) -> Installed:
     """The probe's report against what ``path`` must have installed: the build under test (version
     and files), by the path's tool, from the path's source, editable or not, next to the torch
-    under test. ``git_url`` is the served repository a ``git`` path installs from."""
+    under test. ``torch_wheel``: the one torch wheel the run serves; the installed torch must be it,
+    row for row of its RECORD (the torch the consumer pinned, untouched by adding flash-recipe).
+    ``git_url`` is the served repository a ``git`` path installs from."""
     checks = [
         Check("flash-recipe version", probe["version"] == build.version, probe["version"]),
         Check(
@@ -226,6 +262,15 @@ def check_install(
             str(probe["torch"]),
         ),
     ]
+    if torch_wheel is not None:
+        want = wheel_record_digest(torch_wheel)
+        checks.append(
+            Check(
+                f"torch is {torch_wheel.name}, untouched (RECORD)",
+                probe.get("torch_record") == want,
+                f"{probe.get('torch_record')} (wheel: {want})",
+            )
+        )
     direct = probe["direct_url"] or {}
     editable = bool(direct.get("dir_info", {}).get("editable", False))
     checks.append(Check("editable" if path.editable else "not editable", editable == path.editable, str(direct or "")))

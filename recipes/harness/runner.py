@@ -131,8 +131,14 @@ def run_path(ctx: Context, path: RecipePath) -> dict:
             found.append(checks.check_environment(env_dir))
 
             probe = checks.probe_install(env_python, env=env, cwd=neutral, log_file=log_file)
+            (torch_wheel,) = ctx.wheelhouse.torch_dir.glob("torch-*.whl")
             installed = checks.check_install(
-                probe, path, build=build, torch_version=options.torch_version, git_url=git_url
+                probe,
+                path,
+                build=build,
+                torch_version=options.torch_version,
+                torch_wheel=torch_wheel,
+                git_url=git_url,
             )
             row.update(torch=installed.torch, triton=installed.triton)
             found += installed.checks
