@@ -33,7 +33,7 @@ FENCE = re.compile(r"^```bash\n(.*?)^```$", re.S | re.M)
 def test_path_ids_are_the_folders():
     folders = {p.name for p in (ROOT / "recipes").iterdir() if (p / "recipe.sh").exists()}
     assert folders == set(PATH_IDS)
-    assert len(PATH_IDS) == 11
+    assert len(PATH_IDS) == 12
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)

@@ -57,6 +57,7 @@ PATHS: tuple[RecipePath, ...] = (
     RecipePath("pip-git", "pip", "pip install git+<url>@<rev>", source="git", needs_git=True),
     RecipePath("uv-project", "uv", "uv add in a uv project"),
     RecipePath("uv-pip", "uv", "uv pip install into a plain venv"),
+    RecipePath("pinned-torch-pip", "pip", "pip: a project that pins torch adds flash-recipe"),
     RecipePath(
         "torch-index-poetry",
         "poetry",
