@@ -176,7 +176,7 @@ def test_cpu_goes_to_sdpa_without_interpreter(monkeypatch):
     from flash_recipe.ops import configs
 
     monkeypatch.setattr(configs, "interpreter_enabled", lambda: False)
-    dispatch.probes.import_error.cache_clear()
+    dispatch.capabilities.import_error.cache_clear()
     reasons = flash_recipe.explain(Q, K, K)
     assert list(reasons) == ["flash_attn", "triton", "sdpa", "reference"]
     assert "TRITON_INTERPRET=1" in reasons["triton"]
@@ -331,13 +331,13 @@ def test_interpreter_switched_on_after_import_is_explained():
 
 
 # -- GPUs below sm80 (T4, RTX 20xx) ------------------------------------------------------------
-# No GPU exists on the test machine: the compute capability is mocked (dispatch.probes.capability) and
+# No GPU exists on the test machine: the compute capability is mocked (dispatch.capabilities.capability) and
 # CUDA tensors are FakeTensors, which carry a device, dtype and shape but no data.
 @pytest.fixture
 def turing(monkeypatch):
     from flash_recipe import dispatch
 
-    monkeypatch.setattr(dispatch.probes, "capability", lambda index: (7, 5))
+    monkeypatch.setattr(dispatch.capabilities, "capability", lambda index: (7, 5))
     monkeypatch.setattr(torch.version, "hip", None)
 
 
@@ -388,15 +388,15 @@ def mocked_gpu(monkeypatch):
         props = types.SimpleNamespace(
             major=major, minor=minor, shared_memory_per_block_optin=shared, gcnArchName=f"{amd}:sramecc+:xnack-"
         )
-        monkeypatch.setattr(dispatch.probes, "capability", lambda index: (major, minor))
+        monkeypatch.setattr(dispatch.capabilities, "capability", lambda index: (major, minor))
         monkeypatch.setattr(torch.version, "hip", "6.4" if amd else None)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        for cached in (dispatch.probes.configs_problem, configs.gpu_target):
+        for cached in (dispatch.capabilities.configs_problem, configs.gpu_target):
             cached.cache_clear()
 
     yield install
-    for cached in (dispatch.probes.configs_problem, configs.gpu_target):
+    for cached in (dispatch.capabilities.configs_problem, configs.gpu_target):
         cached.cache_clear()
 
 
@@ -433,7 +433,7 @@ def test_sdpa_backend_below_sm80_uses_the_memory_efficient_kernel(dtype, monkeyp
 
     from flash_recipe import dispatch
 
-    monkeypatch.setattr(dispatch.probes, "pre_ampere_nvidia", lambda device: True)
+    monkeypatch.setattr(dispatch.capabilities, "pre_ampere_nvidia", lambda device: True)
     asked, seen = [], []
     real_kernel, real_sdpa = attention.sdpa_kernel, F.scaled_dot_product_attention
 
@@ -475,7 +475,7 @@ def test_sdpa_backend_at_sm80_leaves_the_kernel_choice_to_torch(monkeypatch):
 
     from flash_recipe import dispatch
 
-    monkeypatch.setattr(dispatch.probes, "pre_ampere_nvidia", lambda device: False)
+    monkeypatch.setattr(dispatch.capabilities, "pre_ampere_nvidia", lambda device: False)
     asked = []
     monkeypatch.setattr(attention, "sdpa_kernel", lambda backends, *a, **kw: asked.append(backends))
     with use_backend("sdpa"):
@@ -490,16 +490,16 @@ def test_a_triton_older_than_supported_is_refused_with_the_upgrade(monkeypatch):
     from flash_recipe.env import versions
 
     monkeypatch.setattr(triton, "__version__", "3.1.0")
-    dispatch.probes.triton_too_old.cache_clear()
+    dispatch.capabilities.triton_too_old.cache_clear()
     try:
         reason = dispatch.TritonBackend().is_available()
         oldest = ".".join(map(str, versions.TRITON_MIN))
         assert f"Triton 3.1.0 is older than {oldest}" in reason and "upgrade torch" in reason
         monkeypatch.setattr(triton, "__version__", "3.9.0")
-        dispatch.probes.triton_too_old.cache_clear()
+        dispatch.capabilities.triton_too_old.cache_clear()
         assert dispatch.TritonBackend().is_available() is None
     finally:
-        dispatch.probes.triton_too_old.cache_clear()
+        dispatch.capabilities.triton_too_old.cache_clear()
 
 
 def test_integer_arguments_take_any_index_like_value(monkeypatch):

@@ -484,7 +484,7 @@ def turing_explain(monkeypatch) -> dict:
     import flash_recipe
     from flash_recipe import dispatch
 
-    monkeypatch.setattr(dispatch.probes, "capability", lambda index: (7, 5))
+    monkeypatch.setattr(dispatch.capabilities, "capability", lambda index: (7, 5))
     monkeypatch.setattr(torch.version, "hip", None)
     with FakeTensorMode():
         q = torch.empty(1, 16, 2, 64, dtype=torch.float16, device="cuda")

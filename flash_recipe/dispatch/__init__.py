@@ -23,8 +23,8 @@ import torch
 
 from flash_recipe.dispatch.base import Backend, BackendUnavailableError
 from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
+from flash_recipe.dispatch.capabilities import TURING_ISSUES, pre_ampere_reason
 from flash_recipe.dispatch.flash_attn_backend import FlashAttnBackend
-from flash_recipe.dispatch.probes import TURING_ISSUES, pre_ampere_reason
 from flash_recipe.dispatch.reference_backend import ReferenceBackend
 from flash_recipe.dispatch.sdpa_backend import SdpaBackend
 from flash_recipe.dispatch.triton_backend import TritonBackend

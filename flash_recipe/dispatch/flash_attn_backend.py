@@ -9,13 +9,13 @@ from typing import Optional
 import torch
 
 from flash_recipe import alias
-from flash_recipe.dispatch import probes
+from flash_recipe.dispatch import capabilities
 from flash_recipe.dispatch.base import Backend
 from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Whether ``import flash_attn`` gives flash_recipe's stand-in, which must never serve as this backend.
-_stand_in_installed = probes.constant_under_compile(alias.is_installed)
+_stand_in_installed = capabilities.constant_under_compile(alias.is_installed)
 PAGE_MULTIPLE = 256  # upstream flash-attn's paged-cache requirement
 
 
@@ -28,10 +28,10 @@ class FlashAttnBackend(Backend):
     def is_available(self) -> Optional[str]:
         if _stand_in_installed():
             return "flash_attn resolves to flash_recipe's own stand-in (install_as_flash_attn()), not to flash-attn"
-        if probes.import_error("flash_attn") == "flash_attn is not installed":
+        if capabilities.import_error("flash_attn") == "flash_attn is not installed":
             return "flash_attn is not installed"
-        error = probes.import_error("flash_attn_2_cuda")
-        package_error = probes.import_error("flash_attn")
+        error = capabilities.import_error("flash_attn_2_cuda")
+        package_error = capabilities.import_error("flash_attn")
         if error is not None and package_error is not None:
             # the package's own error says why (an undefined symbol, a missing module), as the doctor quotes it
             return f"flash_attn does not import ({package_error})"
@@ -45,11 +45,11 @@ class FlashAttnBackend(Backend):
             return "flash_attn runs on NVIDIA GPUs only"
         if q.dtype not in HALF_DTYPES:
             return f"flash_attn supports float16 and bfloat16 only, got {q.dtype}"
-        major, minor = probes.device_capability(q.device)
+        major, minor = capabilities.device_capability(q.device)
         if major < 8:
             return (
                 f"flash_attn 2 needs compute capability 8.0 (Ampere) or newer, this GPU has {major}.{minor}; "
-                f"it has no Turing support (flash-attention issues {probes.TURING_ISSUES})"
+                f"it has no Turing support (flash-attention issues {capabilities.TURING_ISSUES})"
             )
         if v.shape[-1] != q.shape[-1] or q.shape[-1] > 256:
             return "flash_attn needs equal query and value head dims of at most 256"
@@ -57,7 +57,7 @@ class FlashAttnBackend(Backend):
             return "flash_attn aligns the causal mask bottom-right only"
         if call.attn_mask is not None:
             return "flash_attn takes no explicit attn_mask"
-        return probes.last_dim_strided(call)
+        return capabilities.last_dim_strided(call)
 
     def run(self, call: AttentionCall):
         import flash_attn

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.dispatch import probes
+from flash_recipe.dispatch import capabilities
 from flash_recipe.dispatch.base import Backend
 from flash_recipe.dispatch.call import AttentionCall
 
@@ -44,7 +44,7 @@ class SdpaBackend(Backend):
         if seqlen_k == 0:  # rows that see no key output 0
             return call.q.new_zeros(call.q.shape[:-1] + (call.v.shape[-1],)), None, None
         mask, is_causal = call.attn_mask, False
-        efficient_only = probes.pre_ampere_nvidia(q.device)
+        efficient_only = capabilities.pre_ampere_nvidia(q.device)
         if efficient_only and q.dtype == torch.bfloat16:
             q, k, v = (t.float() for t in (q, k, v))
             if mask is not None and mask.dtype != torch.bool:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.dispatch import probes
+from flash_recipe.dispatch import capabilities
 from flash_recipe.dispatch.base import Backend
 from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
 
@@ -35,7 +35,7 @@ class TritonBackend(Backend):
     replays_dropout = True
 
     def is_available(self) -> Optional[str]:
-        error = probes.import_error("triton")
+        error = capabilities.import_error("triton")
         if error == "triton is not installed":
             return (
                 f"{error} (Triton publishes wheels for Linux x86_64 and aarch64; on Windows the triton module "
@@ -43,12 +43,12 @@ class TritonBackend(Backend):
             )
         if error is not None:
             return f"triton fails to import: {error}"
-        return probes.triton_too_old()
+        return capabilities.triton_too_old()
 
     def supports(self, call: AttentionCall) -> Optional[str]:
         q, v = call.q, call.v
         if q.device.type == "cpu":
-            problem = probes.interpreter_problem()
+            problem = capabilities.interpreter_problem()
             if problem is not None:
                 return problem
             if q.dtype == torch.bfloat16:
@@ -58,10 +58,10 @@ class TritonBackend(Backend):
                 )
         elif q.device.type == "cuda":
             if torch.version.hip is None:
-                major, minor = probes.device_capability(q.device)
+                major, minor = capabilities.device_capability(q.device)
                 if major < 8:
-                    return probes.pre_ampere_reason(major, minor)
-            problem = probes.configs_problem(probes.device_index(q.device))
+                    return capabilities.pre_ampere_reason(major, minor)
+            problem = capabilities.configs_problem(capabilities.device_index(q.device))
             if problem is not None:
                 return problem
         else:
@@ -74,7 +74,7 @@ class TritonBackend(Backend):
             return "an explicit attn_mask is not supported (causal masking is)"
         if call.dropout_p > 0.0 and call.return_probs and call.is_varlen:
             return "the dropped-out probabilities are returned for dense calls only"
-        return probes.last_dim_strided(call)
+        return capabilities.last_dim_strided(call)
 
     def run(self, call: AttentionCall):
         from flash_recipe.ops.attention import attention, new_seed
