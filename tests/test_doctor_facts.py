@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 import pytest
 
 from flash_recipe.env import doctor, facts, findings, probes, release, rules, rules_build, rules_runtime
+from flash_recipe.env.project import probe_project
 
 ENV_DIR = Path(probes.__file__).resolve().parent
 
@@ -280,9 +281,7 @@ def test_the_checker_reports_a_misspelt_key():
 def test_facts_names_every_probe_and_context_reads_each():
     hints = typing.get_type_hints(facts.Facts)
     assert set(hints) == set(probes.PROBES) | {"project", "network", "release"}
-    runners = dict(
-        probes.PROBES, project=probes.probe_project, network=probes.probe_network, release=release.probe_release
-    )
+    runners = dict(probes.PROBES, project=probe_project, network=probes.probe_network, release=release.probe_release)
     for name, tp in hints.items():
         probe_type, error = atoms(tp)
         assert error is facts.ProbeError
@@ -363,7 +362,7 @@ def loopback_network_facts() -> list[dict]:
 def test_the_probes_here_return_the_keys_their_types_declare(tmp_path):
     """Every probe on this machine for real, plus the probe paths a CPU machine can reach without a GPU."""
     found = dict(probes.collect())
-    found["project"] = probes.probe_project(str(tmp_path))
+    found["project"] = probe_project(str(tmp_path))
     hints = typing.get_type_hints(facts.Facts)
     problems = [problem for name, value in found.items() for problem in undeclared(value, hints[name], name)]
     for value in loopback_network_facts():

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from flash_recipe.env import commands, probes
+from flash_recipe.env.project import probe_project
 
 ENV_DIR = Path(probes.__file__).resolve().parent
 
@@ -90,7 +91,7 @@ def test_project_installer_detection(tmp_path, monkeypatch, files, installer):
     monkeypatch.delenv("UV", raising=False)
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    assert probes.probe_project(str(tmp_path))["installer"] == installer
+    assert probe_project(str(tmp_path))["installer"] == installer
 
 
 @pytest.mark.parametrize(
@@ -108,7 +109,7 @@ def test_project_installer_detection(tmp_path, monkeypatch, files, installer):
 )
 def test_flash_attn_declaration(tmp_path, text, declared):
     (tmp_path / "pyproject.toml").write_text(text)
-    assert probes.probe_project(str(tmp_path))["declares_flash_attn"] is declared
+    assert probe_project(str(tmp_path))["declares_flash_attn"] is declared
 
 
 def test_network_probe_against_a_loopback_server():
@@ -240,7 +241,7 @@ def test_project_torch_index(tmp_path, text, expected):
     if sys.version_info < (3, 11):
         pytest.skip("reading the index needs tomllib (Python 3.11+)")
     (tmp_path / "pyproject.toml").write_text(text)
-    assert probes.probe_project(str(tmp_path))["torch_index"] == expected
+    assert probe_project(str(tmp_path))["torch_index"] == expected
 
 
 def test_torch_probe_records_who_installed_it():

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from flash_recipe.env import probes
+from flash_recipe.env.project import probe_project
 from flash_recipe.env.rules import RULES, Context, Finding, cited_recipes, evaluate
 
 # Captured from `pip download --no-deps --no-binary :all: flash-attn==2.8.3` on this project's
@@ -182,7 +183,7 @@ def test_build_isolation_predicted_for_poetry_project_declaring_flash_attn(tmp_p
     (tmp_path / "pyproject.toml").write_text(
         '[project]\nname = "x"\ndependencies = ["flash-attn>=2.8"]\n[tool.poetry]\n'
     )
-    project = probes.probe_project(str(tmp_path))
+    project = probe_project(str(tmp_path))
     facts = gpu_facts(flash_attn={"installed": False})
     f = rules_fired(Context(facts=facts, installer=project["installer"], project=project))["build-isolation-no-torch"]
     assert f.severity == "warning" and "Poetry" in f.evidence[0]
@@ -194,7 +195,7 @@ def test_build_isolation_quiet_for_uv_project_with_match_runtime(tmp_path):
         '[project]\nname = "x"\ndependencies = ["flash-attn"]\n'
         '[tool.uv.extra-build-dependencies]\nflash-attn = [{ requirement = "torch", match-runtime = true }]\n'
     )
-    project = probes.probe_project(str(tmp_path))
+    project = probe_project(str(tmp_path))
     assert project["installer"] == "uv" and project["uv_flash_attn_build_config"]
     facts = gpu_facts(flash_attn={"installed": False})
     assert "build-isolation-no-torch" not in rules_fired(Context(facts=facts, installer="uv", project=project))

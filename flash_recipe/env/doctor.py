@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from flash_recipe.env import probes, release
 from flash_recipe.env.facts import Facts
+from flash_recipe.env.project import probe_project
 from flash_recipe.env.published import LATEST
 from flash_recipe.env.rules import Context, Finding, evaluate
 from flash_recipe.env.wheels import inspect_wheel_file, release_tuple
@@ -54,7 +55,7 @@ def diagnose(args: argparse.Namespace, facts: Optional[Facts] = None) -> dict[st
     """Collect facts (unless given), evaluate the rules, and return the whole report as a dict."""
     if facts is None:
         facts = probes.collect()
-        facts["project"] = probes.run_probe("project", lambda: probes.probe_project(args.project))
+        facts["project"] = probes.run_probe("project", lambda: probe_project(args.project))
         facts["release"] = probes.run_probe("release", release.probe_release)
         if args.online:
             facts["network"] = probes.run_probe("network", probes.probe_network)

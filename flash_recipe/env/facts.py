@@ -297,7 +297,7 @@ class TorchIndex(TypedDict):
 
 
 class ProjectFacts(TypedDict):
-    """:func:`~flash_recipe.env.probes.probe_project`: the project in the current directory."""
+    """:func:`~flash_recipe.env.project.probe_project`: the project in the current directory."""
 
     directory: str
     pyproject: bool

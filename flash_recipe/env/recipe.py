@@ -15,6 +15,7 @@ import sys
 from typing import Any, Optional
 
 from flash_recipe.env import commands, probes, release
+from flash_recipe.env.project import probe_project
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     facts = {
         "torch": probes.run_probe("torch", probes.probe_torch),
         "gpus": probes.run_probe("gpus", probes.probe_gpus),
-        "project": probes.run_probe("project", lambda: probes.probe_project(args.project)),
+        "project": probes.run_probe("project", lambda: probe_project(args.project)),
         "release": probes.run_probe("release", release.probe_release),
     }
     result = recommend(facts, args.installer)
