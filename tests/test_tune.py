@@ -154,6 +154,65 @@ def test_launch_config_takes_the_tuned_config_only_for_the_matching_device(fake_
     assert configs.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("interpreter", "fwd", 128, 2)
 
 
+def test_a_tuned_config_that_fails_to_compile_falls_back_to_the_table(fake_gpu):
+    """A launcher whose launch fails in Triton on a tuned configuration (here: out of shared memory,
+    as a hand-edited entry gets on a real GPU) runs again on the table's, with one warning that
+    names the entry; from then on the table serves that entry without another failure. Only the
+    GPU is mocked (``fake_gpu``); the launcher stands in for a kernel launch."""
+    from triton.runtime.errors import OutOfResources
+
+    _write(_document())
+    table = configs.get_config("sm90", "fwd", 128, 2)
+    launched = []
+
+    @configs.tuned_fallback
+    def launcher(head_dim):
+        cfg = configs.launch_config(CUDA0, "fwd", head_dim, 2)
+        launched.append(cfg)
+        if cfg == Config(64, 32, 4, 5):
+            raise OutOfResources(300000, 232448, "shared memory")
+        return cfg
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert launcher(128) == table
+        assert launcher(128) == table
+    assert launched == [Config(64, 32, 4, 5), table, table]
+    (warning,) = _tuned_warnings(record)
+    assert "fwd at head dim 128 (2-byte elements) on sm90" in str(warning.message)
+    assert "OutOfResources" in str(warning.message) and "flash-recipe tune" in str(warning.message)
+    tuned.forget()  # a new read of the files tries the entry again
+    launched.clear()
+    with pytest.warns(tuned.TunedCacheWarning):
+        launcher(128)
+    assert launched == [Config(64, 32, 4, 5), table]
+
+
+def test_other_failures_of_a_launcher_propagate(fake_gpu):
+    """An error that is not Triton's, or a Triton error on the table's configuration, propagates:
+    the fallback only replaces a tuned configuration, and only once."""
+    from triton.runtime.errors import OutOfResources
+
+    _write(_document())
+
+    @configs.tuned_fallback
+    def bad_input(head_dim):
+        configs.launch_config(CUDA0, "fwd", head_dim, 2)
+        raise ValueError("q must be contiguous")
+
+    @configs.tuned_fallback
+    def always_out_of_memory(head_dim):
+        configs.launch_config(CUDA0, "fwd", head_dim, 2)
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    with pytest.raises(ValueError, match="contiguous"):
+        bad_input(128)
+    with pytest.raises(OutOfResources), pytest.warns(tuned.TunedCacheWarning):
+        always_out_of_memory(128)  # tuned, then the table's: the second failure is the caller's
+    with pytest.raises(OutOfResources):
+        always_out_of_memory(64)  # no tuned entry at head dim 64: nothing to fall back from
+
+
 def test_a_machine_without_a_cache_file_runs_the_table(fake_gpu):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not even a warning

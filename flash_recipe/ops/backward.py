@@ -331,6 +331,7 @@ def attn_bwd_dq_kernel(
     store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * sm_scale, not EVEN_M, MASK_D)
 
 
+@configs.tuned_fallback
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -29,8 +29,11 @@ import functools
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterator
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, TypeVar
+
+T = TypeVar("T")
 
 # Shared memory one block may use (the opt-in maximum), in bytes, per compile target. Sources:
 # CUDA C++ Programming Guide, "Technical Specifications per Compute Capability" (sm80 163 KiB,
@@ -305,23 +308,86 @@ def overriding(kernel: str, head_dim: int, element_size: int, config: Config) ->
         _OVERRIDES.reset(token)
 
 
+# Tuned entries, as ``(target, kernel, head-dim bucket, element size)``, that failed to compile or
+# launch in this process (``tuned_fallback``): the table's configuration serves them from then on.
+_REJECTED: set[tuple[str, str, int, int]] = set()
+# The tuned entries the launches of the running ``tuned_fallback`` call took (None outside one).
+_TUNED_USED: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("flash_recipe_tuned_used", default=None)
+
+
 def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Config:
     """The configuration a launch on ``device`` uses: an ``overriding`` block's, else the one
     ``flash-recipe tune`` measured fastest on this GPU model (``flash_recipe.ops.tuned``: a GPU
-    only, never the CPU or the interpreter), else the table's for the device's target
-    (``get_config``)."""
+    only, never the CPU or the interpreter, and not after it failed, see ``tuned_fallback``),
+    else the table's for the device's target (``get_config``)."""
     bucket = head_dim_bucket(head_dim)
     override = _OVERRIDES.get().get((kernel, bucket, element_size))
     if override is not None:
         return override
     target = target_of(device)
-    if target != "interpreter" and device.type == "cuda":
+    key = (target, kernel, bucket, element_size)
+    if target != "interpreter" and device.type == "cuda" and key not in _REJECTED:
         from flash_recipe.ops import tuned
 
         found = tuned.config_for(device, target, kernel, bucket, element_size)
         if found is not None:
+            used = _TUNED_USED.get()
+            if used is not None:
+                used.append(key)
             return Config(*found)
     return get_config(target, kernel, head_dim, element_size)
+
+
+def forget_rejected() -> None:
+    """Give the tuned entries that failed (``tuned_fallback``) another chance (``tuned.forget``)."""
+    _REJECTED.clear()
+
+
+def _compile_or_launch_failure(exc: Exception) -> bool:
+    """Whether ``exc`` is Triton failing to compile or launch a kernel (out of shared memory or
+    registers, a compiler error, ptxas), which another configuration may not hit."""
+    return type(exc).__module__.split(".")[0] == "triton" or "ptxas" in str(exc)
+
+
+def tuned_fallback(launcher: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a launcher (a function that allocates its outputs and launches kernels) so that a
+    tuned configuration that fails to compile or launch falls back to the table's.
+
+    When ``launcher`` raises a Triton compile or launch error after one of its launches took a
+    tuned configuration, those tuned entries are rejected for the rest of the process, one
+    ``TunedCacheWarning`` names them, and ``launcher`` runs again on the table's configurations.
+    Any other error, or one without a tuned configuration, propagates unchanged.
+    """
+
+    @functools.wraps(launcher)
+    def run(*args, **kwargs):
+        token = _TUNED_USED.set([])
+        try:
+            try:
+                return launcher(*args, **kwargs)
+            except Exception as exc:
+                used = _TUNED_USED.get() or []
+                if not used or not _compile_or_launch_failure(exc):
+                    raise
+                _REJECTED.update(used)
+                from flash_recipe.ops import tuned
+
+                entries = ", ".join(f"{kernel} at head dim {bucket} ({size}-byte elements) on {target}"
+                                    for target, kernel, bucket, size in dict.fromkeys(used))
+                first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+                warnings.warn(
+                    f"flash_recipe: the tuned launch configuration for {entries} failed "
+                    f"({type(exc).__name__}: {first_line}); the built-in configuration serves it from now on "
+                    "in this process. Re-run `flash-recipe tune` on this GPU, or delete the file that "
+                    "`flash-recipe tune --show` lists.",
+                    tuned.TunedCacheWarning,
+                    stacklevel=2,
+                )
+            return launcher(*args, **kwargs)
+        finally:
+            _TUNED_USED.reset(token)
+
+    return run
 
 
 def interpreter_enabled() -> bool:

@@ -342,6 +342,7 @@ def attn_fwd_kernel(
         tl.store(p_lse, b_lse, mask=m_rows)
 
 
+@configs.tuned_fallback
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, options: ScoreOptions,
     varlen: Optional[Varlen] = None, keys: Optional[KeyRanges] = None, num_splits: int = 1, kernel: str = "fwd",

@@ -68,7 +68,8 @@ MAX_SPLITS = 64  # as kvcache.auto_splits caps its own choice
 
 
 class TunedCacheWarning(UserWarning):
-    """A tuned-configuration file was ignored (unreadable, another format, or stale)."""
+    """A tuned-configuration file was ignored (unreadable, another format, or stale), or one of its
+    entries failed to compile or launch (``configs.tuned_fallback``)."""
 
 
 class BadCacheFile(ValueError):
@@ -332,11 +333,15 @@ def splits_for(device, target: str, bucket: int, element_size: int, programs: in
 
 
 def forget() -> None:
-    """Drop what this process read (and the warnings it gave): the next launch reads the files again."""
+    """Drop what this process read (and the warnings it gave, and the entries that failed to
+    compile or launch): the next launch reads the files again."""
+    from flash_recipe.ops import configs
+
     with _LOCK:
         _LOADED.clear()
         _WARNED.clear()
         _NAMES.clear()
+        configs.forget_rejected()
 
 
 # -- writing ----------------------------------------------------------------------------------
