@@ -108,6 +108,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed)
     ctx.options = options  # max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset, window_left, window_right, softcap
     ctx.dropout_p = dropout_p
+    ctx.num_inputs = len(inputs)  # the op's arguments: q, k, v get gradients, the rest None
     ctx.mark_non_differentiable(lse)
 
 
@@ -115,7 +116,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed = ctx.saved_tensors
     dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
                           ctx.dropout_p, seed)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
