@@ -10,9 +10,6 @@ from flash_recipe.dispatch import capabilities
 from flash_recipe.dispatch.base import Backend
 from flash_recipe.dispatch.call import AttentionCall
 
-# torch SDPA takes enable_gqa from torch 2.5 on; older releases get repeated kv heads.
-_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
-
 
 class SdpaBackend(Backend):
     """``torch.nn.functional.scaled_dot_product_attention``.
@@ -65,7 +62,7 @@ class SdpaBackend(Backend):
                 mask = mask + bias
         options = dict(attn_mask=mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.softmax_scale)
         if q.shape[1] != k.shape[1]:
-            if _SDPA_HAS_GQA and not efficient_only:
+            if not efficient_only:  # enable_gqa: every supported torch (2.5 and newer) has it
                 options["enable_gqa"] = True
             else:
                 group = q.shape[1] // k.shape[1]
