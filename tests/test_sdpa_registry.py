@@ -354,6 +354,24 @@ def test_torch_without_the_registry_is_named():
         sdpa_registry.register(dispatch_key="Meta")
 
 
+def test_torch_2_10_registry_without_restore_is_accepted(monkeypatch):
+    """torch 2.10.0's ``torch.nn.attention`` has register, activate, list and current, but no
+    ``restore_flash_attention_impl`` (read from its wheel): the gate accepts it, and a refusal
+    names the way back that exists there."""
+    shaped = types.ModuleType("torch.nn.attention")
+    for name in (
+        "register_flash_attention_impl",
+        "activate_flash_attention_impl",
+        "list_flash_attention_impls",
+        "current_flash_attention_impl",
+    ):
+        setattr(shaped, name, getattr(attention, name))
+    assert sdpa_registry.check_registry(shaped) is shaped
+    assert "restore_flash_attention_impl() gives torch's kernels back" in sdpa_registry._back_to_torch()
+    monkeypatch.delattr(attention, "restore_flash_attention_impl")
+    assert "call flash_recipe.scaled_dot_product_attention" in sdpa_registry._back_to_torch()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (SDPA reaches the registered ops only there)")
 def test_sdpa_on_a_gpu(launches):

@@ -11,8 +11,9 @@ Usage::
     torch.nn.attention.restore_flash_attention_impl()               # torch's own kernels again
 
 Since torch 2.10, ``torch.nn.attention`` keeps a registry of flash-attention implementations
-(``register_flash_attention_impl``, ``activate_flash_attention_impl``,
-``restore_flash_attention_impl``). Activating one replaces, through ``torch.library``, the kernels
+(``register_flash_attention_impl``, ``activate_flash_attention_impl``; from 2.11 on also
+``restore_flash_attention_impl``: torch 2.10.0 keeps an activated implementation for the rest of
+the process, as its own registry says). Activating one replaces, through ``torch.library``, the kernels
 of five aten ops for the CUDA dispatch key (ROCm included); torch's FA4 and FA3 providers do the
 same. ``register()`` adds the name ``"flash_recipe"``; importing this module registers nothing.
 On a torch without the registry (2.9 and older) ``register()`` raises RuntimeError naming 2.10.
@@ -81,11 +82,7 @@ import torch
 
 NAME = "flash_recipe"
 FIRST_TORCH = "2.10"  # the first torch release with torch.nn.attention's flash-attention registry
-_REGISTRY_FUNCTIONS = (
-    "register_flash_attention_impl",
-    "activate_flash_attention_impl",
-    "restore_flash_attention_impl",
-)
+_REGISTRY_FUNCTIONS = ("register_flash_attention_impl", "activate_flash_attention_impl")
 OPS = (
     "_flash_attention_forward",
     "_flash_attention_forward_no_dropout_inplace",
@@ -117,7 +114,7 @@ def register(dispatch_key: str = "CUDA") -> None:
 
     Then ``torch.nn.attention.activate_flash_attention_impl("flash_recipe")`` routes the five ops
     (module docstring) to flash_recipe's Triton kernels for ``dispatch_key`` and
-    ``restore_flash_attention_impl()`` gives torch's kernels back. ``dispatch_key`` is ``"CUDA"``
+    ``restore_flash_attention_impl()`` gives torch's kernels back (torch 2.11 and newer). ``dispatch_key`` is ``"CUDA"``
     (NVIDIA and ROCm GPUs); ``"CPU"`` exists for tests only, since torch has no CPU kernel for
     these ops and SDPA on a CPU calls another op. Registering again replaces the earlier entry.
     """
@@ -241,7 +238,19 @@ def _refuse_unsupported(what, return_debug_mask, alibi_slopes=None, seqused_k=No
         ("block_table", block_table is not None),
     ):
         if given:
-            raise _refuse(what, f"{name} is not supported; restore_flash_attention_impl() gives torch's kernels back")
+            raise _refuse(what, f"{name} is not supported; {_back_to_torch()}")
+
+
+def _back_to_torch() -> str:
+    """How a user gets torch's own kernels back (torch 2.10.0's registry cannot deactivate)."""
+    import torch.nn.attention as attention
+
+    if hasattr(attention, "restore_flash_attention_impl"):
+        return "restore_flash_attention_impl() gives torch's kernels back"
+    return (
+        f"torch {torch.__version__} cannot deactivate an implementation (restore_flash_attention_impl "
+        "comes with 2.11): call flash_recipe.scaled_dot_product_attention instead of activating the registry"
+    )
 
 
 def _flash_attention_forward(
