@@ -308,10 +308,8 @@ def overriding(kernel: str, head_dim: int, element_size: int, config: Config) ->
         _OVERRIDES.reset(token)
 
 
-# Tuned entries, as ``(target, kernel, head-dim bucket, element size)``, that failed to compile or
-# launch in this process (``tuned_fallback``): the table's configuration serves them from then on.
-_REJECTED: set[tuple[str, str, int, int]] = set()
-# The tuned entries the launches of the running ``tuned_fallback`` call took (None outside one).
+# The tuned entries the launches of the running ``tuned_fallback`` call took, as ``(target, kernel,
+# head-dim bucket, element size)`` (None outside one).
 _TUNED_USED: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("flash_recipe_tuned_used", default=None)
 
 
@@ -325,28 +323,27 @@ def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Conf
     if override is not None:
         return override
     target = target_of(device)
-    key = (target, kernel, bucket, element_size)
-    if target != "interpreter" and device.type == "cuda" and key not in _REJECTED:
+    if target != "interpreter" and device.type == "cuda":
         from flash_recipe.ops import tuned
 
         found = tuned.config_for(device, target, kernel, bucket, element_size)
         if found is not None:
             used = _TUNED_USED.get()
             if used is not None:
-                used.append(key)
+                used.append((target, kernel, bucket, element_size))
             return Config(*found)
     return get_config(target, kernel, head_dim, element_size)
-
-
-def forget_rejected() -> None:
-    """Give the tuned entries that failed (``tuned_fallback``) another chance (``tuned.forget``)."""
-    _REJECTED.clear()
 
 
 def _compile_or_launch_failure(exc: Exception) -> bool:
     """Whether ``exc`` is Triton failing to compile or launch a kernel (out of shared memory or
     registers, a compiler error, ptxas), which another configuration may not hit."""
-    return type(exc).__module__.split(".")[0] == "triton" or "ptxas" in str(exc)
+    import triton.compiler.errors as compiler_errors
+    import triton.runtime.errors as runtime_errors
+
+    kinds = [getattr(runtime_errors, "OutOfResources", None), getattr(runtime_errors, "PTXASError", None),
+             getattr(compiler_errors, "CompilationError", None)]
+    return isinstance(exc, tuple(kind for kind in kinds if isinstance(kind, type))) or "ptxas" in str(exc)
 
 
 def tuned_fallback(launcher: Callable[..., T]) -> Callable[..., T]:
@@ -369,8 +366,9 @@ def tuned_fallback(launcher: Callable[..., T]) -> Callable[..., T]:
                 used = _TUNED_USED.get() or []
                 if not used or not _compile_or_launch_failure(exc):
                     raise
-                _REJECTED.update(used)
                 from flash_recipe.ops import tuned
+
+                tuned.reject(used)
 
                 entries = ", ".join(f"{kernel} at head dim {bucket} ({size}-byte elements) on {target}"
                                     for target, kernel, bucket, size in dict.fromkeys(used))

@@ -246,6 +246,7 @@ _LOCK = threading.Lock()
 _LOADED: dict = {}  # (device index, target, $FLASH_RECIPE_TUNE_CACHE, $XDG_CACHE_HOME) -> Tuned or None
 _WARNED: set = set()  # paths already warned about
 _NAMES: dict = {}  # device index -> GPU name
+_REJECTED: set = set()  # (target, kernel, bucket, element size) of entries that failed to compile or launch
 
 
 def _gpu_name(index: int) -> str:
@@ -317,7 +318,7 @@ def config_for(device, target: str, kernel: str, bucket: int, element_size: int)
     """The tuned ``(block_m, block_n, num_warps, num_stages)`` for ``kernel`` at head-dim bucket
     ``bucket`` and ``element_size`` on ``device``, or None (use the table)."""
     tuned = for_device(device, target)
-    if tuned is None:
+    if tuned is None or (target, kernel, bucket, element_size) in _REJECTED:
         return None
     return tuned.configs.get((kernel, bucket, element_size))
 
@@ -335,13 +336,18 @@ def splits_for(device, target: str, bucket: int, element_size: int, programs: in
 def forget() -> None:
     """Drop what this process read (and the warnings it gave, and the entries that failed to
     compile or launch): the next launch reads the files again."""
-    from flash_recipe.ops import configs
-
     with _LOCK:
         _LOADED.clear()
         _WARNED.clear()
         _NAMES.clear()
-        configs.forget_rejected()
+        _REJECTED.clear()
+
+
+def reject(entries) -> None:
+    """Serve these entries, ``(target, kernel, head-dim bucket, element size)``, from the table for
+    the rest of the process: they failed to compile or launch (``configs.tuned_fallback``)."""
+    with _LOCK:
+        _REJECTED.update(entries)
 
 
 # -- writing ----------------------------------------------------------------------------------
