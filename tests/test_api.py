@@ -483,6 +483,45 @@ def test_sdpa_backend_at_sm80_leaves_the_kernel_choice_to_torch(monkeypatch):
     assert asked == []
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_sdpa_backend_on_cpu_records_gradients_on_torchs_math_kernel(seed, monkeypatch):
+    """A CPU call that autograd records asks torch for MATH only: the CPU flash kernel torch picks
+    otherwise gives fp32 gradients beyond the accuracy rule at inputs of magnitude 3. Both runs
+    are compared with the fp64 truth; without grad the kernel choice stays torch's."""
+    from torch.nn import attention
+
+    from flash_recipe.testing import GRADIENT_FACTOR
+
+    asked = []
+    real_kernel = attention.sdpa_kernel
+
+    def spy_kernel(backends, *args, **kwargs):
+        asked.append(list(backends))
+        return real_kernel(backends, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_kernel", spy_kernel)
+    q, k, v = (t(2, 39, 2, 48, seed=10 * seed + i) * 3 for i in range(3))
+    dout = t(2, 39, 2, 48, seed=10 * seed + 3)
+
+    def grads(dtype, run):
+        x = [a.to(dtype).requires_grad_() for a in (q, k, v)]
+        return torch.autograd.grad(run(*x), x, dout.to(dtype))
+
+    with use_backend("sdpa"):
+        ours = grads(torch.float32, lambda *x: flash_attn_func(*x, causal=True))
+    truth = grads(torch.float64, lambda *x: attention_reference(*x, causal=True)[0])
+    same = grads(torch.float32, lambda *x: attention_reference(*x, causal=True, upcast=False)[0])
+    for name, got, want, torch_same in zip(("dq", "dk", "dv"), ours, truth, same):
+        error = (got.double() - want).abs().max().item()
+        bound = accuracy_bound((torch_same.double() - want).abs().max().item(), GRADIENT_FACTOR)
+        assert error <= bound, f"{name}: {error:.3g} > {bound:.3g}"
+    assert asked == [[attention.SDPBackend.MATH]]
+    asked.clear()
+    with use_backend("sdpa"), torch.no_grad():
+        flash_attn_func(q, k, v, causal=True)
+    assert asked == []
+
+
 def test_a_triton_older_than_supported_is_refused_with_the_upgrade(monkeypatch):
     import triton
 

@@ -20,6 +20,11 @@ class SdpaBackend(Backend):
     make it fail with "No available kernel", and it is shaped so that kernel takes it: key/value
     heads repeated for GQA (the kernel has no GQA) and bfloat16 computed in float32 (the kernel
     takes float16 and float32 only below sm80; the result is cast back).
+
+    On the CPU, a call that autograd records runs on torch's math kernel: the CPU flash kernel
+    torch picks otherwise recomputes probabilities from a rounded log-sum-exp, and its gradients
+    miss the accuracy rule (measured on torch 2.13: fp32 at logits of about 30, up to 3.3x the
+    rule's bound on dq; bf16 dv up to 1.1x). Inference keeps torch's choice, whose outputs pass.
     """
 
     name = "sdpa"
@@ -68,9 +73,12 @@ class SdpaBackend(Backend):
                 group = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if efficient_only:
-            with _efficient_sdpa_kernels():
+            with _sdpa_kernels("EFFICIENT_ATTENTION", "MATH"):
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
             out = out.to(call.q.dtype).transpose(1, 2)
+        elif q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            with _sdpa_kernels("MATH"):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
         else:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
         left, right = window
@@ -83,11 +91,11 @@ class SdpaBackend(Backend):
         return out, None, None
 
 
-def _efficient_sdpa_kernels():
-    """torch SDPA restricted to its memory-efficient kernel, math as the last resort."""
+def _sdpa_kernels(*names: str):
+    """torch SDPA restricted to the named kernels (``SDPBackend`` members), in that order."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return sdpa_kernel([getattr(SDPBackend, name) for name in names])
 
 
 def _combine_masks(visible: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,16 @@ Shapes (legend as in ``forward``)::
 Three kernels, none of which uses atomics, so gradients are bit-identical from run to run:
 
 1. ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dout * out)``, ``(B, H, Sq)`` float32.
-2. ``attn_bwd_dkdv_kernel``: one program per ``BLOCK_N`` keys of one kv head; it walks the query
-   blocks of every query head in that head's group, recomputing ``P = exp(S - lse)``, and
-   accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``.
-3. ``attn_bwd_dq_kernel``: one program per ``BLOCK_M`` queries of one head; ``dQ += dS K``.
+2. ``attn_bwd_dq_kernel``: one program per ``BLOCK_M`` queries of one head, recomputing
+   ``P = exp(S - lse)``; ``dQ += dS K`` with ``dS = P * (dO V^T - delta)``.
+3. ``attn_bwd_dkdv_kernel``: one program per ``BLOCK_N`` keys of one kv head; it walks the query
+   blocks of every query head in that head's group, recomputing P, and accumulates
+   ``dV += P^T dO`` and ``dK += dS^T Q``.
+
+fp32 with its own lse (``RENORM``): the lse is stored rounded to fp32, an ulp of a few 1e-5 at
+logits in the hundreds, which scales a whole row of P and shows in dV beyond the accuracy rule.
+So the dQ kernel also sums each row's P and stores the log of that sum, and the dK/dV kernel
+divides it out: its P is the exact softmax of the recomputed logits, as torch's is.
 
 Probabilities are recomputed as ``exp2((S * scale - lse) * log2(e))``: the difference is taken in
 natural units, so fp32 keeps its precision at large logits; a row whose lse is +inf (it saw no key) gets P = 0 and so
@@ -81,12 +87,12 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, stride_qm, stride_dom,
     seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
     o_n, o_r, o_d, start, end, seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, ONE_KEY: tl.constexpr,
+    BLOCK_M: tl.constexpr, ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr,
 ):
     """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``.
 
@@ -109,10 +115,21 @@ def _dkdv_inner(
         else:
             b_lse = tl.load(lse_base + o_m, mask=o_m < seqlen_q, other=0.0)
             b_delta = tl.load(delta_base + o_m, mask=o_m < seqlen_q, other=0.0)
-        b_qk = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
+        if RENORM:  # each row's log of its recomputed probabilities' sum (``attn_bwd_dq_kernel``)
+            if EVEN_M:
+                b_lse_fix = tl.load(fix_base + o_m)  # [BLOCK_M]
+            else:
+                b_lse_fix = tl.load(fix_base + o_m, mask=o_m < seqlen_q, other=0.0)
+        if SAME_ORDER:  # the forward's product, transposed: the same rounding as the logits its lse came from
+            b_qk = tl.trans(tl.dot(b_q, tl.trans(b_k), input_precision="ieee"))  # [BLOCK_N, BLOCK_M]
+        else:
+            b_qk = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         b_st, b_tt = scores(b_qk, o_m[None, :], o_n[:, None], seqlen_k, lo_offset, hi_offset, diag_offset,
                             sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
-        b_pt = tl.math.exp2((b_st - b_lse[None, :]) * LOG2E)  # [BLOCK_N, BLOCK_M]
+        if RENORM:  # s - lse is exact where P matters (s near lse); the correction is small
+            b_pt = tl.math.exp2(((b_st - b_lse[None, :]) - b_lse_fix[None, :]) * LOG2E)  # [BLOCK_N, BLOCK_M]
+        else:
+            b_pt = tl.math.exp2((b_st - b_lse[None, :]) * LOG2E)  # [BLOCK_N, BLOCK_M]
         if MASKED and ONE_KEY:
             m_one = sees_one_key(o_m, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT)[None, :]  # [1, BLOCK_M]
             b_pt = tl.where(m_one & (b_st > float("-inf")), 1.0, b_pt)
@@ -144,11 +161,15 @@ def _dkdv_inner(
         # factor term. Otherwise fp16/bf16 bounds absorb the rounding, and their registers are kept
         # for the main loop (sm100 spilled).
         "ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or a["seqlen_k"] == 1),
+        # fp32 logits recomputed as the forward computed them (q . k, then transposed): P = exp(S -
+        # lse) is exact only where S rounds as the forward's did; k . q rounds otherwise, which left
+        # fp32 dV up to 6x torch's error at large logits. fp16/bf16 keep the direct product.
+        "SAME_ORDER": lambda a: a["Q"].element_size() == 4,
     }
 )
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, CU_Q, CU_K, SEED,
+    Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -161,9 +182,13 @@ def attn_bwd_dkdv_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
-    ONE_KEY: tl.constexpr,
+    ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head."""
+    """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head.
+
+    With ``RENORM`` it runs after ``attn_bwd_dq_kernel``, which stored in ``LSE_FIX`` (laid out as
+    ``LSE``) the log of each row's recomputed probability sum, and takes ``P = exp((S - lse) - fix)``.
+    """
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -200,6 +225,7 @@ def attn_bwd_dkdv_kernel(
         do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h * stride_doh
         lse_base = LSE + i_b * stride_lb + i_h * stride_lh + bos_q
         delta_base = DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
+        fix_base = LSE_FIX + i_b * stride_lb + i_h * stride_lh + bos_q
         slope = 0.0
         if ALIBI:
             slope = tl.load(SLOPES + i_b * stride_sb + i_h)
@@ -212,10 +238,11 @@ def attn_bwd_dkdv_kernel(
         for stage in tl.static_range(3):
             lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, stride_qm, stride_dom,
                 seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
                 o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride, dropout_p,
                 stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, ONE_KEY,
+                SAME_ORDER, RENORM,
             )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
@@ -226,13 +253,15 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+    b_dq, b_psum, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
     seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    RENORM: tl.constexpr,
 ):
-    """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks."""
+    """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks.
+    With ``RENORM`` also each row's sum of the recomputed probabilities, ``b_psum [BLOCK_M]``."""
     for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
@@ -241,6 +270,8 @@ def _dq_inner(
         b_s, b_t = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
                           sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_p = tl.math.exp2((b_s - b_lse[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_N]
+        if RENORM:
+            b_psum += tl.sum(b_p, 1)
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], (start_n + o_n)[None, :], rng_stride, dropout_p)
@@ -249,14 +280,14 @@ def _dq_inner(
         if SOFTCAP:
             b_ds = b_ds * (1.0 - b_t * b_t)
         b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision="ieee")
-    return b_dq
+    return b_dq, b_psum
 
 
 @triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
                     "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SLOPES, CU_Q, CU_K, SEED,
+    Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -267,9 +298,16 @@ def attn_bwd_dq_kernel(
     window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, RENORM: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``."""
+    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
+
+    With ``RENORM`` (fp32, own lse) it also stores in ``LSE_FIX`` (laid out as ``LSE``) the log of
+    each row's sum of ``exp(S - lse)``: 0 up to the rounding of the stored lse, which at logits in
+    the hundreds is an ulp of a few 1e-5, a row-wide factor on P. ``attn_bwd_dkdv_kernel`` divides
+    it out, so its P sums to 1 as the forward's softmax did and fp32 dV keeps torch's accuracy;
+    rows with no probability (no key, or one key with ``OWN_LSE``) store 0.
+    """
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -316,19 +354,26 @@ def attn_bwd_dq_kernel(
         seed = tl.load(SEED)
         rng_base = row_base * rng_stride
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    b_psum = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     begin, full_begin, full_end, end = key_blocks(q_start, q_start + BLOCK_M - 1, seqlen_k, lo_offset, hi_offset,
                                                   MASK_LEFT, MASK_RIGHT, BLOCK_N)
     for stage in tl.static_range(3):
         lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
-        b_dq = _dq_inner(
-            b_dq, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+        b_dq, b_psum = _dq_inner(
+            b_dq, b_psum, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
             seed, rng_base, rng_stride, dropout_p,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N, RENORM,
         )
     dq_base = DQ + i_b * stride_dqb + bos_q * stride_dqm + i_h.to(tl.int64) * stride_dqh
     store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * sm_scale, not EVEN_M, MASK_D)
+    if RENORM:
+        b_fix = tl.where(b_psum > 0.0, tl.log(tl.where(b_psum > 0.0, b_psum, 1.0)), 0.0)  # [BLOCK_M]
+        if EVEN_M:
+            tl.store(LSE_FIX + row_base + o_m, b_fix)
+        else:
+            tl.store(LSE_FIX + row_base + o_m, b_fix, mask=o_m < seqlen_q)
 
 
 @configs.tuned_fallback
@@ -367,17 +412,19 @@ def attention_backward(
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_d = configs.head_dim_bucket(dims.head_dim)
     delta, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
+    renorm = own_lse and q.element_size() == 4  # fp32: dK/dV renormalise P by dQ's row sums
+    lse_fix = lse_buffer(q, varlen, dims)[0] if renorm else delta
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (delta, delta)
     rows = packed_rows(q, k, varlen)
     is_varlen = varlen is not None
     # What the dK/dV and dQ kernels share: inputs, sizes and score options.
     common = dict(
-        Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, CU_Q=cu_q, CU_K=cu_k,
+        Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, LSE_FIX=lse_fix, CU_Q=cu_q, CU_K=cu_k,
         **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
         **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
         nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k,
         **rows, head_dim=dims.head_dim, sm_scale=softmax_scale, **score_args(options, delta, dims.seqlen_k),
-        IS_VARLEN=is_varlen, BLOCK_D=block_d, OWN_LSE=own_lse,
+        IS_VARLEN=is_varlen, BLOCK_D=block_d, OWN_LSE=own_lse, RENORM=renorm,
     )
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64
@@ -387,14 +434,15 @@ def attention_backward(
             seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim,
             IS_VARLEN=is_varlen, BLOCK_M=pre_m, BLOCK_D=block_d,
         )
-        cfg = configs.launch_config(q.device, "bwd_dkdv", dims.head_dim, q.element_size())
-        attn_bwd_dkdv_kernel[(triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch)](
-            DK=dk, DV=dv, **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"), **common,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        # dQ first: with RENORM it writes the row sums dK/dV divide out.
         cfg = configs.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())
         attn_bwd_dq_kernel[(triton.cdiv(dims.seqlen_q, cfg.block_m), dims.nheads, dims.batch)](
             DQ=dq, **dims.stride_args(dq, "dq", "m"), **common,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        cfg = configs.launch_config(q.device, "bwd_dkdv", dims.head_dim, q.element_size())
+        attn_bwd_dkdv_kernel[(triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch)](
+            DK=dk, DV=dv, **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"), **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dq, dk, dv
