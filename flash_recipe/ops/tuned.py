@@ -49,11 +49,12 @@ import contextlib
 import json
 import os
 import re
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
+
+from flash_recipe.files import write_json
 
 FORMAT = 1
 ENV_VAR = "FLASH_RECIPE_TUNE_CACHE"
@@ -419,15 +420,7 @@ def _merge_and_replace(path: Path, key: dict, configs: list, splits: list) -> No
     document = {"format": FORMAT, "key": dict(key), "configs": kept_configs + list(configs),
                 "num_splits": kept_splits + list(splits)}
     parse(document)  # never write what the reader would refuse
-    handle, temporary = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=1)
-            f.write("\n")
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    write_json(path, document)
 
 
 def cache_files(directory: Optional[os.PathLike] = None) -> list:

@@ -25,12 +25,12 @@ import argparse
 import csv
 import dataclasses
 import io
-import json
-import os
 import statistics
 import sys
 import time
 from typing import Callable, Optional
+
+from flash_recipe import files
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
@@ -502,10 +502,7 @@ def run(args) -> int:
 
     def write_json(rows: list, complete: bool = False) -> None:
         document = {"context": context, "modes": list(args.mode), "complete": complete, "rows": rows}
-        partial = f"{args.json}.partial"
-        with open(partial, "w") as f:
-            json.dump(document, f, indent=1)
-        os.replace(partial, args.json)  # a reader never sees a half-written file
+        files.write_json(args.json, document)  # a reader never sees a half-written file
 
     try:
         rows = run_bench(args, on_row=write_json if args.json else None)

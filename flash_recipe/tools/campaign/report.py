@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from flash_recipe.files import write_json
 from flash_recipe.tools.campaign.plan import BENCH_MODES, REFERENCE, SUBJECT, TARGET, TOTAL_BUDGET_S, bench_shapes
 from flash_recipe.tools.campaign.targets import (
     decode_targets,
@@ -13,7 +14,6 @@ from flash_recipe.tools.campaign.targets import (
     speed_targets,
     summarize_targets,
 )
-from flash_recipe.tools.campaign.workers import write_json
 
 # ----------------------------------------------------------------------------- the report
 

@@ -9,16 +9,10 @@ import json
 import os
 from typing import Optional
 
+from flash_recipe.files import write_json
 from flash_recipe.tools.campaign.plan import MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shapes
 
 # ----------------------------------------------------------------------------- the workers
-
-
-def write_json(path: str, document) -> None:
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump(document, f, indent=1)
-    os.replace(partial, path)
 
 
 def env_probe() -> dict:
