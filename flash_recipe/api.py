@@ -34,6 +34,15 @@ class FlashOptions:
     return_lse: bool = False
     return_probs: bool = False
 
+    @classmethod
+    def from_arguments(cls, arguments: dict) -> FlashOptions:
+        """The options among a flash-attn entry point's arguments, taken by name (the entry points
+        pass ``locals()``, whose names are flash-attn's); ``return_attn_probs`` sets both
+        ``return_lse`` and ``return_probs``. Other names are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"return_lse", "return_probs"}
+        probs = arguments.get("return_attn_probs", False)
+        return cls(**{n: arguments[n] for n in names if n in arguments}, return_lse=probs, return_probs=probs)
+
 
 def build_flash_call(
     q,
@@ -171,17 +180,7 @@ def flash_attn_func(
         q,
         k,
         v,
-        FlashOptions(
-            dropout_p=dropout_p,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_lse=return_attn_probs,
-            return_probs=return_attn_probs,
-        ),
+        FlashOptions.from_arguments(locals()),
     )
     return _finish(dispatch.run(call), return_attn_probs)
 
@@ -208,17 +207,7 @@ def flash_attn_qkvpacked_func(
         q,
         k,
         v,
-        FlashOptions(
-            dropout_p=dropout_p,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_lse=return_attn_probs,
-            return_probs=return_attn_probs,
-        ),
+        FlashOptions.from_arguments(locals()),
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -247,17 +236,7 @@ def flash_attn_kvpacked_func(
         q,
         k,
         v,
-        FlashOptions(
-            dropout_p=dropout_p,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_lse=return_attn_probs,
-            return_probs=return_attn_probs,
-        ),
+        FlashOptions.from_arguments(locals()),
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -304,17 +283,7 @@ def flash_attn_varlen_func(
         q,
         k,
         v,
-        FlashOptions(
-            dropout_p=dropout_p,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_lse=return_attn_probs,
-            return_probs=return_attn_probs,
-        ),
+        FlashOptions.from_arguments(locals()),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         paged=block_table is not None,
     )
@@ -343,17 +312,7 @@ def flash_attn_varlen_qkvpacked_func(
         q,
         k,
         v,
-        FlashOptions(
-            dropout_p=dropout_p,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_lse=return_attn_probs,
-            return_probs=return_attn_probs,
-        ),
+        FlashOptions.from_arguments(locals()),
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
         varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
     )
@@ -384,17 +343,7 @@ def flash_attn_varlen_kvpacked_func(
         q,
         k,
         v,
-        FlashOptions(
-            dropout_p=dropout_p,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_lse=return_attn_probs,
-            return_probs=return_attn_probs,
-        ),
+        FlashOptions.from_arguments(locals()),
         names=("q", "kv[:, 0]", "kv[:, 1]"),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
@@ -473,6 +422,5 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> dict
     if unknown:
         allowed_names = sorted([*allowed, "return_attn_probs"])
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}; allowed: {allowed_names}")
-    probs = kwargs.pop("return_attn_probs", False)
-    call = build_flash_call(q, k, v, FlashOptions(**kwargs, return_lse=probs, return_probs=probs))
+    call = build_flash_call(q, k, v, FlashOptions.from_arguments(kwargs))
     return dispatch.explain_call(call)
