@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _pinned(name: str) -> str:
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    group = re.search(r"^lint = \[(.*?)\]$", text, re.M)
+    group = re.search(r"^lint = \[(.*?)\]$", text, re.M | re.S)  # one line or several
     assert group, "pyproject.toml has no `lint` dependency group"
-    found = re.search(rf'"{re.escape(name)}==([^"]+)"', group.group(1))
+    found = re.search(rf'"{re.escape(name)}==([^";\s]+)[";]', group.group(1))  # before any marker
     assert found, f"the lint group does not pin {name}"
     return found.group(1)
 
