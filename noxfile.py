@@ -46,22 +46,25 @@ RUN_ID = os.environ.get("FLASH_RECIPE_MATRIX_RUN") or f"{time.strftime('%Y%m%dT%
 HARNESS = (sys.executable, "-m", "recipes.harness")
 
 
-def install_built_wheel(session: nox.Session, extras: str = "", pins: tuple = (), torch: str | None = TORCH) -> None:
+def install_built_wheel(
+    session: nox.Session, extras: str = "", pins: tuple = (), torch: str | None = TORCH, env: dict | None = None
+) -> None:
     """Install ``torch`` (default ``FLASH_RECIPE_TORCH``; None: the one installed) and ``pins``
-    first, then the wheel built from this checkout."""
+    first, then the wheel built from this checkout; ``env`` for every pip command."""
     if torch or pins:
-        session.install(*filter(None, (torch, *pins)))
+        session.install(*filter(None, (torch, *pins)), env=env)
     dist = Path(session.create_tmp()) / "dist"
-    session.run("python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), str(ROOT))
+    session.run("python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), str(ROOT), env=env)
     wheels = sorted(dist.glob("flash_recipe-*.whl"))
     if len(wheels) != 1:
         session.error(f"expected one built wheel in {dist}, got {[w.name for w in wheels]}")
-    session.install(f"{wheels[0]}{extras}")
+    session.install(f"{wheels[0]}{extras}", env=env)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run pytest against the built wheel (not the source tree). Extra arguments go to pytest.
+    """Run pytest against the built wheel (not the source tree): the suite spread over the cores
+    (pytest-xdist), then the ``serial`` tests alone. Extra arguments: one plain pytest run with them.
 
     torch comes first (``FLASH_RECIPE_TORCH``, default ``torch==2.13.0``), so the wheel's
     ``torch>=2.6`` is already satisfied and no other build is pulled in. The wheel is installed
@@ -71,7 +74,19 @@ def tests(session: nox.Session) -> None:
     session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
     # The harness tests start a real pypiserver.
     session.install(*(f"{name}=={TOOLS[name]}" for name in ("pypiserver", "waitress", "passlib")))
-    run_pytest(session, str(ROOT / "tests"), *session.posargs)
+    if session.posargs:  # the caller's selection, one pass
+        run_pytest(session, str(ROOT / "tests"), *session.posargs)
+        return
+    # The suite on every core (pytest-xdist), then the tests marked ``serial`` (timing ratios,
+    # which another process's load skews) alone.
+    session.install(f"pytest-xdist=={PYTEST_XDIST}")
+    workers = str(min(4, os.cpu_count() or 1))
+    run_pytest(session, str(ROOT / "tests"), "-n", workers, "-m", "not serial")
+    run_pytest(session, str(ROOT / "tests"), "-m", "serial")
+
+
+# Spreads `nox -s tests` over the cores (not in the test group: a plain `pytest` runs without it).
+PYTEST_XDIST = "3.8.0"
 
 
 def run_pytest(session: nox.Session, *args: str, env: dict | None = None) -> None:
@@ -299,7 +314,7 @@ def torch_compat(session: nox.Session, minor: str) -> None:
     try:
         options = ["--index-url", index, "--extra-index-url", "https://pypi.org/simple"] if index else []
         session.install(*options, f"torch=={torch_version}", f"triton=={triton_version}", env=env)
-        install_built_wheel(session, torch=None)
+        install_built_wheel(session, torch=None, env=env)  # the same lifted cap: pip would downgrade torch
         session.install(*nox.project.dependency_groups(PYPROJECT, "test"), env=env)
         session.run(
             "python",

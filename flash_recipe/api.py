@@ -35,13 +35,24 @@ class FlashOptions:
     return_probs: bool = False
 
     @classmethod
-    def from_arguments(cls, arguments: dict) -> FlashOptions:
-        """The options among a flash-attn entry point's arguments, taken by name (the entry points
-        pass ``locals()``, whose names are flash-attn's); ``return_attn_probs`` sets both
-        ``return_lse`` and ``return_probs``. Other names are ignored."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"return_lse", "return_probs"}
-        probs = arguments.get("return_attn_probs", False)
-        return cls(**{n: arguments[n] for n in names if n in arguments}, return_lse=probs, return_probs=probs)
+    def of(
+        cls, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    ) -> FlashOptions:
+        """The options of a flash-attn entry point, its arguments in flash-attn's order (every
+        ``flash_attn_*_func`` has them in this order); ``return_attn_probs`` sets both
+        ``return_lse`` and ``return_probs``. (Not ``locals()``: torch 2.6's torch.compile cannot
+        trace that call.)"""
+        return cls(
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            return_attn_probs,
+        )
 
 
 def build_flash_call(
@@ -180,7 +191,9 @@ def flash_attn_func(
         q,
         k,
         v,
-        FlashOptions.from_arguments(locals()),
+        FlashOptions.of(
+            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        ),
     )
     return _finish(dispatch.run(call), return_attn_probs)
 
@@ -207,7 +220,9 @@ def flash_attn_qkvpacked_func(
         q,
         k,
         v,
-        FlashOptions.from_arguments(locals()),
+        FlashOptions.of(
+            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        ),
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -236,7 +251,9 @@ def flash_attn_kvpacked_func(
         q,
         k,
         v,
-        FlashOptions.from_arguments(locals()),
+        FlashOptions.of(
+            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        ),
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -283,7 +300,9 @@ def flash_attn_varlen_func(
         q,
         k,
         v,
-        FlashOptions.from_arguments(locals()),
+        FlashOptions.of(
+            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        ),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         paged=block_table is not None,
     )
@@ -312,7 +331,9 @@ def flash_attn_varlen_qkvpacked_func(
         q,
         k,
         v,
-        FlashOptions.from_arguments(locals()),
+        FlashOptions.of(
+            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        ),
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
         varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
     )
@@ -343,7 +364,9 @@ def flash_attn_varlen_kvpacked_func(
         q,
         k,
         v,
-        FlashOptions.from_arguments(locals()),
+        FlashOptions.of(
+            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        ),
         names=("q", "kv[:, 0]", "kv[:, 1]"),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
@@ -422,5 +445,6 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> dict
     if unknown:
         allowed_names = sorted([*allowed, "return_attn_probs"])
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}; allowed: {allowed_names}")
-    call = build_flash_call(q, k, v, FlashOptions.from_arguments(kwargs))
+    probs = kwargs.pop("return_attn_probs", False)
+    call = build_flash_call(q, k, v, FlashOptions(**kwargs, return_lse=probs, return_probs=probs))
     return dispatch.explain_call(call)

@@ -107,6 +107,7 @@ def one_thread():
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_dispatch_overhead_on_cpu_is_within_5_percent(monkeypatch, one_thread):
     """flash_attn_func on the CPU costs at most 1.05x a direct SDPA call (B1, S512, H8, D64, causal).
 
