@@ -274,3 +274,15 @@ def test_the_instruction_bound_fails_without_packing():
     (row,) = [row for row in rows if row["kernel"] == "decode"]
     assert row["per_key_per_kv_head"] > compile_check.DECODE_BOUND["decode"] and not row["ok"], row
     assert any("warp-instructions per cached key per kv head" in problem for problem in row["problems"])
+
+
+def test_constexpr_arguments_are_read_in_both_of_tritons_forms():
+    """Triton 3.2 keys a compiled kernel's constexprs by name, later releases by ``(index,)``; the
+    decode rows' loop step and GQA packing come from them (under 3.2 they were lost, and the
+    instruction bound failed on ``None``: found by ``torch_compat(2.6)``)."""
+    from types import SimpleNamespace
+
+    fn = SimpleNamespace(arg_names=["Q", "BLOCK_N", "PACK_GQA"])
+    by_name = SimpleNamespace(src=SimpleNamespace(fn=fn, constants={"BLOCK_N": 64, "PACK_GQA": True}))
+    by_index = SimpleNamespace(src=SimpleNamespace(fn=fn, constants={(1,): 64, (2,): True}))
+    assert compile_check._constants(by_name) == compile_check._constants(by_index) == {"BLOCK_N": 64, "PACK_GQA": True}

@@ -396,12 +396,19 @@ def check_case(case: Case, target: str) -> list[dict]:
 
 
 def _constants(kernel) -> dict:
-    """The constexpr arguments a kernel was compiled with, by name (empty where Triton keeps none)."""
+    """The constexpr arguments a kernel was compiled with, by name (empty where Triton keeps none).
+    Triton 3.2 keys them by name, later releases by ``(argument index,)``."""
     src = getattr(kernel, "src", None)
     names = getattr(getattr(src, "fn", None), "arg_names", None)
     if names is None:
         return {}
-    return {names[key[0]]: value for key, value in src.constants.items() if isinstance(key, tuple) and len(key) == 1}
+    found = {}
+    for key, value in src.constants.items():
+        if isinstance(key, str):
+            found[key] = value
+        elif isinstance(key, tuple) and len(key) == 1:
+            found[names[key[0]]] = value
+    return found
 
 
 def proxy_applies(row: dict) -> bool:
