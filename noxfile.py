@@ -5,7 +5,8 @@
   environment against loopback servers only; ``install_matrix_report`` follows automatically;
 - ``ring_flash_attn``: ring-flash-attn from PyPI, unchanged, on flash_recipe (``install_as_flash_attn``);
 - ``yunchang``: yunchang (USP) from PyPI, unchanged, on flash_recipe;
-- ``diffusers``: a diffusers transformer on its ``flash`` and ``flash_varlen`` backends, on flash_recipe;
+- ``diffusers``: a diffusers transformer on its ``flash`` and ``flash_varlen`` backends, and its
+  context parallelism, on flash_recipe;
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``torch_compat``: each supported torch release with the Triton its wheel pins (verify, core tests,
@@ -151,7 +152,8 @@ DIFFUSERS = ("diffusers==0.42.1",)
 def diffusers(session: nox.Session) -> None:
     """A small diffusers Flux transformer (random weights from a config, nothing from a hub) on the
     ``flash`` and ``flash_varlen`` attention backends, served by flash_recipe's stand-in, forward
-    and backward in fp16 and bf16 against ``native`` and float64: ``tests/test_diffusers.py``.
+    and backward in fp16 and bf16 against ``native`` and float64, and diffusers' own context
+    parallelism (ring and Ulysses, 2 gloo processes) on ``flash``: ``tests/test_diffusers.py``.
     Extra arguments go to pytest."""
     install_built_wheel(session, pins=DIFFUSERS)
     session.install(*nox.project.dependency_groups(PYPROJECT, "test"))

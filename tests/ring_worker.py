@@ -1,5 +1,6 @@
 """One rank of the multi-process tests of ring and Ulysses attention (``test_distributed.py``,
-``test_ulysses.py``, ``test_ring_flash_attn.py``, ``test_yunchang.py``), started by ``multiprocess.run_ranks``.
+``test_ulysses.py``, ``test_ring_flash_attn.py``, ``test_yunchang.py``) and of diffusers' context
+parallelism (``test_diffusers.py``), started by ``multiprocess.run_ranks``.
 
 ``python ring_worker.py SPEC``: SPEC is JSON ``{"cases": [...]}``. The rank joins a gloo group
 through ``FLASH_RECIPE_INIT`` (a ``file://`` rendezvous), ``RANK`` and ``WORLD_SIZE``; every rank
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import sys
 
@@ -263,7 +265,58 @@ def yunchang_client(case: dict) -> dict:
     return judge(result, q, k, v, dout, causal)
 
 
-KINDS = {"builtin": builtin, "ring_flash_attn": ring_flash_attn_client, "ulysses": ulysses, "yunchang": yunchang_client}
+def diffusers_client(case: dict) -> dict:
+    """diffusers' own context parallelism on its ``flash`` backend, served by the stand-in: the
+    small Flux transformer (``diffusers_model``) with ``enable_parallelism`` over the world, as
+    ring (``ring_degree``) or Ulysses (``ulysses_degree``). Rank 0 compares its gathered output,
+    and the input gradients summed over the ranks, with the single-process model in float64 and
+    the rule's bound from ``native`` in the same dtype."""
+    if not flash_recipe.install_as_flash_attn():
+        raise RuntimeError("install_as_flash_attn() left an upstream flash-attn in place")
+    # Mocked, because this machine cannot have it: an accelerator. diffusers 0.42.1 places each
+    # rank on ``rank % torch.accelerator.device_count()`` (0 here: a division by zero) before it
+    # asks for ``torch._C._get_accelerator()``, which is the CPU here; with a count of 1 every rank
+    # runs on the CPU, and the collectives are gloo's.
+    if torch.accelerator.device_count() == 0:
+        torch.accelerator.device_count = lambda: 1
+    from diffusers import ContextParallelConfig
+    from diffusers.models import attention_dispatch
+    from diffusers_model import errors_and_bounds, flux_model, run_model
+
+    from flash_recipe.ops import forward
+
+    dtype = getattr(torch, case["dtype"])
+    degree = dist.get_world_size()
+    parallel = ContextParallelConfig(**{f"{case['parallel']}_degree": degree})
+    if case.get("shift_lse"):  # the negative test: a wrong log-sum-exp must fail the comparison
+        wrapped = attention_dispatch._wrapped_flash_attn_forward
+
+        def shifted(*args, **kwargs):
+            out, lse, *rest = wrapped(*args, **kwargs)
+            return (out, lse + math.log(2), *rest)
+
+        attention_dispatch._wrapped_flash_attn_forward = shifted
+    launches = []
+    run = forward.attn_fwd_kernel.run
+    forward.attn_fwd_kernel.run = lambda *a, **k: launches.append(1) or run(*a, **k)
+    model = flux_model()
+    got = run_model(model, "flash", dtype, parallel=parallel)
+    if dtype == torch.float16 and not launches:
+        raise RuntimeError("flash_recipe's Triton forward never ran under context parallelism")
+    for name in ("d_hidden", "d_encoder"):  # each rank holds the gradients of its own rows
+        dist.all_reduce(got[name])
+    truth = run_model(model, "native", torch.float64)
+    same = run_model(model, "native", dtype)
+    return errors_and_bounds(got, truth, same)
+
+
+KINDS = {
+    "builtin": builtin,
+    "diffusers": diffusers_client,
+    "ring_flash_attn": ring_flash_attn_client,
+    "ulysses": ulysses,
+    "yunchang": yunchang_client,
+}
 
 
 def main() -> None:

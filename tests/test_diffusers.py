@@ -11,15 +11,15 @@ flash_recipe's torch fallback, since the interpreter computes bf16 dot products 
 The comparison: the model's output and the gradients of its two inputs, forward and backward, on
 each backend against the same model in float64 on ``native`` (torch SDPA); the error may be at most
 2x (output) and 3x (gradients) the error of ``native`` in the same dtype, plus 1e-5: the accuracy
-rule, applied to the whole model. diffusers' context parallelism is not tested: on a machine
-without an accelerator diffusers 0.42.1 divides by ``torch.accelerator.device_count()`` (0) when
-it places the ranks (``ModelMixin._resolve_parallel_config``). The test lives in its own
-environment: ``nox -s diffusers`` (``FLASH_RECIPE_REQUIRE_DIFFUSERS=1``); elsewhere it is skipped.
+rule, applied to the whole model. diffusers' own context parallelism (ring and Ulysses) on the
+``flash`` backend runs on 2 gloo processes (``ring_worker.diffusers_client``); the one mock there
+is an accelerator count of 1, since diffusers 0.42.1 divides by ``torch.accelerator.device_count()``
+(0 on this machine) when it places the ranks. The test lives in its own environment:
+``nox -s diffusers`` (``FLASH_RECIPE_REQUIRE_DIFFUSERS=1``); elsewhere it is skipped.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import os
 
@@ -34,52 +34,9 @@ if importlib.util.find_spec("diffusers") is None:
 import flash_recipe  # noqa: E402
 
 assert flash_recipe.install_as_flash_attn(), "an upstream flash-attn is installed here"
-from diffusers import FluxTransformer2DModel  # noqa: E402
 from diffusers.models import attention_dispatch  # noqa: E402
-
-from flash_recipe.testing.accuracy import FACTORS, assert_accurate  # noqa: E402
-
-
-def _model() -> FluxTransformer2DModel:
-    torch.manual_seed(0)
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(4, 4, 8),
-    ).eval()
-
-
-def _inputs():
-    gen = torch.Generator().manual_seed(1)
-    image, text = 12, 5
-    ids = torch.zeros(image, 3)
-    ids[:, 1], ids[:, 2] = torch.arange(image) // 4, torch.arange(image) % 4
-    return dict(
-        hidden_states=torch.randn(1, image, 4, generator=gen),
-        encoder_hidden_states=torch.randn(1, text, 32, generator=gen),
-        pooled_projections=torch.randn(1, 32, generator=gen),
-        timestep=torch.tensor([0.5]),
-        img_ids=ids,
-        txt_ids=torch.zeros(text, 3),
-    )
-
-
-def _run(model, backend: str, dtype: torch.dtype) -> dict:
-    """The output and the gradients of the two sequence inputs, from ``output.sum() * w``."""
-    model = copy.deepcopy(model).to(dtype)
-    model.set_attention_backend(backend)
-    inputs = {name: t.to(dtype) if t.is_floating_point() else t for name, t in _inputs().items()}
-    leaves = [inputs[name].requires_grad_() for name in ("hidden_states", "encoder_hidden_states")]
-    out = model(**inputs, return_dict=False)[0]
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-    (out * weights).sum().backward()
-    return {"out": out.detach(), "d_hidden": leaves[0].grad, "d_encoder": leaves[1].grad}
+from diffusers_model import errors_and_bounds, flux_model, run_model  # noqa: E402
+from multiprocess import assert_within_bounds, run_ranks  # noqa: E402
 
 
 def test_flash_attn_is_seen_as_installed():
@@ -95,13 +52,36 @@ def test_backend_matches_native_by_the_rule(backend, dtype, monkeypatch):
     launches = []
     for kernel in (forward.attn_fwd_kernel, backward.attn_bwd_dq_kernel):
         monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **k: launches.append(1) or _run(*a, **k))
-    model = _model()
-    truth = _run(model, "native", torch.float64)
-    same = _run(model, "native", dtype)
-    got = _run(model, backend, dtype)
+    model = flux_model()
+    truth = run_model(model, "native", torch.float64)
+    same = run_model(model, "native", dtype)
+    got = run_model(model, backend, dtype)
     if dtype == torch.float16:  # the Triton kernels ran: one forward and one backward per attention
         assert len(launches) == 4
-    for name, value in got.items():
-        assert torch.isfinite(value).all(), name
-        factor = FACTORS["out"] if name == "out" else FACTORS["dq"]
-        assert_accurate(f"{backend} {dtype} {name}", value, truth[name], same[name], factor)
+    case = dict(backend=backend, dtype=str(dtype))
+    assert_within_bounds([errors_and_bounds(got, truth, same)], [case])
+
+
+def _parallel_case(parallel: str, dtype: str) -> dict:
+    return dict(kind="diffusers", parallel=parallel, dtype=dtype)
+
+
+def test_context_parallel_on_two_ranks():
+    """diffusers' own context parallelism (``enable_parallelism``) on the ``flash`` backend, the
+    one of the two that supports it, over 2 gloo processes: ring (diffusers gathers the keys and
+    values and merges the partial outputs by their log-sum-exp, re-driving the stand-in's
+    ``_wrapped_flash_attn_forward/_backward`` per chunk) and Ulysses (all-to-all over heads).
+    Each rank's gathered output and the summed input gradients against the single-process model
+    in float64, by the rule (``ring_worker.diffusers_client``)."""
+    cases = [_parallel_case(p, d) for p in ("ring", "ulysses") for d in ("float16", "bfloat16")]
+    results = run_ranks(2, {"cases": cases}, timeout=420, env={"TRITON_INTERPRET": "1"})
+    assert_within_bounds(results, cases)
+
+
+def test_context_parallel_comparison_fails_a_wrong_lse():
+    """The stand-in's forward returning its log-sum-exp shifted by log 2 (which diffusers' ring
+    saves for the backward, where P = exp(S - lse) then halves): the comparison must fail."""
+    case = dict(_parallel_case("ring", "float16"), shift_lse=True)
+    results = run_ranks(2, {"cases": [case]}, timeout=420, env={"TRITON_INTERPRET": "1"})
+    with pytest.raises(AssertionError, match="error"):
+        assert_within_bounds(results, [case])
