@@ -8,8 +8,7 @@ Each ```bash block is preceded by an HTML comment (invisible on GitHub) that say
   from the source tree) and the tune cache in that directory;
 - ``<!-- runs: ci -->``: each command (lines split at ``&&``) begins a command of ``.ci/run``;
 - ``<!-- runs: recipes/<path> ... -->``: each line is a line of those recipes' ``recipe.sh``,
-  which the install matrix runs verbatim, once the means the harness gives the hermetic index by
-  are taken out (``HARNESS_ONLY``) and the values the harness fills in are put in (``FILLED_IN``);
+  which the install matrix runs verbatim (the recipes are literal: ``test_recipes_scripts.py``);
 - ``<!-- runs: tests/<file> ... -->`` or ``noxfile.py``: every option of each line appears in
   those files, the tests or sessions that run the command with them;
 - ``<!-- gpu-only: <reason> -->``: needs a GPU (or a machine this project has none of).
@@ -37,22 +36,6 @@ def repository() -> str:
     return re.search(r'^Repository = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
 
 
-# What the matrix gives a recipe that a user's own installer already has: the hermetic index and
-# the interpreter (text removed from a recipe line before it is compared with the docs).
-HARNESS_ONLY = [
-    r' --index-url "\$INDEX_URL"',
-    r' --python "\$PYTHON"',
-]
-# The values the harness fills in, as the docs write them.
-FILLED_IN = {
-    '"$PYTHON"': "python3",
-    "$GIT_URL": repository(),
-    "$GIT_REV": "main",
-    '"$CHECKOUT"': "./flash-recipe",
-    '"flash-recipe==$FLASH_RECIPE_VERSION"': "flash-recipe",
-}
-
-
 def blocks():
     for page in PAGES:
         text = page.read_text()
@@ -75,16 +58,8 @@ def commands(body: str) -> list[str]:
 
 
 def recipe_lines(path_id: str) -> set[str]:
-    lines = set()
-    for line in (ROOT / "recipes" / path_id / "recipe.sh").read_text().splitlines():
-        for pattern in HARNESS_ONLY:
-            line = re.sub(pattern, "", line)
-        for placeholder, value in FILLED_IN.items():
-            line = line.replace(placeholder, value)
-        lines.add(line.strip())
-    if "./flash-recipe" in " ".join(lines):  # the checkout the harness places is the clone's
-        lines.add(f"git clone {repository()}")
-    return lines
+    """The lines of a recipe: literal, as the matrix runs them."""
+    return {line.strip() for line in (ROOT / "recipes" / path_id / "recipe.sh").read_text().splitlines()}
 
 
 def ci_commands() -> list[str]:

@@ -21,7 +21,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-from recipes.harness import checks, config, prepare, report, runner, servers, workspace  # noqa: E402
+from recipes.harness import (  # noqa: E402
+    checks,
+    config,
+    paths,  # noqa: E402
+    prepare,
+    report,
+    runner,
+    servers,
+    workspace,
+)
 from recipes.harness.paths import PATHS, get  # noqa: E402
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -254,7 +263,12 @@ def test_path_environment_is_clean(tmp_path):
     }
     tools = prepare.Tools(tmp_path / "tools")
     env = workspace.path_environment(
-        base, home=tmp_path / "home", tools=tools, python="/usr/bin/python3", extra={"X": "1"}
+        base,
+        home=tmp_path / "home",
+        tools=tools,
+        python="/usr/bin/python3",
+        python_bin=tmp_path / "python-bin",
+        extra={"X": "1"},
     )
     for name in (
         "PIP_FIND_LINKS",
@@ -272,7 +286,8 @@ def test_path_environment_is_clean(tmp_path):
     assert env["HOME"] == str(tmp_path / "home")
     for name in ("PIP_CACHE_DIR", "UV_CACHE_DIR", "POETRY_CACHE_DIR", "XDG_CACHE_HOME"):
         assert env[name].startswith(str(tmp_path / "home")), name
-    assert env["PATH"].split(os.pathsep)[:2] == [str(tools.bin), "/usr/bin"]
+    assert env["PATH"].split(os.pathsep)[:3] == [str(tmp_path / "python-bin"), str(tools.bin), "/usr/bin"]
+    assert env["UV_PYTHON"] == "/usr/bin/python3" and env["POETRY_VIRTUALENVS_IN_PROJECT"] == "true"
 
 
 def test_pip_sees_no_configuration_in_a_path_environment(tmp_path):
@@ -282,6 +297,7 @@ def test_pip_sees_no_configuration_in_a_path_environment(tmp_path):
         home=tmp_path / "home",
         tools=tools,
         python=sys.executable,
+        python_bin=tmp_path / "python-bin",
         extra={},
     )
     out = subprocess.run(
@@ -590,16 +606,19 @@ def test_check_install_names_what_differs(tmp_path):
 
 def test_check_install_git_and_file_sources(tmp_path):
     build = _build(tmp_path)
-    url = "http://127.0.0.1:1/flash-recipe.git"
+    url = "https://github.com/flash-recipe/flash-recipe"
     direct = {"url": url, "vcs_info": {"vcs": "git", "commit_id": build.rev}}
     probe = _probe(build, installer="pip", direct_url=direct)
-    installed = checks.check_install(probe, get("pip-git"), build=build, torch_version="2.13.0", git_url=url)
+    installed = checks.check_install(probe, get("pip-git"), build=build, torch_version="2.13.0")
     assert all(c.ok for c in installed.checks)
     assert installed.checks[-1] == checks.Check("source: git", True, f"{url} @ {build.rev}")
-    other_commit = {**direct, "vcs_info": {"commit_id": "b" * 40}}
-    probe = _probe(build, installer="pip", direct_url=other_commit)
-    installed = checks.check_install(probe, get("pip-git"), build=build, torch_version="2.13.0", git_url=url)
-    assert [c.name for c in installed.checks if not c.ok] == ["source: git"]
+    dot_git = {**direct, "url": url + ".git"}  # Poetry may record the URL with its .git
+    probe = _probe(build, installer="Poetry 2.5.1", direct_url=dot_git)
+    assert checks.check_install(probe, get("poetry-git"), build=build, torch_version="2.13.0").checks[-1].ok
+    for wrong in ({**direct, "vcs_info": {"commit_id": "b" * 40}}, {**direct, "url": "http://127.0.0.1:1/x.git"}):
+        probe = _probe(build, installer="pip", direct_url=wrong)
+        installed = checks.check_install(probe, get("pip-git"), build=build, torch_version="2.13.0")
+        assert [c.name for c in installed.checks if not c.ok] == ["source: git"]
 
     probe = _probe(build, installer="Poetry 2.5.1", direct_url={"url": "file:///tmp/checkout", "dir_info": {}})
     installed = checks.check_install(probe, get("poetry-path"), build=build, torch_version="2.13.0")
@@ -751,47 +770,29 @@ def test_workspace_places_the_project_and_is_removed(tmp_path):
     plain = workspace.Workspace(root, "run", "uv-pip")
     assert plain.dir.parent == root and plain.dir.name.startswith("run-uv-pip-")
     assert plain.home.is_dir() and plain.neutral.is_dir()
-    checkout = plain.place_project(build, get("uv-pip"))
-    assert checkout == plain.dir / "checkout" and (checkout / "pkg" / "a.py").exists()
+    plain.place_project(build, get("uv-pip"))
     assert list(plain.project.iterdir()) == []
+    python_bin = plain.python_bin(sys.executable)
+    version = subprocess.run([python_bin / "python3", "-c", "import sys; print(sys.version)"], capture_output=True)
+    assert version.stdout.decode().strip() == sys.version
+    plain.trust("/run/ca.pem")
+    assert "sslCAInfo = /run/ca.pem" in (plain.home / ".gitconfig").read_text()
     workspace.sweep(root)  # held while the path runs: not swept
     assert plain.dir.exists() and plain.size_mb() >= 0
     plain.release(keep=False)
     assert not plain.dir.exists()
 
     dev = workspace.Workspace(root, "run", "poetry-lock-dev")
-    assert dev.place_project(build, get("poetry-lock-dev")) is None
+    dev.place_project(build, get("poetry-lock-dev"))
     assert (dev.project / "pkg" / "a.py").exists()
     dev.release(keep=True)
     assert dev.dir.exists()
 
 
-def test_recipe_variables(tmp_path):
-    build = _build(tmp_path)
-    options = config.Options(python="/usr/bin/python3")
-    variables = workspace.recipe_variables(
-        options, "3.11", build, index_url="http://127.0.0.1:1/", torch_index_url="http://127.0.0.1:2/"
-    )
-    assert variables == {
-        "PYTHON": "/usr/bin/python3",
-        "PYTHON_VERSION": "3.11",
-        "INDEX_URL": "http://127.0.0.1:1/",
-        "TORCH_INDEX_URL": "http://127.0.0.1:2/",
-        "TORCH_VERSION": options.torch_version,
-        "FLASH_RECIPE_VERSION": "0.1.0",
-        "SDIST": str(build.sdist),
-    }
-    variables = workspace.recipe_variables(
-        options,
-        "3.11",
-        build,
-        index_url="http://127.0.0.1:1/",
-        torch_index_url="http://127.0.0.1:2/",
-        git_url="http://127.0.0.1:3/flash-recipe.git",
-        checkout=tmp_path / "checkout",
-    )
-    assert variables["GIT_URL"] == "http://127.0.0.1:3/flash-recipe.git" and variables["GIT_REV"] == build.rev
-    assert variables["CHECKOUT"] == str(tmp_path / "checkout")
+def test_every_path_is_given_a_known_start():
+    assert {p.given for p in PATHS} == set(paths.GIVEN)
+    with pytest.raises(ValueError, match="given must be one of nothing, poetry-project"):
+        paths.RecipePath("x", "pip", "x", given="a venv")
 
 
 def test_new_row_holds_every_field_unset(tmp_path):

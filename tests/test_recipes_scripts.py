@@ -11,21 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+from recipes.harness import public_hosts  # noqa: E402
 from recipes.harness.paths import PATH_IDS, PATHS  # noqa: E402
-
-# What the harness sets for every recipe (recipes/README.md documents them).
-RECIPE_VARIABLES = {
-    "PYTHON",
-    "PYTHON_VERSION",
-    "INDEX_URL",
-    "TORCH_INDEX_URL",
-    "TORCH_VERSION",
-    "FLASH_RECIPE_VERSION",
-    "SDIST",
-    "CHECKOUT",
-    "GIT_URL",
-    "GIT_REV",
-}
 
 FENCE = re.compile(r"^```bash\n(.*?)^```$", re.S | re.M)
 
@@ -52,13 +39,19 @@ def test_script_is_strict_bash(path):
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
-def test_script_uses_only_the_harness_variables(path):
-    used = set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", path.script.read_text()))
-    assert used <= RECIPE_VARIABLES, used - RECIPE_VARIABLES
-    if path.needs_git:
-        assert {"GIT_URL", "GIT_REV"} <= used
+def test_script_is_literal(path):
+    """What a user types: no variable, no placeholder; the URLs are the real ones."""
+    script = path.script.read_text()
+    assert "$" not in script and "<" not in script.replace("<<'TOML'", ""), script
+    for url in re.findall(r"https://[^\s\"'#@]+", script):
+        assert url.startswith((public_hosts.REPOSITORY_URL, "https://download.pytorch.org/whl/")), url
     if path.torch_from_torch_index:
-        assert "TORCH_INDEX_URL" in used
+        assert "https://download.pytorch.org/whl/cpu" in script
+
+
+def test_the_repository_url_is_pyprojects():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'\nRepository = "{public_hosts.REPOSITORY_URL}"\n' in pyproject
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)

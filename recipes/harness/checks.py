@@ -26,6 +26,7 @@ from pathlib import Path
 import tomllib
 from packaging.utils import canonicalize_name
 
+from recipes.harness import public_hosts
 from recipes.harness.config import Options
 from recipes.harness.paths import RecipePath
 from recipes.harness.prepare import Build, is_torch_coupled, locked_versions, log
@@ -237,13 +238,13 @@ def check_install(
     build: Build,
     torch_version: str,
     torch_wheel: Path | None = None,
-    git_url: str | None = None,
 ) -> Installed:
     """The probe's report against what ``path`` must have installed: the build under test (version
     and files), by the path's tool, from the path's source, editable or not, next to the torch
     under test. ``torch_wheel``: the one torch wheel the run serves; the installed torch must be it,
     row for row of its RECORD (the torch the consumer pinned, untouched by adding flash-recipe).
-    ``git_url`` is the served repository a ``git`` path installs from."""
+    A ``git`` path installs from the repository's public URL (``public_hosts.REPOSITORY_URL``,
+    which the run's git server answers) at the commit under test."""
     checks = [
         Check("flash-recipe version", probe["version"] == build.version, probe["version"]),
         Check(
@@ -279,7 +280,7 @@ def check_install(
         ok, detail = not direct, "from the index"
     elif path.source == "git":
         commit = direct.get("vcs_info", {}).get("commit_id")
-        ok = url == git_url and commit == build.rev
+        ok = url is not None and url.removesuffix(".git") == public_hosts.REPOSITORY_URL and commit == build.rev
         detail = f"{url} @ {commit}"
     else:
         ok, detail = bool(url) and url.startswith("file://"), str(url)

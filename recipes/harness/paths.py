@@ -1,8 +1,9 @@
 """The install paths the matrix runs, and what each one must prove.
 
-Every path is a folder ``recipes/<id>/`` with ``README.md`` and ``recipe.sh``. The recipe runs
-with ``bash`` in an empty project directory (or, where ``project`` says ``checkout``, in a copy
-of the repository) and leaves the environment it built in ``.venv`` there.
+Every path is a folder ``recipes/<id>/`` with ``README.md`` and ``recipe.sh``, the literal
+commands a user types. The recipe runs with ``bash`` in the project directory that ``given``
+names (prepared by the harness: ``workspace.prepare_given``) and leaves the environment it built
+in ``.venv`` there.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from pathlib import Path
 
 from recipes.harness.config import RECIPES_DIR
 
+# What a recipe starts from, made by the harness before the recipe's first line:
+GIVEN = {
+    "nothing": "an empty directory",
+    "poetry-project": "a Poetry project (`poetry init`) whose source is the package index",
+    "pip-project-pinning-torch": "a `.venv` with torch installed from a requirements.txt that pins it",
+    "checkout": "a clone of this repository",
+}
+
 
 @dataclass(frozen=True)
 class RecipePath:
@@ -19,17 +28,20 @@ class RecipePath:
     tool: str  # pip, uv or poetry: the tool that installs flash-recipe, named in INSTALLER
     summary: str
     # Where flash-recipe comes from, as the installed distribution records it (PEP 610):
-    # "index" (no direct_url.json), "git" (the served repository at the tested commit), "file".
+    # "index" (no direct_url.json), "git" (the repository URL at the tested commit), "file".
     source: str = "index"
     # The run's main index leaves torch out, so torch can only come from the torch index.
     torch_from_torch_index: bool = False
-    needs_git: bool = False
-    # "empty": an empty project directory; "checkout": a copy of the repository.
-    project: str = "empty"
+    # What the user has before typing the recipe (one of GIVEN).
+    given: str = "nothing"
     editable: bool = False
     # Re-resolve the project's poetry.lock against the local index before the recipe runs
     # (see recipes/poetry-lock-dev/README.md).
     relock: bool = False
+
+    def __post_init__(self) -> None:
+        if self.given not in GIVEN:
+            raise ValueError(f"given must be one of {', '.join(GIVEN)}, got {self.given!r}")
 
     @property
     def folder(self) -> Path:
@@ -45,24 +57,25 @@ class RecipePath:
 
 
 PATHS: tuple[RecipePath, ...] = (
-    RecipePath("poetry-index", "poetry", "poetry add from a package index"),
-    RecipePath("poetry-path", "poetry", "poetry add from a local checkout", source="file"),
-    RecipePath("poetry-git", "poetry", "poetry add git+<url>", source="git", needs_git=True),
-    RecipePath(
-        "pip-no-build-isolation",
-        "pip",
-        "pip install --no-build-isolation of the sdist",
-        source="file",
-    ),
-    RecipePath("pip-git", "pip", "pip install git+<url>@<rev>", source="git", needs_git=True),
+    RecipePath("poetry-index", "poetry", "poetry add from a package index", given="poetry-project"),
+    RecipePath("poetry-path", "poetry", "poetry add from a local clone", source="file", given="poetry-project"),
+    RecipePath("poetry-git", "poetry", "poetry add git+<url>", source="git", given="poetry-project"),
+    RecipePath("pip-no-build-isolation", "pip", "pip install --no-build-isolation of the sdist"),
+    RecipePath("pip-git", "pip", "pip install git+<url>@<rev>", source="git"),
     RecipePath("uv-project", "uv", "uv add in a uv project"),
     RecipePath("uv-pip", "uv", "uv pip install into a plain venv"),
-    RecipePath("pinned-torch-pip", "pip", "pip: a project that pins torch adds flash-recipe"),
+    RecipePath(
+        "pinned-torch-pip",
+        "pip",
+        "pip: a project that pins torch adds flash-recipe",
+        given="pip-project-pinning-torch",
+    ),
     RecipePath(
         "torch-index-poetry",
         "poetry",
         "torch from its own index: Poetry explicit source",
         torch_from_torch_index=True,
+        given="poetry-project",
     ),
     RecipePath(
         "torch-index-uv",
@@ -83,7 +96,7 @@ PATHS: tuple[RecipePath, ...] = (
         "poetry",
         "poetry install from poetry.lock (development)",
         source="file",
-        project="checkout",
+        given="checkout",
         editable=True,
         relock=True,
     ),

@@ -1,8 +1,10 @@
 """Run one install path in a fresh, hermetic environment and check what it produced.
 
 The orchestration only: the workspace (``workspace``) and the servers (``servers``) are set up,
-the recipe runs, the checks (``checks``) look at the result, and their findings make up the
-path's result row, which ``report`` reads.
+the public hosts the recipe names are answered by those servers (``public_hosts``), the harness
+makes what the path is given (a Poetry project, a project pinning torch), the recipe runs, the
+checks (``checks``) look at the result, and their findings make up the path's result row, which
+``report`` reads.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.harness import checks
+from recipes.harness import checks, public_hosts
 from recipes.harness.checks import Check
 from recipes.harness.config import REPO_ROOT, Options
 from recipes.harness.paths import RecipePath
@@ -24,7 +26,7 @@ from recipes.harness.workspace import (
     Workspace,
     dir_size_mb,
     path_environment,
-    recipe_variables,
+    prepare_given,
     run_step,
     workroot,
 )
@@ -91,29 +93,32 @@ def run_path(ctx: Context, path: RecipePath) -> dict:
             torch_index = stack.enter_context(
                 PackageIndex(server, [ctx.wheelhouse.torch_dir], logs / f"{path.id}.torch-index.log", "torch-index")
             )
-            git_url = None
-            if path.needs_git:
-                git_url = stack.enter_context(StaticServer(build.git_root)).url("flash-recipe.git")
-            checkout = workspace.place_project(build, path)
-            variables = recipe_variables(
-                options,
-                ctx.python_version,
-                build,
-                index_url=index.url,
-                torch_index_url=torch_index.url,
-                git_url=git_url,
-                checkout=checkout,
+            git_root = stack.enter_context(StaticServer(build.git_root)).url()
+            trusted = tripwire.stand_in(
+                public_hosts.routes(index_url=index.url, torch_index_url=torch_index.url, git_root_url=git_root)
             )
+            workspace.place_project(build, path)
+            workspace.trust(trusted["GIT_SSL_CAINFO"])
             env = path_environment(
                 dict(os.environ),
                 home=workspace.home,
                 tools=ctx.tools,
                 python=options.python,
-                extra={**tripwire.environment(), **variables},
+                python_bin=workspace.python_bin(options.python),
+                extra={**tripwire.environment(), **trusted},
             )
             project, neutral = workspace.project, workspace.neutral
 
             started = time.monotonic()
+            prepare_given(
+                path,
+                project,
+                env=env,
+                log_file=log_file,
+                index_url=index.url,
+                python_version=ctx.python_version,
+                torch_version=options.torch_version,
+            )
             if path.relock:
                 found += checks.hermetic_lock(
                     project, env=env, log_file=log_file, index_url=index.url, python_version=ctx.python_version
@@ -138,7 +143,6 @@ def run_path(ctx: Context, path: RecipePath) -> dict:
                 build=build,
                 torch_version=options.torch_version,
                 torch_wheel=torch_wheel,
-                git_url=git_url,
             )
             row.update(torch=installed.torch, triton=installed.triton)
             found += installed.checks

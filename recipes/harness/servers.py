@@ -8,7 +8,8 @@
   ``git update-server-info`` makes it a git remote (git's "dumb" HTTP protocol).
 - ``Tripwire``: an HTTP proxy that every path run is pointed at (``http_proxy`` and friends),
   with loopback exempt (``no_proxy``): it refuses every request and records it, so a tool that
-  reaches for the network fails loudly and the path is marked failed.
+  reaches for the network fails loudly and the path is marked failed; only the public hosts the
+  recipes name are answered, by the run's own servers (``public_hosts``).
 
 Ports: the static server and the tripwire bind port 0 (the kernel picks a free one, atomically).
 pypiserver takes a port number, so ``PackageIndex`` picks a free one and retries on a clash;
@@ -35,6 +36,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from recipes.harness import public_hosts
 from recipes.harness.processes import die_with_parent
 
 LOOPBACK = "127.0.0.1"
@@ -210,7 +212,9 @@ class StaticServer(_ThreadedServer):
 
 
 class Tripwire(_ThreadedServer):
-    """An HTTP(S) proxy that refuses everything and remembers what was asked for."""
+    """An HTTP(S) proxy that refuses everything and remembers what was asked for, except the
+    public hosts of ``stand_in()``'s routes, which it answers from the run's loopback servers
+    (``public_hosts``)."""
 
     MESSAGE = "flash-recipe install matrix: network access is blocked during path runs"
 
@@ -218,14 +222,44 @@ class Tripwire(_ThreadedServer):
         super().__init__()
         self.attempts: list[str] = []
         self._lock = threading.Lock()
+        self._routes: dict[str, public_hosts.Route] = {}
+        self._authority: public_hosts.RunAuthority | None = None
+
+    def stand_in(self, routes: list[public_hosts.Route]) -> dict[str, str]:
+        """Answer ``routes``' hosts (port 443) from here on; returns the variables by which the
+        tools trust the certificate the proxy shows for them."""
+        self._authority = public_hosts.RunAuthority([route.host for route in routes])
+        self._routes = {route.host: route for route in routes}
+        return self._authority.ca_environment()
+
+    def record(self, method: str, url: str) -> None:
+        with self._lock:
+            self.attempts.append(f"{method} {url}")
+
+    def stop(self) -> None:
+        super().stop()
+        authority, self._authority = self._authority, None
+        if authority is not None:
+            authority.close()
 
     def _make_handler(self):
         tripwire = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            def do_CONNECT(self) -> None:
+                host, _, port = self.path.rpartition(":")
+                route = tripwire._routes.get(host)
+                if route is None or port != "443" or tripwire._authority is None:
+                    self._refuse()
+                    return
+                self.send_response(200, "Connection established")
+                self.end_headers()
+                self.wfile.flush()
+                self.close_connection = True
+                public_hosts.serve_tunnel(self.connection, route, tripwire._authority.context, tripwire.record)
+
             def _refuse(self) -> None:
-                with tripwire._lock:
-                    tripwire.attempts.append(f"{self.command} {self.path}")
+                tripwire.record(self.command, self.path)
                 body = f"{Tripwire.MESSAGE}: {self.command} {self.path}\n".encode()
                 self.send_response(403, Tripwire.MESSAGE)
                 self.send_header("Content-Type", "text/plain")
@@ -235,7 +269,7 @@ class Tripwire(_ThreadedServer):
                 if self.command != "HEAD":
                     self.wfile.write(body)
 
-            do_CONNECT = do_GET = do_POST = do_PUT = do_HEAD = do_DELETE = do_OPTIONS = _refuse
+            do_GET = do_POST = do_PUT = do_HEAD = do_DELETE = do_OPTIONS = _refuse
 
             def log_message(self, format, *args):  # noqa: A002
                 pass

@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-from recipes.harness.config import Options
 from recipes.harness.paths import RecipePath
 from recipes.harness.prepare import Build, Tools
 from recipes.harness.processes import die_with_parent, ended_with_harness
@@ -78,19 +77,28 @@ class Workspace:
         for directory in (self.home, self.neutral):
             directory.mkdir(parents=True)
 
-    def place_project(self, build: Build, path: RecipePath) -> Path | None:
-        """Copy the build's checkout where ``path``'s recipe expects it.
-
-        A ``checkout`` project is the copy itself; otherwise the project directory starts empty
-        and the copy lies beside it. Returns the copy to name in ``CHECKOUT``, or None.
-        """
-        if path.project == "checkout":
+    def place_project(self, build: Build, path: RecipePath) -> None:
+        """The project directory: a copy of the build's checkout where ``path`` is given one,
+        else empty (``prepare_given`` then makes what the path is given)."""
+        if path.given == "checkout":
             shutil.copytree(build.checkout, self.project, symlinks=True)
-            return None
-        self.project.mkdir()
-        checkout = self.dir / "checkout"
-        shutil.copytree(build.checkout, checkout, symlinks=True)
-        return checkout
+        else:
+            self.project.mkdir()
+
+    def python_bin(self, python: str) -> Path:
+        """A directory holding ``python3`` and ``python``, both ``python``: first on the path's
+        PATH, so that a recipe's ``python3`` (and Poetry's choice of interpreter) is the run's."""
+        directory = self.dir / "python-bin"
+        directory.mkdir(exist_ok=True)
+        for name in ("python3", "python"):
+            (directory / name).symlink_to(python)
+        return directory
+
+    def trust(self, ca_file: str) -> None:
+        """The git configuration in the path's HOME: trust the run's certificate authority (the
+        ``http.sslCAInfo`` that Poetry's git client, dulwich, reads; git itself also reads
+        ``GIT_SSL_CAINFO``)."""
+        (self.home / ".gitconfig").write_text(f"[http]\n\tsslCAInfo = {ca_file}\n")
 
     def size_mb(self) -> float:
         """Disk used by the workspace: environment, project and tool caches."""
@@ -105,37 +113,43 @@ class Workspace:
             self._in_use = None
 
 
-def recipe_variables(
-    options: Options,
-    python_version: str,
-    build: Build,
+def prepare_given(
+    path: RecipePath,
+    project: Path,
     *,
+    env: dict[str, str],
+    log_file: Path,
     index_url: str,
-    torch_index_url: str,
-    git_url: str | None = None,
-    checkout: Path | None = None,
-) -> dict[str, str]:
-    """The variables a recipe may use (``recipes/README.md`` lists them)."""
-    variables = {
-        "PYTHON": options.python,
-        "PYTHON_VERSION": python_version,
-        "INDEX_URL": index_url,
-        "TORCH_INDEX_URL": torch_index_url,
-        "TORCH_VERSION": options.torch_version,
-        "FLASH_RECIPE_VERSION": build.version,
-        "SDIST": str(build.sdist),
-    }
-    if git_url is not None:
-        variables.update({"GIT_URL": git_url, "GIT_REV": build.rev})
-    if checkout is not None:
-        variables["CHECKOUT"] = str(checkout)
-    return variables
+    python_version: str,
+    torch_version: str,
+) -> None:
+    """Make in ``project`` what ``path`` is given (``paths.GIVEN``) before the recipe's first line.
+
+    - ``poetry-project``: ``poetry init`` for this Python minor, with the run's package index
+      (``index_url``) as its primary source: Poetry has no variable for its default source, and
+      its client for PyPI needs PyPI's JSON API, which the run's pypiserver does not serve;
+    - ``pip-project-pinning-torch``: ``.venv`` and a requirements.txt pinning the torch under
+      test, installed (from the default index: the run's, standing in for PyPI);
+    - ``nothing`` and ``checkout``: nothing more (``Workspace.place_project``).
+    """
+    if path.given == "poetry-project":
+        init = ["poetry", "init", "--no-interaction", "--name", "consumer", "--python", f"~{python_version}"]
+        run_step(init, cwd=project, env=env, log_file=log_file)
+        source = ["poetry", "source", "add", "--priority=primary", "index", index_url]
+        run_step(source, cwd=project, env=env, log_file=log_file)
+    elif path.given == "pip-project-pinning-torch":
+        run_step(["python3", "-m", "venv", ".venv"], cwd=project, env=env, log_file=log_file)
+        (project / "requirements.txt").write_text(f"torch=={torch_version}\n")
+        install = [".venv/bin/python", "-m", "pip", "install", "-r", "requirements.txt"]
+        run_step(install, cwd=project, env=env, log_file=log_file)
 
 
 def path_environment(
-    base: dict[str, str], *, home: Path, tools: Tools, python: str, extra: dict[str, str]
+    base: dict[str, str], *, home: Path, tools: Tools, python: str, python_bin: Path, extra: dict[str, str]
 ) -> dict[str, str]:
-    """A clean environment: own HOME and caches, no inherited tool configuration or proxies."""
+    """A clean environment: own HOME and caches, no inherited tool configuration or proxies;
+    ``python_bin`` (``python3``: the run's interpreter) first on PATH, and the same interpreter
+    for uv (``UV_PYTHON``); Poetry keeps a project's environment in its ``.venv``."""
     env = {
         k: v
         for k, v in base.items()
@@ -148,7 +162,9 @@ def path_environment(
             "XDG_CACHE_HOME": str(cache),
             "XDG_CONFIG_HOME": str(home / ".config"),
             "XDG_DATA_HOME": str(home / ".local" / "share"),
-            "PATH": os.pathsep.join([str(tools.bin), str(Path(python).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
+            "PATH": os.pathsep.join(
+                [str(python_bin), str(tools.bin), str(Path(python).parent), "/usr/local/bin", "/usr/bin", "/bin"]
+            ),
             "PIP_CONFIG_FILE": os.devnull,  # pip reads no configuration file at all
             "PIP_CACHE_DIR": str(cache / "pip"),
             "PIP_NO_INPUT": "1",
@@ -156,10 +172,12 @@ def path_environment(
             "UV_CACHE_DIR": str(cache / "uv"),
             "UV_PYTHON_DOWNLOADS": "never",
             "UV_NO_PROGRESS": "1",
+            "UV_PYTHON": python,
             "POETRY_CACHE_DIR": str(cache / "poetry"),
             "POETRY_CONFIG_DIR": str(home / ".config" / "poetry"),
             "POETRY_DATA_DIR": str(home / ".local" / "share" / "poetry"),
             "POETRY_NO_INTERACTION": "1",
+            "POETRY_VIRTUALENVS_IN_PROJECT": "true",
             "GIT_CONFIG_NOSYSTEM": "1",
             "GIT_TERMINAL_PROMPT": "0",
         }

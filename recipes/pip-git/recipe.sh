@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# pip install straight from the git repository at a given commit.
+# pip install straight from the git repository, at a branch, tag or commit.
 set -euo pipefail
-"$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --index-url "$INDEX_URL" "flash-recipe @ git+$GIT_URL@$GIT_REV"
+python3 -m venv .venv
+.venv/bin/python -m pip install "flash-recipe @ git+https://github.com/flash-recipe/flash-recipe@main"

@@ -2,6 +2,6 @@
 # Build flash-recipe from its sdist inside an environment that already holds torch, triton and
 # the build backend, without an isolated build environment.
 set -euo pipefail
-"$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --index-url "$INDEX_URL" "torch==$TORCH_VERSION" "triton>=3.2" "poetry-core>=2.0"
-.venv/bin/python -m pip install --index-url "$INDEX_URL" --no-build-isolation "$SDIST"
+python3 -m venv .venv
+.venv/bin/python -m pip install torch "triton>=3.2" "poetry-core>=2.0"
+.venv/bin/python -m pip install --no-build-isolation --no-binary flash-recipe flash-recipe

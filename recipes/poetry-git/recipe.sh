@@ -1,8 +1,4 @@
 #!/usr/bin/env bash
-# A Poetry project that depends on flash-recipe at a git commit.
+# In a Poetry project: flash-recipe from its git repository, at a branch, tag or commit.
 set -euo pipefail
-poetry init --no-interaction --name consumer --python "~$PYTHON_VERSION"
-poetry config --local virtualenvs.in-project true
-poetry env use "$PYTHON"
-poetry source add --priority=primary index "$INDEX_URL"
-poetry add "git+$GIT_URL#$GIT_REV"
+poetry add "git+https://github.com/flash-recipe/flash-recipe#main"

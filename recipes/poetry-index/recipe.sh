@@ -1,8 +1,4 @@
 #!/usr/bin/env bash
-# A Poetry project that depends on flash-recipe from a package index.
+# In a Poetry project: flash-recipe from the package index.
 set -euo pipefail
-poetry init --no-interaction --name consumer --python "~$PYTHON_VERSION"
-poetry config --local virtualenvs.in-project true
-poetry env use "$PYTHON"
-poetry source add --priority=primary index "$INDEX_URL"
-poetry add "flash-recipe==$FLASH_RECIPE_VERSION"
+poetry add flash-recipe

@@ -1,7 +1,5 @@
 #!/usr/bin/env bash
-# The project's development environment, exactly as poetry.lock pins it, run in a checkout.
+# The project's development environment, exactly as poetry.lock pins it, in a clone.
 set -euo pipefail
 poetry check --lock
-poetry config --local virtualenvs.in-project true
-poetry env use "$PYTHON"
 poetry install

@@ -1,8 +1,5 @@
 #!/usr/bin/env bash
-# A Poetry project that depends on a local checkout of flash-recipe (built, not linked).
+# In a Poetry project: flash-recipe from a local clone (built and installed, not linked).
 set -euo pipefail
-poetry init --no-interaction --name consumer --python "~$PYTHON_VERSION"
-poetry config --local virtualenvs.in-project true
-poetry env use "$PYTHON"
-poetry source add --priority=primary index "$INDEX_URL"
-poetry add "$CHECKOUT"
+git clone https://github.com/flash-recipe/flash-recipe
+poetry add ./flash-recipe

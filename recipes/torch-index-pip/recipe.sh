@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# pip: torch first, from the dedicated torch index, then flash-recipe from the package index.
+# pip: torch first, from the PyTorch index of your build (here the CPU build), then flash-recipe
+# from the package index.
 set -euo pipefail
-"$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --index-url "$TORCH_INDEX_URL" --no-deps "torch==$TORCH_VERSION"
-.venv/bin/python -m pip install --index-url "$INDEX_URL" "flash-recipe==$FLASH_RECIPE_VERSION"
+python3 -m venv .venv
+.venv/bin/python -m pip install --index-url https://download.pytorch.org/whl/cpu --no-deps torch
+.venv/bin/python -m pip install flash-recipe
