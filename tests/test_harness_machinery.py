@@ -287,7 +287,7 @@ def test_path_environment_is_clean(tmp_path):
     for name in ("PIP_CACHE_DIR", "UV_CACHE_DIR", "POETRY_CACHE_DIR", "XDG_CACHE_HOME"):
         assert env[name].startswith(str(tmp_path / "home")), name
     assert env["PATH"].split(os.pathsep)[:3] == [str(tmp_path / "python-bin"), str(tools.bin), "/usr/bin"]
-    assert env["UV_PYTHON"] == "/usr/bin/python3" and env["POETRY_VIRTUALENVS_IN_PROJECT"] == "true"
+    assert "UV_PYTHON" not in env and env["POETRY_VIRTUALENVS_IN_PROJECT"] == "true"
 
 
 def test_pip_sees_no_configuration_in_a_path_environment(tmp_path):
@@ -787,6 +787,22 @@ def test_workspace_places_the_project_and_is_removed(tmp_path):
     assert (dev.project / "pkg" / "a.py").exists()
     dev.release(keep=True)
     assert dev.dir.exists()
+
+
+def test_a_package_added_to_the_base_interpreter_fails_the_path(tmp_path):
+    """What an installer pointed at the base interpreter (``uv pip`` with ``UV_PYTHON``) leaves
+    behind is caught: here the base interpreter is a fresh virtualenv's, so nothing real changes."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", tmp_path / "base"], check=True)
+    python = str(tmp_path / "base" / "bin" / "python")
+    before = checks.interpreter_packages(python)
+    assert checks.check_interpreter_untouched(before, checks.interpreter_packages(python)).ok
+    (site,) = (tmp_path / "base" / "lib").glob("python3.*/site-packages")
+    (site / "flash_recipe-0.1.0.dist-info").mkdir()
+    check = checks.check_interpreter_untouched(before, checks.interpreter_packages(python))
+    assert check == checks.Check("base interpreter untouched", False, "flash_recipe-0.1.0.dist-info")
+    before = checks.interpreter_packages(python)
+    os.utime(site / "flash_recipe-0.1.0.dist-info", (1, 1))  # reinstalled in place
+    assert not checks.check_interpreter_untouched(before, checks.interpreter_packages(python)).ok
 
 
 def test_every_path_is_given_a_known_start():

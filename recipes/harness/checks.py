@@ -319,6 +319,26 @@ def check_network(attempts: list[str]) -> Check:
     return Check("no network access", not attempts, "; ".join(attempts[:5]))
 
 
+def interpreter_packages(python: str) -> dict[str, float]:
+    """The distributions installed in ``python``'s own site-packages (not a virtualenv's): each
+    ``*.dist-info`` directory and its modification time."""
+    code = "import json, sysconfig; print(json.dumps([sysconfig.get_path(n) for n in ('purelib', 'platlib')]))"
+    out = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, check=True).stdout
+    return {
+        str(info): info.stat().st_mtime
+        for directory in set(json.loads(out))
+        if Path(directory).is_dir()
+        for info in Path(directory).glob("*.dist-info")
+    }
+
+
+def check_interpreter_untouched(before: dict[str, float], after: dict[str, float]) -> Check:
+    """The interpreter the environments are built from has the same distributions as before the
+    path ran: a recipe installs into its own environment only."""
+    changed = sorted(set(before) ^ set(after) | {p for p in set(before) & set(after) if before[p] != after[p]})
+    return Check("base interpreter untouched", not changed, "; ".join(Path(p).name for p in changed[:5]))
+
+
 # --- poetry.lock (poetry-lock-dev) -------------------------------------------------------------
 
 

@@ -82,6 +82,7 @@ def run_path(ctx: Context, path: RecipePath) -> dict:
     row = new_row(path, log_file, workspace.dir if options.keep else None)
     found: list[Check] = []
     tripwire = Tripwire()
+    base_packages = checks.interpreter_packages(options.python)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(tripwire)
@@ -166,6 +167,7 @@ def run_path(ctx: Context, path: RecipePath) -> dict:
         workspace.release(keep=options.keep)
     # Also when the recipe failed: a refused download is the likeliest reason.
     found.append(checks.check_network(tripwire.attempts))
+    found.append(checks.check_interpreter_untouched(base_packages, checks.interpreter_packages(options.python)))
     row["checks"] = [c.__dict__ for c in found]
     row["passed"] = row["error"] is None and bool(found) and all(c.ok for c in found)
     return row

@@ -148,8 +148,9 @@ def path_environment(
     base: dict[str, str], *, home: Path, tools: Tools, python: str, python_bin: Path, extra: dict[str, str]
 ) -> dict[str, str]:
     """A clean environment: own HOME and caches, no inherited tool configuration or proxies;
-    ``python_bin`` (``python3``: the run's interpreter) first on PATH, and the same interpreter
-    for uv (``UV_PYTHON``); Poetry keeps a project's environment in its ``.venv``."""
+    ``python_bin`` (``python3``: the run's interpreter) first on PATH, where uv and Poetry look for
+    an interpreter too (never ``UV_PYTHON``: for ``uv pip`` it names the environment to install
+    into, which would be the base interpreter); Poetry keeps a project's environment in ``.venv``."""
     env = {
         k: v
         for k, v in base.items()
@@ -172,7 +173,6 @@ def path_environment(
             "UV_CACHE_DIR": str(cache / "uv"),
             "UV_PYTHON_DOWNLOADS": "never",
             "UV_NO_PROGRESS": "1",
-            "UV_PYTHON": python,
             "POETRY_CACHE_DIR": str(cache / "poetry"),
             "POETRY_CONFIG_DIR": str(home / ".config" / "poetry"),
             "POETRY_DATA_DIR": str(home / ".local" / "share" / "poetry"),
