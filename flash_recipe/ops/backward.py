@@ -50,7 +50,8 @@ from flash_recipe.ops.tiles import (
 )
 
 
-@triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+@triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None,
+                    "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
                     "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def attn_bwd_preprocess_kernel(
@@ -151,11 +152,22 @@ def _dkdv_inner(
     return b_dk, b_dv
 
 
+# The flags the dQ and dK/dV kernels derive alike (in order: later entries read earlier ones).
+_DQ_DKDV_FLAGS = {
+    # The variants a launch asks for by passing a tensor (absent tensors are None).
+    "IS_VARLEN": lambda a: a["CU_Q"] is not None,
+    "ALIBI": lambda a: a["SLOPES"] is not None,
+    "DROPOUT": lambda a: a["SEED"] is not None,
+    "RENORM": lambda a: a["LSE_FIX"] is not None,
+    "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+    "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
+}
+
+
 @triton.heuristics(
     {
-        "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+        **_DQ_DKDV_FLAGS,
         "EVEN_N": lambda a: not a["IS_VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
-        "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
         # Exact one-key rows (``_dkdv_inner``) in fp32, whose accuracy rule the rounding exceeds, and
         # with a single key in any dtype, where torch's own dK is exactly 0 and so is the bound's
         # factor term. Otherwise fp16/bf16 bounds absorb the rounding, and their registers are kept
@@ -225,7 +237,9 @@ def attn_bwd_dkdv_kernel(
         do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h * stride_doh
         lse_base = LSE + i_b * stride_lb + i_h * stride_lh + bos_q
         delta_base = DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
-        fix_base = LSE_FIX + i_b * stride_lb + i_h * stride_lh + bos_q
+        fix_base = LSE_FIX  # None unless RENORM
+        if RENORM:
+            fix_base = LSE_FIX + i_b * stride_lb + i_h * stride_lh + bos_q
         slope = 0.0
         if ALIBI:
             slope = tl.load(SLOPES + i_b * stride_sb + i_h)
@@ -283,8 +297,7 @@ def _dq_inner(
     return b_dq, b_psum
 
 
-@triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
-                    "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.heuristics(_DQ_DKDV_FLAGS)
 @triton.jit
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED,
@@ -413,26 +426,24 @@ def attention_backward(
     block_d = configs.head_dim_bucket(dims.head_dim)
     delta, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
     renorm = own_lse and q.element_size() == 4  # fp32: dK/dV renormalise P by dQ's row sums
-    lse_fix = lse_buffer(q, varlen, dims)[0] if renorm else delta
-    cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (delta, delta)
+    lse_fix = lse_buffer(q, varlen, dims)[0] if renorm else None
+    cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
     rows = packed_rows(q, k, varlen)
-    is_varlen = varlen is not None
     # What the dK/dV and dQ kernels share: inputs, sizes and score options.
     common = dict(
         Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, LSE_FIX=lse_fix, CU_Q=cu_q, CU_K=cu_k,
         **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
         **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
         nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k,
-        **rows, head_dim=dims.head_dim, sm_scale=softmax_scale, **score_args(options, delta, dims.seqlen_k),
-        IS_VARLEN=is_varlen, BLOCK_D=block_d, OWN_LSE=own_lse, RENORM=renorm,
+        **rows, head_dim=dims.head_dim, sm_scale=softmax_scale, **score_args(options, dims.seqlen_k),
+        BLOCK_D=block_d, OWN_LSE=own_lse,
     )
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64
         attn_bwd_preprocess_kernel[(triton.cdiv(dims.seqlen_q, pre_m), dims.nheads, dims.batch)](
             O=out, DO=dout, DELTA=delta, CU_Q=cu_q, **dims.stride_args(out, "o", "m"),
             **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
-            seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim,
-            IS_VARLEN=is_varlen, BLOCK_M=pre_m, BLOCK_D=block_d,
+            seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim, BLOCK_M=pre_m, BLOCK_D=block_d,
         )
         # dQ first: with RENORM it writes the row sums dK/dV divide out.
         cfg = configs.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())

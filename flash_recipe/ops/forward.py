@@ -137,6 +137,13 @@ def _fwd_inner(
 
 @triton.heuristics(
     {
+        # The variants a launch asks for by passing a tensor (absent tensors are None).
+        "IS_VARLEN": lambda a: a["CU_Q"] is not None,
+        "KV_RANGES": lambda a: a["K_START"] is not None,
+        "PAGED": lambda a: a["PAGE_TABLE"] is not None,
+        "TMA": lambda a: a["K_TILES"] is not None,
+        "ALIBI": lambda a: a["SLOPES"] is not None,
+        "DROPOUT": lambda a: a["SEED"] is not None,
         # With PACK_GQA the tile's rows are the group's query heads at each position: Sq * group rows.
         "EVEN_M": lambda a: not a["IS_VARLEN"]
         and a["seqlen_q"] * (a["group_size"] if a["PACK_GQA"] else 1) % a["BLOCK_M"] == 0,
@@ -191,7 +198,12 @@ def attn_fwd_kernel(
 
     With ``TMA`` (dense calls only: no varlen, key ranges or splits), ``K_TILES`` and ``V_TILES``
     are tensor descriptors of ``K`` and ``V`` as ``(B * Sk, Hk * D)`` rows with ``[BLOCK_N, D]``
-    tiles (``tma_views``), which the unmasked key blocks load from; otherwise they are unused.
+    tiles (``tma_views``), which the unmasked key blocks load from; otherwise they are None.
+
+    An absent tensor is passed as None, and the flag it implies follows from that (the
+    heuristics above): ``CU_Q`` (``IS_VARLEN``), ``K_START``/``K_END`` (``KV_RANGES``),
+    ``PAGE_TABLE`` (``PAGED``), ``K_TILES``/``V_TILES`` (``TMA``), ``SLOPES`` (``ALIBI``), ``SEED``
+    (``DROPOUT``).
 
     Bad cache metadata (a negative start, an end past the page table, a page index outside
     ``[0, num_pages)``) never reads or writes outside the tensors: the affected batch's output
@@ -269,7 +281,9 @@ def attn_fwd_kernel(
         b_q = load_rows(q_base, o_qrow, m_rows, head_dim, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
     else:
         b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)
-    table = PAGE_TABLE + i_b * stride_tb
+    table = PAGE_TABLE  # None unless PAGED
+    if PAGED:
+        table = PAGE_TABLE + i_b * stride_tb
     # Logits: ``r * nat_scale`` with ``r = q . k`` or, with softcap, ``tanh(q . k * tanh_scale)``.
     if SOFTCAP:
         nat_scale = softcap
@@ -392,12 +406,12 @@ def attention_forward(
         paging = dict(PAGE_TABLE=table, stride_tb=table.stride(0), page_size=k.shape[1], num_pages=k.shape[0],
                       table_width=table.shape[1], PAGE_ROWS=k.shape[1] if table.shape[1] > 1 else 1)
     else:
-        paging = dict(PAGE_TABLE=lse, stride_tb=0, page_size=1, num_pages=1, table_width=1, PAGE_ROWS=1)
+        paging = dict(PAGE_TABLE=None, stride_tb=0, page_size=1, num_pages=1, table_width=1, PAGE_ROWS=1)
     o_split, lse_split = out, lse
     if num_splits > 1:
         o_split = tiles.output_buffer((num_splits,) + tuple(q.shape), torch.float32, q.device)
         lse_split = tiles.output_buffer((num_splits,) + tuple(lse.shape), torch.float32, q.device)
-    cu_q = varlen.cu_seqlens_q if varlen is not None else lse
+    cu_q = varlen.cu_seqlens_q if varlen is not None else None
     rows = packed_rows(q, k, varlen, table is not None)
     block_d = configs.head_dim_bucket(dims.head_dim)
     views = features.tma_views(k, v, cfg.block_n) if keys is None and varlen is None else None
@@ -407,9 +421,9 @@ def attention_forward(
         grid = (triton.cdiv(dims.seqlen_q, block_m) * num_splits, dims.nheads, dims.batch)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         attn_fwd_kernel[grid](
-            Q=q, K=k, V=v, O=o_split, K_TILES=views[0] if views else lse, V_TILES=views[1] if views else lse,
+            Q=q, K=k, V=v, O=o_split, K_TILES=views[0] if views else None, V_TILES=views[1] if views else None,
             LSE=lse_split, CU_Q=cu_q,
-            K_START=keys.start if keys is not None else lse, K_END=keys.end if keys is not None else lse,
+            K_START=keys.start if keys is not None else None, K_END=keys.end if keys is not None else None,
             **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
             **dims.stride_args(o_split[0] if num_splits > 1 else out, "o", "m"),
             stride_os=o_split.stride(0) if num_splits > 1 else 0,
@@ -417,9 +431,8 @@ def attention_forward(
             nheads=dims.nheads, group_size=group, seqlen_q=dims.seqlen_q,
             seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
             qk_scale=_base2_scale(options.softcap if options.softcap > 0.0 else softmax_scale),
-            **rows, **paging, **score_args(options, lse, dims.seqlen_k),
-            IS_VARLEN=varlen is not None, KV_RANGES=keys is not None, PAGED=table is not None,
-            TMA=views is not None, PACK_GQA=pack, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            **rows, **paging, **score_args(options, dims.seqlen_k),
+            PACK_GQA=pack, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if num_splits > 1:
@@ -429,8 +442,7 @@ def attention_forward(
                 stride_ps=o_split.stride(0), **dims.stride_args(o_split[0], "p", "m"),
                 stride_qs=lse_split.stride(0), stride_lb=stride_lb, stride_lh=stride_lh,
                 **dims.stride_args(out, "o", "m"), seqlen_q=dims.seqlen_q, total_q=rows["total_q"],
-                head_dim=dims.head_dim, num_splits=num_splits,
-                IS_VARLEN=varlen is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
+                head_dim=dims.head_dim, num_splits=num_splits, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
             )
     return out, lse
 
@@ -478,7 +490,7 @@ def _base2_scale(nat_scale: float) -> float:
         return math.copysign(math.inf, scale)
 
 
-@triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def split_combine_kernel(
     O_SPLIT, LSE_SPLIT, O, LSE, CU_Q,

@@ -32,7 +32,14 @@ from flash_recipe.ops.forward import attention_forward, gqa_packing
 from flash_recipe.ops.launch import KeyRanges, ScoreOptions
 
 
-@triton.heuristics({"MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.heuristics(
+    {
+        # The variants a launch asks for by passing a tensor (absent tensors are None).
+        "ROTARY": lambda a: a["COS"] is not None,
+        "TO_CACHE": lambda a: a["PAGE_TABLE"] is not None,
+        "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
+    }
+)
 @triton.jit
 def rotary_append_kernel(
     X, OUT, COS, SIN, POS, PAGE_TABLE,
@@ -136,19 +143,22 @@ def _launch_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: O
     batch, seqlen, heads, head_dim = x.shape
     if cache is not None:  # out's batch stride is the page stride
         table = cache.table
-        paging = dict(page_size=cache.k.shape[1], num_pages=cache.k.shape[0], table_width=cache.table.shape[1])
+        paging = dict(page_size=cache.k.shape[1], num_pages=cache.k.shape[0], table_width=cache.table.shape[1],
+                      stride_tb=cache.table.stride(0))
     else:
-        table, paging = positions, dict(page_size=1, num_pages=1, table_width=1)
-    cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (x, x)
+        table, paging = None, dict(page_size=1, num_pages=1, table_width=1, stride_tb=0)
+    if rotary is not None:
+        tables = dict(COS=rotary.cos, SIN=rotary.sin, stride_cos=rotary.cos.stride(0), stride_sin=rotary.sin.stride(0),
+                      rotary_dim=2 * rotary.cos.shape[1], seqlen_rotary=rotary.cos.shape[0])
+    else:
+        tables = dict(COS=None, SIN=None, stride_cos=0, stride_sin=0, rotary_dim=0, seqlen_rotary=0)
     rotary_append_kernel[(triton.cdiv(seqlen, _ROWS), heads, batch)](
-        X=x, OUT=out, COS=cos, SIN=sin, POS=positions, PAGE_TABLE=table,
+        X=x, OUT=out, POS=positions, PAGE_TABLE=table,
         stride_xb=x.stride(0), stride_xm=x.stride(1), stride_xh=x.stride(2),
         stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
-        stride_cos=cos.stride(0), stride_sin=sin.stride(0), stride_tb=table.stride(0),
-        seqlen=seqlen, head_dim=head_dim, rotary_dim=2 * rotary.cos.shape[1] if rotary is not None else 0,
-        seqlen_rotary=cos.shape[0] if rotary is not None else 0, pos_step=pos_step, **paging,
-        ROTARY=rotary is not None, INTERLEAVED=bool(rotary is not None and rotary.interleaved),
-        TO_CACHE=cache is not None, BLOCK_M=_ROWS, BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=4,
+        seqlen=seqlen, head_dim=head_dim, pos_step=pos_step, **tables, **paging,
+        INTERLEAVED=bool(rotary is not None and rotary.interleaved),
+        BLOCK_M=_ROWS, BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=4,
     )
 
 

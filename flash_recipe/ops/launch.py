@@ -78,14 +78,17 @@ class Layout(NamedTuple):
         return {f"stride_{prefix}b": batch, f"stride_{prefix}{row}": rows, f"stride_{prefix}h": heads}
 
 
-def score_args(options: ScoreOptions, placeholder: torch.Tensor, seqlen_k: int) -> dict:
-    """The kernels' score arguments: the ``SLOPES`` and ``SEED`` pointers (``placeholder`` where
-    unused), the slopes' batch stride, the option scalars and the constexpr flags."""
-    slopes = options.slopes if options.slopes is not None else placeholder
+def score_args(options: ScoreOptions, seqlen_k: int) -> dict:
+    """The kernels' score arguments: the ``SLOPES`` and ``SEED`` tensors (None where unused: the
+    kernels' ``ALIBI`` and ``DROPOUT`` follow from that), the slopes' batch stride, the option
+    scalars and the window flags."""
+    slopes = options.slopes
+    if options.dropout_p > 0.0 and options.seed is None:
+        raise ValueError("ScoreOptions with dropout_p > 0 needs its seed (an int64 tensor of one element)")
     return dict(
         SLOPES=slopes,
-        SEED=options.seed if options.seed is not None else placeholder,
-        stride_sb=slopes.stride(0) if slopes.dim() == 2 else 0,
+        SEED=options.seed if options.dropout_p > 0.0 else None,
+        stride_sb=slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
         softcap=options.softcap if options.softcap > 0.0 else 1.0,  # any value serves when SOFTCAP is off
         diag_offset=options.diag_offset,
         window_left=max(options.window_left, 0),
@@ -95,8 +98,6 @@ def score_args(options: ScoreOptions, placeholder: torch.Tensor, seqlen_k: int) 
         MASK_LEFT=options.window_left >= 0,
         MASK_RIGHT=options.window_right >= 0,
         SOFTCAP=options.softcap > 0.0,
-        ALIBI=options.slopes is not None,
-        DROPOUT=options.dropout_p > 0.0,
     )
 
 
