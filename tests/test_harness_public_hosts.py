@@ -80,6 +80,10 @@ def test_the_proxy_answers_the_routes_and_refuses_the_rest(tmp_path):
         ca_file = Path(trusted["SSL_CERT_FILE"])
         assert ca_file.exists()
     assert not ca_file.exists()  # the run's authority goes with the proxy
+    assert tripwire.served == [
+        "GET https://pypi.org/simple/flash-recipe/",
+        "GET https://download.pytorch.org/whl/cpu/flash-recipe/",
+    ]
     assert tripwire.attempts == [
         "GET https://pypi.org/pypi/torch/json",
         "CONNECT example.com:443",
@@ -126,13 +130,15 @@ def test_pip_and_git_reach_the_stand_ins_through_their_own_variables(tmp_path):
             "HOME": str(tmp_path),
         }
         download = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp_path / "got", "tiny-served"]
+        # No index is configured (PIP_CONFIG_FILE=/dev/null, no PIP_INDEX_URL): pip asks PyPI.
         result = subprocess.run(download, env=env, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
-        assert "https://pypi.org/" in result.stdout
         _git("clone", "-q", public_hosts.REPOSITORY_URL, str(tmp_path / "clone"), cwd=tmp_path, env=env)
     assert [p.name for p in (tmp_path / "got").iterdir()] == ["tiny_served-1.0-py3-none-any.whl"]
     assert (tmp_path / "clone" / "README").read_text() == "served\n"
     assert tripwire.attempts == []
+    assert "GET https://pypi.org/simple/tiny-served/" in tripwire.served
+    assert any(url.startswith("GET https://github.com/flash-recipe/flash-recipe/") for url in tripwire.served)
 
 
 def _tiny_wheel(directory: Path) -> None:

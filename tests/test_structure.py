@@ -160,8 +160,9 @@ def test_the_branch_check_finds_a_backend_name_comparison():
 
 def test_a_paged_launch_without_key_ranges_is_refused_by_the_kernel(monkeypatch):
     """``PAGED`` addresses keys through per-batch ranges: the kernel's ``tl.static_assert`` refuses
-    a launch that asks for pages without ``KV_RANGES``, instead of reading rows from a page table
-    it has no range for. The launcher never does that; the launch is altered here to show it."""
+    a launch that passes a page table without key ranges (``K_START``/``K_END`` None, so no
+    ``KV_RANGES``), instead of reading rows from a page table it has no range for. The launcher
+    never does that; the launch is altered here to show it."""
     from flash_recipe.ops import forward
     from flash_recipe.ops.launch import KeyRanges, ScoreOptions
 
@@ -169,7 +170,7 @@ def test_a_paged_launch_without_key_ranges_is_refused_by_the_kernel(monkeypatch)
 
     class WithoutKeyRanges:
         def __getitem__(self, grid):
-            return lambda **kwargs: kernel[grid](**{**kwargs, "KV_RANGES": False})
+            return lambda **kwargs: kernel[grid](**{**kwargs, "K_START": None, "K_END": None})
 
     monkeypatch.setattr(forward, "attn_fwd_kernel", WithoutKeyRanges())
     q, pages = torch.randn(1, 4, 2, 16), torch.randn(2, 16, 2, 16)

@@ -148,15 +148,18 @@ class RunAuthority:
         self._dir.cleanup()
 
 
-def serve_tunnel(connection: socket.socket, route: Route, context: ssl.SSLContext, refuse: Callable) -> None:
+def serve_tunnel(
+    connection: socket.socket, route: Route, context: ssl.SSLContext, refuse: Callable, served: Callable
+) -> None:
     """Answer a ``CONNECT`` tunnel to ``route.host``: TLS with the run's certificate, then each
-    HTTP request forwarded to the route's loopback server (``refuse(method, url)`` for a path the
-    route does not serve). Returns when the client closes the connection."""
+    HTTP request forwarded to the route's loopback server (``served(method, url)``), or refused
+    (``refuse(method, url)``) for a path the route does not serve. Returns when the client closes
+    the connection."""
     try:
         tls = context.wrap_socket(connection, server_side=True)
     except (ssl.SSLError, OSError):
         return  # the client gave up (or distrusts the certificate: its own error says so)
-    handler = _forwarder(route, refuse)
+    handler = _forwarder(route, refuse, served)
     try:
         handler(tls, ("tunnel", 0), None)
     except (ssl.SSLError, OSError):
@@ -165,7 +168,7 @@ def serve_tunnel(connection: socket.socket, route: Route, context: ssl.SSLContex
         tls.close()
 
 
-def _forwarder(route: Route, refuse: Callable) -> Callable:
+def _forwarder(route: Route, refuse: Callable, served: Callable) -> Callable:
     class Forward(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a tool fetches many pages through one tunnel
 
@@ -179,6 +182,7 @@ def _forwarder(route: Route, refuse: Callable) -> Callable:
                 self.end_headers()
                 self.wfile.write(body)
                 return
+            served(self.command, f"https://{route.host}{self.path}")
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
             parts = urlsplit(target)

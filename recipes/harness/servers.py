@@ -221,6 +221,7 @@ class Tripwire(_ThreadedServer):
     def __init__(self) -> None:
         super().__init__()
         self.attempts: list[str] = []
+        self.served: list[str] = []  # requests answered for a public host by a stand-in
         self._lock = threading.Lock()
         self._routes: dict[str, public_hosts.Route] = {}
         self._authority: public_hosts.RunAuthority | None = None
@@ -235,6 +236,10 @@ class Tripwire(_ThreadedServer):
     def record(self, method: str, url: str) -> None:
         with self._lock:
             self.attempts.append(f"{method} {url}")
+
+    def record_served(self, method: str, url: str) -> None:
+        with self._lock:
+            self.served.append(f"{method} {url}")
 
     def stop(self) -> None:
         super().stop()
@@ -256,7 +261,9 @@ class Tripwire(_ThreadedServer):
                 self.end_headers()
                 self.wfile.flush()
                 self.close_connection = True
-                public_hosts.serve_tunnel(self.connection, route, tripwire._authority.context, tripwire.record)
+                public_hosts.serve_tunnel(
+                    self.connection, route, tripwire._authority.context, tripwire.record, tripwire.record_served
+                )
 
             def _refuse(self) -> None:
                 tripwire.record(self.command, self.path)
