@@ -217,8 +217,13 @@ def test_the_presets_select_what_ci_and_compat_compile():
     """``--preset ci``: 5 calls x 3 head dims, every target aligned in bf16 and fp32; on one target
     per family the small head dims (16, 32) aligned and the large ones ragged, in bf16: every head-dim
     bucket is compiled. ``--preset compat``: 4 calls at head dim 128 in bf16, both forms, sm80 and
-    sm90. An option narrows a preset; no preset means every combination."""
+    sm90. Packed sequences and paged caches (``varlen``, ``paged``): every head dim aligned in bf16
+    on sm80 and sm90. An option narrows a preset; no preset means every combination."""
     ci = compile_check.select_jobs("ci")
+    packed = [(c, t) for c, t in ci if c.call in ("varlen", "paged")]
+    assert len(packed) == 2 * 5 * 2 and {t for _, t in packed} == {"sm80", "sm90"}
+    assert {(c.form, c.dtype) for c, _ in packed} == {("aligned", "bfloat16")}
+    ci = [(c, t) for c, t in ci if (c, t) not in packed]
     small = [(c, t) for c, t in ci if c.head_dim in (16, 32)]
     aligned = [(c, t) for c, t in ci if c.form == "aligned" and c.head_dim not in (16, 32)]
     ragged = [(c, t) for c, t in ci if c.form == "ragged"]

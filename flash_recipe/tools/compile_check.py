@@ -76,7 +76,8 @@ SPILL_BUDGET_MAX_HEAD_DIM = 128
 # KV-cache decode step at the largest head dim of each configuration row (64, 128, 256), every
 # target in the aligned form in bf16 and fp32; the small head dims (16, 32) aligned in bf16 and the
 # (slow) ragged form of the large ones in bf16 on one target per configuration family (fp16
-# compiles to the same tiles as bf16; sm89, sm121, gfx90a and gfx950 share their family's tables).
+# compiles to the same tiles as bf16; sm89, sm121, gfx90a and gfx950 share their family's tables);
+# and packed sequences and paged caches, every head dim aligned in bf16, on sm80 and sm90.
 # "compat" (``nox -s torch_compat``, once per torch release): the forward, backward and decode
 # step for sm80 and sm90 at head dim 128 in bf16, both forms.
 _CI_CALLS = ("fwd", "options", "bwd", "decode", "decode_paged")
@@ -88,6 +89,9 @@ PRESETS = {
         (_CI_CALLS, ("bfloat16", "float32"), _CI_HEAD_DIMS, ("aligned",), TARGETS),
         (_CI_CALLS, ("bfloat16",), _SMALL_HEAD_DIMS, ("aligned",), FAMILY_TARGETS),
         (_CI_CALLS, ("bfloat16",), _CI_HEAD_DIMS, ("ragged",), FAMILY_TARGETS),
+        # Packed sequences and paged caches take the general forward (and varlen the backward) with
+        # their own registers: no spill at head dim <= 128 on sm80 and sm90.
+        (("varlen", "paged"), ("bfloat16",), _SMALL_HEAD_DIMS + _CI_HEAD_DIMS, ("aligned",), ("sm80", "sm90")),
     ],
     "compat": [(("fwd", "bwd", "decode", "decode_paged"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90"))],
 }
