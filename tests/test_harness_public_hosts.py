@@ -16,10 +16,10 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-import zipfile
 from pathlib import Path
 
 import pytest
+from wheels import write_wheel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -100,7 +100,7 @@ def test_pip_and_git_reach_the_stand_ins_through_their_own_variables(tmp_path):
     ``https://github.com/flash-recipe/flash-recipe``: both land on loopback servers."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    _tiny_wheel(wheels)
+    write_wheel(wheels, "tiny-served", "1.0")
     repo = tmp_path / "repo"
     repo.mkdir()
     _git("init", "-q", "--initial-branch=main", cwd=repo)
@@ -139,17 +139,3 @@ def test_pip_and_git_reach_the_stand_ins_through_their_own_variables(tmp_path):
     assert tripwire.attempts == []
     assert "GET https://pypi.org/simple/tiny-served/" in tripwire.served
     assert any(url.startswith("GET https://github.com/flash-recipe/flash-recipe/") for url in tripwire.served)
-
-
-def _tiny_wheel(directory: Path) -> None:
-    """A minimal wheel of ``tiny-served`` 1.0, written directly (nothing to build)."""
-    info = "tiny_served-1.0.dist-info"
-    files = {
-        "tiny_served/__init__.py": "",
-        f"{info}/METADATA": "Metadata-Version: 2.1\nName: tiny-served\nVersion: 1.0\n",
-        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
-    with zipfile.ZipFile(directory / "tiny_served-1.0-py3-none-any.whl", "w") as wheel:
-        for name, text in {**files, f"{info}/RECORD": record}.items():
-            wheel.writestr(name, text)

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from wheels import write_wheel
 
 from recipes.harness import servers, workspace
 
@@ -216,22 +217,6 @@ def _lock(name: str, version: str, wheel: str, digest: str) -> str:
         """)
 
 
-def _write_wheel(path: Path) -> None:
-    """A minimal valid wheel of ``demo_pkg`` 1.0."""
-    import zipfile
-
-    info = "demo_pkg-1.0.dist-info"
-    files = {
-        "demo_pkg/__init__.py": "",
-        f"{info}/METADATA": "Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.0\n",
-        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
-    with zipfile.ZipFile(path, "w") as archive:
-        for name, text in files.items():
-            archive.writestr(name, text)
-
-
 def test_the_lock_exports_a_hashed_requirements_file_that_pip_enforces(tmp_path):
     import hashlib
 
@@ -240,7 +225,7 @@ def test_the_lock_exports_a_hashed_requirements_file_that_pip_enforces(tmp_path)
     wheel = "demo_pkg-1.0-py3-none-any.whl"
     served = tmp_path / "served"
     served.mkdir()
-    _write_wheel(served / wheel)
+    write_wheel(served, "demo-pkg", "1.0")
     good = hashlib.sha256((served / wheel).read_bytes()).hexdigest()
     lock = _lock("demo-pkg", "1.0", wheel, good)
     hashes = prepare.locked_hashes(lock)

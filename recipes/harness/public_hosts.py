@@ -108,6 +108,8 @@ class RunAuthority:
     and one server certificate it signs for ``hosts``; both expire after two days."""
 
     def __init__(self, hosts: list[str]) -> None:
+        if shutil.which("openssl") is None:
+            raise RuntimeError("the install matrix needs the openssl command to stand in for the recipes' hosts")
         self._dir = tempfile.TemporaryDirectory(prefix="flash-recipe-ca-")  # mode 0700
         root = Path(self._dir.name)
         self.ca_file = root / "ca.pem"
@@ -135,8 +137,6 @@ class RunAuthority:
     @staticmethod
     def _openssl(*parts: list) -> None:
         command = ["openssl", *(str(p) for part in parts for p in part)]
-        if shutil.which("openssl") is None:
-            raise RuntimeError("the install matrix needs the openssl command to stand in for the recipes' hosts")
         subprocess.run(command, check=True, capture_output=True, stdin=subprocess.DEVNULL)
 
     def ca_environment(self) -> dict[str, str]:
