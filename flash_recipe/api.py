@@ -15,6 +15,7 @@ import torch
 from flash_recipe import dispatch, validate
 from flash_recipe.decoding import paged_varlen
 from flash_recipe.dispatch import AttentionCall
+from flash_recipe.signatures import Memo, signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,68 @@ def build_flash_call(
 
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed sequences;
     with ``paged`` the keys and values are pages ``(num_blocks, page_block_size, nheads_k, headdim)``.
+
+    The first call of a signature (``flash_recipe.signatures``) runs every check; a call with the
+    same signature reuses the verdict and the values derived from it, unless the call passed
+    metadata whose values the checks read on the host (CPU ``cu_seqlens``): those run each time.
     """
+    key = None
+    if not torch.compiler.is_compiling():
+        cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, None, None)
+        o = options
+        key = signature(
+            (q, k, v, o.alibi_slopes, cu_q, cu_k),
+            (
+                o.dropout_p,
+                o.softmax_scale,
+                o.causal,
+                o.window_size,
+                o.softcap,
+                o.deterministic,
+                o.return_lse,
+                o.return_probs,
+                names,
+                max_q,
+                max_k,
+                paged,
+            ),
+        )
+        fields = _CALLS.get(key) if key is not None else None
+        if fields is not None:
+            return AttentionCall(
+                q=q, k=k, v=v, alibi_slopes=o.alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **fields
+            )
+    call = _checked_flash_call(q, k, v, options, names, varlen, paged)
+    if key is not None and _reusable(call, (q, k, v), varlen):
+        _CALLS.keep(key, _derived_fields(call))
+    return call
+
+
+# Signature of a flash-attn style call -> the fields of its AttentionCall other than its tensors.
+_CALLS = Memo()
+_TENSOR_FIELDS = ("q", "k", "v", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def _reusable(call: AttentionCall, given: tuple, varlen: Optional[tuple]) -> bool:
+    """Whether a call's checks can stand for every call of its signature: the tensors passed through
+    unchanged (no restrided or contiguous copy) and no metadata values were read on the host."""
+    if not (call.q is given[0] and call.k is given[1] and call.v is given[2]):
+        return False
+    if varlen is None:
+        return True
+    if call.cu_seqlens_q is not varlen[0] or call.cu_seqlens_k is not varlen[1]:
+        return False
+    return not (validate.on_host(call.cu_seqlens_q) or validate.on_host(call.cu_seqlens_k))
+
+
+def _derived_fields(call: AttentionCall) -> dict:
+    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call) if f.name not in _TENSOR_FIELDS}
+    fields.pop("seed")  # a call's own; None from the public layer
+    return fields
+
+
+def _checked_flash_call(q, k, v, options: FlashOptions, names, varlen: Optional[tuple], paged: bool) -> AttentionCall:
+    """``build_flash_call``'s checks, all of them."""
     if paged:
         layout = "(num_blocks, page_block_size, nheads_k, headdim)"
         for name, t in zip(names[1:], (k, v)):

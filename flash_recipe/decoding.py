@@ -14,12 +14,13 @@ memory access or a plausible wrong number.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from flash_recipe import dispatch, validate
 from flash_recipe.dispatch import AttentionCall, CacheCall, PagedCall
+from flash_recipe.signatures import Memo, signature
 
 MAX_SPLITS = 128  # the most num_splits flash-attn takes
 
@@ -73,7 +74,194 @@ def build_cache_call(
     num_splits,
     return_softmax_lse,
 ) -> CacheCall:
-    """Validate ``flash_attn_with_kvcache``'s arguments (see there) and build the call."""
+    """Validate ``flash_attn_with_kvcache``'s arguments (see there) and build the call.
+
+    The first call of a signature (``flash_recipe.signatures``) runs every check; a call with the
+    same signature reuses the verdict, unless it passes metadata whose values the checks read on
+    the host (``validate.on_host``): those calls are checked in full each time.
+    """
+    metadata = (
+        cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+    )
+    key = None
+    if not torch.compiler.is_compiling():
+        key = signature(
+            (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes, *metadata),
+            (
+                None if metadata[0] is not None else cache_seqlens,
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+                rotary_interleaved,
+                num_splits,
+                return_softmax_lse,
+            ),
+        )
+        form = _CACHE_CALLS.get(key) if key is not None else None
+        if form is not None:
+            return _repeat_cache_call(
+                form,
+                q,
+                k_cache,
+                v_cache,
+                k,
+                v,
+                rotary_cos,
+                rotary_sin,
+                cache_seqlens,
+                cache_batch_idx,
+                cache_leftpad,
+                block_table,
+                alibi_slopes,
+            )
+    call = _checked_cache_call(
+        q,
+        k_cache,
+        v_cache,
+        k=k,
+        v=v,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        block_table=block_table,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        rotary_interleaved=rotary_interleaved,
+        alibi_slopes=alibi_slopes,
+        num_splits=num_splits,
+        return_softmax_lse=return_softmax_lse,
+    )
+    given = (q, k_cache, v_cache, k, v)
+    passed = all(a is b for a, b in zip((call.q, call.k_cache, call.v_cache, call.k, call.v), given))
+    checked = (
+        call.seqlens if metadata[0] is not None else None,
+        call.user_args["cache_batch_idx"],
+        call.leftpad,
+        call.user_args["block_table"],
+    )
+    unchanged = all(a is b for a, b in zip(checked, metadata))
+    if key is not None and passed and unchanged and not any(t is not None and validate.on_host(t) for t in metadata):
+        fields = {
+            f.name: getattr(call.attention, f.name)
+            for f in dataclasses.fields(call.attention)
+            if f.name not in ("q", "k", "v", "alibi_slopes")
+        }
+        capacity = call.table.shape[1] * k_cache.shape[1]
+        _CACHE_CALLS.keep(key, _CacheForm(fields, call.num_splits, call.paged, capacity, rotary_interleaved))
+    return call
+
+
+class _CacheForm(NamedTuple):
+    """What a checked ``flash_attn_with_kvcache`` call of one signature derived (``build_cache_call``)."""
+
+    fields: dict  # the AttentionCall's fields other than its tensors
+    num_splits: int
+    paged: bool
+    capacity: int  # rows one batch entry's cache can address
+    interleaved: bool  # rotary_interleaved
+
+
+# Signature of a flash_attn_with_kvcache call -> its ``_CacheForm``.
+_CACHE_CALLS = Memo()
+
+
+def _repeat_cache_call(
+    form: _CacheForm,
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    alibi_slopes,
+) -> CacheCall:
+    """The ``CacheCall`` of a call whose signature was checked before (see ``build_cache_call``)."""
+    batch = q.shape[0]
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens = cache_seqlens
+    else:
+        seqlens = torch.full(
+            (batch,), form.capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32, device=q.device
+        )
+    if block_table is not None:
+        table = block_table
+    elif cache_batch_idx is not None:
+        table = cache_batch_idx.view(batch, 1)
+    else:
+        table = torch.arange(batch, dtype=torch.int32, device=q.device).view(batch, 1)
+    attention = AttentionCall(q=q, k=k_cache, v=v_cache, alibi_slopes=alibi_slopes, **form.fields)
+    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, form.interleaved)
+    user_args = dict(
+        k=k,
+        v=v,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        block_table=block_table,
+        softmax_scale=attention.softmax_scale,
+        causal=attention.causal,
+        window_size=attention.window,
+        softcap=attention.softcap,
+        rotary_interleaved=form.interleaved,
+        alibi_slopes=alibi_slopes,
+        num_splits=form.num_splits,
+        return_softmax_lse=attention.return_lse,
+    )
+    return CacheCall(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary,
+        seqlens,
+        cache_leftpad,
+        table,
+        form.paged,
+        attention,
+        form.num_splits,
+        user_args,
+    )
+
+
+def _checked_cache_call(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    return_softmax_lse,
+) -> CacheCall:
+    """``build_cache_call``'s checks, all of them."""
     user_args = dict(
         k=k,
         v=v,
@@ -131,7 +319,7 @@ def build_cache_call(
     else:
         if cache_batch_idx is not None:
             cache_batch_idx = validate.check_index("cache_batch_idx", cache_batch_idx, (batch,), q.device)
-            if cache_batch_idx.device.type == "cpu":
+            if validate.on_host(cache_batch_idx):
                 bad = [i for i in cache_batch_idx.tolist() if not 0 <= i < num_pages]
                 if bad:
                     raise ValueError(f"cache_batch_idx holds {bad} outside [0, {num_pages}) (k_cache.shape[0])")
@@ -152,10 +340,10 @@ def build_cache_call(
     lengths = None  # known on the host: an int, None (the whole cache) or a CPU tensor
     if not isinstance(cache_seqlens, torch.Tensor):
         lengths = [capacity if cache_seqlens is None else validate.check_int("cache_seqlens", cache_seqlens)] * batch
-    elif seqlens.device.type == "cpu":
+    elif validate.on_host(seqlens):
         lengths = seqlens.tolist()
     if lengths is not None:
-        pads = cache_leftpad.tolist() if cache_leftpad is not None and cache_leftpad.device.type == "cpu" else None
+        pads = cache_leftpad.tolist() if cache_leftpad is not None and validate.on_host(cache_leftpad) else None
         for b, n in enumerate(lengths):
             if n < 0:
                 raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch {b}")
@@ -307,8 +495,10 @@ def forward_only(what: str, run, *inputs) -> tuple:
     on) the outputs are attached to them, so that a backward reaching ``what`` raises a clear
     error instead of leaving the inputs silently without a gradient.
     """
+    if not torch.is_grad_enabled():
+        return run()
     tensors = [t for t in inputs if t is not None]
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    if True not in [t.requires_grad for t in tensors]:
         with torch.no_grad():
             return run()
     return _ForwardOnly.apply(what, run, *tensors)
@@ -331,7 +521,7 @@ def paged_varlen(call: AttentionCall, block_table) -> tuple:
     if call.max_seqlen_k > capacity:  # no sequence is longer than its block_table can address
         call = dataclasses.replace(call, max_seqlen_k=capacity)
     paged = PagedCall(call, block_table)
-    if call.cu_seqlens_k.device.type == "cpu":
+    if validate.on_host(call.cu_seqlens_k):
         ends = paged.lengths_k.tolist()
         if max(ends, default=0) > capacity:
             raise ValueError(f"a key sequence is longer than its block_table can address ({capacity} rows)")

@@ -33,6 +33,15 @@ LAYOUT_HINT = (
 )
 
 
+def on_host(t: torch.Tensor) -> bool:
+    """Whether the checks read the values of metadata tensor ``t`` (offsets, lengths, page indices).
+
+    Only host memory is read: reading a GPU tensor's values would synchronise the device on every
+    call and could not be captured in a CUDA graph, so there the kernels bound every access instead.
+    The one place this decision is made."""
+    return t.device.type == "cpu"
+
+
 def _dtype_fix(name: str) -> str:
     return f"; fix: {name}.to(torch.float16), {name}.to(torch.bfloat16) or {name}.to(torch.float32)"
 
@@ -302,7 +311,7 @@ def check_offsets(name: str, cu, total: Optional[int], device) -> torch.Tensor:
             f"{name} must be on the same device as q ({device}), got {cu.device}; fix: {name}.to(q.device)"
         )
     cu = cu.contiguous()
-    if cu.device.type == "cpu":
+    if on_host(cu):
         values = cu.tolist()
         if (
             values[0] != 0
@@ -328,7 +337,7 @@ def check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -
         )
     max_seqlen_q, max_seqlen_k = check_int("max_seqlen_q", max_seqlen_q, 0), check_int("max_seqlen_k", max_seqlen_k, 0)
     for name, value, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
-        if cu.device.type == "cpu":
+        if on_host(cu):
             longest = max(b - a for a, b in zip(cu.tolist(), cu.tolist()[1:]))
             if value < longest:
                 raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {value}")
@@ -367,7 +376,7 @@ def check_block_table(block_table, batch: int, page_size: int, device, pages: st
 
 def check_pages(name: str, table: torch.Tensor, num_pages: int, page_size: int, starts, ends) -> None:
     """Every page that rows ``[starts[b], ends[b])`` touch must exist (CPU values only)."""
-    if table.device.type != "cpu":
+    if not on_host(table):
         return
     rows = table.tolist()
     for b, (lo, hi) in enumerate(zip(starts, ends)):

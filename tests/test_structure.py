@@ -103,27 +103,40 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import():
     assert cycles(import_graph(modules)) == [["pkg.api", "pkg.kvcache", "pkg.api"]]
 
 
+def _launches(tree: ast.AST) -> list[tuple[str, ast.Call]]:
+    """Kernel launches: ``kernel[grid](...)``, and ``plan(kernel, grid, dict(...))`` (a launch
+    planned once per signature, ``flash_recipe.ops.launch``), each with the call holding its arguments."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+            found.append((ast.unparse(node.func), node))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "plan":
+            arguments = node.args[2] if len(node.args) > 2 else None
+            name = f"plan({ast.unparse(node.args[0]) if node.args else ''})"
+            if isinstance(arguments, ast.Call) and ast.unparse(arguments.func) == "dict":
+                found.append((name, arguments))
+            else:  # arguments not spelled out as dict(...) keywords at the launch
+                found.append((name, ast.Call(func=node.func, args=[node], keywords=[])))
+    return found
+
+
 def positional_launches(tree: ast.AST) -> list[str]:
-    """Kernel launches ``kernel[grid](...)`` that pass an argument by position."""
-    return [
-        ast.unparse(node.func)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and node.args
-    ]
+    """Kernel launches that pass an argument by position."""
+    return [name for name, call in _launches(tree) if call.args]
 
 
 def test_every_kernel_is_launched_by_keyword():
     launches = 0
     for path in sorted((PACKAGE / "ops").glob("*.py")):
         tree = ast.parse(path.read_text())
-        launches += sum(isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) for n in ast.walk(tree))
+        launches += len(_launches(tree))
         assert positional_launches(tree) == [], path.name
     assert launches >= 7  # forward, split-combine, three backward, rotary-append, dropout mask
 
 
 def test_the_launch_check_finds_a_positional_argument():
-    snippet = "kernel[grid](q, K=k, BLOCK_M=64)\nother[grid](Q=q)\n"
-    assert positional_launches(ast.parse(snippet)) == ["kernel[grid]"]
+    snippet = "kernel[grid](q, K=k, BLOCK_M=64)\nother[grid](Q=q)\nplan(k, g, dict(Q=q))\nplan(k, g, dict(q, K=k))\n"
+    assert positional_launches(ast.parse(snippet)) == ["kernel[grid]", "plan(k)"]
 
 
 def backend_branches(tree: ast.AST, names) -> list[str]:
@@ -165,14 +178,17 @@ def test_a_paged_launch_without_key_ranges_is_refused_by_the_kernel(monkeypatch)
     never does that; the launch is altered here to show it."""
     from flash_recipe.ops import forward
     from flash_recipe.ops.launch import KeyRanges, ScoreOptions
+    from flash_recipe.signatures import Memo
 
-    kernel = forward.attn_fwd_kernel
+    planned = forward.plan
 
-    class WithoutKeyRanges:
-        def __getitem__(self, grid):
-            return lambda **kwargs: kernel[grid](**{**kwargs, "K_START": None, "K_END": None})
+    def without_key_ranges(kernel, grid, args, device):
+        if kernel is forward.attn_fwd_kernel:
+            args = {**args, "K_START": None, "K_END": None}
+        return planned(kernel, grid, args, device)
 
-    monkeypatch.setattr(forward, "attn_fwd_kernel", WithoutKeyRanges())
+    monkeypatch.setattr(forward, "plan", without_key_ranges)
+    monkeypatch.setattr(forward, "_PLANS", Memo())  # no plan of this signature from an earlier test
     q, pages = torch.randn(1, 4, 2, 16), torch.randn(2, 16, 2, 16)
     lengths = torch.tensor([5], dtype=torch.int32)
     keys = KeyRanges(torch.zeros_like(lengths), lengths, 32, torch.tensor([[0, 1]], dtype=torch.int32))

@@ -20,7 +20,7 @@ import pytest
 import torch
 from offline import compile_in_subprocess
 
-from flash_recipe.ops import configs, forward, kvcache, tuned
+from flash_recipe.ops import configs, forward, kvcache, splits, tuned
 from flash_recipe.ops.configs import Config
 from flash_recipe.tools import cli, tune
 
@@ -59,8 +59,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: properties(device).name)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     configs.gpu_target.cache_clear()
+    splits.sm_count.cache_clear()
     yield
     configs.gpu_target.cache_clear()
+    splits.sm_count.cache_clear()
 
 
 def _write(document, gpu=H100) -> str:
@@ -222,7 +224,8 @@ def test_a_machine_without_a_cache_file_runs_the_table(fake_gpu):
                     assert configs.launch_config(CUDA0, kernel, head_dim, size) == configs.get_config(
                         "sm90", kernel, head_dim, size
                     )
-        assert kvcache.auto_splits(1, 4, 1, 4096, CUDA0, 128, 2) == kvcache.heuristic_splits(1, 4, 1, 4096, CUDA0)
+        step = (1, 4, 1, 4096, CUDA0, 128, 2)  # batch, heads, rows, capacity, device, head dim, element size
+        assert kvcache.auto_splits(*step) == kvcache.heuristic_splits(*step)
 
 
 def test_the_file_is_read_once_per_process_and_again_when_the_variable_changes(fake_gpu, monkeypatch, tmp_path):
@@ -251,7 +254,8 @@ def test_a_stale_file_is_ignored_with_one_warning(fake_gpu, field, value):
         warnings.simplefilter("always")
         for _ in range(3):
             assert configs.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("sm90", "fwd", 128, 2)
-            assert kvcache.auto_splits(2, 16, 1, 8192, CUDA0, 128, 2) == kvcache.heuristic_splits(2, 16, 1, 8192, CUDA0)
+            step = (2, 16, 1, 8192, CUDA0, 128, 2)
+            assert kvcache.auto_splits(*step) == kvcache.heuristic_splits(*step)
     (warning,) = _tuned_warnings(record)
     message = str(warning.message)
     assert path in message and f"{field} {value!r}" in message and "flash-recipe tune" in message
@@ -344,12 +348,14 @@ def test_auto_splits_takes_the_tuned_count_for_its_bucket_else_the_heuristic(fak
     assert kvcache.auto_splits(2, 16, 1, 5000, CUDA0, 100, 2) == 5  # head dim 100 is bucket 128
     assert kvcache.auto_splits(2, 16, 16, 5000, CUDA0, 128, 2) == 5  # a decoding step of 16 query rows
     # 17 query rows run the forward kernel, which was not tuned for it: the heuristic.
-    assert kvcache.auto_splits(1, 16, 17, 5000, CUDA0, 128, 2) == kvcache.heuristic_splits(1, 16, 17, 5000, CUDA0)
-    heuristic = kvcache.heuristic_splits(2, 16, 1, 5000, CUDA0)
+    step = (1, 16, 17, 5000, CUDA0, 128, 2)
+    assert kvcache.auto_splits(*step) == kvcache.heuristic_splits(*step)
+    heuristic = kvcache.heuristic_splits(2, 16, 1, 5000, CUDA0, 128, 2)
     assert heuristic != 5
-    for other in [(2, 16, 1, 9000, CUDA0, 128, 2), (2, 16, 1, 5000, CUDA0, 128, 4), (2, 16, 1, 5000, CUDA0)]:
-        assert kvcache.auto_splits(*other) == kvcache.heuristic_splits(*other[:5])  # no entry: the heuristic
-    assert kvcache.auto_splits(4, 16, 1, 5000, CUDA0, 128, 2) == kvcache.heuristic_splits(4, 16, 1, 5000, CUDA0)  # 0
+    for other in [(2, 16, 1, 9000, CUDA0, 128, 2), (2, 16, 1, 5000, CUDA0, 128, 4), (2, 16, 1, 5000, CUDA0, 64, 2)]:
+        assert kvcache.auto_splits(*other) == kvcache.heuristic_splits(*other)  # no entry: the heuristic
+    step = (4, 16, 1, 5000, CUDA0, 128, 2)
+    assert kvcache.auto_splits(*step) == kvcache.heuristic_splits(*step)  # 0
     assert kvcache.auto_splits(2, 16, 1, 5000, torch.device("cpu"), 128, 2) == 1
 
 

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from flash_recipe import alias
 from flash_recipe.dispatch.base import Backend, BackendUnavailableError
 from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
 from flash_recipe.dispatch.capabilities import TURING_ISSUES, pre_ampere_reason
@@ -28,6 +29,8 @@ from flash_recipe.dispatch.flash_attn_backend import FlashAttnBackend
 from flash_recipe.dispatch.reference_backend import ReferenceBackend
 from flash_recipe.dispatch.sdpa_backend import SdpaBackend
 from flash_recipe.dispatch.triton_backend import TritonBackend
+from flash_recipe.ops import configs
+from flash_recipe.signatures import Memo, signature
 
 __all__ = [
     "AttentionCall",
@@ -45,6 +48,7 @@ __all__ = [
     "backend_names",
     "explain_call",
     "forced_backend",
+    "forget",
     "pre_ampere_reason",
     "reason",
     "run",
@@ -101,7 +105,11 @@ def use_backend(name: Optional[str]) -> Iterator[None]:
 
 def forced_backend() -> Optional[str]:
     """The explicitly chosen backend, from ``use_backend`` or ``FLASH_RECIPE_BACKEND``, or None."""
-    forced = getattr(_TRACED, "choice", _ENVIRONMENT) if torch.compiler.is_compiling() else _CHOICE.get()
+    return _forced(torch.compiler.is_compiling())
+
+
+def _forced(compiling: bool) -> Optional[str]:
+    forced = getattr(_TRACED, "choice", _ENVIRONMENT) if compiling else _CHOICE.get()
     if forced is not _ENVIRONMENT:
         return forced
     name = os.environ.get(ENV_VAR, "").strip()
@@ -125,32 +133,80 @@ def explain_call(call: AttentionCall, extra: Refusal = None) -> dict[str, Option
     return {backend.name: reason(backend, call, extra) for backend in BACKENDS}
 
 
-def select(call: AttentionCall, extra: Refusal = None) -> Backend:
+def select(call: AttentionCall, extra: Refusal = None, extra_key: Optional[tuple] = None) -> Backend:
     """The backend that runs ``call``: the forced one (or an error), else the first that can.
 
-    ``extra(backend)``: an optional further reason to refuse a backend (None if it can).
+    ``extra(backend)``: an optional further reason to refuse a backend (None if it can), which
+    reads only what ``extra_key`` holds (with ``extra`` and no ``extra_key`` nothing is memoized).
+
+    The choice is memoized per signature of the call (``flash_recipe.signatures``), forced backend
+    and the process facts that change at run time (the ``flash_attn`` stand-in, the interpreter);
+    the facts computed once per process are constant. ``forget()`` clears it.
     """
-    name = forced_backend()
+    compiling = torch.compiler.is_compiling()
+    name = _forced(compiling)
+    key = None
+    if not compiling and (extra is None or extra_key is not None):
+        key = _selection_key(call, name, extra_key)
+        found = _SELECTED.get(key) if key is not None else None
+        if found is not None:
+            return found
     if name is not None:
         backend = _BY_NAME[name]
         why = reason(backend, call, extra)
         if why is not None:
             raise BackendUnavailableError(f"backend {name!r} cannot run this call: {why}")
-        return backend
+        return _SELECTED.keep(key, backend)
     for backend in BACKENDS:
         if reason(backend, call, extra) is None:
-            return backend
+            return _SELECTED.keep(key, backend)
     raise BackendUnavailableError(f"no backend can run this call: {explain_call(call, extra)}")  # reference always can
+
+
+# (signature of a call, forced backend, run-time facts) -> the backend ``select`` chose.
+_SELECTED = Memo()
+
+
+def _selection_key(call: AttentionCall, forced: Optional[str], extra_key: Optional[tuple]) -> Optional[tuple]:
+    """What a backend's refusal reads: the call's tensors and options, and the facts that can change."""
+    found = signature(
+        (call.q, call.k, call.v, call.attn_mask, call.alibi_slopes, call.cu_seqlens_q, call.cu_seqlens_k),
+        (
+            call.causal,
+            call.diag_offset,
+            call.window,
+            call.softcap,
+            call.dropout_p,
+            call.return_lse,
+            call.return_probs,
+            call.seed is None,
+        ),
+    )
+    if found is None:
+        return None
+    # The interpreter decides for CPU tensors only (``TritonBackend.supports``).
+    interpreted = not call.q.is_cuda and configs.interpreter_enabled()
+    return found, extra_key, forced, alias.is_installed(), interpreted
+
+
+def forget() -> None:
+    """Forget the memoized choices (after changing a fact computed once, as tests do)."""
+    _SELECTED.clear()
 
 
 def select_cache(call: CacheCall) -> Backend:
     """The backend that runs a ``flash_attn_with_kvcache`` call."""
-    return select(call.attention, extra=lambda backend: backend.supports_cache(call))
+    rotary = call.rotary[0].dtype if call.rotary is not None else None
+    return select(
+        call.attention,
+        lambda backend: backend.supports_cache(call),
+        ("cache", call.paged, call.k_cache.shape[1], rotary),
+    )
 
 
 def select_paged(call: PagedCall) -> Backend:
     """The backend that runs a varlen call with paged keys."""
-    return select(call.attention, extra=lambda backend: backend.supports_paged(call))
+    return select(call.attention, lambda backend: backend.supports_paged(call), ("paged",))
 
 
 def run(call: AttentionCall) -> tuple:

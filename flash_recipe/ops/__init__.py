@@ -5,6 +5,7 @@
   arguments they become;
 - ``backward``: the recomputing backward (preprocess, dK/dV, dQ);
 - ``kvcache``: rotary embedding and in-place cache append, then the forward over the cache;
+- ``splits``: the split-KV rule (how many shares of the keys a launch over a cache splits into);
 - ``dropout``: the dropout mask materialised for ``return_attn_probs``;
 - ``tiles``: the Triton helpers they share (tile loads, loop bounds, logits, dropout draws);
 - ``attention``: the torch custom ops with fake kernels and autograd;
@@ -15,6 +16,6 @@
 The offline compile of every variant for GPU targets is a tool: ``flash_recipe.tools.compile_check``.
 
 Importing a kernel module (``forward``, ``backward``, ``kvcache``, ``dropout``, ``tiles``,
-``attention``) imports Triton; ``configs``, ``tuned`` and ``features`` do not. ``flash_recipe``
-itself imports Triton only when the ``triton`` backend first runs.
+``attention``) imports Triton; ``configs``, ``tuned``, ``features`` and ``splits`` do not.
+``flash_recipe`` itself imports Triton only when the ``triton`` backend first runs.
 """

@@ -144,6 +144,14 @@ def attention(
     """
     if dropout_p > 0.0 and seed is None:
         seed = new_seed(q.device)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) and not (
+        torch.compiler.is_compiling()
+    ):
+        # Nothing to record and nothing to trace: the launcher itself, without the custom op's
+        # dispatch (which would call it with the same arguments).
+        options, varlen = _unpack(cu_seqlens[0], cu_seqlens[1], max_seqlens[0], max_seqlens[1], diag_offset,
+                                  window[0], window[1], softcap, alibi_slopes, dropout_p, seed)
+        return attention_forward(q, k, v, float(softmax_scale), options, varlen)
     return attn_fwd(q, k, v, cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]),
                     float(softmax_scale), int(diag_offset), int(window[0]), int(window[1]), float(softcap),
                     alibi_slopes, float(dropout_p), seed)

@@ -313,6 +313,31 @@ def overriding(kernel: str, head_dim: int, element_size: int, config: Config) ->
 _TUNED_USED: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("flash_recipe_tuned_used", default=None)
 
 
+def tuned_taken() -> Optional[list]:
+    """The tuned entries the running ``tuned_fallback`` call's launches took so far (None outside one)."""
+    return _TUNED_USED.get()
+
+
+def took_tuned(entries: tuple) -> None:
+    """Record that a launch took these tuned entries (a memoized plan that ``launch_config`` chose
+    them for), so that ``tuned_fallback`` can reject them if the launch fails."""
+    if entries:
+        used = _TUNED_USED.get()
+        if used is not None:
+            used.extend(entries)
+
+
+def plan_state() -> Optional[int]:
+    """What memoized launch plans are keyed by beside their signature: a count that changes whenever
+    ``launch_config`` may answer differently (``tuned.GENERATION``: tuned entries read, forgotten
+    or rejected; 0 while nothing imported the tuned cache), or None inside an ``overriding`` block
+    (whose configurations are not memoized)."""
+    if _OVERRIDES.get():
+        return None
+    tuned = sys.modules.get("flash_recipe.ops.tuned")  # not imported: nothing tuned was read
+    return tuned.GENERATION[0] if tuned is not None else 0
+
+
 def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Config:
     """The configuration a launch on ``device`` uses: an ``overriding`` block's, else the one
     ``flash-recipe tune`` measured fastest on this GPU model (``flash_recipe.ops.tuned``: a GPU

@@ -46,12 +46,23 @@ def using_descriptors(enabled: bool) -> Iterator[None]:
         _FORCED.reset(token)
 
 
-def descriptors_enabled(target: str) -> bool:
-    """Whether launches for ``target`` (``"sm90"``, ``"interpreter"``) use tensor descriptors."""
+def requested() -> Optional[bool]:
+    """What this thread asks of tensor descriptors: True or False inside ``using_descriptors``, False
+    where ``FLASH_RECIPE_TMA`` turns them off, else None (the target decides)."""
     forced = _FORCED.get()
     if forced is not None:
         return forced
-    if os.environ.get("FLASH_RECIPE_TMA", "1").lower() in ("0", "false", "no", "off") or target == "interpreter":
+    if os.environ.get("FLASH_RECIPE_TMA", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+def descriptors_enabled(target: str) -> bool:
+    """Whether launches for ``target`` (``"sm90"``, ``"interpreter"``) use tensor descriptors."""
+    asked = requested()
+    if asked is not None:
+        return asked
+    if target == "interpreter":
         return False
     return configs.triton_release() >= DESCRIPTORS_SINCE and configs.arch_family(target) in DESCRIPTOR_FAMILIES
 
@@ -89,9 +100,17 @@ def tma_views(k, v, block_rows: int):
     if descriptor_problem(k, block_rows) or descriptor_problem(v, block_rows):
         return None
     try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+        return descriptors(k, v, block_rows)
     except ImportError:  # a Triton whose release could not be read and has no descriptors
         return None
 
-    return tuple(TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2] * t.shape[3]], [t.stride(1), 1],
-                                  [block_rows, t.shape[3]]) for t in (k, v))
+
+def descriptors(k, v, block_rows: int) -> tuple:
+    """The tensor descriptors of ``tma_views`` for tensors it accepted (no checks: a launch plan
+    made with ``tma_views`` builds them again for each call's tensors of the same signature)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor(k, [k.shape[0] * k.shape[1], k.shape[2] * k.shape[3]], [k.stride(1), 1],
+                             [block_rows, k.shape[3]]),
+            TensorDescriptor(v, [v.shape[0] * v.shape[1], v.shape[2] * v.shape[3]], [v.stride(1), 1],
+                             [block_rows, v.shape[3]]))

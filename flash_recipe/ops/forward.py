@@ -23,17 +23,27 @@ makes every probability the backward recomputes from it exactly 0.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import struct
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from flash_recipe.ops import configs, features, tiles
-from flash_recipe.ops.launch import KeyRanges, ScoreOptions, Varlen, layout, lse_buffer, packed_rows, score_args
+from flash_recipe.ops.launch import (
+    KeyRanges,
+    Plan,
+    ScoreOptions,
+    Varlen,
+    launch,
+    layout,
+    lse_buffer,
+    packed_rows,
+    plan,
+    score_args,
+)
 from flash_recipe.ops.tiles import (
     LN2,
     LOG2E,
@@ -50,6 +60,7 @@ from flash_recipe.ops.tiles import (
     tanh,
     visible,
 )
+from flash_recipe.signatures import Memo, signature
 
 
 @triton.jit
@@ -389,12 +400,64 @@ def attention_forward(
     if varlen is not None and keys is None:
         cu_k = varlen.cu_seqlens_k
         keys = KeyRanges(cu_k[:-1], cu_k[1:], varlen.max_seqlen_k)
+    key = _plan_key(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa)
+    found = _PLANS.get(key) if key is not None else None
+    if found is None:
+        found = _PLANS.keep(key, _plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel,
+                                               pack_gqa))
+    else:
+        configs.took_tuned(found.tuned)
+    return _run_forward(found, q, k, v, options, varlen, keys)
+
+
+class _ForwardPlan(NamedTuple):
+    """What a forward launch of one signature does, decided once (``launch.plan``)."""
+
+    out_shape: tuple
+    lse_shape: tuple
+    main: Optional[Plan]  # None: no query rows or no output elements, nothing to launch
+    combine: Optional[Plan]  # the split-KV merge, with num_splits > 1
+    num_splits: int
+    tma_rows: int  # > 0: K and V are read through tensor descriptors of [tma_rows, D] tiles
+    tuned: tuple  # the tuned configurations it took (``configs.tuned_fallback``)
+
+
+# Signature of a forward launch (``_plan_key``) -> its ``_ForwardPlan``.
+_PLANS = Memo()
+
+
+def _plan_key(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa) -> Optional[tuple]:
+    """The signature that decides a forward launch: tensors, options, and the settings that can change
+    at run time (the interpreter, tensor descriptors, the tuned configurations); None: not memoized."""
+    state = configs.plan_state()
+    if state is None:
+        return None
+    cu_q = varlen.cu_seqlens_q if varlen is not None else None
+    start, end, max_len, table = keys if keys is not None else (None, None, None, None)
+    found = signature(
+        (q, k, v, options.slopes, options.seed, cu_q, start, end, table),
+        (softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
+         options.dropout_p, varlen.max_seqlen_q if varlen is not None else None, max_len, num_splits, kernel, pack_gqa),
+    )
+    if found is None:
+        return None
+    if keys is not None:  # key ranges: no tensor descriptors
+        return found, state, q.is_cuda and configs.interpreter_enabled()
+    aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # tensor descriptors need 16-byte bases
+    return found, state, q.is_cuda and configs.interpreter_enabled(), aligned, features.requested()
+
+
+def _plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa) -> _ForwardPlan:
+    """Decide a forward launch (the first call of its signature): configuration, grid and arguments."""
     dims = layout(q, k, varlen, keys)
-    out = tiles.output_buffer(q.shape, q.dtype, q.device)
-    lse, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
-    if out.numel() == 0 or dims.seqlen_q == 0:
-        lse.fill_(float("inf"))
-        return out.zero_(), lse
+    lse_shape = (dims.batch, dims.nheads, dims.seqlen_q) if varlen is None else (dims.nheads, q.shape[0])
+    used = configs.tuned_taken()
+    before = len(used) if used is not None else 0
+    if q.numel() == 0 or dims.seqlen_q == 0:
+        return _ForwardPlan(tuple(q.shape), lse_shape, None, None, num_splits, 0, ())
+    # Outputs as meta tensors: their strides, without memory (a launch allocates its own).
+    out = torch.empty(q.shape, dtype=q.dtype, device="meta")
+    lse, stride_lb, stride_lh = lse_buffer(out, varlen, dims)
     plain = varlen is None and keys is None and options.softcap <= 0.0 and options.slopes is None
     if kernel == "fwd" and not (plain and options.dropout_p == 0.0 and dims.head_dim in configs.HEAD_DIM_BUCKETS):
         kernel = "fwd_general"
@@ -409,8 +472,8 @@ def attention_forward(
         paging = dict(PAGE_TABLE=None, stride_tb=0, page_size=1, num_pages=1, table_width=1, PAGE_ROWS=1)
     o_split, lse_split = out, lse
     if num_splits > 1:
-        o_split = tiles.output_buffer((num_splits,) + tuple(q.shape), torch.float32, q.device)
-        lse_split = tiles.output_buffer((num_splits,) + tuple(lse.shape), torch.float32, q.device)
+        o_split = torch.empty((num_splits,) + tuple(q.shape), dtype=torch.float32, device="meta")
+        lse_split = torch.empty((num_splits,) + tuple(lse.shape), dtype=torch.float32, device="meta")
     cu_q = varlen.cu_seqlens_q if varlen is not None else None
     rows = packed_rows(q, k, varlen, table is not None)
     block_d = configs.head_dim_bucket(dims.head_dim)
@@ -419,31 +482,58 @@ def attention_forward(
         grid = (triton.cdiv(dims.seqlen_q * group, block_m) * num_splits, dims.nheads_k, dims.batch)
     else:
         grid = (triton.cdiv(dims.seqlen_q, block_m) * num_splits, dims.nheads, dims.batch)
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        attn_fwd_kernel[grid](
-            Q=q, K=k, V=v, O=o_split, K_TILES=views[0] if views else None, V_TILES=views[1] if views else None,
-            LSE=lse_split, CU_Q=cu_q,
-            K_START=keys.start if keys is not None else None, K_END=keys.end if keys is not None else None,
-            **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
-            **dims.stride_args(o_split[0] if num_splits > 1 else out, "o", "m"),
-            stride_os=o_split.stride(0) if num_splits > 1 else 0,
-            stride_lb=stride_lb, stride_lh=stride_lh, stride_ls=lse_split.stride(0) if num_splits > 1 else 0,
-            nheads=dims.nheads, group_size=group, seqlen_q=dims.seqlen_q,
-            seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
-            qk_scale=_base2_scale(options.softcap if options.softcap > 0.0 else softmax_scale),
-            **rows, **paging, **score_args(options, dims.seqlen_k),
-            PACK_GQA=pack, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        if num_splits > 1:
-            block_m = 16
-            split_combine_kernel[(triton.cdiv(dims.seqlen_q, block_m), dims.nheads, dims.batch)](
-                O_SPLIT=o_split, LSE_SPLIT=lse_split, O=out, LSE=lse, CU_Q=cu_q,
-                stride_ps=o_split.stride(0), **dims.stride_args(o_split[0], "p", "m"),
-                stride_qs=lse_split.stride(0), stride_lb=stride_lb, stride_lh=stride_lh,
-                **dims.stride_args(out, "o", "m"), seqlen_q=dims.seqlen_q, total_q=rows["total_q"],
-                head_dim=dims.head_dim, num_splits=num_splits, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
-            )
+    main = plan(attn_fwd_kernel, grid, dict(
+        Q=q, K=k, V=v, O=o_split, K_TILES=views[0] if views else None, V_TILES=views[1] if views else None,
+        LSE=lse_split, CU_Q=cu_q,
+        K_START=keys.start if keys is not None else None, K_END=keys.end if keys is not None else None,
+        **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
+        **dims.stride_args(o_split[0] if num_splits > 1 else out, "o", "m"),
+        stride_os=o_split.stride(0) if num_splits > 1 else 0,
+        stride_lb=stride_lb, stride_lh=stride_lh, stride_ls=lse_split.stride(0) if num_splits > 1 else 0,
+        nheads=dims.nheads, group_size=group, seqlen_q=dims.seqlen_q,
+        seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
+        qk_scale=_base2_scale(options.softcap if options.softcap > 0.0 else softmax_scale),
+        **rows, **paging, **score_args(options, dims.seqlen_k),
+        PACK_GQA=pack, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    ), q.device)
+    combine = None
+    if num_splits > 1:
+        block_m = 16
+        combine = plan(split_combine_kernel, (triton.cdiv(dims.seqlen_q, block_m), dims.nheads, dims.batch), dict(
+            O_SPLIT=o_split, LSE_SPLIT=lse_split, O=out, LSE=lse, CU_Q=cu_q,
+            stride_ps=o_split.stride(0), **dims.stride_args(o_split[0], "p", "m"),
+            stride_qs=lse_split.stride(0), stride_lb=stride_lb, stride_lh=stride_lh,
+            **dims.stride_args(out, "o", "m"), seqlen_q=dims.seqlen_q, total_q=rows["total_q"],
+            head_dim=dims.head_dim, num_splits=num_splits, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
+        ), q.device)
+    taken = tuple(used[before:]) if used is not None else ()
+    return _ForwardPlan(tuple(q.shape), lse_shape, main, combine, num_splits, cfg.block_n if views else 0, taken)
+
+
+def _run_forward(p: _ForwardPlan, q, k, v, options: ScoreOptions, varlen, keys) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the outputs and launch a planned forward with this call's tensors."""
+    out = tiles.output_buffer(p.out_shape, q.dtype, q.device)
+    lse = tiles.output_buffer(p.lse_shape, torch.float32, q.device)
+    if p.main is None:
+        lse.fill_(float("inf"))
+        return out.zero_(), lse
+    o_split, lse_split = out, lse
+    if p.combine is not None:
+        o_split = tiles.output_buffer((p.num_splits,) + p.out_shape, torch.float32, q.device)
+        lse_split = tiles.output_buffer((p.num_splits,) + p.lse_shape, torch.float32, q.device)
+    k_tiles = v_tiles = None
+    if p.tma_rows:
+        k_tiles, v_tiles = features.descriptors(k, v, p.tma_rows)
+    cu_q = varlen.cu_seqlens_q if varlen is not None else None
+    given = dict(Q=q, K=k, V=v, O=o_split, LSE=lse_split, K_TILES=k_tiles, V_TILES=v_tiles, CU_Q=cu_q,
+                 SLOPES=options.slopes, SEED=options.seed)
+    if keys is not None:
+        given.update(K_START=keys.start, K_END=keys.end, PAGE_TABLE=keys.table)
+    launch(p.main, {name: given[name] for name in p.main.tensors})
+    if p.combine is not None:
+        given = dict(O_SPLIT=o_split, LSE_SPLIT=lse_split, O=out, LSE=lse, CU_Q=cu_q)
+        launch(p.combine, {name: given[name] for name in p.combine.tensors})
     return out, lse
 
 

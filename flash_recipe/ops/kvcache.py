@@ -20,16 +20,16 @@ and the forward kernel turns that batch's output into NaN.
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import configs, tiles
-from flash_recipe.ops.forward import attention_forward, gqa_packing
-from flash_recipe.ops.launch import KeyRanges, ScoreOptions
+from flash_recipe.ops import configs, splits, tiles
+from flash_recipe.ops.forward import PACK_MAX_ROWS, attention_forward, gqa_packing
+from flash_recipe.ops.launch import KeyRanges, Plan, ScoreOptions, launch, plan
+from flash_recipe.signatures import Memo, signature
 
 
 @triton.heuristics(
@@ -139,7 +139,23 @@ _ROWS = 16  # rows per program of rotary_append_kernel
 
 def _launch_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Optional[Cache]):
     """Launch ``rotary_append_kernel`` for ``x (B, S, heads, D)``: into the cache pages ``out`` when
-    ``cache`` is given, else into ``out`` shaped like x."""
+    ``cache`` is given, else into ``out`` shaped like x (planned once per signature: ``launch.plan``)."""
+    table = cache.table if cache is not None else None
+    cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (None, None)
+    interleaved = bool(rotary is not None and rotary.interleaved)
+    key = signature((x, out, positions, cos, sin, table), (pos_step, interleaved))
+    found = _COPIES.get(key) if key is not None else None
+    if found is None:
+        found = _COPIES.keep(key, _plan_copy(x, out, positions, pos_step, rotary, cache))
+    given = dict(X=x, OUT=out, POS=positions, COS=cos, SIN=sin, PAGE_TABLE=table)
+    launch(found, {name: given[name] for name in found.tensors})
+
+
+# Signature of a rotary_append_kernel launch -> its plan.
+_COPIES = Memo()
+
+
+def _plan_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Optional[Cache]) -> Plan:
     batch, seqlen, heads, head_dim = x.shape
     if cache is not None:  # out's batch stride is the page stride
         table = cache.table
@@ -152,14 +168,14 @@ def _launch_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: O
                       rotary_dim=2 * rotary.cos.shape[1], seqlen_rotary=rotary.cos.shape[0])
     else:
         tables = dict(COS=None, SIN=None, stride_cos=0, stride_sin=0, rotary_dim=0, seqlen_rotary=0)
-    rotary_append_kernel[(triton.cdiv(seqlen, _ROWS), heads, batch)](
+    return plan(rotary_append_kernel, (triton.cdiv(seqlen, _ROWS), heads, batch), dict(
         X=x, OUT=out, POS=positions, PAGE_TABLE=table,
         stride_xb=x.stride(0), stride_xm=x.stride(1), stride_xh=x.stride(2),
         stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
         seqlen=seqlen, head_dim=head_dim, pos_step=pos_step, **tables, **paging,
         INTERLEAVED=bool(rotary is not None and rotary.interleaved),
         BLOCK_M=_ROWS, BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=4,
-    )
+    ), x.device)
 
 
 def append_and_rotate(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], q_moves: bool) -> torch.Tensor:
@@ -168,29 +184,27 @@ def append_and_rotate(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], q
     ``q_moves``: query row ``i`` is at position ``cache_seqlens + i`` (causal or local attention),
     else every query row is at ``cache_seqlens``.
     """
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        if k_new is not None and k_new.shape[1] > 0:
-            _launch_copy(k_new, cache.k, cache.seqlens, 1, rotary, cache)
-            _launch_copy(v_new, cache.v, cache.seqlens, 1, None, cache)
-        if rotary is None or q.shape[1] == 0:
-            return q
-        q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)
-        _launch_copy(q, q_rot, cache.seqlens, 1 if q_moves else 0, rotary, None)
+    if k_new is not None and k_new.shape[1] > 0:
+        _launch_copy(k_new, cache.k, cache.seqlens, 1, rotary, cache)
+        _launch_copy(v_new, cache.v, cache.seqlens, 1, None, cache)
+    if rotary is None or q.shape[1] == 0:
+        return q
+    q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)
+    _launch_copy(q, q_rot, cache.seqlens, 1 if q_moves else 0, rotary, None)
     return q_rot
 
 
 def auto_splits(
-    batch: int, nheads: int, seqlen_q: int, capacity: int, device: torch.device,
-    head_dim: Optional[int] = None, element_size: Optional[int] = None,
+    batch: int, nheads: int, seqlen_q: int, capacity: int, device: torch.device, head_dim: int, element_size: int,
 ) -> int:
-    """The split-KV count of a call over a KV cache: for a decoding step (at most 16 query rows, the
-    decode kernel) the one ``flash-recipe tune`` measured fastest on this GPU model for this
-    head-dim bucket, element size and bucket of programs and cache capacity
-    (``flash_recipe.ops.tuned``; only when ``head_dim`` and ``element_size`` are given), else
-    ``heuristic_splits``."""
+    """The split-KV count of a call over a KV cache whose launch has ``nheads`` heads of
+    ``seqlen_q`` query rows each (``program_heads``): for a decoding step (at most 16 such rows)
+    the one ``flash-recipe tune`` measured fastest on this GPU model for this head-dim bucket,
+    element size and bucket of programs (``batch * nheads * cdiv(seqlen_q, 16)``) and cache
+    capacity (``flash_recipe.ops.tuned``), else ``heuristic_splits``. 1 off CUDA."""
     if device.type != "cuda":
         return 1
-    if head_dim is not None and element_size is not None and seqlen_q <= 16:
+    if seqlen_q <= 16:
         target = configs.target_of(device)
         if target != "interpreter":
             from flash_recipe.ops import tuned
@@ -200,31 +214,59 @@ def auto_splits(
                                      capacity)
             if found is not None:
                 return found
-    return heuristic_splits(batch, nheads, seqlen_q, capacity, device)
+    return heuristic_splits(batch, nheads, seqlen_q, capacity, device, head_dim, element_size)
 
 
-def heuristic_splits(batch: int, nheads: int, seqlen_q: int, capacity: int, device: torch.device) -> int:
-    """How many split-KV shares keep the GPU busy: 1 when the query blocks alone fill the
-    multiprocessors, else enough shares for about two programs per multiprocessor, each with at
-    least four key blocks of 64, and at most 64."""
+def launch_blocks(device: torch.device, rows: int, head_dim: int, element_size: int) -> tuple[int, int]:
+    """``(query blocks, BLOCK_N)`` of the forward launch over a KV cache whose launched heads have
+    ``rows`` query rows each (``program_heads``: ``Sq``, or ``Sq * group`` where the GQA group is
+    packed), as ``forward.gqa_packing`` sizes it.
+
+    Up to ``forward.PACK_MAX_ROWS`` rows, the launch is taken for a decoding step: one query tile
+    (a packed group's tile grows to hold its rows; an unpacked step has at most 16) of the decode
+    configuration, its keys in that configuration's ``BLOCK_N``. More rows count
+    ``cdiv(rows, BLOCK_M)`` tiles of the general forward's configuration. Exact but for two calls
+    the rows alone do not tell apart: 17 to 64 unpacked query rows (the general forward's tiles,
+    counted as one decode tile) and a packed group of more than 64 rows from at most 16 query rows
+    (decode tiles, counted as the general forward's).
+    """
+    if rows <= PACK_MAX_ROWS:
+        return 1, configs.launch_config(device, "decode", head_dim, element_size).block_n
+    cfg = configs.launch_config(device, "fwd_general", head_dim, element_size)
+    return triton.cdiv(rows, cfg.block_m), cfg.block_n
+
+
+def heuristic_splits(
+    batch: int, nheads: int, seqlen_q: int, capacity: int, device: torch.device, head_dim: int, element_size: int,
+) -> int:
+    """The split-KV count by rule (``splits.choose_splits``): enough shares of the keys that the
+    launch fills the GPU's multiprocessors with a well-filled last wave, 1 when its programs alone
+    do, never more than the cache has key blocks.
+
+    The programs of one split are ``batch * nheads * query blocks`` and the key blocks
+    ``cdiv(capacity, BLOCK_N)``, with ``nheads`` heads of ``seqlen_q`` rows as ``program_heads``
+    counts them and the blocks of the launch (``launch_blocks``). 1 off CUDA.
+    """
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = batch * nheads * triton.cdiv(seqlen_q, 16)
-    if programs >= sms:
-        return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(capacity, 4 * 64), 64))
+    query_blocks, block_n = launch_blocks(device, seqlen_q, head_dim, element_size)
+    return splits.choose_splits(batch * nheads * query_blocks, triton.cdiv(capacity, block_n), splits.sm_count(device))
 
 
 def program_heads(q: torch.Tensor, nheads_k: int, pack_gqa: Optional[bool] = None) -> tuple[int, int]:
     """The heads and query rows per head that a decoding step over ``q (B, Sq, H, D)`` launches
     programs for: ``(H, Sq)``, or where the GQA group is packed (``forward.gqa_packing``)
-    ``(Hk, Sq * H / Hk)``: what the split-KV count is chosen for."""
+    ``(Hk, Sq * H / Hk)``: what the split-KV count is chosen for (``launch_blocks`` turns the rows
+    into query blocks)."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    kernel = "decode" if seqlen_q <= 16 else "fwd"
+    kernel = "decode" if seqlen_q <= 16 else "fwd_general"  # as attention_forward launches over a cache
     group = nheads // nheads_k
     packed = gqa_packing(q.device, kernel, seqlen_q, head_dim, group, 0.0, q.element_size(), pack_gqa)[0]
     return (nheads_k, seqlen_q * group) if packed else (nheads, seqlen_q)
+
+
+# (q's shape, dtype and device, kv heads, capacity, pack_gqa, settings) -> the automatic split count.
+_SPLITS = Memo()
 
 
 def attention_kvcache(
@@ -247,11 +289,20 @@ def attention_kvcache(
     new = k_new.shape[1] if k_new is not None else 0
     end = cache.seqlens + new if new else cache.seqlens
     start = cache.leftpad if cache.leftpad is not None else torch.zeros_like(cache.seqlens)
-    keys = KeyRanges(start, end, cache.capacity, cache.table)
+    capacity = cache.table.shape[1] * cache.k.shape[1]  # as Cache.capacity
+    keys = KeyRanges(start, end, capacity, cache.table)
     batch, seqlen_q, nheads, head_dim = q.shape
     kernel = "decode" if seqlen_q <= 16 else "fwd"
     if num_splits == 0:
-        heads, rows = program_heads(q, cache.k.shape[2], pack_gqa)
-        num_splits = auto_splits(batch, heads, rows, cache.capacity, q.device, head_dim, q.element_size())
+        state = configs.plan_state()
+        key = None
+        if state is not None:
+            key = (q.shape, q.dtype, q.device, cache.k.shape[2], capacity, pack_gqa, state,
+                   q.is_cuda and configs.interpreter_enabled())
+        found = _SPLITS.get(key) if key is not None else None
+        if found is None:
+            heads, rows = program_heads(q, cache.k.shape[2], pack_gqa)
+            found = _SPLITS.keep(key, auto_splits(batch, heads, rows, capacity, q.device, head_dim, q.element_size()))
+        num_splits = found
     return attention_forward(q, cache.k, cache.v, softmax_scale, options, keys=keys, num_splits=num_splits,
                              kernel=kernel, pack_gqa=pack_gqa)

@@ -8,11 +8,15 @@ Shapes (B batch, Sq/Sk query/key length, H query heads, Hk key/value heads, D he
 
 Every kernel is launched by keyword: the helpers here return dicts keyed by the kernels'
 parameter names, so a parameter is named once, in the kernel signature and at its launch.
+
+A launcher builds a ``Plan`` on the first call of a signature (``flash_recipe.signatures``): the
+grid, every argument that is not a tensor, and the compile-time flags the kernel's
+``triton.heuristics`` derive, evaluated once. A repeated call passes only its tensors to ``launch``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -134,3 +138,46 @@ def lse_buffer(q: torch.Tensor, varlen: Optional[Varlen], dims: Layout) -> tuple
         return lse, lse.stride(0), lse.stride(1)
     lse = tiles.output_buffer((dims.nheads, q.shape[0]), torch.float32, q.device)
     return lse, 0, lse.stride(0)
+
+
+class Plan(NamedTuple):
+    """A kernel launch with everything but its tensors decided (see ``plan``)."""
+
+    run: Callable  # the JIT function's ``run``, under its heuristics
+    grid: tuple
+    scalars: dict  # every argument that is not a tensor: sizes, strides, flags, absent tensors (None)
+    tensors: tuple  # the names of the arguments a launch passes as tensors (``launch``'s ``tensors``)
+    device: Optional[int]  # the CUDA device to launch on; None for CPU tensors (the interpreter)
+
+
+def _per_call(value: Any) -> bool:
+    """An argument that changes from call to call: a tensor, or a tensor descriptor (which holds one)."""
+    return isinstance(value, torch.Tensor) or hasattr(value, "base") and isinstance(value.base, torch.Tensor)
+
+
+def plan(kernel, grid: tuple, args: dict, device: torch.device) -> Plan:
+    """The launch of ``kernel`` (a ``triton.jit`` function, possibly under ``triton.heuristics``) on
+    ``grid`` with keyword ``args``, as a ``Plan``.
+
+    The heuristics are evaluated here, in order, as Triton evaluates them at each launch: their
+    values depend only on what a signature fixes (shapes, strides, dtypes, which tensors are
+    present, option values), so one evaluation serves every call of the signature.
+    """
+    args = dict(args)
+    while hasattr(kernel, "values") and hasattr(kernel, "arg_names"):  # triton.heuristics
+        for name, heuristic in kernel.values.items():
+            args[name] = heuristic(args)
+        kernel = kernel.fn
+    tensors = tuple(name for name, value in args.items() if _per_call(value))
+    scalars = {name: value for name, value in args.items() if name not in tensors}
+    return Plan(kernel.run, tuple(grid), scalars, tensors, device.index if device.type == "cuda" else None)
+
+
+def launch(plan: Plan, tensors: dict) -> None:
+    """Launch ``plan`` with this call's ``tensors`` (exactly the names in ``plan.tensors``), on the
+    plan's device (made current for the launch where it is not)."""
+    if plan.device is not None and torch.cuda.current_device() != plan.device:
+        with torch.cuda.device(plan.device):
+            plan.run(grid=plan.grid, warmup=False, **plan.scalars, **tensors)
+    else:
+        plan.run(grid=plan.grid, warmup=False, **plan.scalars, **tensors)

@@ -65,7 +65,9 @@ ELEMENT_SIZES = (2, 4)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
-MAX_SPLITS = 64  # as kvcache.auto_splits caps its own choice
+# The most splits a tuned count may hold: the split rule's cap, splits.MAX_SPLITS (flash-attn's 128), not
+# imported from there because configs imports this module and splits imports configs.
+MAX_SPLITS = 128
 
 
 class TunedCacheWarning(UserWarning):
@@ -312,6 +314,7 @@ def for_device(device, target: str) -> Optional[Tuned]:
     with _LOCK:
         if memo not in _LOADED:
             _LOADED[memo] = _load(index, target)
+            _changed()
         return _LOADED[memo]
 
 
@@ -334,6 +337,15 @@ def splits_for(device, target: str, bucket: int, element_size: int, programs: in
     return found or None  # 0: measured, and the heuristic was as fast
 
 
+# Counts the changes to what this module answers (entries read, forgotten or rejected): memoized
+# launch plans are keyed by it (``configs.plan_state``).
+GENERATION = [0]
+
+
+def _changed() -> None:
+    GENERATION[0] += 1
+
+
 def forget() -> None:
     """Drop what this process read (and the warnings it gave, and the entries that failed to
     compile or launch): the next launch reads the files again."""
@@ -342,6 +354,7 @@ def forget() -> None:
         _WARNED.clear()
         _NAMES.clear()
         _REJECTED.clear()
+    _changed()
 
 
 def reject(entries) -> None:
@@ -349,6 +362,7 @@ def reject(entries) -> None:
     the rest of the process: they failed to compile or launch (``configs.tuned_fallback``)."""
     with _LOCK:
         _REJECTED.update(entries)
+    _changed()
 
 
 # -- writing ----------------------------------------------------------------------------------

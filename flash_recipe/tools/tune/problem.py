@@ -155,7 +155,8 @@ class Problem:
             self.options = ScoreOptions(0, -1, 0, 0.0, None)  # per-batch ranges align bottom-right
             self.lengths = lengths
             heads, rows = kvcache.program_heads(self.q, hk)  # GQA packs its group: fewer programs
-            self.heuristic_splits = kvcache.heuristic_splits(b, heads, rows, sk, self.q.device)
+            size = self.q.element_size()
+            self.heuristic_splits = kvcache.heuristic_splits(b, heads, rows, sk, self.q.device, d, size)
             return
         self.heuristic_splits = None  # decoding only
         # The general forward is timed on a softcapped call (Gemma 2's 50), one of the options it serves.

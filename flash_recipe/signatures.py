@@ -1,0 +1,71 @@
+"""Call signatures and the memos keyed by them: what lets a repeated call skip the work it did once.
+
+A decoding loop calls attention with the same shapes thousands of times. Everything that follows
+from a call's *signature* (its tensors' shapes, strides, dtypes and devices, and its option values
+with their types) is the same every time: the checks' verdict, the backend chosen, the launch
+configuration, grid and scalar arguments. Each layer keeps what it derived in a ``Memo`` keyed by
+the signature, so the first call of a signature does all the work and the next ones look it up.
+
+What must never be memoized: anything that reads tensor *values* (metadata on the host is checked
+on every call) or depends on data pointers (alignment, tensor descriptors). ``signature`` returns
+None for arguments it cannot key faithfully (a tensor subclass, an unhashable option), and the
+caller then takes the full path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+_Tensor = torch.Tensor
+
+
+def signature(tensors: tuple, options: tuple) -> Optional[tuple]:
+    """A hashable key for ``tensors`` (each a plain ``torch.Tensor`` or None) and ``options``, or None.
+
+    A tensor contributes ``(shape, stride, dtype, device)``; an option ``(type, value)``, so that
+    ``True`` and ``1``, or ``0`` and ``0.0``, which compare equal, never share a key (the checks treat
+    them differently). A tuple or list option contributes its items' types too. Returns None when a
+    tensor is a subclass or another type, or an option is not hashable: such calls are not memoized.
+    """
+    key: list = []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is _Tensor:
+            key.append((t.shape, t.stride(), t.dtype, t.device))
+        else:
+            return None
+    for value in options:
+        kind = type(value)
+        if kind is tuple or kind is list:
+            key.append((kind, tuple(value), tuple(map(type, value))))
+        elif kind is _Tensor:
+            return None
+        else:
+            key.append((kind, value))
+    result = tuple(key)
+    try:
+        hash(result)
+    except TypeError:
+        return None
+    return result
+
+
+class Memo(dict):
+    """A dict of results per signature that forgets everything when it holds ``limit`` entries
+    (a program that calls with ever new shapes keeps a bounded memo; one that repeats its shapes,
+    the case it serves, never reaches the limit)."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key: Any, value: Any) -> Any:
+        """Store ``value`` under ``key`` (unless ``key`` is None) and return it."""
+        if key is not None:
+            if len(self) >= self.limit:
+                self.clear()
+            self[key] = value
+        return value
