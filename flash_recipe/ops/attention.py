@@ -53,9 +53,8 @@ def attn_fwd(
 
     Varlen: ``q (total_q, H, D)``, ``k, v (total_k, Hk, D)`` -> ``out (total_q, H, D)``, ``lse (H, total_q)``.
     """
-    options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
-                              window_right, softcap, alibi_slopes, dropout_p, seed)
-    return attention_forward(q, k, v, softmax_scale, options, varlen)
+    return attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset,
+                           window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
 
 
 @attn_fwd.register_fake
@@ -122,6 +121,33 @@ def _backward(ctx, dout, dlse):
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """``attn_fwd`` with its registered autograd, for eager calls: the same launcher, the same
+    ``_setup_context`` and ``_backward``, without the custom op's dispatch (which torch.compile
+    needs and an eager call pays for on every step). ``args`` holds the op's arguments after v.
+    A ``forward(ctx, ...)`` Function, for which torch binds no signature per call (``torch.func``
+    transforms take neither it nor the custom op's autograd)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        output = attn_fwd_launch(q, k, v, *args)
+        _setup_context(ctx, (q, k, v, *args), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        dq, dk, dv = _backward(ctx, dout, dlse)[:3]
+        return dq, dk, dv, None
+
+
+def attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset,
+                    window_left, window_right, softcap, alibi_slopes, dropout_p, seed):
+    """What ``attn_fwd`` runs: the forward launcher on the op's arguments."""
+    options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
+                              window_right, softcap, alibi_slopes, dropout_p, seed)
+    return attention_forward(q, k, v, softmax_scale, options, varlen)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -144,17 +170,13 @@ def attention(
     """
     if dropout_p > 0.0 and seed is None:
         seed = new_seed(q.device)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) and not (
-        torch.compiler.is_compiling()
-    ):
-        # Nothing to record and nothing to trace: the launcher itself, without the custom op's
-        # dispatch (which would call it with the same arguments).
-        options, varlen = _unpack(cu_seqlens[0], cu_seqlens[1], max_seqlens[0], max_seqlens[1], diag_offset,
-                                  window[0], window[1], softcap, alibi_slopes, dropout_p, seed)
-        return attention_forward(q, k, v, float(softmax_scale), options, varlen)
-    return attn_fwd(q, k, v, cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]),
-                    float(softmax_scale), int(diag_offset), int(window[0]), int(window[1]), float(softcap),
-                    alibi_slopes, float(dropout_p), seed)
+    args = (cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]), float(softmax_scale),
+            int(diag_offset), int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), seed)
+    if torch.compiler.is_compiling():
+        return attn_fwd(q, k, v, *args)  # traced whole, as one op
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, args)
+    return attn_fwd_launch(q, k, v, *args)  # nothing to record
 
 
 def new_seed(device: torch.device) -> torch.Tensor:

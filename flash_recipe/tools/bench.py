@@ -484,9 +484,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="write a markdown table to this file")
     parser.add_argument("--plot", help="write a PNG of TFLOP/s against seqlen (needs matplotlib)")
     parser.add_argument("--json", help="write the context and rows as JSON to this file, rewritten after each row")
+    parser.add_argument(
+        "--host",
+        nargs=argparse.REMAINDER,
+        metavar="OPTIONS",
+        help="measure the host cost per call instead (Python calls and microseconds, launches stubbed, beside torch "
+        "SDPA's); the options after it are flash_recipe.tools.host_cost's (--host --help lists them)",
+    )
 
 
 def run(args) -> int:
+    if args.host is not None:
+        from flash_recipe.tools import host_cost
+
+        return host_cost.main(args.host, prog="flash-recipe bench --host")
     bad = [m for m in args.mode if m not in MODES] or [
         d for d in args.dtype if d not in ("float16", "bfloat16", "float32")
     ]
