@@ -63,11 +63,11 @@ def stubbed_launches() -> Iterator[list]:
         launches.append((getattr(self, "__name__", None) or getattr(self.fn, "__name__", "?"), grid))
 
     saved = jit.JITFunction.run, interpreter.InterpretedFunction.run
-    jit.JITFunction.run = interpreter.InterpretedFunction.run = recorded  # type: ignore[method-assign]
+    jit.JITFunction.run = interpreter.InterpretedFunction.run = recorded
     try:
         yield launches
     finally:
-        jit.JITFunction.run, interpreter.InterpretedFunction.run = saved  # type: ignore[method-assign]
+        jit.JITFunction.run, interpreter.InterpretedFunction.run = saved
 
 
 def count_calls(fn: Callable[[], object]) -> int:
@@ -177,7 +177,7 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
     rows = []
     for name in cases:
         ours, sdpa = make_case(name, device, dtype, cache)
-        stubbed = stubbed_launches() if stub else contextlib.nullcontext([])
+        stubbed: contextlib.AbstractContextManager = stubbed_launches() if stub else contextlib.nullcontext([])
         with flash_recipe.use_backend("triton"), device_metadata(device), stubbed as launches:
             ours()  # the first call of the signature: checks, choices, plans
             before = len(launches)
