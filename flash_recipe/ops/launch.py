@@ -143,7 +143,7 @@ def lse_buffer(q: torch.Tensor, varlen: Optional[Varlen], dims: Layout) -> tuple
 class Plan(NamedTuple):
     """A kernel launch with everything but its tensors decided (see ``plan``)."""
 
-    run: Callable  # the JIT function's ``run``, under its heuristics
+    kernel: Any  # the JIT function under the heuristics (``run`` is looked up at each launch)
     grid: tuple
     scalars: dict  # every argument that is not a tensor: sizes, strides, flags, absent tensors (None)
     tensors: tuple  # the names of the arguments a launch passes as tensors (``launch``'s ``tensors``)
@@ -170,7 +170,7 @@ def plan(kernel, grid: tuple, args: dict, device: torch.device) -> Plan:
         kernel = kernel.fn
     tensors = tuple(name for name, value in args.items() if _per_call(value))
     scalars = {name: value for name, value in args.items() if name not in tensors}
-    return Plan(kernel.run, tuple(grid), scalars, tensors, device.index if device.type == "cuda" else None)
+    return Plan(kernel, tuple(grid), scalars, tensors, device.index if device.type == "cuda" else None)
 
 
 def launch(plan: Plan, tensors: dict) -> None:
@@ -178,6 +178,6 @@ def launch(plan: Plan, tensors: dict) -> None:
     plan's device (made current for the launch where it is not)."""
     if plan.device is not None and torch.cuda.current_device() != plan.device:
         with torch.cuda.device(plan.device):
-            plan.run(grid=plan.grid, warmup=False, **plan.scalars, **tensors)
+            plan.kernel.run(grid=plan.grid, warmup=False, **plan.scalars, **tensors)
     else:
-        plan.run(grid=plan.grid, warmup=False, **plan.scalars, **tensors)
+        plan.kernel.run(grid=plan.grid, warmup=False, **plan.scalars, **tensors)
