@@ -81,6 +81,7 @@ def build_flash_call(
         key = signature(
             (q, k, v, o.alibi_slopes, cu_q, cu_k),
             (
+                "flash_call",
                 o.dropout_p,
                 o.softmax_scale,
                 o.causal,
@@ -97,12 +98,14 @@ def build_flash_call(
         )
         fields = _CALLS.get(key) if key is not None else None
         if fields is not None:
-            return AttentionCall(
+            call = AttentionCall(
                 q=q, k=k, v=v, alibi_slopes=o.alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **fields
             )
+            return call.signed(key)
     call = _checked_flash_call(q, k, v, options, names, varlen, paged)
     if key is not None and _reusable(call, (q, k, v), varlen):
         _CALLS.keep(key, _derived_fields(call))
+        call.signed(key)
     return call
 
 
@@ -126,6 +129,7 @@ def _reusable(call: AttentionCall, given: tuple, varlen: Optional[tuple]) -> boo
 def _derived_fields(call: AttentionCall) -> dict:
     fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call) if f.name not in _TENSOR_FIELDS}
     fields.pop("seed")  # a call's own; None from the public layer
+    fields.pop("signature")  # not an argument
     return fields
 
 

@@ -91,6 +91,7 @@ def build_cache_call(
         key = signature(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes, *metadata),
             (
+                "kvcache_call",
                 None if metadata[0] is not None else cache_seqlens,
                 softmax_scale,
                 causal,
@@ -104,6 +105,7 @@ def build_cache_call(
         form = _CACHE_CALLS.get(key) if key is not None else None
         if form is not None:
             return _repeat_cache_call(
+                key,
                 form,
                 q,
                 k_cache,
@@ -152,10 +154,11 @@ def build_cache_call(
         fields = {
             f.name: getattr(call.attention, f.name)
             for f in dataclasses.fields(call.attention)
-            if f.name not in ("q", "k", "v", "alibi_slopes")
+            if f.name not in ("q", "k", "v", "alibi_slopes", "signature")
         }
         capacity = call.table.shape[1] * k_cache.shape[1]
         _CACHE_CALLS.keep(key, _CacheForm(fields, call.num_splits, call.paged, capacity, rotary_interleaved))
+        call.attention.signed(key)
     return call
 
 
@@ -174,6 +177,7 @@ _CACHE_CALLS = Memo()
 
 
 def _repeat_cache_call(
+    key: tuple,
     form: _CacheForm,
     q,
     k_cache,
@@ -202,7 +206,7 @@ def _repeat_cache_call(
         table = cache_batch_idx.view(batch, 1)
     else:
         table = torch.arange(batch, dtype=torch.int32, device=q.device).view(batch, 1)
-    attention = AttentionCall(q=q, k=k_cache, v=v_cache, alibi_slopes=alibi_slopes, **form.fields)
+    attention = AttentionCall(q=q, k=k_cache, v=v_cache, alibi_slopes=alibi_slopes, **form.fields).signed(key)
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, form.interleaved)
     user_args = dict(
         k=k,

@@ -168,20 +168,23 @@ _SELECTED = Memo()
 
 
 def _selection_key(call: AttentionCall, forced: Optional[str], extra_key: Optional[tuple]) -> Optional[tuple]:
-    """What a backend's refusal reads: the call's tensors and options, and the facts that can change."""
-    found = signature(
-        (call.q, call.k, call.v, call.attn_mask, call.alibi_slopes, call.cu_seqlens_q, call.cu_seqlens_k),
-        (
-            call.causal,
-            call.diag_offset,
-            call.window,
-            call.softcap,
-            call.dropout_p,
-            call.return_lse,
-            call.return_probs,
-            call.seed is None,
-        ),
-    )
+    """What a backend's refusal reads: the call's tensors and options (the public layer's signature of
+    its arguments, where it has one), and the facts that can change."""
+    found = call.signature
+    if found is None:
+        found = signature(
+            (call.q, call.k, call.v, call.attn_mask, call.alibi_slopes, call.cu_seqlens_q, call.cu_seqlens_k),
+            (
+                call.causal,
+                call.diag_offset,
+                call.window,
+                call.softcap,
+                call.dropout_p,
+                call.return_lse,
+                call.return_probs,
+                call.seed is None,
+            ),
+        )
     if found is None:
         return None
     # The interpreter decides for CPU tensors only (``TritonBackend.supports``).

@@ -49,9 +49,18 @@ class AttentionCall:
     # int64 (1,): the seed of the dropout mask, for a backend whose backward regenerates it
     # (``Backend.replays_dropout``); None draws a new one.
     seed: Optional[torch.Tensor] = None
+    # The public layer's signature of the arguments the call was built from (``flash_recipe.signatures``),
+    # which decides every field but the tensors' data; None where it was not memoized. Set by
+    # ``signed``, never an argument, so ``dataclasses.replace`` (a call with other fields) drops it.
+    signature: Optional[tuple] = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window", effective_window(self.causal, self.window))
+
+    def signed(self, signature: Optional[tuple]) -> AttentionCall:
+        """This call, marked as built from arguments of ``signature``."""
+        object.__setattr__(self, "signature", signature)
+        return self
 
     @property
     def is_varlen(self) -> bool:

@@ -403,14 +403,14 @@ def attention_forward(
     key = _plan_key(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa)
     found = _PLANS.get(key) if key is not None else None
     if found is None:
-        found = _PLANS.keep(key, _plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel,
+        found = _PLANS.keep(key, plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel,
                                                pack_gqa))
     else:
         configs.took_tuned(found.tuned)
-    return _run_forward(found, q, k, v, options, varlen, keys)
+    return run_forward(found, q, k, v, options, varlen, keys)
 
 
-class _ForwardPlan(NamedTuple):
+class ForwardPlan(NamedTuple):
     """What a forward launch of one signature does, decided once (``launch.plan``)."""
 
     out_shape: tuple
@@ -422,7 +422,7 @@ class _ForwardPlan(NamedTuple):
     tuned: tuple  # the tuned configurations it took (``configs.tuned_fallback``)
 
 
-# Signature of a forward launch (``_plan_key``) -> its ``_ForwardPlan``.
+# Signature of a forward launch (``_plan_key``) -> its ``ForwardPlan``.
 _PLANS = Memo()
 
 
@@ -447,14 +447,14 @@ def _plan_key(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel,
     return found, state, q.is_cuda and configs.interpreter_enabled(), aligned, features.requested()
 
 
-def _plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa) -> _ForwardPlan:
+def plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa) -> ForwardPlan:
     """Decide a forward launch (the first call of its signature): configuration, grid and arguments."""
     dims = layout(q, k, varlen, keys)
     lse_shape = (dims.batch, dims.nheads, dims.seqlen_q) if varlen is None else (dims.nheads, q.shape[0])
     used = configs.tuned_taken()
     before = len(used) if used is not None else 0
     if q.numel() == 0 or dims.seqlen_q == 0:
-        return _ForwardPlan(tuple(q.shape), lse_shape, None, None, num_splits, 0, ())
+        return ForwardPlan(tuple(q.shape), lse_shape, None, None, num_splits, 0, ())
     # Outputs as meta tensors: their strides, without memory (a launch allocates its own).
     out = torch.empty(q.shape, dtype=q.dtype, device="meta")
     lse, stride_lb, stride_lh = lse_buffer(out, varlen, dims)
@@ -508,10 +508,10 @@ def _plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, ker
             head_dim=dims.head_dim, num_splits=num_splits, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
         ), q.device)
     taken = tuple(used[before:]) if used is not None else ()
-    return _ForwardPlan(tuple(q.shape), lse_shape, main, combine, num_splits, cfg.block_n if views else 0, taken)
+    return ForwardPlan(tuple(q.shape), lse_shape, main, combine, num_splits, cfg.block_n if views else 0, taken)
 
 
-def _run_forward(p: _ForwardPlan, q, k, v, options: ScoreOptions, varlen, keys) -> tuple[torch.Tensor, torch.Tensor]:
+def run_forward(p: ForwardPlan, q, k, v, options: ScoreOptions, varlen, keys) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the outputs and launch a planned forward with this call's tensors."""
     out = tiles.output_buffer(p.out_shape, q.dtype, q.device)
     lse = tiles.output_buffer(p.lse_shape, torch.float32, q.device)

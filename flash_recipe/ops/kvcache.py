@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from flash_recipe.ops import configs, splits, tiles
-from flash_recipe.ops.forward import PACK_MAX_ROWS, attention_forward, gqa_packing
+from flash_recipe.ops.forward import PACK_MAX_ROWS, ForwardPlan, gqa_packing, plan_forward, run_forward
 from flash_recipe.ops.launch import KeyRanges, Plan, ScoreOptions, launch, plan
 from flash_recipe.signatures import Memo, signature
 
@@ -137,22 +137,14 @@ class Cache(NamedTuple):
 _ROWS = 16  # rows per program of rotary_append_kernel
 
 
-def _launch_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Optional[Cache]):
-    """Launch ``rotary_append_kernel`` for ``x (B, S, heads, D)``: into the cache pages ``out`` when
-    ``cache`` is given, else into ``out`` shaped like x (planned once per signature: ``launch.plan``)."""
-    table = cache.table if cache is not None else None
-    cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (None, None)
-    interleaved = bool(rotary is not None and rotary.interleaved)
-    key = signature((x, out, positions, cos, sin, table), (pos_step, interleaved))
-    found = _COPIES.get(key) if key is not None else None
-    if found is None:
-        found = _COPIES.keep(key, _plan_copy(x, out, positions, pos_step, rotary, cache))
-    given = dict(X=x, OUT=out, POS=positions, COS=cos, SIN=sin, PAGE_TABLE=table)
+def _copy_tensors(x, out, positions, rotary: Optional[Rotary], cache: Optional[Cache]) -> dict:
+    """The tensors of a ``rotary_append_kernel`` launch (absent ones None)."""
+    return dict(X=x, OUT=out, POS=positions, COS=rotary.cos if rotary is not None else None,
+                SIN=rotary.sin if rotary is not None else None, PAGE_TABLE=cache.table if cache is not None else None)
+
+
+def _launch_copy(found: Plan, given: dict) -> None:
     launch(found, {name: given[name] for name in found.tensors})
-
-
-# Signature of a rotary_append_kernel launch -> its plan.
-_COPIES = Memo()
 
 
 def _plan_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Optional[Cache]) -> Plan:
@@ -178,20 +170,32 @@ def _plan_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Opt
     ), x.device)
 
 
-def append_and_rotate(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], q_moves: bool) -> torch.Tensor:
-    """Write ``k_new`` (rotated) and ``v_new`` into the cache in place; return q, rotated if asked.
+class StepPlan(NamedTuple):
+    """A decoding step of one signature, decided once (``attention_kvcache``)."""
 
-    ``q_moves``: query row ``i`` is at position ``cache_seqlens + i`` (causal or local attention),
-    else every query row is at ``cache_seqlens``.
-    """
+    append_k: Optional[Plan]  # new keys into the cache (rotated), None without new rows
+    append_v: Optional[Plan]
+    rotate_q: Optional[Plan]  # q rotated into a new tensor, None without rotary (or no query rows)
+    forward: ForwardPlan  # the attention over the cache (``forward.plan_forward``)
+
+
+def _plan_step(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], softmax_scale: float, options: ScoreOptions,
+               keys: KeyRanges, num_splits: int, pack_gqa: Optional[bool], q_moves: bool) -> StepPlan:
+    append_k = append_v = rotate_q = None
     if k_new is not None and k_new.shape[1] > 0:
-        _launch_copy(k_new, cache.k, cache.seqlens, 1, rotary, cache)
-        _launch_copy(v_new, cache.v, cache.seqlens, 1, None, cache)
-    if rotary is None or q.shape[1] == 0:
-        return q
-    q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)
-    _launch_copy(q, q_rot, cache.seqlens, 1 if q_moves else 0, rotary, None)
-    return q_rot
+        append_k = _plan_copy(k_new, cache.k, cache.seqlens, 1, rotary, cache)
+        append_v = _plan_copy(v_new, cache.v, cache.seqlens, 1, None, cache)
+    if rotary is not None and q.shape[1] > 0:
+        q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)  # as each step allocates its own
+        rotate_q = _plan_copy(q, q_rot, cache.seqlens, 1 if q_moves else 0, rotary, None)
+        q = q_rot
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if num_splits == 0:
+        heads, rows = program_heads(q, cache.k.shape[2], pack_gqa)
+        num_splits = auto_splits(batch, heads, rows, keys.max_len, q.device, head_dim, q.element_size())
+    kernel = "decode" if seqlen_q <= 16 else "fwd"
+    found = plan_forward(q, cache.k, cache.v, softmax_scale, options, None, keys, num_splits, kernel, pack_gqa)
+    return StepPlan(append_k, append_v, rotate_q, found)
 
 
 def auto_splits(
@@ -265,10 +269,11 @@ def program_heads(q: torch.Tensor, nheads_k: int, pack_gqa: Optional[bool] = Non
     return (nheads_k, seqlen_q * group) if packed else (nheads, seqlen_q)
 
 
-# (q's shape, dtype and device, kv heads, capacity, pack_gqa, settings) -> the automatic split count.
-_SPLITS = Memo()
+# Signature of a decoding step (``attention_kvcache``) -> its ``StepPlan``.
+_STEPS = Memo()
 
 
+@configs.tuned_fallback
 def attention_kvcache(
     q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], cache: Cache,
     rotary: Optional[Rotary], softmax_scale: float, options: ScoreOptions, num_splits: int = 0,
@@ -285,24 +290,32 @@ def attention_kvcache(
     Returns ``out (B, Sq, H, D)`` in q's dtype and ``lse (B, H, Sq)`` float32.
     """
     q_moves = options.window_left >= 0 or options.window_right >= 0
-    q = append_and_rotate(q, k_new, v_new, cache, rotary, q_moves)
     new = k_new.shape[1] if k_new is not None else 0
     end = cache.seqlens + new if new else cache.seqlens
     start = cache.leftpad if cache.leftpad is not None else torch.zeros_like(cache.seqlens)
-    capacity = cache.table.shape[1] * cache.k.shape[1]  # as Cache.capacity
-    keys = KeyRanges(start, end, capacity, cache.table)
-    batch, seqlen_q, nheads, head_dim = q.shape
-    kernel = "decode" if seqlen_q <= 16 else "fwd"
-    if num_splits == 0:
-        state = configs.plan_state()
-        key = None
-        if state is not None:
-            key = (q.shape, q.dtype, q.device, cache.k.shape[2], capacity, pack_gqa, state,
-                   q.is_cuda and configs.interpreter_enabled())
-        found = _SPLITS.get(key) if key is not None else None
-        if found is None:
-            heads, rows = program_heads(q, cache.k.shape[2], pack_gqa)
-            found = _SPLITS.keep(key, auto_splits(batch, heads, rows, capacity, q.device, head_dim, q.element_size()))
-        num_splits = found
-    return attention_forward(q, cache.k, cache.v, softmax_scale, options, keys=keys, num_splits=num_splits,
-                             kernel=kernel, pack_gqa=pack_gqa)
+    keys = KeyRanges(start, end, cache.table.shape[1] * cache.k.shape[1], cache.table)  # capacity: Cache.capacity
+    cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (None, None)
+    key = None
+    state = configs.plan_state()
+    if state is not None:
+        key = signature(
+            (q, k_new, v_new, cache.k, cache.v, cache.table, cache.seqlens, cache.leftpad, cos, sin, options.slopes),
+            (softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
+             options.dropout_p, rotary is not None and rotary.interleaved, num_splits, pack_gqa),
+        )
+    if key is not None:
+        key = key, state, q.is_cuda and configs.interpreter_enabled()
+    step = _STEPS.get(key) if key is not None else None
+    if step is None:
+        step = _STEPS.keep(key, _plan_step(q, k_new, v_new, cache, rotary, softmax_scale, options, keys, num_splits,
+                                           pack_gqa, q_moves))
+    else:
+        configs.took_tuned(step.forward.tuned)
+    if step.append_k is not None:
+        _launch_copy(step.append_k, _copy_tensors(k_new, cache.k, cache.seqlens, rotary, cache))
+        _launch_copy(step.append_v, _copy_tensors(v_new, cache.v, cache.seqlens, None, cache))
+    if step.rotate_q is not None:
+        q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)
+        _launch_copy(step.rotate_q, _copy_tensors(q, q_rot, cache.seqlens, rotary, None))
+        q = q_rot
+    return run_forward(step.forward, q, cache.k, cache.v, options, None, keys)
