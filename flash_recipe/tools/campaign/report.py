@@ -46,9 +46,10 @@ def build_targets(steps: dict) -> list:
             targets.append({"target": "peak memory", "verdict": "MISS", "ratio": None, "note": "no memory measurement"})
     decode_step = steps.get("decode")
     if decode_step is not None and decode_step.get("status") != "skipped":
-        rows = (decode_step.get("data") or {}).get("rows", [])
+        data = decode_step.get("data") or {}
+        rows = data.get("rows", [])
         if rows:
-            targets += decode_targets(rows)
+            targets += decode_targets(rows, data.get("context"))
         else:
             targets.append({"target": "decode", "verdict": "MISS", "ratio": None, "note": "no decoding measurement"})
     return targets
@@ -143,11 +144,35 @@ def render_markdown(report: dict) -> str:
         for name, problem in (report.get("plots") or {}).items():
             lines.append(f"![{name}]({name})" if problem is None else f"{name}: not drawn ({problem})")
         lines.append("")
+    host_data = (steps.get("host") or {}).get("data") or {}
+    if host_data.get("rows"):
+        lines += [
+            "## Host cost per call",
+            "",
+            f"{host_data.get('shape', '')}: Python function calls and microseconds per call issued back to back "
+            "(no synchronisation in the timed region), Triton's launch stubbed or real, torch SDPA beside.",
+            "",
+            "| case | launches | Python calls | us per call | SDPA us per call | ratio |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for row in host_data["rows"]:
+            lines.append(
+                f"| {row['case']} | {'stubbed' if row.get('stubbed') else 'real'} | {row['calls']} | {row['us']} | "
+                f"{row['sdpa_us']} | {row['ratio']} |"
+            )
+        lines.append("")
+    capture_data = (steps.get("capture") or {}).get("data") or {}
+    if capture_data.get("rows"):
+        lines += ["## CUDA-graph capture", "", "| check | status | detail |", "|---|---|---|"]
+        lines += [f"| {row['check']} | {row['status']} | {row['detail']} |" for row in capture_data["rows"]]
+        lines.append("")
     decode_data = (steps.get("decode") or {}).get("data") or {}
     if decode_data.get("rows"):
         from flash_recipe.tools.bench_decode import markdown
 
         lines += ["## Decoding", "", markdown(decode_data), ""]
+        if any("graph_bytes_per_s" in row for row in decode_data["rows"]):
+            lines += [markdown(decode_data, "graph_bytes_per_s"), ""]
     verify = (steps.get("verify") or {}).get("data")
     if verify:
         lines += [

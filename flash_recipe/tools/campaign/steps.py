@@ -204,6 +204,18 @@ def collect(step: Step, record: dict, scratch: Path, out: Path, log) -> dict:
         rows = document.get("rows", [])
         record["data"] = document
         record["detail"] = f"{len(rows)} rows, {sum('error' in r for r in rows)} with errors ({record['detail']})"
+    elif step.name == "host":
+        rows = document.get("rows", [])
+        record["data"] = document
+        worst = max((row["us"] for row in rows if not row.get("stubbed")), default=None)
+        record["detail"] = f"{len(rows)} rows" + (
+            f", at most {worst:.0f} us per call with real launches" if worst else ""
+        )
+    elif step.name == "capture":
+        rows = document.get("rows", [])
+        record["data"] = document
+        passed = sum(row.get("status") == "passed" for row in rows)
+        record["detail"] = f"{passed} of {len(rows)} capture checks passed ({record['detail']})"
     elif step.name == "env":
         record["data"] = document
         record["detail"] = f"{document.get('device', 'no CUDA device')}"

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from flash_recipe.tools.campaign.plan import (
+    DECODE_EAGER_RATIO,
     DECODE_LONG,
-    DECODE_PEAK,
+    DECODE_REPLAY_OF_COPY,
+    DECODE_WIDE,
     LINEAR_SLACK,
     MEMORY_RATIO,
     REFERENCE,
@@ -52,43 +54,57 @@ def speed_targets(rows: list, shape_ids: list, subject: str = SUBJECT, reference
     return targets
 
 
-def decode_targets(rows: list) -> list:
-    """Decoding targets from ``bench_decode`` rows: per (batch, cache) flash_recipe's bandwidth over
-    SDPA's, PASS at 1 or more; and at caches of ``DECODE_LONG`` rows or more its share of the GPU's
-    peak bandwidth, PASS at ``DECODE_PEAK`` or more. A row either side did not measure is a MISS."""
+def decode_targets(rows: list, context: Optional[dict] = None) -> list:
+    """Decoding targets from ``bench_decode`` rows (``--cuda-graph``: each step timed as Python calls
+    it and replayed from a CUDA graph) and its ``context`` (the copy bandwidth measured in the run):
+
+    - ``decode eager vs sdpa``: at batch >= ``DECODE_WIDE`` and caches of ``DECODE_LONG`` rows or
+      more, flash_recipe's bandwidth called from Python over SDPA's, PASS at ``DECODE_EAGER_RATIO``;
+    - ``decode replay vs sdpa``: every row, flash_recipe's replay over SDPA's own replay, PASS at 1;
+    - ``decode replay of copy``: caches of ``DECODE_LONG`` rows or more, flash_recipe's replayed
+      bandwidth over the device-to-device copy's, PASS at ``DECODE_REPLAY_OF_COPY[wide]`` (batch
+      >= ``DECODE_WIDE``, or smaller).
+
+    A row either side did not measure is a MISS that says why."""
+    copy = (context or {}).get("copy_bytes_per_s")
     by_key = {(row["batch"], row["cache"], row["peer"]): row for row in rows}
     targets = []
     for batch, cache in sorted({(row["batch"], row["cache"]) for row in rows}):
         ours, sdpa = by_key.get((batch, cache, "flash_recipe"), {}), by_key.get((batch, cache, "sdpa"), {})
         shape = f"B{batch}-S{cache}"
-        mine, theirs = _gbs(ours), _gbs(sdpa)
-        entry: dict[str, Any] = {"target": "decode vs sdpa", "shape": shape, "required": 1.0, "unit": "GB/s"}
-        entry.update(subject=mine, reference=theirs)
-        if mine is None or theirs is None:
-            entry.update(ratio=None, verdict="MISS", note=ours.get("error") or sdpa.get("error") or "not measured")
-        else:
-            entry.update(ratio=mine / theirs, verdict=_verdict(mine >= theirs))
-        targets.append(entry)
-        if cache >= DECODE_LONG:
-            share = ours.get("of_peak")
-            targets.append(
-                {
-                    "target": "decode of peak",
-                    "shape": shape,
-                    "required": DECODE_PEAK,
-                    "unit": "x",
-                    "subject": share,
-                    "reference": None,
-                    "ratio": share,
-                    "verdict": _verdict(share is not None and share >= DECODE_PEAK),
-                    **({} if share is not None else {"note": "no peak bandwidth known for this GPU"}),
-                }
-            )
+        wide, long = batch >= DECODE_WIDE, cache >= DECODE_LONG
+        if wide and long:
+            targets.append(_ratio_target("decode eager vs sdpa", shape, ours, sdpa, "bytes_per_s", DECODE_EAGER_RATIO))
+        targets.append(_ratio_target("decode replay vs sdpa", shape, ours, sdpa, "graph_bytes_per_s", 1.0))
+        if long:
+            required = DECODE_REPLAY_OF_COPY[wide]
+            mine = ours.get("graph_bytes_per_s")
+            entry: dict[str, Any] = {"target": "decode replay of copy", "shape": shape, "required": required}
+            entry.update(unit="x", subject=_gbs(ours, "graph_bytes_per_s"), reference=copy / 1e9 if copy else None)
+            if mine is None or not copy:
+                why = ours.get("error") or ("no copy bandwidth measured" if not copy else "no CUDA-graph replay timed")
+                entry.update(ratio=None, verdict="MISS", note=why)
+            else:
+                entry.update(ratio=mine / copy, verdict=_verdict(mine / copy >= required))
+            targets.append(entry)
     return targets
 
 
-def _gbs(row: dict):
-    return row["bytes_per_s"] / 1e9 if "bytes_per_s" in row else None
+def _ratio_target(name: str, shape: str, ours: dict, sdpa: dict, key: str, required: float) -> dict:
+    """flash_recipe's ``key`` over SDPA's for one decoding row, PASS at ``required`` or more."""
+    mine, theirs = _gbs(ours, key), _gbs(sdpa, key)
+    entry: dict[str, Any] = {"target": name, "shape": shape, "required": required, "unit": "GB/s"}
+    entry.update(subject=mine, reference=theirs)
+    if mine is None or theirs is None:
+        why = ours.get("error") or sdpa.get("error") or f"not measured ({key})"
+        entry.update(ratio=None, verdict="MISS", note=why)
+    else:
+        entry.update(ratio=mine / theirs, verdict=_verdict(mine >= required * theirs))
+    return entry
+
+
+def _gbs(row: dict, key: str = "bytes_per_s"):
+    return row[key] / 1e9 if key in row else None
 
 
 def memory_targets(rows: list, subject: str = SUBJECT, reference: str = REFERENCE) -> list:

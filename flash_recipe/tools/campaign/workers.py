@@ -1,5 +1,5 @@
 """The steps the campaign runs in itself (``python -m flash_recipe.tools.campaign --step ...``):
-the environment probe and the peak-memory rows."""
+the environment probe, the host cost per call and the peak-memory rows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 from typing import Optional
 
 from flash_recipe.files import write_json
-from flash_recipe.tools.campaign.plan import MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shapes
+from flash_recipe.tools.campaign.plan import HOST_CASES, MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shapes
 
 # ----------------------------------------------------------------------------- the workers
 
@@ -78,10 +78,30 @@ def memory_rows(seqlens, peers, result: Optional[str] = None, progress=print) ->
     return rows
 
 
+def host_rows(cases=HOST_CASES, progress=print) -> dict:
+    """The host cost per call (``host_cost.measure``) on the GPU at the decoding shape, twice: with
+    Triton's launch stubbed (this package's own host work) and with real launches issued back to
+    back (what a decoding loop's host spends per call); torch SDPA's beside each."""
+    import torch
+
+    from flash_recipe.tools import host_cost
+
+    device = torch.device("cuda")
+    rows = []
+    for stub in (True, False):
+        for row in host_cost.measure(device, torch.bfloat16, host_cost.CACHE_GPU, stub, cases=cases):
+            rows.append(row)
+            progress(f"{row['case']:<14} launches {'stubbed' if stub else 'real':<8} {row['calls']:>4} calls "
+                     f"{row['us']:8.1f} us, sdpa {row['sdpa_us']:8.1f} us")  # fmt: skip
+    batch, nheads, nheads_k, head_dim = host_cost.SHAPE
+    shape = f"B{batch}-H{nheads}-Hk{nheads_k}-D{head_dim}-S{host_cost.CACHE_GPU}-bfloat16"
+    return {"shape": shape, "rows": rows}
+
+
 def worker_parser() -> argparse.ArgumentParser:
-    """Options of ``--step env|memory``: the in-process part of a step, run in its subprocess."""
+    """Options of ``--step env|host|memory``: the in-process part of a step, run in its subprocess."""
     parser = argparse.ArgumentParser(prog="python -m flash_recipe.tools.campaign --step")
-    parser.add_argument("--step", choices=("env", "memory"), required=True)
+    parser.add_argument("--step", choices=("env", "host", "memory"), required=True)
     parser.add_argument("--result", required=True, help="write the step's JSON result here")
     parser.add_argument(
         "--seqlen", type=lambda text: [int(x) for x in text.split(",") if x], default=list(MEMORY_SEQLENS)
@@ -96,6 +116,10 @@ def run_worker(argv: list) -> int:
         info = env_probe()
         write_json(args.result, info)
         print(json.dumps(info, indent=1))
+        return 0
+    if args.step == "host":
+        document = host_rows()
+        write_json(args.result, document)
         return 0
     rows = memory_rows(args.seqlen, args.peer or list(MEMORY_PEERS), args.result)
     write_json(args.result, rows)
