@@ -7,6 +7,12 @@ own subprocess with its own time budget; the budgets add up to less than 20 minu
 =======  ===========================================================================================
 env      the device, its memory, torch/CUDA/Triton/flash_recipe versions, the backend chosen for the
          target shape, the bench peers this machine has
+host     the host cost per call at the decoding shape (``flash_recipe.tools.host_cost``): Python calls
+         and microseconds of ``flash_attn_func`` (with and without autograd) and
+         ``flash_attn_with_kvcache``, Triton's launch stubbed and real, torch SDPA's beside
+capture  CUDA-graph capture (``flash_recipe.tools.capture_check``): a KV-cache step (dense and paged),
+         varlen, the forward and forward + backward, replayed against eager calls bit for bit, and a
+         decoding step under ``torch.compile(mode="reduce-overhead")``
 verify   ``flash-recipe verify --kvcache --grid full`` in fp16, bf16 and fp32: every backend against
          the reference, ``flash_attn_with_kvcache`` included
 bench    ``flash-recipe bench`` at the target shapes (bf16, head dim 128, 16 heads, seqlen 4k, 8k and
@@ -15,6 +21,9 @@ bench    ``flash-recipe bench`` at the target shapes (bf16, head dim 128, 16 hea
          descriptors off (a peer this machine lacks is left out and named in the report)
 memory   peak memory of one training step (forward; forward and backward) of flash_recipe and SDPA
          flash at seqlen 32k and 64k, above its inputs (``bench.peak_memory``)
+decode   ``flash_recipe.tools.bench_decode --cuda-graph``: KV-cache bandwidth of one decoding step at
+         Llama-3-8B's shape, called from Python and replayed from a CUDA graph, SDPA beside (each
+         captured too), and a device-to-device copy's bandwidth
 tests    pytest on the checkout's GPU-relevant test files, when a ``tests/`` folder lies next to the
          package (else recorded as skipped: an installed wheel has none)
 tune     ``flash-recipe tune --head-dim 64,128 --dtype bfloat16 --kernel fwd,decode``, its ``--json``
@@ -29,7 +38,10 @@ SDPA's flash backend measured side by side in the same process:
 - forward at least 1.25x SDPA flash's TFLOP/s at each target shape, causal and not;
 - backward at least 1.1x;
 - peak memory at most 1.05x SDPA flash's at 32k and 64k, forward and forward + backward;
-- peak memory linear in the sequence length: from 32k to 64k it grows at most 1.1 x 2.
+- peak memory linear in the sequence length: from 32k to 64k it grows at most 1.1 x 2;
+- decoding replayed from a CUDA graph at least as fast as SDPA's replay at every row, and from an
+  8k cache at least 80% of the copy bandwidth at batch 8 or more (50% below); called from Python,
+  at least 0.9x SDPA at batch 8 or more from an 8k cache.
 
 Each is reported per shape with both values, the ratio and PASS or MISS; a shape either side did
 not measure is a MISS that says why.
