@@ -151,15 +151,23 @@ def select(call: AttentionCall, extra: Refusal = None, extra_key: Optional[tuple
         found = _SELECTED.get(key) if key is not None else None
         if found is not None:
             return found
+    backend = _choose(call, name, extra)
+    if key is not None:  # never while compiling: the memo is this process's, not the graph's
+        _SELECTED.keep(key, backend)
+    return backend
+
+
+def _choose(call: AttentionCall, name: Optional[str], extra: Refusal) -> Backend:
+    """``select``'s choice, made in full: the forced backend ``name`` (or an error), else the first that can."""
     if name is not None:
         backend = _BY_NAME[name]
         why = reason(backend, call, extra)
         if why is not None:
             raise BackendUnavailableError(f"backend {name!r} cannot run this call: {why}")
-        return _SELECTED.keep(key, backend)
+        return backend
     for backend in BACKENDS:
         if reason(backend, call, extra) is None:
-            return _SELECTED.keep(key, backend)
+            return backend
     raise BackendUnavailableError(f"no backend can run this call: {explain_call(call, extra)}")  # reference always can
 
 

@@ -442,9 +442,9 @@ def _plan_key(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel,
     if found is None:
         return None
     if keys is not None:  # key ranges: no tensor descriptors
-        return found, state, q.is_cuda and configs.interpreter_enabled()
+        return found, state, configs.target_of(q.device)
     aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # tensor descriptors need 16-byte bases
-    return found, state, q.is_cuda and configs.interpreter_enabled(), aligned, features.requested()
+    return found, state, configs.target_of(q.device), aligned, features.requested()
 
 
 def plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa) -> ForwardPlan:

@@ -304,7 +304,7 @@ def attention_kvcache(
              options.dropout_p, rotary is not None and rotary.interleaved, num_splits, pack_gqa),
         )
     if key is not None:
-        key = key, state, q.is_cuda and configs.interpreter_enabled()
+        key = key, state, configs.target_of(q.device)
     step = _STEPS.get(key) if key is not None else None
     if step is None:
         step = _STEPS.keep(key, _plan_step(q, k_new, v_new, cache, rotary, softmax_scale, options, keys, num_splits,
