@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import flash_recipe
-from flash_recipe.tools import bench, cli
+from flash_recipe.tools import bench, bench_timing, cli
 
 
 def test_flop_count_is_the_standard_one():
@@ -57,8 +58,10 @@ def test_bench_runs_on_cpu_and_writes_csv_and_markdown(tmp_path, capsys, monkeyp
     for row in rows:
         assert not row["error"]
         assert float(row["fwd_tflops"]) > 0 and float(row["bwd_tflops"]) > 0 and float(row["fwd_bwd_tflops"]) > 0
+        assert all(float(row[f"{mode}_host_us"]) > 0 for mode in bench.MODES)
     assert "torch 2" in out.splitlines()[0] and "command: flash-recipe bench" in out.splitlines()[0]
     assert md_path.read_text().count("\n| B") == 16
+    assert "| fwd host us | bwd host us | fwd_bwd host us | peak MB | failed |" in md_path.read_text()
 
 
 def test_bench_plot(tmp_path, capsys):
@@ -203,3 +206,199 @@ def test_peak_memory_of_the_kernels_is_linear_in_the_sequence_length():
             assert result["total_mb"] == pytest.approx(result["before_mb"] + result["peak_mb"])
             peaks.append(result["peak_mb"])
         assert peaks[1] <= 2.2 * peaks[0], (mode, peaks)
+
+
+# ----------------------------------------------------------------------------- timing and verdicts
+
+
+class _Recorder:
+    """A stand-in for ``bench_timing.CudaClock``: logs what the timer does, and gives each repetition's
+    event pair the elapsed milliseconds it is scripted to."""
+
+    def __init__(self, log: list, elapsed_ms: list):
+        self.log, self.elapsed_ms, self.events = log, list(elapsed_ms), 0
+
+    def event(self):
+        recorder, index = self, self.events
+        self.events += 1
+
+        class Event:
+            def record(self):
+                recorder.log.append(f"record {index}")
+
+            def elapsed_time(self, end):
+                return recorder.elapsed_ms[index // 2]
+
+        return Event()
+
+    def flush(self):
+        self.log.append("flush")
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def mark(self):
+        self.log.append("mark")
+
+    def peak(self):
+        return 123
+
+
+def _scripted_now(host_seconds: list):
+    """A clock whose consecutive (begin, end) readings are ``host_seconds`` apart."""
+    readings = []
+    for t, seconds in enumerate(host_seconds):
+        readings += [10.0 * t, 10.0 * t + seconds]
+    return iter(readings).__next__
+
+
+def test_timer_issues_the_repetitions_back_to_back_and_synchronises_once():
+    """Like do_bench: L2 flushed before each repetition outside its event pair, ``setup`` outside
+    too, each call between its own pair of events, one synchronisation after the last; the
+    median of the per-repetition times and of the host time around each call."""
+    log: list = []
+    clock = _Recorder(log, elapsed_ms=[5.0, 1.0, 3.0])
+    timer = bench_timing.Timer("cuda", 2, 3, clock=clock, now=_scripted_now([1e-3, 3e-3, 2e-3]), probe=dict)
+    timing = timer(lambda: log.append("call"), setup=lambda: log.append("setup"))
+    warmup = ["setup", "call"] * 2
+    reps = [["setup", "flush", f"record {2 * i}", "call", f"record {2 * i + 1}"] for i in range(3)]
+    assert log == warmup + ["sync", "mark"] + [step for rep in reps for step in rep] + ["sync"]
+    assert timing.ms == 3.0 and timing.host_us == pytest.approx(2000.0)
+    assert timing.peak_bytes == 123 and timing.compiled == {}
+
+
+def test_timer_on_the_cpu_reads_the_wall_clock():
+    timer = bench_timing.Timer("cpu", 0, 3, now=_scripted_now([4e-3, 1e-3, 2e-3]), probe=dict)
+    timing = timer(lambda: None)
+    assert timer.clock is None and timing.ms == pytest.approx(2.0) and timing.host_us == pytest.approx(2000.0)
+    assert timing.peak_bytes is None
+
+
+@pytest.mark.parametrize("warmup, reps, argument", [(1, 0, "reps"), (-1, 3, "warmup")])
+def test_timer_rejects_counts_it_cannot_take_a_median_of(warmup, reps, argument):
+    with pytest.raises(ValueError, match=f"--{argument} must be at least"):
+        bench_timing.Timer("cpu", warmup, reps)
+
+
+@pytest.mark.parametrize("seqlen", [512, 4096, 8192, 16384])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_memory_bound_parts_fused_kernels_from_materialised_scores(seqlen, head_dim):
+    """The bound itself is the edge: at it a row passes, a byte above it fails. The scores and
+    their softmax, two half-precision S x S matrices, always exceed it from S = 4096; sixteen
+    half-precision tensors the size of q (what a fused kernel is allowed) never do."""
+    shape = bench.Shape(max(1, 16384 // seqlen), seqlen, 16, 4, head_dim, True, "bfloat16")
+    bound = bench_timing.memory_bound(shape)
+    assert bench_timing.memory_verdict(int(bound), shape) is None
+    error = bench_timing.memory_verdict(int(bound) + 1, shape)
+    assert error is not None and "suggests S^2 scores were materialised (fell back to an unfused path)" in error
+    q_bytes = shape.batch * seqlen * shape.nheads * head_dim * 2
+    assert bench_timing.memory_verdict(16 * q_bytes, shape) is None
+    if seqlen >= 4096:
+        assert bench_timing.memory_verdict(2 * bench_timing.scores_bytes(shape), shape) is not None
+    assert bench_timing.memory_verdict(None, shape) is None  # no CUDA, no verdict
+
+
+def test_judge_keeps_no_figure_for_a_failed_mode():
+    shape = bench.Shape(1, 4096, 16, 16, 128, True, "bfloat16")
+    fine = bench_timing.Timing(2.0, 40.0, 64 * 2**20, {})
+    heavy = bench_timing.Timing(1.0, 40.0, int(2 * bench_timing.scores_bytes(shape)), {})
+    recompiled = bench_timing.Timing(1.0, 40.0, 64 * 2**20, {"frames compiled": 1, "graphs": 1})
+    row = bench_timing.judge(shape, {"fwd": fine, "bwd": heavy, "fwd_bwd": recompiled}, {"frames compiled": 2})
+    assert row["fwd_tflops"] == pytest.approx(shape.flops("fwd") / 2e-3 / 1e12) and row["fwd_host_us"] == 40.0
+    assert not any(key in row for key in ("bwd_ms", "bwd_tflops", "bwd_host_us", "fwd_bwd_tflops", "fwd_bwd_ms"))
+    assert row["bwd_peak_mb"] == row["peak_mb"] == 2 * bench_timing.scores_bytes(shape) / 2**20
+    assert row["error"] == (
+        f"bwd: {bench_timing.memory_verdict(heavy.peak_bytes, shape)}; "
+        "fwd_bwd: recompiled during the timed region (frames compiled +1, graphs +1)"
+    )
+    unfused = bench_timing.judge(shape, {"bwd": heavy}, {}, unfused=True)  # sdpa_math: S x S is what it is
+    assert "error" not in unfused and unfused["bwd_tflops"] > 0
+    fell_back = bench_timing.judge(shape, {"fwd": fine}, {"frames compiled": 1, "graph break: print": 1})
+    assert fell_back["error"] == "fell back to eager code under torch.compile (graph break: print)"
+    assert "fwd_tflops" not in fell_back
+
+
+def _bench_args(*argv: str):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    small = ["--seqlen", "32", "--head-dim", "16", "--dtype", "float32", "--nheads", "2", "--tokens", "64"]
+    small += ["--gqa", "no", "--causal", "no", "--mode", "fwd", "--warmup", "1", "--reps", "3", "--device", "cpu"]
+    return parser.parse_args(small + list(argv))
+
+
+def _compiled_peer(grow_after: int | None = None, graph_break: bool = False):
+    """A peer through ``torch.compile`` (static shapes, eager backend: fast); from call
+    ``grow_after`` on it passes one more key row, a shape not yet compiled."""
+    import torch._dynamo
+
+    def attention(q, k, v):
+        if graph_break:
+            torch._dynamo.graph_break()
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    compiled = torch.compile(attention, backend="eager", dynamic=False)
+    calls = []
+
+    def peer(q, k, v, causal):
+        calls.append(1)
+        if grow_after is not None and len(calls) > grow_after:
+            k, v = torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1)
+        return compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    return peer
+
+
+def test_a_peer_that_compiles_in_the_timed_region_or_falls_back_is_reported_failed(tmp_path, monkeypatch):
+    """Through ``run_bench`` on the CPU: a peer that meets a new shape in its third call (the first
+    call and one warm-up call come before the repetitions) recompiles in the timed region; a peer
+    with a graph break ran eagerly; the same compiled peer without either is timed."""
+    fake = {
+        "steady": _compiled_peer(),
+        "recompiles": _compiled_peer(grow_after=2),
+        "breaks": _compiled_peer(graph_break=True),
+    }
+    monkeypatch.setattr(bench, "peers", lambda device_type: fake)
+    args = _bench_args()
+    rows = {row["peer"]: row for row in bench.run_bench(args, progress=lambda text: None)}
+    assert "error" not in rows["steady"] and rows["steady"]["fwd_tflops"] > 0 and rows["steady"]["fwd_host_us"] > 0
+    assert rows["recompiles"]["error"].startswith("fwd: recompiled during the timed region (frames compiled +1")
+    assert rows["breaks"]["error"].startswith("fell back to eager code under torch.compile (graph break")
+    for name in ("recompiles", "breaks"):
+        assert "fwd_tflops" not in rows[name] and "fwd_ms" not in rows[name]
+    table = bench.to_markdown(list(rows.values()), args.mode, "context")
+    assert "| fwd TFLOP/s | fwd host us | peak MB | failed |" in table
+    assert f"| n/a | n/a | n/a | {rows['recompiles']['error']} |" in table
+    assert {r["peer"]: r["error"] for r in csv.DictReader(io.StringIO(bench.to_csv(list(rows.values()))))} == {
+        name: row.get("error", "") for name, row in rows.items()
+    }
+
+
+def _recompile_limit(monkeypatch, limit: int) -> None:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    monkeypatch.setattr(config, name, limit)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the fallback, on purpose
+def test_flex_compiles_once_per_shape_and_a_peer_past_the_recompile_limit_fails(monkeypatch):
+    """FlexAttention (eager backend, fast) over two shapes with dynamo's recompile limit at 1:
+    dynamo's caches are cleared before each shape, so both compile and are timed. Without that,
+    the second shape goes past the limit, where dynamo runs the eager code: a failed row."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    import torch._dynamo
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: real_compile(fn, **{"backend": "eager", **kw}))
+    _recompile_limit(monkeypatch, 1)
+    args = _bench_args("--seqlen", "32,64")
+    monkeypatch.setattr(bench, "peers", lambda device_type: {"flex": bench._flex()})
+    torch._dynamo.reset()
+    rows = bench.run_bench(args, progress=lambda text: None)
+    assert [row.get("error") for row in rows] == [None, None] and all(row["fwd_tflops"] > 0 for row in rows)
+    monkeypatch.setattr(bench, "fresh_dynamo", lambda: None)
+    torch._dynamo.reset()
+    rows = bench.run_bench(args, progress=lambda text: None)
+    assert "error" not in rows[0]
+    assert rows[1]["error"].startswith("fell back to eager code under torch.compile (unsupported: ")
