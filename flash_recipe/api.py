@@ -147,6 +147,8 @@ def _checked_flash_call(q, k, v, options: FlashOptions, names, varlen: Optional[
         validate.check_qkv(q, k[0], v[0], names, varlen=True)
     else:
         validate.check_qkv(q, k, v, names, varlen=varlen is not None)
+        if varlen is None:
+            validate.check_scores(names[:2], q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.dtype)
     q, k, v = validate.last_dim_contiguous(names, (q, k, v))
     dropout_p = validate.check_dropout(options.dropout_p)
     validate.check_bool("deterministic", options.deterministic)

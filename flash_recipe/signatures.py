@@ -14,6 +14,7 @@ caller then takes the full path.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -61,6 +62,7 @@ class Memo(dict):
     def __init__(self, limit: int = 1024) -> None:
         super().__init__()
         self.limit = limit
+        _MEMOS.append(weakref.ref(self))
 
     def keep(self, key: Any, value: Any) -> Any:
         """Store ``value`` under ``key`` (unless ``key`` is None) and return it."""
@@ -69,3 +71,16 @@ class Memo(dict):
                 self.clear()
             self[key] = value
         return value
+
+
+_MEMOS: list = []  # weak references to every Memo (a dict is not hashable: no WeakSet)
+
+
+def forget() -> None:
+    """Empty every memo: the next call of any signature takes the full path again (after a change
+    to what the checks read, such as ``validate.on_host`` standing in for device memory)."""
+    _MEMOS[:] = [ref for ref in _MEMOS if ref() is not None]
+    for ref in _MEMOS:
+        memo = ref()
+        if memo is not None:
+            memo.clear()

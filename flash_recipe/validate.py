@@ -151,7 +151,7 @@ def check_sdpa(query, key, value, enable_gqa: bool) -> None:
     check_same_kind(names, tensors)
     shapes = {name: tuple(t.shape) for name, t in zip(names, tensors)}
     full = tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in tensors)
-    (b, h, _, d), (bk, hk, sk, dk), (bv, hv, sv, _) = (t.shape for t in full)
+    (b, h, sq, d), (bk, hk, sk, dk), (bv, hv, sv, _) = (t.shape for t in full)
     layout = SDPA_LAYOUT if query.dim() == 4 else "(nheads, seqlen, headdim)"
     if bk != b or bv != b:
         name = "key" if bk != b else "value"
@@ -170,6 +170,35 @@ def check_sdpa(query, key, value, enable_gqa: bool) -> None:
     if hk == 0 or h % hk != 0:
         raise ValueError(f"key must have a number of heads that divides query's ({h}) {layout}, got {shapes['key']}")
     check_head_dim("query", d)
+    check_scores(("query", "key"), b, h, sq, sk, query.dtype)
+
+
+def max_scores(dtype: torch.dtype) -> int:
+    """The most attention scores (``batch * nheads * seqlen_q * seqlen_k``) one call may have with
+    inputs of ``dtype``. The torch backends (SDPA's math kernel, the reference) hold the scores as
+    one tensor, in float32 for 16-bit inputs and float64 for float32 (the reference's precision), and
+    torch sizes no tensor of ``2**63`` bytes or more: a larger call fails there with "Storage size
+    calculation overflowed". One bound for every backend, so that they all take the same calls (the
+    Triton kernels never hold the scores, but count dropout offsets over them in int64)."""
+    return (2**63 - 1) // (8 if dtype == torch.float32 else 4)
+
+
+def check_scores(names, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dtype: torch.dtype) -> None:
+    """The attention matrix of a dense call, ``batch * nheads * seqlen_q * seqlen_k`` scores, is within
+    ``max_scores``; ``names`` are the query's and the key's (the tensors whose shapes give it).
+    Shapes only: this costs nothing and reads no tensor."""
+    scores = batch * nheads * seqlen_q * seqlen_k
+    limit = max_scores(dtype)
+    if scores > limit:
+        qn, kn = names
+        held = "float64, 8 bytes" if dtype == torch.float32 else "float32, 4 bytes"
+        raise ValueError(
+            f"{qn} and {kn} make an attention matrix of batch * nheads * seqlen_q * seqlen_k = "
+            f"{batch} * {nheads} * {seqlen_q} * {seqlen_k} = {scores} scores; a call may have at most {limit} "
+            f"with {dtype} inputs, whose scores the torch backends hold in {held} each, and torch sizes no "
+            f"tensor of 2**63 bytes; fix: split the call into several over slices of the batch (or of the "
+            f"query rows)"
+        )
 
 
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,12 @@ def _fa(q=None, k=None, v=None, **options):
     return flash_attn_func(q, k, v, **options)
 
 
+def _qkvpacked(qkv, **options):
+    from flash_recipe import flash_attn_qkvpacked_func
+
+    return flash_attn_qkvpacked_func(qkv, **options)
+
+
 def _fa_ok(q, k, v, **options):
     """``flash_attn_func`` against the float64 reference (q, k, v in flash-attn's layout)."""
     from flash_recipe import flash_attn_func
@@ -179,6 +185,27 @@ CASES = [
     Case("last-dim-strided", lambda: _fa(q=_t(1, 8, 16, 2).transpose(2, 3)), ValueError, "q", "q.contiguous()"),
     Case("last-dim-stride-0", lambda: _fa(q=_t(1, 8, 2, 1).expand(1, 8, 2, 16)), ValueError, "q", "q.contiguous()"),
     Case("expanded-rows-and-heads", _expanded_rows, OK),
+    Case(
+        "scores-over-2^63-bytes",  # B 2^20, Sq = Sk 2^20, H 8: 2^63 scores, on meta tensors (nothing allocated)
+        lambda: _fa(*(torch.empty(2**20, 2**20, 8, 64, device=META, dtype=torch.float16) for _ in range(3))),
+        ValueError,
+        "q",
+        "split the call",
+    ),
+    Case(
+        "scores-over-2^63-bytes-fp32",  # 2^60 scores: 2^63 bytes in the float64 the reference holds them in
+        lambda: _fa(*(torch.empty(1, 2**28, 16, 64, device=META) for _ in range(3))),
+        ValueError,
+        "q",
+        "split the call",
+    ),
+    Case(
+        "scores-over-2^63-bytes-packed",
+        lambda: _qkvpacked(torch.empty(1, 2**30, 3, 2, 16, device=META, dtype=torch.float16)),
+        ValueError,
+        "qkv",
+        "split the call",
+    ),
     Case("nan-query-row", _nan_row, OK),
     Case("nan-query-row-causal", lambda: _nan_row(causal=True), OK),
     # -- scalars ---------------------------------------------------------------------------------
@@ -291,6 +318,13 @@ CASES = [
     ),
     Case("sdpa-mask-dtype", lambda: _sdpa(attn_mask=torch.zeros(8, 8, dtype=torch.int64)), TypeError, "attn_mask"),
     Case("sdpa-seqlen-0", lambda: _sdpa_ok(_t(1, 2, 0, 16), _t(1, 2, 8, 16, seed=1), _t(1, 2, 8, 16, seed=2)), OK),
+    Case(
+        "sdpa-scores-over-2^63-bytes",
+        lambda: _sdpa(*(torch.empty(2**20, 8, 2**20, 64, device=META, dtype=torch.float16) for _ in range(3))),
+        ValueError,
+        "query",
+        "split the call",
+    ),
     Case("sdpa-headdim-512", lambda: _sdpa(*(_t(1, 2, 8, 512, seed=s) for s in range(3))), ValueError, "query"),
 ]
 BY_NAME = {case.name: case for case in CASES}

@@ -686,3 +686,44 @@ def test_attention_call_sets_the_causal_window_itself():
     sdpa_causal = dispatch.AttentionCall(Q, K, K, 0.25, causal=True)  # what the SDPA entry builds
     assert sdpa_causal.window == (-1, 0)
     assert dataclasses.replace(sdpa_causal, causal=False).window == (-1, 0)  # a window stays once set
+
+
+# (dtype, log2 of the scores batch * nheads * seqlen_q * seqlen_k): the largest power of two the
+# torch backends still hold, and the next one, which they cannot (float32 scores for 16-bit inputs,
+# float64 for float32: 2**63 bytes either way).
+SCORE_LIMITS = [(torch.float16, 60, 61), (torch.bfloat16, 60, 61), (torch.float32, 59, 60)]
+
+
+@pytest.mark.parametrize("dtype,fits,over", SCORE_LIMITS, ids=["float16", "bfloat16", "float32"])
+def test_the_score_bound_is_where_the_torch_backends_stop(dtype, fits, over):
+    """On meta tensors (shapes only, nothing allocated) the largest call under the bound runs on the
+    torch backends, and the next is refused with the bound, the dtype and the fix, on every backend,
+    where torch itself fails with "Storage size calculation overflowed"."""
+
+    def tensor(log2_scores, layout):
+        batch, seqlen = 2 ** ((log2_scores - 3) % 2), 2 ** ((log2_scores - 3) // 2)  # 8 heads, Sq = Sk
+        shape = (batch, 8, seqlen, 16) if layout == "sdpa" else (batch, seqlen, 8, 16)
+        return torch.empty(shape, device="meta", dtype=dtype)
+
+    limit = flash_recipe.validate.max_scores(dtype)
+    assert 2**fits <= limit < 2**over
+    for backend in ("sdpa", "reference", "triton"):
+        with use_backend(backend):
+            if backend != "triton":  # the triton backend takes no meta tensors
+                q = tensor(fits, "sdpa")
+                assert scaled_dot_product_attention(q, q, q).shape == q.shape
+                q = tensor(fits, "flash")
+                assert flash_attn_func(q, q, q).shape == q.shape
+            refused = rf"= {2**over} scores; a call may have at most {limit} .*fix: split the call"
+            q = tensor(over, "sdpa")
+            with pytest.raises(ValueError, match=rf"^query and key make .*{refused}"):
+                scaled_dot_product_attention(q, q, q)
+            q = tensor(over, "flash")
+            with pytest.raises(ValueError, match=rf"^q and k make .*{refused}"):
+                flash_attn_func(q, q, q)
+    # Where torch stops: the reference (float32 or float64 scores) just over the bound, torch's SDPA
+    # (float32 scores on the CPU and meta, for every dtype here) at 2**61 scores.
+    with pytest.raises(RuntimeError, match="Storage size calculation overflowed"):
+        attention_reference(*(tensor(over, "flash"),) * 3)
+    with pytest.raises(RuntimeError, match="Storage size calculation overflowed"):
+        F.scaled_dot_product_attention(*(tensor(61, "sdpa"),) * 3)

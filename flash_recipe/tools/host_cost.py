@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from typing import Callable, Optional
 
-from flash_recipe import files
+from flash_recipe import files, signatures
 
 CASES = ("fwd", "fwd_autograd", "kvcache")
 # Shapes: (batch, nheads, nheads_k, head_dim); the cache rows differ on a GPU and on the CPU.
@@ -165,6 +165,7 @@ def device_metadata(device) -> Iterator[None]:
         yield
     finally:
         validate.on_host = saved
+        signatures.forget()  # verdicts reached without reading host metadata must not outlive the block
 
 
 def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES) -> list[dict]:
