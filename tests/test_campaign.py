@@ -32,13 +32,32 @@ def _parse(add_arguments, argv):
     return parser.parse_args(argv)
 
 
-def test_plan_has_every_part_in_order_within_20_minutes():
-    assert list(PLAN) == ["env", "host", "capture", "verify", "bench", "memory", "decode", "tests", "tune"]
+def test_plan_has_every_part_in_order_of_value_within_20_minutes():
+    order = ["env", "host", "capture", "verify", "bench", "decode", "memory", "tests", "tune"]
+    assert list(PLAN) == order
     total = sum(step.budget_s for step in PLAN.values())
     assert total + campaign.RESERVE_S <= campaign.TOTAL_BUDGET_S == 20 * 60
     assert all(step.budget_s > 0 for step in PLAN.values())
     tuned_first = [step.name for step in campaign.build_plan(tune_first=True)]
-    assert tuned_first == ["env", "tune", "host", "capture", "verify", "bench", "memory", "decode", "tests"]
+    assert tuned_first == ["env", "tune", *order[1:-1]]
+
+
+def test_the_default_campaign_fits_9_minutes_and_says_what_it_leaves_out():
+    fitted = campaign.fit(list(PLAN.values()), campaign.DEFAULT_MINUTES)
+    ran = [step for step in fitted if not step.skip]
+    assert campaign.DEFAULT_MINUTES == 9
+    assert sum(step.budget_s for step in ran) + campaign.RESERVE_S <= 9 * 60
+    assert [step.name for step in ran] == ["env", "host", "capture", "verify", "bench", "decode"]
+    skipped = {step.name: step.skip for step in fitted if step.skip}
+    assert set(skipped) == {"memory", "tests", "tune"}
+    assert "does not fit in --minutes 9 (35 s needed, 15 s left" in skipped["memory"]
+    everything = campaign.fit(list(PLAN.values()), 20)
+    assert not any(step.skip for step in everything)  # the whole plan fits 20 minutes
+    # A later, shorter step still runs where a longer one before it did not fit.
+    shorter = campaign.fit(list(PLAN.values()), 8.5)  # 465 s: decode (60) does not fit after bench, memory (35) does
+    assert [step.name for step in shorter if not step.skip] == ["env", "host", "capture", "verify", "bench", "memory"]
+    with pytest.raises(SystemExit):
+        campaign.build_parser().parse_args(["--out", "x", "--minutes", "0.5"])
 
 
 def test_bench_step_measures_the_target_shapes_with_the_peers():
@@ -57,12 +76,12 @@ def test_bench_step_measures_the_target_shapes_with_the_peers():
     assert all(s.nheads == s.nheads_k and s.dtype == "bfloat16" and s.head_dim == 128 for s in shapes)
 
 
-def test_verify_step_covers_three_dtypes_and_the_kv_cache():
+def test_verify_step_covers_bf16_and_the_kv_cache():
     argv = PLAN["verify"].command()
     assert argv[1:4] == ["-m", "flash_recipe", "verify"]
     args = _parse(verify.add_arguments, argv[4:])
     assert args.json and args.kvcache and args.grid == "full"
-    assert args.dtype == ["float16", "bfloat16", "float32"] and args.backend is None
+    assert args.dtype == ["bfloat16"] and args.backend is None
     assert PLAN["verify"].stdout_is_result
 
 
@@ -113,8 +132,8 @@ def test_only_and_skip_choose_steps_and_env_always_stays():
         "capture",
         "verify",
         "bench",
-        "memory",
         "decode",
+        "memory",
         "tune",
     ]
     with pytest.raises(ValueError, match="--only takes step names .* got nope"):
@@ -126,19 +145,31 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
         raise AssertionError("a dry run started a process")
 
     monkeypatch.setattr(campaign.steps.subprocess, "Popen", no_process)
-    status = campaign.main(["--out", str(tmp_path / "out"), "--dry-run", "--skip", "tune"])
+    status = campaign.main(["--out", str(tmp_path / "out"), "--dry-run", "--skip", "tune", "--minutes", "20"])
     out = capsys.readouterr().out
     assert status == 0
-    for text in ("verify", "--kvcache", "4096,8192,16384", "32768,65536", "sdpa_flash", "total budget"):
+    for text in ("verify", "--kvcache", "4096,8192,16384", "32768,65536", "sdpa_flash", "total budget", "20 min"):
         assert text in out
     assert "flash_recipe tune" not in out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["campaign.json", "campaign.md"]
     report = json.loads((tmp_path / "out" / "campaign.json").read_text())
     assert report["dry_run"] and report["steps"] == {} and report["targets"] == []
     assert [s["name"] for s in report["plan"]] == [
-        "env", "host", "capture", "verify", "bench", "memory", "decode", "tests"
+        "env", "host", "capture", "verify", "bench", "decode", "memory", "tests"
     ]  # fmt: skip
     assert "Dry run" in (tmp_path / "out" / "campaign.md").read_text()
+
+
+def test_a_default_dry_run_plans_9_minutes_and_its_report_starts_with_what_it_leaves_out(tmp_path, capsys):
+    assert campaign.main(["--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "within 540 s (9 min); not run: memory, tests, tune;" in out
+    assert "not run: does not fit in --minutes 9" in out
+    report = json.loads((tmp_path / "out" / "campaign.json").read_text())
+    assert report["budget_s"]["total"] == 540 and report["budget_s"]["steps"] + campaign.RESERVE_S <= 540
+    head = (tmp_path / "out" / "campaign.md").read_text().splitlines()[:6]
+    assert "- passed: none" in head
+    assert any(line.startswith("- skipped: memory (does not fit in --minutes 9") for line in head), head
 
 
 def test_without_cuda_the_campaign_refuses(tmp_path, capsys, monkeypatch):

@@ -1,8 +1,11 @@
 """A GPU campaign in one command: ``python -m flash_recipe.tools.campaign --out DIR``.
 
-On a CUDA machine with whatever torch and Triton are installed, it runs these steps, each in its
-own subprocess with its own time budget; the budgets add up to less than 20 minutes for one H100
-(they are planned, not yet calibrated on a GPU: ``--budget STEP=SECONDS`` changes one):
+On a CUDA machine with whatever torch and Triton are installed, it runs these steps, in the order
+of value, each in its own subprocess with its own time budget (measured on an H100 and an H200
+where the plan's comments say so, planned elsewhere; ``--budget STEP=SECONDS`` changes one). The
+whole plan fits 20 minutes; a run fits what it can in ``--minutes`` (default 9, what one lent GPU
+session can spend): a step whose budget no longer fits is skipped, and the plan and the report's
+first lines say which and why (``fit``):
 
 =======  ===========================================================================================
 env      the device, its memory, torch/CUDA/Triton/flash_recipe versions, the backend chosen for the
@@ -13,7 +16,7 @@ host     the host cost per call at the decoding shape (``flash_recipe.tools.host
 capture  CUDA-graph capture (``flash_recipe.tools.capture_check``): a KV-cache step (dense and paged),
          varlen, the forward and forward + backward, replayed against eager calls bit for bit, and a
          decoding step under ``torch.compile(mode="reduce-overhead")``
-verify   ``flash-recipe verify --kvcache --grid full`` in fp16, bf16 and fp32: every backend against
+verify   ``flash-recipe verify --kvcache --grid full`` in bf16: every backend against
          the reference, ``flash_attn_with_kvcache`` included
 bench    ``flash-recipe bench`` at the target shapes (bf16, head dim 128, 16 heads, seqlen 4k, 8k and
          16k at 16k tokens each, causal and not), forward, backward and both, with its peers side by
@@ -65,7 +68,8 @@ on their ``PYTHONPATH``, so every step runs this same flash_recipe.
 
 ``--dry-run`` prints and writes the plan (steps, commands, budgets, shapes) and runs nothing; it
 works without a GPU. Without it, a machine with no CUDA device is refused (exit status 2).
-``--only bench,memory`` and ``--skip tests`` choose steps (``env`` always runs).
+``--only bench,memory`` and ``--skip tests`` choose steps (``env`` always runs), and
+``--minutes 20`` leaves room for all of them.
 
 Exit status: 0 when every step that ran passed (the targets are findings in the report, PASS or
 MISS, not an exit status); 1 when a step failed or ran out of time; 2 for a usage error or no GPU.
@@ -89,6 +93,7 @@ from flash_recipe.tools.campaign.plan import (
     BENCH_REPS,
     BENCH_WARMUP,
     BUDGETS_S,
+    DEFAULT_MINUTES,
     GPU_TEST_FILES,
     LINEAR_SLACK,
     MEMORY_PEERS,
@@ -112,6 +117,7 @@ from flash_recipe.tools.campaign.plan import (
     bench_shapes,
     build_plan,
     find_test_tree,
+    fit,
     format_plan,
     memory_shapes,
     package_root,
@@ -154,6 +160,7 @@ __all__ = [
     "BENCH_REPS",
     "BENCH_WARMUP",
     "BUDGETS_S",
+    "DEFAULT_MINUTES",
     "GPU_TEST_FILES",
     "LINEAR_SLACK",
     "MEMORY_PEERS",
@@ -197,6 +204,7 @@ __all__ = [
     "run_campaign",
     "run_step",
     "run_worker",
+    "fit",
     "select",
     "speed_targets",
     "step_environment",

@@ -12,10 +12,12 @@ from typing import Callable, Optional
 
 from flash_recipe.tools.campaign.plan import (
     BUDGETS_S,
+    DEFAULT_MINUTES,
     OUTPUT_FILES,
     STEP_NAMES,
     build_plan,
     find_test_tree,
+    fit,
     format_plan,
     select,
 )
@@ -24,10 +26,12 @@ from flash_recipe.tools.campaign.steps import collect, make_plots, run_step, ste
 from flash_recipe.tools.campaign.workers import run_worker
 
 
-def run_campaign(plan: list, out: Path, command: str, progress: Callable[[str], None] = print) -> int:
+def run_campaign(
+    plan: list, out: Path, command: str, progress: Callable[[str], None] = print, minutes: Optional[float] = None
+) -> int:
     """Run the plan, writing the report into ``out`` after every step; returns the exit status."""
     out.mkdir(parents=True, exist_ok=True)
-    report = new_report(plan, command, dry_run=False)
+    report = new_report(plan, command, dry_run=False, minutes=minutes)
     scratch = Path(tempfile.mkdtemp(prefix="flash-recipe-campaign-"))
     env = step_environment(scratch)
     try:
@@ -91,11 +95,22 @@ def _budget(text: str) -> tuple:
     return name, int(seconds)
 
 
+def _minutes(text: str) -> float:
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = 0.0
+    if not minutes >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, at least 1, got {text!r}")
+    return minutes
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flash_recipe.tools.campaign",
-        description="The GPU campaign: verify, bench with peers, peak memory, GPU tests and tune, "
-        "within 20 minutes; writes campaign.md, campaign.json, campaign.log and PNGs into --out.",
+        description="The GPU campaign: host cost and CUDA-graph capture, verify, bench with peers, decoding, "
+        "peak memory, GPU tests and tune, fitted to --minutes; writes campaign.md, campaign.json, campaign.log "
+        "and PNGs into --out.",
     )
     parser.add_argument("--out", required=True, help="folder for the report (created if missing)")
     parser.add_argument("--dry-run", action="store_true", help="print and write the plan; run nothing (no GPU needed)")
@@ -109,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STEP=SECONDS",
         help="time budget of one step (repeatable), e.g. tune=400 on a slower GPU; "
         f"defaults {', '.join(f'{k}={v}' for k, v in BUDGETS_S.items())}",
+    )
+    parser.add_argument(
+        "--minutes",
+        type=_minutes,
+        default=DEFAULT_MINUTES,
+        help=f"fit the plan to this many minutes (default {DEFAULT_MINUTES}): in the order of value, a step "
+        "whose budget does not fit in what is left is skipped, and the plan and the report say so",
     )
     parser.add_argument(
         "--tune-first",
@@ -126,18 +148,19 @@ def main(argv: Optional[list] = None) -> int:
     command = shlex.join([sys.executable, "-m", "flash_recipe.tools.campaign", *argv])
     try:
         plan = build_plan(test_tree=find_test_tree(), tune_first=args.tune_first, budgets=dict(args.budget or []))
-        plan = select(plan, args.only, args.skip)
+        plan = fit(select(plan, args.only, args.skip), args.minutes)
     except ValueError as exc:
         print(f"flash-recipe campaign: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
     if args.dry_run:
         print(f"flash-recipe campaign plan (dry run: nothing runs); report into {out}/: {', '.join(OUTPUT_FILES)}")
-        print(format_plan(plan))
+        print(format_plan(plan, args.minutes))
         out.mkdir(parents=True, exist_ok=True)
-        report = new_report(plan, command, dry_run=True)
+        report = new_report(plan, command, dry_run=True, minutes=args.minutes)
         write_report(report, out)
-        (out / "campaign.md").write_text(render_markdown(report) + "\n## Plan\n\n```\n" + format_plan(plan) + "\n```\n")
+        text = render_markdown(report) + "\n## Plan\n\n```\n" + format_plan(plan, args.minutes) + "\n```\n"
+        (out / "campaign.md").write_text(text)
         return 0
     if not cuda_available():
         print(
@@ -146,5 +169,5 @@ def main(argv: Optional[list] = None) -> int:
             file=sys.stderr,
         )
         return 2
-    print(format_plan(plan))
-    return run_campaign(plan, out, command)
+    print(format_plan(plan, args.minutes))
+    return run_campaign(plan, out, command, minutes=args.minutes)

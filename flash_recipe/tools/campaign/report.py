@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
+from typing import Optional
 
 from flash_recipe.files import write_json
 from flash_recipe.tools.campaign.plan import BENCH_MODES, REFERENCE, SUBJECT, TARGET, TOTAL_BUDGET_S, bench_shapes
@@ -55,6 +56,30 @@ def build_targets(steps: dict) -> list:
     return targets
 
 
+def _bound(target: str) -> str:
+    """How a target's ratio is judged: memory at most the required ratio, speed at least."""
+    return "≤ " if "memory" in target else "≥ "
+
+
+def step_summary(report: dict) -> list:
+    """The report's first lines: which steps proved something, which failed, which were skipped and why."""
+    steps = report.get("steps") or {}
+    planned = {step["name"]: step for step in report.get("plan") or []}
+    passed = [name for name, step in steps.items() if step.get("status") == "passed" and name != "env"]
+    failed = [f"{name} ({step.get('status')}: {step.get('detail', '')})" for name, step in steps.items()
+              if step.get("status") not in ("passed", "skipped")]  # fmt: skip
+    skipped = [f"{name} ({step.get('skip')})" for name, step in planned.items() if step.get("skip")]
+    not_yet = [name for name, step in planned.items() if not step.get("skip") and name not in steps]
+    lines = [f"- passed: {', '.join(passed) or 'none'}"]
+    if failed:
+        lines.append(f"- failed: {'; '.join(failed)}")
+    if skipped:
+        lines.append(f"- skipped: {'; '.join(skipped)}")
+    if not_yet and not report.get("dry_run"):
+        lines.append(f"- not run (the campaign stopped before them): {', '.join(not_yet)}")
+    return lines
+
+
 def render_markdown(report: dict) -> str:
     """``campaign.md`` from the report (the same dictionary as ``campaign.json``)."""
     env = report.get("environment") or {}
@@ -62,6 +87,7 @@ def render_markdown(report: dict) -> str:
     lines = ["# flash-recipe GPU campaign", ""]
     if report.get("dry_run"):
         lines += ["**Dry run: the plan only; nothing was run or measured.**", ""]
+    lines += [*step_summary(report), ""]
     lines += [
         f"- device: {env.get('device') or ('no CUDA device' if env else 'not probed')}"
         + (f" (sm{env['capability'].replace('.', '')}, {env.get('memory_gib')} GiB)" if env.get("capability") else ""),
@@ -79,7 +105,7 @@ def render_markdown(report: dict) -> str:
         passed = sum(t["verdict"] == "PASS" for t in targets)
         lines += [f"## Targets: {passed} PASS, {len(targets) - passed} MISS", ""]
         for group in summarize_targets(targets):
-            bound = ("≥ " if group["target"].endswith("speed") else "≤ ") + f"{_fmt(group['required'], 2)}x"
+            bound = _bound(group["target"]) + f"{_fmt(group['required'], 2)}x"
             lines.append(
                 f"- **{group['target']}** {bound}: {group['verdict']} ({group['passed']} of {group['count']}; "
                 f"worst {_quantity(group['worst_ratio'], 'x')})"
@@ -96,7 +122,7 @@ def render_markdown(report: dict) -> str:
         ]
         for t in targets:
             unit = t.get("unit", "")
-            bound = ("≥ " if t["target"].endswith("speed") else "≤ ") + f"{_fmt(t.get('required'), 2)}x"
+            bound = _bound(t["target"]) + f"{_fmt(t.get('required'), 2)}x"
             verdict = t["verdict"] + (f" ({t['note']})" if t.get("note") else "")
             lines.append(
                 f"| {t['target']} | {t.get('shape', '')} | {_quantity(t.get('subject'), unit)} | "
@@ -225,7 +251,7 @@ def timestamp() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def new_report(plan: list, command: str, dry_run: bool) -> dict:
+def new_report(plan: list, command: str, dry_run: bool, minutes: Optional[float] = None) -> dict:
     import flash_recipe
 
     return {
@@ -235,7 +261,10 @@ def new_report(plan: list, command: str, dry_run: bool) -> dict:
         "started": timestamp(),
         "finished": None,
         "flash_recipe": flash_recipe.__version__,
-        "budget_s": {"steps": sum(step.budget_s for step in plan), "total": TOTAL_BUDGET_S},
+        "budget_s": {
+            "steps": sum(step.budget_s for step in plan if not step.skip),
+            "total": TOTAL_BUDGET_S if minutes is None else minutes * 60,
+        },
         "plan": [step.as_dict() for step in plan],
         "environment": None,
         "steps": {},
