@@ -52,95 +52,33 @@ def _cache_seqlens(cache_seqlens, batch: int, full: int, device) -> torch.Tensor
     return validate.check_index("cache_seqlens", cache_seqlens, (batch,), device)
 
 
-def build_cache_call(
-    q,
-    k_cache,
-    v_cache,
-    *,
-    k,
-    v,
-    rotary_cos,
-    rotary_sin,
-    cache_seqlens,
-    cache_batch_idx,
-    cache_leftpad,
-    block_table,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    rotary_interleaved,
-    alibi_slopes,
-    num_splits,
-    return_softmax_lse,
-) -> CacheCall:
-    """Validate ``flash_attn_with_kvcache``'s arguments (see there) and build the call.
+def build_cache_call(q, k_cache, v_cache, **args) -> CacheCall:
+    """Validate ``flash_attn_with_kvcache``'s arguments (see there) and build the call; ``args`` are
+    its keyword arguments after ``v_cache``, every one of them.
 
     The first call of a signature (``flash_recipe.signatures``) runs every check; a call with the
     same signature reuses the verdict, unless it passes metadata whose values the checks read on
     the host (``validate.on_host``): those calls are checked in full each time.
     """
+    seqlens = args["cache_seqlens"]
     metadata = (
-        cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
-        cache_batch_idx,
-        cache_leftpad,
-        block_table,
+        seqlens if isinstance(seqlens, torch.Tensor) else None,
+        args["cache_batch_idx"],
+        args["cache_leftpad"],
+        args["block_table"],
     )
+    k, v = args["k"], args["v"]
     key = None
     if not torch.compiler.is_compiling():
         key = signature(
-            (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes, *metadata),
-            (
-                "kvcache_call",
-                None if metadata[0] is not None else cache_seqlens,
-                softmax_scale,
-                causal,
-                window_size,
-                softcap,
-                rotary_interleaved,
-                num_splits,
-                return_softmax_lse,
-            ),
+            (q, k_cache, v_cache, k, v, args["rotary_cos"], args["rotary_sin"], args["alibi_slopes"], *metadata),
+            ("kvcache_call", None if metadata[0] is not None else seqlens)
+            + tuple(args[name] for name in _CACHE_OPTIONS),
         )
         form = _CACHE_CALLS.get(key) if key is not None else None
         if form is not None:
-            return _repeat_cache_call(
-                key,
-                form,
-                q,
-                k_cache,
-                v_cache,
-                k,
-                v,
-                rotary_cos,
-                rotary_sin,
-                cache_seqlens,
-                cache_batch_idx,
-                cache_leftpad,
-                block_table,
-                alibi_slopes,
-            )
-    call = _checked_cache_call(
-        q,
-        k_cache,
-        v_cache,
-        k=k,
-        v=v,
-        rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin,
-        cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad,
-        block_table=block_table,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        rotary_interleaved=rotary_interleaved,
-        alibi_slopes=alibi_slopes,
-        num_splits=num_splits,
-        return_softmax_lse=return_softmax_lse,
-    )
+            return _repeat_cache_call(key, form, q, k_cache, v_cache, args)
+    call = _checked_cache_call(q, k_cache, v_cache, **args)
     given = (q, k_cache, v_cache, k, v)
     passed = all(a is b for a, b in zip((call.q, call.k_cache, call.v_cache, call.k, call.v), given))
     checked = (
@@ -157,7 +95,7 @@ def build_cache_call(
             if f.name not in ("q", "k", "v", "alibi_slopes", "signature")
         }
         capacity = call.table.shape[1] * k_cache.shape[1]
-        _CACHE_CALLS.keep(key, _CacheForm(fields, call.num_splits, call.paged, capacity, rotary_interleaved))
+        _CACHE_CALLS.keep(key, _CacheForm(fields, call.num_splits, call.paged, capacity, args["rotary_interleaved"]))
         call.attention.signed(key)
     return call
 
@@ -174,26 +112,17 @@ class _CacheForm(NamedTuple):
 
 # Signature of a flash_attn_with_kvcache call -> its ``_CacheForm``.
 _CACHE_CALLS = Memo()
+# The options of a call beside its tensors, which its signature holds as values.
+_CACHE_OPTIONS = (
+    "softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved", "num_splits", "return_softmax_lse"
+)  # fmt: skip
 
 
-def _repeat_cache_call(
-    key: tuple,
-    form: _CacheForm,
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    rotary_cos,
-    rotary_sin,
-    cache_seqlens,
-    cache_batch_idx,
-    cache_leftpad,
-    block_table,
-    alibi_slopes,
-) -> CacheCall:
-    """The ``CacheCall`` of a call whose signature was checked before (see ``build_cache_call``)."""
+def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: dict) -> CacheCall:
+    """The ``CacheCall`` of a call whose signature was checked before (see ``build_cache_call``):
+    what the checks derived, from ``form``, with this call's tensors from ``args``."""
     batch = q.shape[0]
+    cache_seqlens, cache_batch_idx, block_table = args["cache_seqlens"], args["cache_batch_idx"], args["block_table"]
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens = cache_seqlens
     else:
@@ -206,41 +135,15 @@ def _repeat_cache_call(
         table = cache_batch_idx.view(batch, 1)
     else:
         table = torch.arange(batch, dtype=torch.int32, device=q.device).view(batch, 1)
-    attention = AttentionCall(q=q, k=k_cache, v=v_cache, alibi_slopes=alibi_slopes, **form.fields).signed(key)
-    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, form.interleaved)
-    user_args = dict(
-        k=k,
-        v=v,
-        rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin,
-        cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad,
-        block_table=block_table,
-        softmax_scale=attention.softmax_scale,
-        causal=attention.causal,
-        window_size=attention.window,
-        softcap=attention.softcap,
-        rotary_interleaved=form.interleaved,
-        alibi_slopes=alibi_slopes,
-        num_splits=form.num_splits,
-        return_softmax_lse=attention.return_lse,
-    )
+    attention = AttentionCall(q=q, k=k_cache, v=v_cache, alibi_slopes=args["alibi_slopes"], **form.fields)
+    rotary_cos = args["rotary_cos"]
+    rotary = None if rotary_cos is None else (rotary_cos, args["rotary_sin"], form.interleaved)
+    # As the checked call gives them to upstream flash-attn: the window it masks, the split count as an int.
+    user_args = {**args, "window_size": attention.window, "num_splits": form.num_splits}
     return CacheCall(
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        rotary,
-        seqlens,
-        cache_leftpad,
-        table,
-        form.paged,
-        attention,
-        form.num_splits,
-        user_args,
-    )
+        q, k_cache, v_cache, args["k"], args["v"], rotary, seqlens, args["cache_leftpad"], table, form.paged,
+        attention.signed(key), form.num_splits, user_args,
+    )  # fmt: skip
 
 
 def _checked_cache_call(
