@@ -373,12 +373,14 @@ def test_a_peer_that_compiles_in_the_timed_region_or_falls_back_is_reported_fail
     }
 
 
-def _recompile_limit(monkeypatch, limit: int) -> None:
+def _recompile_limit(limit: int):
+    """dynamo's recompile limit at ``limit`` inside the block, through dynamo's own ``config.patch``
+    (setting the attribute directly leaves dynamo's config broken for the tests after this one)."""
     import torch._dynamo
 
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
-    monkeypatch.setattr(config, name, limit)
+    return config.patch(**{name: limit})
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the fallback, on purpose
@@ -391,14 +393,15 @@ def test_flex_compiles_once_per_shape_and_a_peer_past_the_recompile_limit_fails(
 
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: real_compile(fn, **{"backend": "eager", **kw}))
-    _recompile_limit(monkeypatch, 1)
     args = _bench_args("--seqlen", "32,64")
     monkeypatch.setattr(bench, "peers", lambda device_type: {"flex": bench._flex()})
+    with _recompile_limit(1):
+        torch._dynamo.reset()
+        rows = bench.run_bench(args, progress=lambda text: None)
+        assert [row.get("error") for row in rows] == [None, None] and all(row["fwd_tflops"] > 0 for row in rows)
+        monkeypatch.setattr(bench, "fresh_dynamo", lambda: None)
+        torch._dynamo.reset()
+        rows = bench.run_bench(args, progress=lambda text: None)
     torch._dynamo.reset()
-    rows = bench.run_bench(args, progress=lambda text: None)
-    assert [row.get("error") for row in rows] == [None, None] and all(row["fwd_tflops"] > 0 for row in rows)
-    monkeypatch.setattr(bench, "fresh_dynamo", lambda: None)
-    torch._dynamo.reset()
-    rows = bench.run_bench(args, progress=lambda text: None)
     assert "error" not in rows[0]
     assert rows[1]["error"].startswith("fell back to eager code under torch.compile (unsupported: ")
