@@ -24,7 +24,10 @@ class SdpaBackend(Backend):
     On the CPU, a call that autograd records runs on torch's math kernel: the CPU flash kernel
     torch picks otherwise recomputes probabilities from a rounded log-sum-exp, and its gradients
     miss the accuracy rule (measured on torch 2.13: fp32 at logits of about 30, up to 3.3x the
-    rule's bound on dq; bf16 dv up to 1.1x). Inference keeps torch's choice, whose outputs pass.
+    rule's bound on dq; bf16 dv up to 1.1x). So does a query holding a NaN: torch 2.13's CPU flash
+    kernel drops it (on an AVX-512 CPU a NaN in one query row left that row's output finite), where
+    flash-attn and the other backends give that row NaN; on the CPU the check is one pass over q,
+    small beside the attention. Inference keeps torch's choice otherwise, whose outputs pass.
     """
 
     name = "sdpa"
@@ -76,7 +79,9 @@ class SdpaBackend(Backend):
             with _sdpa_kernels("EFFICIENT_ATTENTION", "MATH"):
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
             out = out.to(call.q.dtype).transpose(1, 2)
-        elif q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        elif q.device.type == "cpu" and (
+            (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))) or bool(q.isnan().any())
+        ):
             with _sdpa_kernels("MATH"):
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
         else:
