@@ -80,7 +80,8 @@ class SdpaBackend(Backend):
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
             out = out.to(call.q.dtype).transpose(1, 2)
         elif q.device.type == "cpu" and (
-            (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))) or bool(q.isnan().any())
+            (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+            or (not torch.compiler.is_compiling() and bool(q.isnan().any()))  # a value: not in a traced graph
         ):
             with _sdpa_kernels("MATH"):
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
