@@ -172,8 +172,10 @@ def attention(
         seed = new_seed(q.device)
     args = (cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]), float(softmax_scale),
             int(diag_offset), int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), seed)
-    if torch.compiler.is_compiling():
-        return attn_fwd(q, k, v, *args)  # traced whole, as one op
+    if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+        # Traced whole, as one op; or tensor subclasses (a collective's pending result, for one),
+        # which the op's dispatch turns into the plain tensors a launch reads.
+        return attn_fwd(q, k, v, *args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(q, k, v, args)
     return attn_fwd_launch(q, k, v, *args)  # nothing to record
