@@ -83,7 +83,7 @@ class SdpaBackend(Backend):
             out = out.to(call.q.dtype).transpose(1, 2)
         elif q.device.type == "cpu" and (
             (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-            or (not torch.compiler.is_compiling() and bool(q.sum(dtype=torch.float32).isnan()))  # eager only
+            or (not torch.compiler.is_compiling() and bool(call.q.sum(dtype=torch.float32).isnan()))  # eager only
         ):
             with _sdpa_kernels("MATH"):
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2)
