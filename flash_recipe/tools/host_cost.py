@@ -52,15 +52,16 @@ CACHE_GPU, CACHE_CPU = 8192, 256
 
 @contextlib.contextmanager
 def stubbed_launches() -> Iterator[list]:
-    """Inside the block no Triton kernel runs: each launch is recorded as ``(kernel name, grid)`` in
-    the list this yields and returns at once. Replaces ``JITFunction.run`` (a GPU's launch) and the
-    interpreter's ``InterpretedFunction.run``, the calls every launch ends in."""
+    """Inside the block no Triton kernel compiles or runs: each launch is recorded as ``(jit
+    function, args, kwargs)`` in the list this yields and returns at once. Replaces
+    ``JITFunction.run`` (a GPU's launch) and the interpreter's ``InterpretedFunction.run``, the calls
+    every launch ends in (``warmup`` lists the variants a step launches with it)."""
     from triton.runtime import interpreter, jit
 
     launches: list = []
 
     def recorded(self, *args, grid, warmup, **kwargs):
-        launches.append((getattr(self, "__name__", None) or getattr(self.fn, "__name__", "?"), grid))
+        launches.append((self, args, kwargs))
 
     saved = jit.JITFunction.run, interpreter.InterpretedFunction.run
     jit.JITFunction.run = interpreter.InterpretedFunction.run = recorded

@@ -334,24 +334,12 @@ def to_variant(fn, args: tuple, kwargs: dict, call: str) -> Variant:
     )
 
 
-@contextlib.contextmanager
-def recorded_launches() -> Iterator[list]:
+def recorded_launches():
     """Inside the block no Triton kernel compiles or runs: each launch is recorded as ``(jit
-    function, args, kwargs)`` in the list this yields (``host_cost.stubbed_launches`` does the same
-    and keeps only names and grids)."""
-    from triton.runtime import interpreter, jit
+    function, args, kwargs)`` in the list this yields (``host_cost.stubbed_launches``)."""
+    from flash_recipe.tools.host_cost import stubbed_launches
 
-    launches: list = []
-
-    def record(self, *args, grid, warmup, **kwargs):
-        launches.append((self, args, kwargs))
-
-    saved = jit.JITFunction.run, interpreter.InterpretedFunction.run
-    jit.JITFunction.run = interpreter.InterpretedFunction.run = record
-    try:
-        yield launches
-    finally:
-        jit.JITFunction.run, interpreter.InterpretedFunction.run = saved
+    return stubbed_launches()
 
 
 @contextlib.contextmanager
