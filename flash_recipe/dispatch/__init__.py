@@ -48,7 +48,6 @@ __all__ = [
     "backend_names",
     "explain_call",
     "forced_backend",
-    "forget",
     "pre_ampere_reason",
     "reason",
     "run",
@@ -141,7 +140,7 @@ def select(call: AttentionCall, extra: Refusal = None, extra_key: Optional[tuple
 
     The choice is memoized per signature of the call (``flash_recipe.signatures``), forced backend
     and the process facts that change at run time (the ``flash_attn`` stand-in, the interpreter);
-    the facts computed once per process are constant. ``forget()`` clears it.
+    the facts computed once per process are constant. ``signatures.forget()`` clears it.
     """
     compiling = torch.compiler.is_compiling()
     name = _forced(compiling)
@@ -198,11 +197,6 @@ def _selection_key(call: AttentionCall, forced: Optional[str], extra_key: Option
     # The interpreter decides for CPU tensors only (``TritonBackend.supports``).
     interpreted = not call.q.is_cuda and configs.interpreter_enabled()
     return found, extra_key, forced, alias.is_installed(), interpreted
-
-
-def forget() -> None:
-    """Forget the memoized choices (after changing a fact computed once, as tests do)."""
-    _SELECTED.clear()
 
 
 def select_cache(call: CacheCall) -> Backend:
