@@ -34,10 +34,20 @@ class FlashOptions:
     deterministic: bool = False
     return_lse: bool = False
     return_probs: bool = False
+    learnable_sink: Optional[torch.Tensor] = None
 
     @classmethod
     def of(
-        cls, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        cls,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        learnable_sink=None,
     ) -> FlashOptions:
         """The options of a flash-attn entry point, its arguments in flash-attn's order (every
         ``flash_attn_*_func`` has them in this order); ``return_attn_probs`` sets both
@@ -53,6 +63,7 @@ class FlashOptions:
             deterministic,
             return_attn_probs,
             return_attn_probs,
+            learnable_sink,
         )
 
 
@@ -79,7 +90,7 @@ def build_flash_call(
         cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, None, None)
         o = options
         key = signature(
-            (q, k, v, o.alibi_slopes, cu_q, cu_k),
+            (q, k, v, o.alibi_slopes, cu_q, cu_k, o.learnable_sink),
             (
                 "flash_call",
                 o.dropout_p,
@@ -99,11 +110,18 @@ def build_flash_call(
         fields = _CALLS.get(key) if key is not None else None
         if fields is not None:
             call = AttentionCall(
-                q=q, k=k, v=v, alibi_slopes=o.alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **fields
+                q=q,
+                k=k,
+                v=v,
+                alibi_slopes=o.alibi_slopes,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                sinks=o.learnable_sink,
+                **fields,
             )
             return call.signed(key)
     call = _checked_flash_call(q, k, v, options, names, varlen, paged)
-    if key is not None and _reusable(call, (q, k, v), varlen):
+    if key is not None and _reusable(call, (q, k, v, options.learnable_sink), varlen):
         _CALLS.keep(key, _derived_fields(call))
         call.signed(key)
     return call
@@ -111,13 +129,13 @@ def build_flash_call(
 
 # Signature of a flash-attn style call -> the fields of its AttentionCall other than its tensors.
 _CALLS = Memo()
-_TENSOR_FIELDS = ("q", "k", "v", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")
+_TENSOR_FIELDS = ("q", "k", "v", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "sinks")
 
 
 def _reusable(call: AttentionCall, given: tuple, varlen: Optional[tuple]) -> bool:
     """Whether a call's checks can stand for every call of its signature: the tensors passed through
     unchanged (no restrided or contiguous copy) and no metadata values were read on the host."""
-    if not (call.q is given[0] and call.k is given[1] and call.v is given[2]):
+    if not (call.q is given[0] and call.k is given[1] and call.v is given[2] and call.sinks is given[3]):
         return False
     if varlen is None:
         return True
@@ -161,6 +179,9 @@ def _checked_flash_call(q, k, v, options: FlashOptions, names, varlen: Optional[
         batch = varlen[0].numel() - 1
     if alibi_slopes is not None:
         validate.check_alibi(alibi_slopes, batch, q.shape[-2], q.device)
+    sinks = options.learnable_sink
+    if sinks is not None:
+        sinks = validate.check_sinks(sinks, q.shape[-2], q.device)
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     return AttentionCall(
         q=q,
@@ -179,6 +200,7 @@ def _checked_flash_call(q, k, v, options: FlashOptions, names, varlen: Optional[
         cu_seqlens_k=cu_k,
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
+        sinks=sinks,
     )
 
 
@@ -202,6 +224,7 @@ def flash_attn_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Attention with flash-attn 2's signature and semantics.
 
@@ -242,6 +265,12 @@ def flash_attn_func(
         return_attn_probs: also return the log-sum-exp and, with dropout, the attention
             probabilities ``(batch_size, nheads, seqlen_q, seqlen_k)``, negative where dropped
             (testing only).
+        learnable_sink: optional float ``(nheads,)`` (float32, or float16/bfloat16 as given), one
+            attention sink logit per query head (gpt-oss; flash-attn's ``learnable_sink``, vLLM's
+            ``s_aux``): it joins each row's softmax denominator only, ``p_ij = exp(s_ij) /
+            (exp(sink_h) + sum_j exp(s_ij))``, so the row's weights sum to less than 1; the
+            ``softmax_lse`` includes it, and a row that sees no key outputs 0 with lse ``sink_h``.
+            Differentiable: autograd returns its gradient (flash-attn has no sink backward).
 
     Dtypes: float16, bfloat16 and float32 (fp32 is computed in full fp32, never TF32). The last
     dim of q, k, v must be contiguous; other strides are free, so views of packed tensors work
@@ -253,14 +282,23 @@ def flash_attn_func(
         out: ``(batch_size, seqlen_q, nheads, headdim)``.
         With ``return_attn_probs``: ``(out, softmax_lse, None)`` where ``softmax_lse`` is
         ``(batch_size, nheads, seqlen_q)`` float32, the natural-log log-sum-exp of each row of
-        ``q @ k^T * softmax_scale`` (``+inf`` for a row that sees no key).
+        ``q @ k^T * softmax_scale`` (``+inf`` for a row that sees no key; with ``learnable_sink``
+        the sink is one more term).
     """
     call = build_flash_call(
         q,
         k,
         v,
         FlashOptions.of(
-            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            learnable_sink,
         ),
     )
     return _finish(dispatch.run(call), return_attn_probs)
@@ -276,6 +314,7 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """``flash_attn_func`` on a packed ``qkv (batch_size, seqlen, 3, nheads, headdim)``.
 
@@ -289,7 +328,15 @@ def flash_attn_qkvpacked_func(
         k,
         v,
         FlashOptions.of(
-            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            learnable_sink,
         ),
         names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"),
     )
@@ -307,6 +354,7 @@ def flash_attn_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """``flash_attn_func`` with ``q (batch_size, seqlen_q, nheads, headdim)`` and a packed
     ``kv (batch_size, seqlen_k, 2, nheads_k, headdim)``; ``nheads % nheads_k == 0``.
@@ -320,7 +368,15 @@ def flash_attn_kvpacked_func(
         k,
         v,
         FlashOptions.of(
-            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            learnable_sink,
         ),
         names=("q", "kv[:, :, 0]", "kv[:, :, 1]"),
     )
@@ -344,6 +400,7 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: Optional[torch.Tensor] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """``flash_attn_func`` over a batch of packed sequences of different lengths.
 
@@ -369,7 +426,15 @@ def flash_attn_varlen_func(
         k,
         v,
         FlashOptions.of(
-            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            learnable_sink,
         ),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         paged=block_table is not None,
@@ -391,6 +456,7 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """``flash_attn_varlen_func`` on a packed ``qkv (total, 3, nheads, headdim)`` (views, no copy)."""
     validate.check_packed("qkv", qkv, 1, 3, "(total_tokens, 3, nheads, headdim)")
@@ -400,7 +466,15 @@ def flash_attn_varlen_qkvpacked_func(
         k,
         v,
         FlashOptions.of(
-            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            learnable_sink,
         ),
         names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"),
         varlen=(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
@@ -423,6 +497,7 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """``flash_attn_varlen_func`` with ``q (total_q, nheads, headdim)`` and a packed
     ``kv (total_k, 2, nheads_k, headdim)``."""
@@ -433,7 +508,15 @@ def flash_attn_varlen_kvpacked_func(
         k,
         v,
         FlashOptions.of(
-            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            learnable_sink,
         ),
         names=("q", "kv[:, 0]", "kv[:, 1]"),
         varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
@@ -450,6 +533,8 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -463,6 +548,8 @@ def scaled_dot_product_attention(
         is_causal: causal mask aligned to the top-left corner, as torch defines it: query ``i``
             sees keys ``0..i``.
         scale: defaults to ``1 / sqrt(headdim)``.
+        learnable_sink: optional float ``(nheads,)`` attention sinks, as ``flash_attn_func``'s
+            (torch's own SDPA has none, so such calls never go to torch's kernels).
 
     Returns:
         ``(batch, nheads, seqlen_q, headdim_v)``, a view in torch's layout. Calls without an
@@ -497,6 +584,7 @@ def scaled_dot_product_attention(
         diag_offset=0,
         attn_mask=attn_mask,
         dropout_p=validate.check_dropout(dropout_p),
+        sinks=None if learnable_sink is None else validate.check_sinks(learnable_sink, q.shape[2], q.device),
     )
     out = dispatch.run(call)[0].transpose(1, 2)
     return out.squeeze(0) if unbatched else out

@@ -71,7 +71,18 @@ def build_cache_call(q, k_cache, v_cache, **args) -> CacheCall:
     key = None
     if not torch.compiler.is_compiling():
         key = signature(
-            (q, k_cache, v_cache, k, v, args["rotary_cos"], args["rotary_sin"], args["alibi_slopes"], *metadata),
+            (
+                q,
+                k_cache,
+                v_cache,
+                k,
+                v,
+                args["rotary_cos"],
+                args["rotary_sin"],
+                args["alibi_slopes"],
+                args["learnable_sink"],
+                *metadata,
+            ),
             ("kvcache_call", None if metadata[0] is not None else seqlens)
             + tuple(args[name] for name in _CACHE_OPTIONS),
         )
@@ -79,8 +90,10 @@ def build_cache_call(q, k_cache, v_cache, **args) -> CacheCall:
         if form is not None:
             return _repeat_cache_call(key, form, q, k_cache, v_cache, args)
     call = _checked_cache_call(q, k_cache, v_cache, **args)
-    given = (q, k_cache, v_cache, k, v)
-    passed = all(a is b for a, b in zip((call.q, call.k_cache, call.v_cache, call.k, call.v), given))
+    given = (q, k_cache, v_cache, k, v, args["learnable_sink"])
+    passed = all(
+        a is b for a, b in zip((call.q, call.k_cache, call.v_cache, call.k, call.v, call.attention.sinks), given)
+    )
     checked = (
         call.seqlens if metadata[0] is not None else None,
         call.user_args["cache_batch_idx"],
@@ -92,7 +105,7 @@ def build_cache_call(q, k_cache, v_cache, **args) -> CacheCall:
         fields = {
             f.name: getattr(call.attention, f.name)
             for f in dataclasses.fields(call.attention)
-            if f.name not in ("q", "k", "v", "alibi_slopes", "signature")
+            if f.name not in ("q", "k", "v", "alibi_slopes", "sinks", "signature")
         }
         capacity = call.table.shape[1] * k_cache.shape[1]
         _CACHE_CALLS.keep(key, _CacheForm(fields, call.num_splits, call.paged, capacity, args["rotary_interleaved"]))
@@ -135,11 +148,14 @@ def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: 
         table = cache_batch_idx.view(batch, 1)
     else:
         table = torch.arange(batch, dtype=torch.int32, device=q.device).view(batch, 1)
-    attention = AttentionCall(q=q, k=k_cache, v=v_cache, alibi_slopes=args["alibi_slopes"], **form.fields)
+    attention = AttentionCall(
+        q=q, k=k_cache, v=v_cache, alibi_slopes=args["alibi_slopes"], sinks=args["learnable_sink"], **form.fields
+    )
     rotary_cos = args["rotary_cos"]
     rotary = None if rotary_cos is None else (rotary_cos, args["rotary_sin"], form.interleaved)
     # As the checked call gives them to upstream flash-attn: the window it masks, the split count as an int.
-    user_args = {**args, "window_size": attention.window, "num_splits": form.num_splits}
+    user_args = {name: value for name, value in args.items() if name != "learnable_sink"}  # not flash-attn 2's
+    user_args.update(window_size=attention.window, num_splits=form.num_splits)
     return CacheCall(
         q, k_cache, v_cache, args["k"], args["v"], rotary, seqlens, args["cache_leftpad"], table, form.paged,
         attention.signed(key), form.num_splits, user_args,
@@ -167,6 +183,7 @@ def _checked_cache_call(
     alibi_slopes,
     num_splits,
     return_softmax_lse,
+    learnable_sink,
 ) -> CacheCall:
     """``build_cache_call``'s checks, all of them."""
     user_args = dict(
@@ -193,6 +210,8 @@ def _checked_cache_call(
     softcap = validate.check_softcap(softcap)
     if alibi_slopes is not None:
         validate.check_alibi(alibi_slopes, batch, nheads, q.device)
+    if learnable_sink is not None:
+        learnable_sink = validate.check_sinks(learnable_sink, nheads, q.device)
     num_splits = validate.check_int(
         "num_splits", num_splits, minimum=0, meaning="0 chooses automatically", maximum=MAX_SPLITS
     )
@@ -209,6 +228,7 @@ def _checked_cache_call(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         return_lse=return_softmax_lse,
+        sinks=learnable_sink,
     )
     rotary = None
     if rotary_cos is not None or rotary_sin is not None:
@@ -317,6 +337,7 @@ def flash_attn_with_kvcache(
     alibi_slopes: Optional[torch.Tensor] = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Attention for incremental decoding over a KV cache, with flash-attn 2's signature.
 
@@ -349,6 +370,7 @@ def flash_attn_with_kvcache(
             query token over a long cache still fills the GPU; 0 chooses from the GPU's size; at
             most 128, as in flash-attn.
         return_softmax_lse: also return the log-sum-exp ``(batch_size, nheads, seqlen_q)`` float32.
+        learnable_sink: optional float ``(nheads,)`` attention sinks, as ``flash_attn_func``'s.
 
     Returns:
         ``out (batch_size, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``.
@@ -373,6 +395,7 @@ def flash_attn_with_kvcache(
         alibi_slopes=alibi_slopes,
         num_splits=num_splits,
         return_softmax_lse=return_softmax_lse,
+        learnable_sink=learnable_sink,
     )
     backend = dispatch.select_cache(call)
     out, lse = forward_only("flash_attn_with_kvcache", lambda: backend.run_cache(call), q, k, v)

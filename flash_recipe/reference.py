@@ -15,6 +15,10 @@ aligns the mask bottom-right; for Sq=2, Sk=5::
 
 ``diag_offset = 0`` aligns it top-left, as torch SDPA's ``is_causal``. A row that sees no key
 outputs 0 and has ``lse = +inf``, as flash-attn reports it.
+
+Attention sinks ``(H,)``: query head ``h``'s softmax gains the logit ``sinks[h]`` in its
+denominator only, ``p_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij))``: the row's weights sum
+to less than 1, the lse includes the sink, and a row that sees no key outputs 0 with lse ``sinks[h]``.
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ def attention_reference(
     alibi_slopes: torch.Tensor | None = None,
     dropout_mask: torch.Tensor | None = None,
     return_probs: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention by the textbook formula ``softmax(q k^T * scale + mask) v``.
 
@@ -131,6 +136,7 @@ def attention_reference(
         dropout_mask: bool ``(B, H, Sq, Sk)``, the probabilities dropout keeps (with ``dropout_p``);
             without it, dropout draws from torch's RNG.
         return_probs: return the softmax probabilities ``(B, H, Sq, Sk)`` (before dropout) instead of lse.
+        sinks: ``(H,)``, each query head's sink logit (see the module docstring); differentiable.
         upcast: compute in fp32 (fp64 for fp32 inputs), the accuracy rule's ground truth; with
             ``upcast=False`` compute in the input dtype, the rule's "PyTorch in the same precision".
 
@@ -140,9 +146,13 @@ def attention_reference(
     dtype = compute_dtype(q.dtype, upcast)
     scores = reference_scores(q, k, softmax_scale, causal, diag_offset, window, softcap, alibi_slopes, attn_mask, dtype)
     vc = _per_query_head(v, q.shape[2], dtype)  # (B, H, Sk, Dv)
-    # Rows that see no key get lse = +inf and probabilities 0, with finite gradients throughout.
-    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, Sq, 1)
-    lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1, keepdim=True)  # (B, H, Sq, 1)
+    logits = scores
+    if sinks is not None:  # one more logit per row, in the denominator only
+        sink_column = sinks.to(dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)  # (B, H, Sq, 1)
+        logits = torch.cat([scores, sink_column], dim=-1)
+    # Rows that see no key (nor a sink) get lse = +inf and probabilities 0, with finite gradients throughout.
+    empty = torch.isneginf(logits).all(dim=-1, keepdim=True)  # (B, H, Sq, 1)
+    lse = torch.logsumexp(logits.masked_fill(empty, 0.0), dim=-1, keepdim=True)  # (B, H, Sq, 1)
     lse = lse.masked_fill(empty, float("inf"))
     probs = torch.exp(scores - lse)  # (B, H, Sq, Sk)
     if return_probs:

@@ -267,6 +267,28 @@ def check_alibi(slopes, batch: int, nheads: int, device) -> None:
         raise ValueError(f"alibi_slopes must have a contiguous last dimension, got stride {slopes.stride(-1)}")
 
 
+SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_sinks(sinks, nheads: int, device, name: str = "learnable_sink") -> torch.Tensor:
+    """Attention sinks: a float ``(nheads,)`` tensor on ``device``, one logit per query head. Returns
+    it contiguous (a strided view is copied; the copy passes the gradient back)."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.dtype not in SINK_DTYPES:
+        allowed = ", ".join(str(d) for d in SINK_DTYPES)
+        raise TypeError(f"{name} must be a floating tensor ({allowed}), got {sinks.dtype}; fix: {name}.float()")
+    if tuple(sinks.shape) != (nheads,):
+        raise ValueError(
+            f"{name} must have shape (nheads,) = ({nheads},): one sink logit per query head, got {tuple(sinks.shape)}"
+        )
+    if sinks.device != device:
+        raise ValueError(
+            f"{name} must be on the same device as q ({device}), got {sinks.device}; fix: {name}.to(q.device)"
+        )
+    return sinks if sinks.stride(0) == 1 or nheads <= 1 else sinks.contiguous()
+
+
 def is_int(value) -> bool:
     """Whether ``value`` is an integer as flash-attn takes one: anything usable as an index (a
     Python or numpy int, a 0-dim integer tensor), but not a bool."""

@@ -324,7 +324,7 @@ def test_install_as_flash_attn_resolves_the_modules():
         from packaging.version import Version
         assert Version(flash_attn.__version__) >= Version("2.8.3")
         assert importlib.util.find_spec("flash_attn") is not None  # transformers probes this
-        assert flash_attn_func is flash_recipe.flash_attn_func
+        assert flash_attn_func.__wrapped__ is flash_recipe.flash_attn_func  # it also takes s_aux
         assert "stand-in" in flash_recipe.explain(*[__import__("torch").randn(1, 4, 2, 16)] * 3)["flash_attn"]
         for statement in ("import flash_attn.ops.triton.layer_norm", "from flash_attn import flash_attn_triton",
                           "from flash_attn.flash_attn_interface import flash_attn_unknown"):

@@ -50,6 +50,17 @@ CASES = [
     Case(1, 33, 40, 2, 1, 24, True, softcap=0.3),
     Case(1, 64, 64, 2, 2, 64, True, softcap=50.0, softmax_scale=0.5),
     Case(1, 64, 64, 2, 2, 64, False, softcap=500.0),
+    # Attention sinks (per head ``sink + linspace(-1, 1, H)``): with GQA, rows that see only the sink,
+    # every score option, a single key (whose dS is not 0 with a sink), fp32 at large logits (the
+    # row sums dK/dV renormalise by count the sink), very negative (no effect) and very positive
+    # (rows near 0) sinks, head dims 1 and 256.
+    Case(1, 113, 203, 4, 2, 59, True, sink=0.0),
+    Case(1, 203, 113, 2, 2, 32, True, sink=2.0),
+    Case(2, 47, 61, 4, 2, 32, False, window=(9, 4), softcap=5.0, alibi="heads", sink=-1.0),
+    Case(1, 17, 1, 2, 1, 16, False, sink=0.5),
+    Case(1, 64, 64, 2, 2, 64, True, softcap=50.0, softmax_scale=0.5, sink=30.0),
+    Case(1, 33, 47, 2, 2, 256, False, sink=-30.0),
+    Case(1, 33, 40, 2, 1, 1, True, sink=20.0),
 ]
 
 

@@ -180,7 +180,16 @@ def _selection_key(call: AttentionCall, forced: Optional[str], extra_key: Option
     found = call.signature
     if found is None:
         found = signature(
-            (call.q, call.k, call.v, call.attn_mask, call.alibi_slopes, call.cu_seqlens_q, call.cu_seqlens_k),
+            (
+                call.q,
+                call.k,
+                call.v,
+                call.attn_mask,
+                call.alibi_slopes,
+                call.cu_seqlens_q,
+                call.cu_seqlens_k,
+                call.sinks,
+            ),
             (
                 call.causal,
                 call.diag_offset,

@@ -25,7 +25,9 @@ class AttentionCall:
     ``right = 0`` itself on construction, so ``window`` is always the window that masks.
     ``attn_mask`` (broadcastable to ``(B, H, Sq, Sk)``) comes from the SDPA API only.
     ``return_lse`` asks for the log-sum-exp; ``return_probs``, with dropout, for the dropped-out
-    probabilities too (flash-attn's ``return_attn_probs`` asks for both).
+    probabilities too (flash-attn's ``return_attn_probs`` asks for both). ``sinks (H,)`` (float):
+    query head ``h``'s softmax gains ``exp(sinks[h])`` in its denominator, a logit with no value
+    (attention sinks, flash-attn's ``learnable_sink``); the lse includes it.
     """
 
     q: torch.Tensor
@@ -49,6 +51,7 @@ class AttentionCall:
     # int64 (1,): the seed of the dropout mask, for a backend whose backward regenerates it
     # (``Backend.replays_dropout``); None draws a new one.
     seed: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None  # (H,) float, on q's device
     # The public layer's signature of the arguments the call was built from (``flash_recipe.signatures``),
     # which decides every field but the tensors' data; None where it was not memoized. Set by
     # ``signed``, never an argument, so ``dataclasses.replace`` (a call with other fields) drops it.
@@ -95,7 +98,13 @@ class AttentionCall:
         ``flash_recipe.reference`` (float64 for float32 inputs); not differentiable."""
         from flash_recipe.reference import attention_reference
 
-        options = dict(window=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_probs=True)
+        options = dict(
+            window=self.window,
+            softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes,
+            sinks=self.sinks,
+            return_probs=True,
+        )
         with torch.no_grad():
             _, probs = attention_reference(
                 self.q, self.k, self.v, self.softmax_scale, self.causal, self.diag_offset, **options

@@ -41,6 +41,8 @@ class FlashAttnBackend(Backend):
 
     def supports(self, call: AttentionCall) -> Optional[str]:
         q, k, v = call.q, call.k, call.v
+        if call.sinks is not None:
+            return "flash_attn 2 has no attention sinks (learnable_sink)"
         if q.device.type != "cuda" or torch.version.hip is not None:
             return "flash_attn runs on NVIDIA GPUs only"
         if q.dtype not in HALF_DTYPES:

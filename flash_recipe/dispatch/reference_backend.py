@@ -34,5 +34,6 @@ class ReferenceBackend(Backend):
             window=call.window,
             softcap=call.softcap,
             alibi_slopes=call.alibi_slopes,
+            sinks=call.sinks,
         )
         return out.to(call.q.dtype), (lse if call.return_lse else None), None

@@ -39,6 +39,8 @@ class SdpaBackend(Backend):
             return "torch SDPA does not return the log-sum-exp"
         if call.softcap > 0.0:
             return "torch SDPA has no softcap"
+        if call.sinks is not None:
+            return "torch SDPA has no attention sinks (learnable_sink)"
         if not call.is_varlen and call.k.shape[1] == 0:
             return "no keys (seqlen_k = 0)"
         return None

@@ -22,6 +22,7 @@ def key_range_options(call: AttentionCall):
         window_right=call.window[1],
         softcap=call.softcap,
         slopes=call.alibi_slopes,
+        sinks=call.sinks,
     )
 
 
@@ -95,6 +96,7 @@ class TritonBackend(Backend):
             (call.max_seqlen_q, call.max_seqlen_k),
             call.dropout_p,
             seed,
+            call.sinks,
         )
         s_dmask = None
         if seed is not None and call.return_probs:
@@ -127,7 +129,7 @@ class TritonBackend(Backend):
             call.dropout_p,
             call.seed,
             own_lse=False,
-        )
+        )[:3]
 
     @staticmethod
     def _dropped_probs(call: AttentionCall, seed) -> torch.Tensor:

@@ -23,27 +23,22 @@ block's share of it. Every call runs on flash_recipe's backends (``flash_recipe.
 Triton on GPUs, the plain-torch reference on CPUs. Dropout (``dropout_p > 0``) needs the
 triton backend, whose backward regenerates the forward's mask from ``rng_state``.
 Not provided: ``leftpad_k`` and ``seqused_k`` of the varlen forward (NotImplementedError).
+
+The public functions also take attention sinks (newer flash-attn's ``learnable_sink``, or
+``s_aux`` as vLLM's flash-attention passes them): ``(nheads,)`` float, forward and backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
 
-from flash_recipe import dispatch, validate
-from flash_recipe.api import (
-    FlashOptions,
-    build_flash_call,
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-)
-from flash_recipe.decoding import flash_attn_with_kvcache, paged_varlen
+from flash_recipe import api, decoding, dispatch, validate
+from flash_recipe.api import FlashOptions, build_flash_call
+from flash_recipe.decoding import paged_varlen
 from flash_recipe.dispatch import AttentionCall
 
 __all__ = [
@@ -63,6 +58,31 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
+
+
+def _sink_names(function):
+    """``function`` (a public flash-attn style function taking ``learnable_sink``) that also takes the
+    sinks as ``s_aux``, the name vLLM-style callers use. Passing both is an error."""
+
+    @functools.wraps(function)
+    def taking_s_aux(*args, s_aux=None, **kwargs):
+        if s_aux is not None:
+            if kwargs.get("learnable_sink") is not None:
+                raise ValueError("pass the attention sinks once: learnable_sink or s_aux (the same tensor), not both")
+            kwargs["learnable_sink"] = s_aux
+        return function(*args, **kwargs)
+
+    return taking_s_aux
+
+
+# The public functions, which take attention sinks as ``learnable_sink`` or ``s_aux``.
+flash_attn_func = _sink_names(api.flash_attn_func)
+flash_attn_kvpacked_func = _sink_names(api.flash_attn_kvpacked_func)
+flash_attn_qkvpacked_func = _sink_names(api.flash_attn_qkvpacked_func)
+flash_attn_varlen_func = _sink_names(api.flash_attn_varlen_func)
+flash_attn_varlen_kvpacked_func = _sink_names(api.flash_attn_varlen_kvpacked_func)
+flash_attn_varlen_qkvpacked_func = _sink_names(api.flash_attn_varlen_qkvpacked_func)
+flash_attn_with_kvcache = _sink_names(decoding.flash_attn_with_kvcache)
 
 ROUND = 128  # upstream pads S_dmask and softmax_d to multiples of 128 rows
 

@@ -8,7 +8,8 @@ Masking arguments follow flash-attn: query ``i`` sees keys
 ``[i + diag_offset - window_left, i + diag_offset + window_right]``, ``-1`` meaning unbounded on
 that side (causal is ``window_right = 0``). With ``cu_seqlens_q``/``cu_seqlens_k`` (int32
 ``(B + 1,)``) the tensors are packed varlen ``(total, heads, head_dim)`` and every sequence
-aligns its diagonal bottom-right.
+aligns its diagonal bottom-right. ``sinks (H,)``, optional, adds each query head's sink logit to its
+softmax's denominator (``forward``); autograd returns its gradient too.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from flash_recipe.ops.launch import ScoreOptions, Varlen
 
 
 def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left, window_right,
-            softcap, alibi_slopes, dropout_p, seed):
+            softcap, alibi_slopes, dropout_p, seed, sinks):
     varlen = None
     if cu_seqlens_q is not None:
         varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = ScoreOptions(diag_offset, window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+    options = ScoreOptions(diag_offset, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
     return options, varlen
 
 
@@ -48,13 +49,14 @@ def attn_fwd(
     alibi_slopes: Optional[torch.Tensor],
     dropout_p: float,
     seed: Optional[torch.Tensor],
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q (B, Sq, H, D)``, ``k, v (B, Sk, Hk, D)`` -> ``out (B, Sq, H, D)``, ``lse (B, H, Sq)`` float32.
 
     Varlen: ``q (total_q, H, D)``, ``k, v (total_k, Hk, D)`` -> ``out (total_q, H, D)``, ``lse (H, total_q)``.
     """
     return attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset,
-                           window_left, window_right, softcap, alibi_slopes, dropout_p, seed)
+                           window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
 
 
 @attn_fwd.register_fake
@@ -86,36 +88,42 @@ def attn_bwd(
     dropout_p: float,
     seed: Optional[torch.Tensor],
     own_lse: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``dq, dk, dv`` (shapes of q, k, v) from ``dout`` (shape of q); ``own_lse=False`` when
-    ``out, lse`` may be a larger attention's (``attention_backward``)."""
+    sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``dq, dk, dv, dsink`` (shapes of q, k, v, sinks; ``dsink`` empty without sinks) from
+    ``dout`` (shape of q); ``own_lse=False`` when ``out, lse`` may be a larger attention's
+    (``attention_backward``)."""
     options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
-                              window_right, softcap, alibi_slopes, dropout_p, seed)
-    return attention_backward(dout, q, k, v, out, lse, softmax_scale, options, varlen, own_lse)
+                              window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
+    dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, softmax_scale, options, varlen, own_lse)
+    return dq, dk, dv, dsink if dsink is not None else lse.new_empty(0)
 
 
 @attn_bwd.register_fake
-def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
+def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                   diag_offset, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, own_lse=True,
+                   sinks=None):
     contiguous = torch.contiguous_format
     return (torch.empty_like(q, memory_format=contiguous), torch.empty_like(k, memory_format=contiguous),
-            torch.empty_like(v, memory_format=contiguous))
+            torch.empty_like(v, memory_format=contiguous),
+            torch.empty_like(sinks) if sinks is not None else lse.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes, dropout_p, seed = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes, dropout_p, seed, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed, sinks)
     ctx.options = options  # max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset, window_left, window_right, softcap
     ctx.dropout_p = dropout_p
-    ctx.num_inputs = len(inputs)  # the op's arguments: q, k, v get gradients, the rest None
+    ctx.num_inputs = len(inputs)  # the op's arguments: q, k, v and the sinks (last) get gradients, the rest None
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
-                          ctx.dropout_p, seed)
-    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed, sinks = ctx.saved_tensors
+    dq, dk, dv, dsink = attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
+                                 ctx.dropout_p, seed, sinks=sinks)
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 4) + (dsink if sinks is not None else None,)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -129,22 +137,22 @@ class _EagerAttention(torch.autograd.Function):
     transforms take neither it nor the custom op's autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args):
-        output = attn_fwd_launch(q, k, v, *args)
-        _setup_context(ctx, (q, k, v, *args), output)
+    def forward(ctx, q, k, v, sinks, args):
+        output = attn_fwd_launch(q, k, v, *args, sinks)
+        _setup_context(ctx, (q, k, v, *args, sinks), output)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv = _backward(ctx, dout, dlse)[:3]
-        return dq, dk, dv, None
+        grads = _backward(ctx, dout, dlse)
+        return grads[0], grads[1], grads[2], grads[-1], None
 
 
 def attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset,
-                    window_left, window_right, softcap, alibi_slopes, dropout_p, seed):
+                    window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks=None):
     """What ``attn_fwd`` runs: the forward launcher on the op's arguments."""
     options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
-                              window_right, softcap, alibi_slopes, dropout_p, seed)
+                              window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
     return attention_forward(q, k, v, softmax_scale, options, varlen)
 
 
@@ -161,8 +169,10 @@ def attention(
     max_seqlens: tuple[int, int] = (0, 0),
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes.
+    """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes;
+    ``sinks (H,)``: each query head's sink logit (``forward``), differentiable.
 
     With ``dropout_p > 0`` and no ``seed``, the dropout mask's seed is drawn from torch's
     generator for q's device (so ``torch.manual_seed`` makes it reproducible) and kept for the
@@ -172,13 +182,17 @@ def attention(
         seed = new_seed(q.device)
     args = (cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]), float(softmax_scale),
             int(diag_offset), int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), seed)
-    if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+    if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor) or (
+        sinks is not None and type(sinks) is not torch.Tensor
+    ):
         # Traced whole, as one op; or tensor subclasses (a collective's pending result, for one),
         # which the op's dispatch turns into the plain tensors a launch reads.
-        return attn_fwd(q, k, v, *args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, args)
-    return attn_fwd_launch(q, k, v, *args)  # nothing to record
+        return attn_fwd(q, k, v, *args, sinks)
+    if torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    ):
+        return _EagerAttention.apply(q, k, v, sinks, args)
+    return attn_fwd_launch(q, k, v, *args, sinks)  # nothing to record
 
 
 def new_seed(device: torch.device) -> torch.Tensor:

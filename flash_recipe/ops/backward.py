@@ -19,6 +19,13 @@ logits in the hundreds, which scales a whole row of P and shows in dV beyond the
 So the dQ kernel also sums each row's P and stores the log of that sum, and the dK/dV kernel
 divides it out: its P is the exact softmax of the recomputed logits, as torch's is.
 
+Attention sinks: with an lse that includes each head's sink (``forward``), ``P = exp(S - lse)`` is
+already the sink-diminished softmax, and dQ, dK, dV follow unchanged. The sink's own gradient is
+``dsink[h] = -sum over (b, i) of exp(sink[h] - lse[b, h, i]) * delta[b, h, i]``, a small reduction
+in torch over the lse and delta the kernels used (deterministic). Two shortcuts of this
+attention's own lse do not hold with a sink: a row that sees one key has ``dS != 0`` (its P is
+below 1), so the one-key rules are off, and ``RENORM``'s row sums count the sink's share too.
+
 Probabilities are recomputed as ``exp2((S * scale - lse) * log2(e))``: the difference is taken in
 natural units, so fp32 keeps its precision at large logits; a row whose lse is +inf (it saw no key) gets P = 0 and so
 zero gradients.
@@ -299,10 +306,10 @@ def _dq_inner(
     return b_dq, b_psum
 
 
-@triton.heuristics(_DQ_DKDV_FLAGS)
+@triton.heuristics({**_DQ_DKDV_FLAGS, "HAS_SINK": lambda a: a["SINKS"] is not None})
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED,
+    Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -314,6 +321,7 @@ def attn_bwd_dq_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, RENORM: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
 
@@ -321,7 +329,9 @@ def attn_bwd_dq_kernel(
     each row's sum of ``exp(S - lse)``: 0 up to the rounding of the stored lse, which at logits in
     the hundreds is an ulp of a few 1e-5, a row-wide factor on P. ``attn_bwd_dkdv_kernel`` divides
     it out, so its P sums to 1 as the forward's softmax did and fp32 dV keeps torch's accuracy;
-    rows with no probability (no key, or one key with ``OWN_LSE``) store 0.
+    rows with no probability (no key, or one key with ``OWN_LSE``) store 0. With ``HAS_SINK``
+    (``SINKS (H,)``, passed with ``RENORM`` only, the one use of it here) each row's sum starts at
+    its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
     """
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -370,6 +380,8 @@ def attn_bwd_dq_kernel(
         rng_base = row_base * rng_stride
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_psum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if RENORM and HAS_SINK:
+        b_psum = tl.math.exp2((tl.load(SINKS + i_h).to(tl.float32) - b_lse) * LOG2E)  # [BLOCK_M]
 
     begin, full_begin, full_end, end = key_blocks(q_start, q_start + BLOCK_M - 1, seqlen_k, lo_offset, hi_offset,
                                                   MASK_LEFT, MASK_RIGHT, BLOCK_N)
@@ -403,7 +415,7 @@ def attention_backward(
     options: ScoreOptions,
     varlen: Optional[Varlen] = None,
     own_lse: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the three backward kernels.
 
     Args:
@@ -415,7 +427,8 @@ def attention_backward(
             which k, v are one block (ring attention), where that row's dS is not 0.
 
     Returns:
-        ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype.
+        ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype, and with
+        ``options.sinks`` the sinks' gradient ``dsink`` shaped and typed like them (else None).
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -423,12 +436,19 @@ def attention_backward(
     dq = tiles.output_buffer(q.shape, q.dtype, q.device)
     dk = tiles.output_buffer(k.shape, k.dtype, k.device)
     dv = tiles.output_buffer(v.shape, v.dtype, v.device)
+    sinks = options.sinks
     if dq.numel() == 0 or dk.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        # No key: P = 0 and dS = 0; the sinks still see delta (0 where out is, as a row with no key's).
+        delta = (dout.float() * out.float()).sum(-1) if sinks is not None and dq.numel() else None
+        dsink = None
+        if sinks is not None:
+            dsink = torch.zeros_like(sinks) if delta is None else _sink_grad(sinks, lse, delta.movedim(-1, -2), None)
+        return dq.zero_(), dk.zero_(), dv.zero_(), dsink
     block_d = configs.head_dim_bucket(dims.head_dim)
     delta, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
     renorm = own_lse and q.element_size() == 4  # fp32: dK/dV renormalise P by dQ's row sums
     lse_fix = lse_buffer(q, varlen, dims)[0] if renorm else None
+    own_lse = own_lse and sinks is None  # the one-key rules assume P sums to 1 (see the module docstring)
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
     rows = packed_rows(q, k, varlen)
     # What the dK/dV and dQ kernels share: inputs, sizes and score options.
@@ -451,7 +471,7 @@ def attention_backward(
         # dQ first: with RENORM it writes the row sums dK/dV divide out.
         cfg = configs.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())
         attn_bwd_dq_kernel[(triton.cdiv(dims.seqlen_q, cfg.block_m), dims.nheads, dims.batch)](
-            DQ=dq, **dims.stride_args(dq, "dq", "m"), **common,
+            DQ=dq, **dims.stride_args(dq, "dq", "m"), **common, SINKS=sinks if renorm else None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         cfg = configs.launch_config(q.device, "bwd_dkdv", dims.head_dim, q.element_size())
@@ -459,4 +479,16 @@ def attention_backward(
             DK=dk, DV=dv, **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"), **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    return dq, dk, dv
+    dsink = _sink_grad(sinks, lse, delta, lse_fix) if sinks is not None else None
+    return dq, dk, dv, dsink
+
+
+def _sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, lse_fix: Optional[torch.Tensor]):
+    """``dsink[h] = -sum over rows of p_sink * delta``, with ``p_sink = exp(sink[h] - lse)`` (over
+    ``exp(lse_fix)`` with ``RENORM``, as dK/dV's P). ``lse``, ``delta``, ``lse_fix``: ``(B, H, Sq)``
+    or varlen ``(H, total_q)`` float32; returns ``(H,)`` in the sinks' dtype."""
+    logits = sinks.float()[:, None] - lse  # broadcasts over (B, H, Sq) and (H, total_q)
+    if lse_fix is not None:
+        logits = logits - lse_fix
+    rows = tuple(d for d in range(lse.dim()) if d != lse.dim() - 2)  # every dim but the head's
+    return (-(torch.exp(logits) * delta).sum(dim=rows)).to(sinks.dtype)

@@ -19,6 +19,11 @@ multiplied in full fp32, never TF32.
 
 A row that sees no key (causal with Sq > Sk, or Sk == 0) outputs 0 and stores lse = +inf, which
 makes every probability the backward recomputes from it exactly 0.
+
+Attention sinks (``SINKS (H,)``): query head ``h``'s softmax gains the logit ``sinks[h]`` in its
+denominator only, ``p_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij))``. The running max and
+sum start from it (``m = sinks[h] * log2(e)``, ``l = 1``) instead of ``-inf`` and 0, so the stored
+lse includes it; a row that sees no key then outputs 0 with lse = ``sinks[h]``.
 """
 
 from __future__ import annotations
@@ -155,6 +160,7 @@ def _fwd_inner(
         "TMA": lambda a: a["K_TILES"] is not None,
         "ALIBI": lambda a: a["SLOPES"] is not None,
         "DROPOUT": lambda a: a["SEED"] is not None,
+        "HAS_SINK": lambda a: a["SINKS"] is not None,
         # With PACK_GQA the tile's rows are the group's query heads at each position: Sq * group rows.
         "EVEN_M": lambda a: not a["IS_VARLEN"]
         and a["seqlen_q"] * (a["group_size"] if a["PACK_GQA"] else 1) % a["BLOCK_M"] == 0,
@@ -167,7 +173,7 @@ def _fwd_inner(
 )
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, K_TILES, V_TILES, LSE, SLOPES, CU_Q, K_START, K_END, PAGE_TABLE, SEED,
+    Q, K, V, O, K_TILES, V_TILES, LSE, SLOPES, CU_Q, K_START, K_END, PAGE_TABLE, SEED, SINKS,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -179,7 +185,7 @@ def attn_fwd_kernel(
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    FOLD: tl.constexpr,
+    FOLD: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
     ``(cdiv(max Sq * group_size, BLOCK_M) * num_splits, Hk, B)``.
@@ -214,7 +220,8 @@ def attn_fwd_kernel(
     An absent tensor is passed as None, and the flag it implies follows from that (the
     heuristics above): ``CU_Q`` (``IS_VARLEN``), ``K_START``/``K_END`` (``KV_RANGES``),
     ``PAGE_TABLE`` (``PAGED``), ``K_TILES``/``V_TILES`` (``TMA``), ``SLOPES`` (``ALIBI``), ``SEED``
-    (``DROPOUT``).
+    (``DROPOUT``), ``SINKS`` (``HAS_SINK``: ``SINKS[h]``, any float dtype; with split-KV only the
+    first share counts it, so the merge counts it once).
 
     Bad cache metadata (a negative start, an end past the page table, a page index outside
     ``[0, num_pages)``) never reads or writes outside the tensors: the affected batch's output
@@ -316,6 +323,14 @@ def attn_fwd_kernel(
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINK:  # the sink's logit starts the running max and, as exp(0) = 1, the sum (split 0 only)
+        if PACK_GQA:
+            b_sink = tl.load(SINKS + i_h + o_g).to(tl.float32)  # [BLOCK_M], each row's head
+        else:
+            b_sink = tl.load(SINKS + i_h).to(tl.float32) + b_l  # [BLOCK_M]
+        m_sink = (b_sink > float("-inf")) & (i_s == 0)  # a sink of -inf is no sink
+        b_m = tl.where(m_sink, b_sink * LOG2E, b_m)
+        b_l = tl.where(m_sink, 1.0, b_l)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # paged: key rows whose page index was out of range (int32: Triton 3.2's interpreter has no int1 zeros)
     b_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -393,7 +408,7 @@ def attention_forward(
 
     Returns:
         ``out`` shaped like q, in q's dtype, and ``lse`` float32 (natural log): ``(B, H, Sq)``, or
-        ``(H, total_q)`` with varlen.
+        ``(H, total_q)`` with varlen; with ``options.sinks`` it includes each head's sink.
     """
     if num_splits > 1 and keys is None:
         raise ValueError("num_splits > 1 needs per-batch key ranges (keys)")
@@ -435,7 +450,7 @@ def _plan_key(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel,
     cu_q = varlen.cu_seqlens_q if varlen is not None else None
     start, end, max_len, table = keys if keys is not None else (None, None, None, None)
     found = signature(
-        (q, k, v, options.slopes, options.seed, cu_q, start, end, table),
+        (q, k, v, options.slopes, options.seed, options.sinks, cu_q, start, end, table),
         (softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
          options.dropout_p, varlen.max_seqlen_q if varlen is not None else None, max_len, num_splits, kernel, pack_gqa),
     )
@@ -484,7 +499,7 @@ def plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kern
         grid = (triton.cdiv(dims.seqlen_q, block_m) * num_splits, dims.nheads, dims.batch)
     main = plan(attn_fwd_kernel, grid, dict(
         Q=q, K=k, V=v, O=o_split, K_TILES=views[0] if views else None, V_TILES=views[1] if views else None,
-        LSE=lse_split, CU_Q=cu_q,
+        LSE=lse_split, CU_Q=cu_q, SINKS=options.sinks,
         K_START=keys.start if keys is not None else None, K_END=keys.end if keys is not None else None,
         **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
         **dims.stride_args(o_split[0] if num_splits > 1 else out, "o", "m"),
@@ -527,7 +542,7 @@ def run_forward(p: ForwardPlan, q, k, v, options: ScoreOptions, varlen, keys) ->
         k_tiles, v_tiles = features.descriptors(k, v, p.tma_rows)
     cu_q = varlen.cu_seqlens_q if varlen is not None else None
     given = dict(Q=q, K=k, V=v, O=o_split, LSE=lse_split, K_TILES=k_tiles, V_TILES=v_tiles, CU_Q=cu_q,
-                 SLOPES=options.slopes, SEED=options.seed)
+                 SLOPES=options.slopes, SEED=options.seed, SINKS=options.sinks)
     if keys is not None:
         given.update(K_START=keys.start, K_END=keys.end, PAGE_TABLE=keys.table)
     launch(p.main, {name: given[name] for name in p.main.tensors})

@@ -39,6 +39,9 @@ class ScoreOptions(NamedTuple):
     slopes: Optional[torch.Tensor]  # ALiBi slopes, fp32 (H,) or (B, H)
     dropout_p: float = 0.0
     seed: Optional[torch.Tensor] = None  # int64 (1,) on the device: the dropout mask's Philox seed
+    # Attention sinks, (H,) float (any float dtype, read as fp32): query head h's softmax denominator
+    # gains exp(sinks[h]), a logit with no value; the lse includes it.
+    sinks: Optional[torch.Tensor] = None
 
 
 class Varlen(NamedTuple):

@@ -24,6 +24,7 @@ FACTORS = {
     "dq": GRADIENT_FACTOR,
     "dk": GRADIENT_FACTOR,
     "dv": GRADIENT_FACTOR,
+    "dsink": GRADIENT_FACTOR,  # attention sinks' gradient
 }
 
 

@@ -46,6 +46,9 @@ class Case:
     softcap: float = 0.0
     alibi: str = ""  # "", "heads" for (H,) slopes, "batch" for (B, H) slopes
     softmax_scale: Optional[float] = None  # None: 1 / sqrt(head_dim)
+    # Attention sinks: None, or per head ``sink + linspace(-1, 1, H)`` in the input dtype (``options``);
+    # very negative: no effect; very positive: rows' weights near 0.
+    sink: Optional[float] = None
 
     @property
     def id(self) -> str:
@@ -55,6 +58,7 @@ class Case:
                 f"-cap{self.softcap:g}" if self.softcap else "",
                 f"-alibi_{self.alibi}" if self.alibi else "",
                 f"-scale{self.softmax_scale:g}" if self.softmax_scale is not None else "",
+                f"-sink{self.sink:g}" if self.sink is not None else "",
             ]
         )
         return (
@@ -62,8 +66,9 @@ class Case:
             f"-D{self.head_dim}-{'causal' if self.causal else 'full'}{extras}"
         )
 
-    def options(self, device) -> dict:
-        """The keyword arguments of ``flash_attn_func`` for this case (ALiBi slopes as ALiBi defines them)."""
+    def options(self, device, dtype=None) -> dict:
+        """The keyword arguments of ``flash_attn_func`` for this case (ALiBi slopes as ALiBi defines them;
+        sinks in ``dtype``, float32 by default, as a model holds them in its own dtype)."""
         import torch
 
         slopes = None
@@ -77,6 +82,9 @@ class Case:
             softcap=self.softcap,
             alibi_slopes=slopes,
             softmax_scale=self.softmax_scale,
+            learnable_sink=None
+            if self.sink is None
+            else (self.sink + torch.linspace(-1.0, 1.0, self.nheads)).to(device=device, dtype=dtype or torch.float32),
         )
 
 
@@ -90,6 +98,8 @@ SMALL_GRID = (
     Case(1, 40, 24, 2, 2, 128, False),
     Case(1, 70, 70, 2, 1, 32, True, window=(20, 0)),  # sliding window: blocks outside it are skipped
     Case(1, 37, 50, 2, 2, 40, False, window=(8, 5), softcap=5.0, alibi="heads"),
+    Case(1, 45, 30, 4, 2, 32, True, sink=0.0),  # attention sinks; causal Sq > Sk: rows that see only the sink
+    Case(1, 30, 41, 2, 1, 24, False, window=(6, 2), sink=4.0),
 )
 
 # On a GPU: flash-attn's own test lengths, every head-dim bucket, both causal settings.
@@ -112,6 +122,8 @@ FULL_GRID = tuple(
     Case(2, 1000, 1500, 8, 8, 64, False, window=(100, 37)),
     Case(2, 512, 512, 8, 4, 128, True, softcap=30.0),
     Case(2, 777, 555, 8, 8, 96, True, alibi="batch"),
+    Case(2, 1024, 1024, 8, 2, 64, True, window=(128, 0), sink=0.0),  # gpt-oss: GQA, a window of 128, sinks
+    Case(2, 333, 517, 8, 8, 128, False, sink=3.0),
 )
 
 
@@ -168,9 +180,9 @@ def _inputs(case: Case, dtype, device, seed: int):
     return [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
 
 
-def _forward_backward(fn, q, k, v, dout):
-    """Run ``fn(q, k, v)`` and its backward on fresh leaf copies; returns (out, dq, dk, dv)."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+def _forward_backward(fn, q, k, v, dout, *more):
+    """Run ``fn(q, k, v, *more)`` and its backward on fresh leaf copies; returns (out, dq, dk, dv, *dmore)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, *more)]
     out = fn(*leaves)
     out.backward(dout.to(out.dtype))
     return (out.detach(), *(t.grad.detach() for t in leaves))
@@ -185,11 +197,13 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     from flash_recipe.testing import FACTORS, accuracy_bound, max_error
 
     q, k, v, dout = _inputs(case, dtype, device, seed)
-    options = case.options(device)
+    options = case.options(device, dtype)
     scale = case.head_dim**-0.5 if case.softmax_scale is None else case.softmax_scale
+    sinks = options.pop("learnable_sink")
+    more = () if sinks is None else (sinks,)  # the sinks are a leaf too: dsink is checked as dq is
 
     def reference(upcast):
-        return lambda q_, k_, v_: attention_reference(
+        return lambda q_, k_, v_, *s_: attention_reference(
             q_,
             k_,
             v_,
@@ -199,15 +213,19 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
             window=options["window_size"],
             softcap=options["softcap"],
             alibi_slopes=options["alibi_slopes"],
+            sinks=s_[0] if s_ else None,
         )[0]
+
+    def run(q_, k_, v_, *s_):
+        return flash_recipe.flash_attn_func(q_, k_, v_, **options, learnable_sink=s_[0] if s_ else None)
 
     # The truth gets high-precision leaves too, so its gradients are not rounded to the input dtype.
     high = compute_dtype(dtype, upcast=True)
-    truth = _forward_backward(reference(True), *(t.to(high) for t in (q, k, v, dout)))
-    torch_same = _forward_backward(reference(False), q, k, v, dout)
+    truth = _forward_backward(reference(True), *(t.to(high) for t in (q, k, v, dout, *more)))
+    torch_same = _forward_backward(reference(False), q, k, v, dout, *more)
     with flash_recipe.use_backend(backend):
-        got = _forward_backward(lambda q_, k_, v_: flash_recipe.flash_attn_func(q_, k_, v_, **options), q, k, v, dout)
-    names = ("out", "dq", "dk", "dv")
+        got = _forward_backward(run, q, k, v, dout, *more)
+    names = ("out", "dq", "dk", "dv", "dsink")[: len(got)]
     errors, bounds = {}, {}
     for name, g, t, s in zip(names, got, truth, torch_same):
         errors[name] = max_error(g, t)
