@@ -398,7 +398,7 @@ def flash_attn_with_kvcache(
         learnable_sink=learnable_sink,
     )
     backend = dispatch.select_cache(call)
-    out, lse = forward_only("flash_attn_with_kvcache", lambda: backend.run_cache(call), q, k, v)
+    out, lse = forward_only("flash_attn_with_kvcache", lambda: backend.run_cache(call), q, k, v, call.attention.sinks)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -457,5 +457,7 @@ def paged_varlen(call: AttentionCall, block_table) -> tuple:
             raise ValueError(f"a key sequence is longer than its block_table can address ({capacity} rows)")
         validate.check_pages("block_table", block_table, num_pages, page_size, [0] * batch, ends)
     backend = dispatch.select_paged(paged)
-    out, lse = forward_only("flash_attn_varlen_func with block_table", lambda: backend.run_paged(paged), q, k, call.v)
+    out, lse = forward_only(
+        "flash_attn_varlen_func with block_table", lambda: backend.run_paged(paged), q, k, call.v, call.sinks
+    )
     return out, (lse if call.return_lse else None), None

@@ -27,7 +27,8 @@ class Scores:
     """The score options every entry point shares.
 
     ``window = (left, right)`` as plain ints, -1 unbounded (``causal`` implies ``right = 0``);
-    ``alibi`` float32 ``(H,)`` or ``(B, H)``; ``scale`` the softmax scale, already defaulted.
+    ``alibi`` float32 ``(H,)`` or ``(B, H)``; ``scale`` the softmax scale, already defaulted;
+    ``sinks`` ``(H,)`` attention sinks (``attention_reference``'s), or None.
     """
 
     scale: float
@@ -35,6 +36,11 @@ class Scores:
     window: tuple = (-1, -1)
     softcap: float = 0.0
     alibi: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+
+    def with_sinks(self, sinks: torch.Tensor | None) -> Scores:
+        """These options with ``sinks`` (a case's differentiable sinks, in the oracle's dtype)."""
+        return dataclasses.replace(self, sinks=sinks)
 
     def slopes(self, b: int) -> torch.Tensor | None:
         """The slopes of batch entry (sequence) ``b``: ``(H,)`` or None."""
@@ -58,6 +64,7 @@ def _one(
         window=opts.window,
         softcap=opts.softcap,
         alibi_slopes=slopes,
+        sinks=opts.sinks,
     )
 
 

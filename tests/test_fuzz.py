@@ -96,6 +96,8 @@ class Case:
             parts.append(f"softcap{p['softcap']:g}")
         if p.get("alibi"):
             parts.append(f"alibi{p['alibi']}")
+        if p.get("sink"):
+            parts.append(f"sink{p['sink']}")
         if p.get("scale") is not None:
             parts.append("scale")
         for key, name in (("rotary", "rot"), ("table_layout", "table"), ("num_splits", "split")):
@@ -157,6 +159,8 @@ def _scores(rng: random.Random, p: dict, seqlen_k: int) -> None:
     p["alibi"] = "" if rng.random() < 0.65 else rng.choice(("H", "BH", "BH-strided"))
     p["scale"] = None if rng.random() < 0.6 else round(rng.uniform(0.05, 1.2), 4)
     p["magnitude"] = rng.choice((1.0, 1.0, 1.0, 3.0))
+    # Attention sinks: drawn around 0, very negative (no effect), very positive (rows near 0), or -inf.
+    p["sink"] = "" if rng.random() < 0.7 else rng.choice(("N", "N", "low", "high", "-inf"))
 
 
 def _draw_dense(rng: random.Random, p: dict, kind: str) -> None:
@@ -324,7 +328,7 @@ def draw_case(seed: int, index: int) -> Case:
         backend = "auto"  # the kernels need equal head dims; the call goes to torch
     elif r < 0.1:
         backend = "reference"
-    elif r < 0.2 and not p.get("softcap") and not p.get("lse"):
+    elif r < 0.2 and not p.get("softcap") and not p.get("lse") and not p.get("sink"):
         backend = "sdpa"
     return Case(seed, index, kind, dtype, None if backend == "auto" else backend, p)
 
@@ -436,6 +440,17 @@ class Inputs:
             return self._keep("alibi_slopes", base[:, 1 : nheads + 1], base)
         return self._keep("alibi_slopes", values, values)
 
+    def sinks(self, kind: str, nheads: int) -> torch.Tensor | None:
+        """Attention sinks ``(H,)`` in the inputs' dtype (as a model holds them): ``N`` standard normal,
+        ``low`` about -30, ``high`` about +12, ``-inf``; None for ``""``."""
+        if not kind:
+            return None
+        values = torch.randn(nheads, generator=self.gen) + {"N": 0.0, "low": -30.0, "high": 12.0, "-inf": 0.0}[kind]
+        if kind == "-inf":
+            values = torch.full((nheads,), float("-inf"))
+        values = values.to(dtype=self.dtype, device=self.device)
+        return self._keep("learnable_sink", values, values)
+
     def randn_like(self, t: torch.Tensor) -> torch.Tensor:
         return torch.randn(t.shape, generator=self.gen).to(dtype=t.dtype, device=t.device)
 
@@ -467,9 +482,12 @@ def _window_arg(window: tuple, form: str):
     return tuple(window)
 
 
-def _score_options(p: dict, head_dim: int, slopes: torch.Tensor | None) -> tuple:
-    """``(kwargs for the flash_attn_* call, oracle.Scores)``."""
+def _score_options(p: dict, head_dim: int, slopes: torch.Tensor | None, sinks: torch.Tensor | None = None) -> tuple:
+    """``(kwargs for the flash_attn_* call, oracle.Scores)``; the oracle takes the sinks as an argument
+    (``Scores.with_sinks``), so that they are a leaf of its graph like q, k and v."""
     kwargs = {"causal": p["causal"], "softcap": p["softcap"], "alibi_slopes": slopes}
+    if sinks is not None:
+        kwargs["learnable_sink"] = sinks
     if p["scale"] is not None:
         kwargs["softmax_scale"] = p["scale"]
     if p["window_form"] != "omit":
@@ -602,7 +620,8 @@ def _run_dense(case: Case, inputs: Inputs, report: Report) -> None:
     p = case.params
     b, sq, sk, h, hk, d = (p[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "head_dim"))
     slopes = inputs.slopes(p["alibi"], b, h)
-    kwargs, opts = _score_options(p, d, slopes)
+    sinks = inputs.sinks(p.get("sink", ""), h)
+    kwargs, opts = _score_options(p, d, slopes, sinks)
     kwargs["return_attn_probs"] = p["lse"]
 
     def result(r):
@@ -619,8 +638,8 @@ def _run_dense(case: Case, inputs: Inputs, report: Report) -> None:
             with _backend(case):
                 return result(flash_recipe.flash_attn_func(tensors["q"], tensors["k"], tensors["v"], **kwargs))
 
-        def fn(q, k, v):
-            return oracle.dense(q, k, v, opts)
+        def fn(q, k, v, learnable_sink=None):
+            return oracle.dense(q, k, v, opts.with_sinks(learnable_sink))
     elif case.kind == "qkvpacked":
         tensors = {"qkv": inputs.tensor("qkv", (b, sq, 3, h, d), p["layout_qkv"])}
 
@@ -628,8 +647,8 @@ def _run_dense(case: Case, inputs: Inputs, report: Report) -> None:
             with _backend(case):
                 return result(flash_recipe.flash_attn_qkvpacked_func(tensors["qkv"], **kwargs))
 
-        def fn(qkv):
-            return oracle.dense(*qkv.unbind(2), opts)
+        def fn(qkv, learnable_sink=None):
+            return oracle.dense(*qkv.unbind(2), opts.with_sinks(learnable_sink))
     else:
         tensors = {
             "q": inputs.tensor("q", (b, sq, h, d), p["layout_q"]),
@@ -640,9 +659,11 @@ def _run_dense(case: Case, inputs: Inputs, report: Report) -> None:
             with _backend(case):
                 return result(flash_recipe.flash_attn_kvpacked_func(tensors["q"], tensors["kv"], **kwargs))
 
-        def fn(q, kv):
-            return oracle.dense(q, *kv.unbind(2), opts)
+        def fn(q, kv, learnable_sink=None):
+            return oracle.dense(q, *kv.unbind(2), opts.with_sinks(learnable_sink))
 
+    if sinks is not None:
+        tensors["learnable_sink"] = sinks
     _differential(report, inputs, call, fn, tensors, p["backward"])
 
 
@@ -655,7 +676,8 @@ def _run_varlen(case: Case, inputs: Inputs, report: Report) -> None:
     cu_q_t = inputs.index("cu_seqlens_q", cu_q, p["strided_meta"], tq)
     cu_k_t = cu_q_t if case.kind == "varlen_qkvpacked" else inputs.index("cu_seqlens_k", cu_k, p["strided_meta"], tk)
     slopes = inputs.slopes(p["alibi"], len(lq), h)
-    kwargs, opts = _score_options(p, d, slopes)
+    sinks = inputs.sinks(p.get("sink", ""), h)
+    kwargs, opts = _score_options(p, d, slopes, sinks)
     kwargs["return_attn_probs"] = p["lse"]
 
     def result(r):
@@ -676,8 +698,8 @@ def _run_varlen(case: Case, inputs: Inputs, report: Report) -> None:
                     )
                 )
 
-        def fn(q, k, v):
-            return oracle.varlen(q, k, v, cu_q, cu_k, opts)
+        def fn(q, k, v, learnable_sink=None):
+            return oracle.varlen(q, k, v, cu_q, cu_k, opts.with_sinks(learnable_sink))
     elif case.kind == "varlen_qkvpacked":
         tensors = {"qkv": inputs.tensor("qkv", (tq, 3, h, d), p["layout_qkv"])}
 
@@ -685,8 +707,8 @@ def _run_varlen(case: Case, inputs: Inputs, report: Report) -> None:
             with _backend(case):
                 return result(flash_recipe.flash_attn_varlen_qkvpacked_func(tensors["qkv"], cu_q_t, max_q, **kwargs))
 
-        def fn(qkv):
-            return oracle.varlen(*qkv.unbind(1), cu_q, cu_q, opts)
+        def fn(qkv, learnable_sink=None):
+            return oracle.varlen(*qkv.unbind(1), cu_q, cu_q, opts.with_sinks(learnable_sink))
     else:
         tensors = {
             "q": inputs.tensor("q", (tq, h, d), p["layout_q"]),
@@ -701,9 +723,11 @@ def _run_varlen(case: Case, inputs: Inputs, report: Report) -> None:
                     )
                 )
 
-        def fn(q, kv):
-            return oracle.varlen(q, *kv.unbind(1), cu_q, cu_k, opts)
+        def fn(q, kv, learnable_sink=None):
+            return oracle.varlen(q, *kv.unbind(1), cu_q, cu_k, opts.with_sinks(learnable_sink))
 
+    if sinks is not None:
+        tensors["learnable_sink"] = sinks
     _differential(report, inputs, call, fn, tensors, p["backward"])
 
 
@@ -721,8 +745,11 @@ def _run_paged(case: Case, inputs: Inputs, report: Report) -> None:
     cu_k_t = inputs.index("cu_seqlens_k", cu_k, p["strided_meta"], cu_k[-1])
     table = inputs.table("block_table", p["block_table"], p["table_layout"], p["num_blocks"])
     slopes = inputs.slopes(p["alibi"], len(lq), h)
-    kwargs, opts = _score_options(p, d, slopes)
+    sinks = inputs.sinks(p.get("sink", ""), h)
+    kwargs, opts = _score_options(p, d, slopes, sinks)
     kwargs["return_attn_probs"] = p["lse"]
+    if sinks is not None:
+        tensors["learnable_sink"] = sinks
     max_q, max_k = max(lq) + p["max_extra"][0], max(lk) + p["max_extra"][1]
 
     def call():
@@ -732,8 +759,8 @@ def _run_paged(case: Case, inputs: Inputs, report: Report) -> None:
             )
         return (r[0], r[1]) if p["lse"] else (r, None)
 
-    def fn(q, k, v):
-        return oracle.paged_varlen(q, k, v, cu_q, lk, p["block_table"], opts)
+    def fn(q, k, v, learnable_sink=None):
+        return oracle.paged_varlen(q, k, v, cu_q, lk, p["block_table"], opts.with_sinks(learnable_sink))
 
     _forward_only(report, inputs, call, fn, tensors, p["grad"])
 
@@ -784,7 +811,10 @@ def _run_kvcache(case: Case, inputs: Inputs, report: Report) -> None:
         tensors["k"] = inputs.tensor("k", (b, new, hk, d), p["layout_new"])
         tensors["v"] = inputs.tensor("v", (b, new, hk, d), p["layout_new"])
     slopes = inputs.slopes(p["alibi"], b, h)
-    kwargs, opts = _score_options(p, d, slopes)
+    sinks = inputs.sinks(p.get("sink", ""), h)
+    kwargs, opts = _score_options(p, d, slopes, sinks)
+    if sinks is not None:
+        tensors["learnable_sink"] = sinks
     kwargs.update(num_splits=p["num_splits"], return_softmax_lse=p["lse"])
     strided = p["strided_meta"]
     room = max(1, (p["page_size"] * len(table_rows[0]) if paged else p["seqlen_cache"]) - new)
@@ -816,8 +846,8 @@ def _run_kvcache(case: Case, inputs: Inputs, report: Report) -> None:
             r = flash_recipe.flash_attn_with_kvcache(q, k_cache, v_cache, tensors.get("k"), tensors.get("v"), **kwargs)
         return r if p["lse"] else (r, None)
 
-    def fn(q, k=None, v=None):
-        return oracle.kvcache(q, k_before, v_before, k, v, layout, opts, rotary)
+    def fn(q, k=None, v=None, learnable_sink=None):
+        return oracle.kvcache(q, k_before, v_before, k, v, layout, opts.with_sinks(learnable_sink), rotary)
 
     truth, _ = _forward_only(report, inputs, call, fn, tensors, p["grad"])
     _check_cache(report, inputs, p, table_rows, truth)
