@@ -27,6 +27,8 @@ What a model asks for, and what it becomes here (``W`` = the module's ``sliding_
     softcap=c (Gemma 2 logit softcapping)   softcap=c
     scaling                                 softmax_scale
     dropout (models pass it in training)    dropout_p
+    s_aux (attention sinks, gpt-oss: the    learnable_sink on every path below, 4D mask included;
+      module's ``sinks``, one per head)       differentiable: the sinks get their gradient
     padding (2D mask with zeros)            varlen over the real tokens; padded query rows output 0
     packed rows (position_ids restarting,   varlen with one sequence per run of consecutive
       no mask, no cache) or cu_seq_lens_*   positions (or the given cu_seq_lens_q / cu_seq_lens_k)
@@ -271,6 +273,7 @@ def _attend_padded_static(q, k, v, mask_q, mask_k, options: dict) -> torch.Tenso
         window=validate.check_window(causal, options["window_size"]),
         softcap=validate.check_softcap(options["softcap"]),
         dropout_p=validate.check_dropout(options["dropout_p"]),
+        sinks=options["learnable_sink"],
     )
     order_q, cu_q = _real_first(mask_q)
     order_k, cu_k = _real_first(mask_k)
@@ -327,31 +330,33 @@ def attention_forward(
         is_causal: overrides ``module.is_causal``.
         kwargs: ``position_ids (batch or 1, seqlen)`` (packed rows when positions restart and there
             is no mask), ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``
-            (packed rows given explicitly); ``s_aux`` (attention sinks) and ``output_attentions=True``
-            are not supported (NotImplementedError).
+            (packed rows given explicitly); ``s_aux``: attention sinks ``(nheads,)``, one logit per
+            query head (gpt-oss passes its ``sinks`` parameter), which joins each row's softmax
+            denominator and no value: ``p_ij = exp(s_ij) / (exp(s_aux[h]) + sum_j exp(s_ij))``;
+            differentiable. ``output_attentions=True`` is not supported (NotImplementedError).
 
     Returns:
         ``(out, None)``: ``out (batch, seqlen_q, nheads, headdim)``; padded query rows are 0.
         No attention weights (as flash-attn, they are never materialised).
     """
-    from flash_recipe import api
+    from flash_recipe import api, validate
 
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            "s_aux (attention sinks) is not supported by flash_recipe; use attn_implementation='sdpa'"
-        )
     if kwargs.get("output_attentions"):
         raise NotImplementedError(
             "output_attentions=True is not supported by flash_recipe: as in flash-attn, the attention weights are "
             "never materialised; load the model with attn_implementation='eager' to get them"
         )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        sinks = validate.check_sinks(sinks, query.shape[1], query.device, name="s_aux")
     options = dict(
         dropout_p=float(dropout),
         softmax_scale=scaling,
         causal=causal,
         window_size=_window(sliding_window, causal),
         softcap=float(softcap) if softcap else 0.0,
+        learnable_sink=sinks,
     )
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         if options["window_size"] != (-1, -1) or options["softcap"]:
@@ -367,6 +372,7 @@ def attention_forward(
             dropout_p=float(dropout),
             scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
+            learnable_sink=sinks,
         )
         return out.transpose(1, 2), None
 
