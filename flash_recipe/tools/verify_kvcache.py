@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +17,8 @@ class KVCase:
     ``page`` > 0 stores the cache in shuffled pages of that many rows (``block_table``); ``rotary``
     is the rotary dim (0: none); ``leftpad`` the first valid row per entry (empty: 0);
     ``batch_idx`` maps batch element ``b`` to cache row ``batch + 1 - b`` of a cache with two
-    spare rows; ``splits`` is ``num_splits`` (0: chosen from the GPU's size).
+    spare rows; ``splits`` is ``num_splits`` (0: chosen from the GPU's size); ``sink`` (not None)
+    gives every head an attention sink, ``sink + linspace(-1, 1, H)`` in the input dtype.
     """
 
     batch: int
@@ -37,6 +39,7 @@ class KVCase:
     softcap: float = 0.0
     alibi: bool = False
     splits: int = 0
+    sink: Optional[float] = None
 
     @property
     def id(self) -> str:
@@ -55,6 +58,8 @@ class KVCase:
             parts.append(f"win{self.window[0]}_{self.window[1]}")
         if self.softcap:
             parts.append(f"cap{self.softcap:g}")
+        if self.sink is not None:
+            parts.append(f"sink{self.sink:g}")
         parts.append(f"split{self.splits}")
         return "-".join(parts)
 
@@ -95,6 +100,8 @@ KV_SMALL_GRID = (
         alibi=True,
         splits=3,
     ),
+    # gpt-oss decoding: GQA, attention sinks, a window, a paged cache with rows appended, split-KV.
+    KVCase(2, 1, 1, 8, 2, 32, seqlens=(3, 50), capacity=64, page=16, window=(20, 0), splits=3, sink=0.0),
 )
 
 # On a GPU: realistic decoding and chunked prefill over caches of thousands of rows, every
@@ -118,6 +125,7 @@ KV_FULL_GRID = KV_SMALL_GRID + (
     ),
     KVCase(2, 5, 0, 8, 4, 256, seqlens=(777, 1500), capacity=2048, causal=False, batch_idx=True, alibi=True, splits=4),
     KVCase(2, 1, 1, 12, 1, 96, seqlens=(3000, 1), capacity=3072, window=(100, 0), softcap=30.0),
+    KVCase(4, 1, 1, 64, 8, 64, seqlens=(4000, 127, 128, 2500), capacity=4096, page=256, window=(127, 0), sink=1.0),
 )
 
 
@@ -170,6 +178,8 @@ def _kv_inputs(case: KVCase, dtype, device, seed: int):
         kwargs["alibi_slopes"] = torch.tensor(
             [2.0 ** (-8.0 * (h + 1) / case.nheads) for h in range(case.nheads)], device=device
         )
+    if case.sink is not None:
+        kwargs["learnable_sink"] = (case.sink + torch.linspace(-1.0, 1.0, case.nheads)).to(device=device, dtype=dtype)
     return q, k_cache, v_cache, k_new, v_new, kwargs
 
 
@@ -235,6 +245,7 @@ def _kv_oracle(case: KVCase, q, k_cache, v_cache, k_new, v_new, kwargs: dict, up
             window=case.window,
             softcap=case.softcap,
             alibi_slopes=slopes,
+            sinks=kwargs.get("learnable_sink"),
         )
         outs.append(out)
     return torch.cat(outs), k_after, v_after
