@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import io
 import json
+import math
 import os
 import sys
 import textwrap
@@ -32,11 +33,14 @@ def _parse(add_arguments, argv):
     return parser.parse_args(argv)
 
 
-def test_plan_has_every_part_in_order_of_value_within_20_minutes():
-    order = ["env", "host", "capture", "verify", "bench", "decode", "memory", "tests", "tune"]
+ORDER = ["env", "warmup", "check", "bench", "decode", "memory", "host", "capture", "verify", "tests", "tune"]
+
+
+def test_plan_has_every_part_in_order_of_value_within_its_total():
+    order = ORDER
     assert list(PLAN) == order
     total = sum(step.budget_s for step in PLAN.values())
-    assert total + campaign.RESERVE_S <= campaign.TOTAL_BUDGET_S == 20 * 60
+    assert total + campaign.RESERVE_S <= campaign.TOTAL_BUDGET_S == 23 * 60
     assert all(step.budget_s > 0 for step in PLAN.values())
     tuned_first = [step.name for step in campaign.build_plan(tune_first=True)]
     assert tuned_first == ["env", "tune", *order[1:-1]]
@@ -47,15 +51,16 @@ def test_the_default_campaign_fits_9_minutes_and_says_what_it_leaves_out():
     ran = [step for step in fitted if not step.skip]
     assert campaign.DEFAULT_MINUTES == 9
     assert sum(step.budget_s for step in ran) + campaign.RESERVE_S <= 9 * 60
-    assert [step.name for step in ran] == ["env", "host", "capture", "verify", "bench", "decode"]
+    assert [step.name for step in ran] == ["env", "warmup", "check", "bench", "decode", "memory", "host"]
     skipped = {step.name: step.skip for step in fitted if step.skip}
-    assert set(skipped) == {"memory", "tests", "tune"}
-    assert "does not fit in --minutes 9 (35 s needed, 15 s left" in skipped["memory"]
-    everything = campaign.fit(list(PLAN.values()), 20)
-    assert not any("does not fit" in (step.skip or "") for step in everything)  # the whole plan fits 20 minutes
+    assert set(skipped) == {"capture", "verify", "tests", "tune"}
+    assert "does not fit in --minutes 9 (60 s needed, 38 s left" in skipped["capture"]
+    assert "(152 s needed, 32 s of them compiling ahead in warmup, 38 s left" in skipped["verify"]
+    everything = campaign.fit(list(PLAN.values()), campaign.TOTAL_BUDGET_S / 60)
+    assert not any(step.skip for step in everything)  # the whole plan fits its total
     # A later, shorter step still runs where a longer one before it did not fit.
-    shorter = campaign.fit(list(PLAN.values()), 8.5)  # 465 s: decode (60) does not fit after bench, memory (35) does
-    assert [step.name for step in shorter if not step.skip] == ["env", "host", "capture", "verify", "bench", "memory"]
+    shorter = campaign.fit(list(PLAN.values()), 7)  # 375 s: decode (60) does not fit after bench, memory (35) does
+    assert [step.name for step in shorter if not step.skip] == ["env", "warmup", "check", "bench", "memory"]
     with pytest.raises(SystemExit):
         campaign.build_parser().parse_args(["--out", "x", "--minutes", "0.5"])
 
@@ -74,6 +79,95 @@ def test_bench_step_measures_the_target_shapes_with_the_peers():
     assert [s.id for s in shapes] == PLAN["bench"].params["shapes"] == [s.id for s in campaign.bench_shapes()]
     assert {(s.causal, s.seqlen) for s in shapes} == {(c, n) for c in (False, True) for n in (4096, 8192, 16384)}
     assert all(s.nheads == s.nheads_k and s.dtype == "bfloat16" and s.head_dim == 128 for s in shapes)
+
+
+def _warmup_args(step: campaign.Step):
+    from flash_recipe.tools import warmup
+
+    argv = step.command("/scratch")
+    assert argv[1:4] == ["-m", "flash_recipe", "warmup"]
+    args = _parse(warmup.add_arguments, argv[4:])
+    return args, warmup.parse_for(args.step)
+
+
+def test_warmup_compiles_ahead_for_the_steps_that_run_with_a_budget_sized_for_them():
+    from flash_recipe.tools import warmup
+
+    fitted = {s.name: s for s in campaign.fit(list(PLAN.values()), 9)}
+    args, items = _warmup_args(fitted["warmup"])
+    assert items == [("check", None), ("bench", None)] and args.tests is None
+    assert args.jobs == campaign.plan.warmup_jobs() == max(1, min(os.cpu_count() or 1, 16))
+    assert args.json == "/scratch/warmup.json" and fitted["warmup"].result == "warmup.json"
+    budget = campaign.plan.WARMUP_START_S + campaign.plan.warmup_share("check") + campaign.plan.warmup_share("bench")
+    assert fitted["warmup"].budget_s == budget == campaign.plan.warmup_budget(["check", "bench"])
+    # The check's 118 variants measured at 327.6 s one after another: 16 processes, twice as slow, plus recording.
+    assert campaign.plan.warmup_share("check") == math.ceil(6 + 2 * 328 / 16)
+    everything = {s.name: s for s in campaign.fit(list(PLAN.values()), 30)}
+    args, items = _warmup_args(everything["warmup"])
+    assert items == [("check", None), ("bench", None), ("verify", ["bfloat16"]), ("tests", None)]
+    assert args.tests == str(Path(__file__).resolve().parent)
+    assert len(warmup.calls_for(items[:3])) > 0  # the campaign's --for is one warmup takes
+    only_bench = {s.name: s for s in campaign.fit(campaign.select(list(PLAN.values()), only=["bench"]), 9)}
+    assert _warmup_args(only_bench["warmup"])[1] == [("bench", None)]
+    assert only_bench["warmup"].budget_s == campaign.plan.warmup_budget(["bench"])
+    given = {s.name: s for s in campaign.build_plan(budgets={"warmup": 100})}
+    given = {s.name: s for s in campaign.fit(list(given.values()), 9)}
+    assert given["warmup"].budget_s == 100 and _warmup_args(given["warmup"])[1][:1] == [("check", None)]
+    nothing = campaign.fit(campaign.select(list(PLAN.values()), skip=["check", "bench", "verify", "tests"]), 20)
+    assert {s.name: s.skip for s in nothing}["warmup"] == "none of the steps it compiles for runs"
+
+
+def test_check_step_runs_the_gpu_check_within_its_budget():
+    from flash_recipe.tools import gpu_check
+
+    argv = PLAN["check"].command("/scratch")
+    assert argv[1:3] == ["-m", "flash_recipe.tools.gpu_check"]
+    args = gpu_check.build_parser().parse_args(argv[3:])
+    assert args.json == "/scratch/check.json" and args.fuzz and args.grid is None and args.dtype is None
+    assert args.seconds == PLAN["check"].budget_s - campaign.plan.CHECK_MARGIN_S > 0
+    longer = {s.name: s for s in campaign.build_plan(budgets={"check": 200})}["check"]
+    assert gpu_check.build_parser().parse_args(longer.command()[3:]).seconds == 200 - campaign.plan.CHECK_MARGIN_S
+    assert PLAN["check"].params["dtypes"] == ["bfloat16", "float16"]
+    for feature in ("GQA", "Sq!=Sk", "D256", "varlen", "paged", "append", "window", "softcap", "ALiBi", "dropout"):
+        assert feature in PLAN["check"].params["covers"]
+
+
+def test_check_and_warmup_results_lead_the_report(tmp_path):
+    """A real (tiny, interpreter) check result and a warmup summary, collected: the check's line
+    opens the report, and both have their tables."""
+    from flash_recipe.tools import gpu_check
+    from flash_recipe.tools.campaign import report as campaign_report
+    from flash_recipe.tools.campaign import steps as campaign_steps
+
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    scratch.mkdir(), out.mkdir()
+    doc = gpu_check.run(gpu_check.TINY_TABLE[:1], ["float32"], torch.device("cpu"), 60, fuzz=False,
+                        progress=lambda line: None)  # fmt: skip
+    doc["summary"] = gpu_check.summary(doc)
+    (scratch / "check.json").write_text(json.dumps(doc))
+    families = {"fwd": {"variants": 3, "sum_s": 9.0, "max_s": 4.0}, "bwd": {"variants": 9, "sum_s": 30.5, "max_s": 6.0}}
+    warm = {"step": "check,bench", "device": "NVIDIA H100", "families": families, "variants": 12, "errors": 0,
+            "sum_s": 39.5, "wall_s": 7.1, "jobs": 16, "rows": [{"variant": "x"}]}  # fmt: skip
+    (scratch / "warmup.json").write_text(json.dumps(warm))
+    plan = campaign.fit(list(PLAN.values()), 9)
+    report = campaign_report.new_report(plan, "c", dry_run=False)
+    by_name = {s.name: s for s in plan}
+    for name in ("check", "warmup"):
+        record = {"status": "passed", "detail": "exit status 0", "output_tail": ""}
+        report["steps"][name] = campaign_steps.collect(by_name[name], record, scratch, out, io.BytesIO())
+    assert "rows" not in report["steps"]["warmup"]["data"]
+    assert report["steps"]["warmup"]["detail"].startswith("12 variants, 0 failed, 40 s of first calls in 7 s with 16")
+    assert "bwd 30 s (9), fwd 9 s (3)" in report["steps"]["warmup"]["detail"]
+    text = campaign_report.render_markdown(report)
+    head = text.splitlines()[2]
+    assert head.startswith("- correctness on the GPU (passed): PASSED: 1 of 1 table checks"), head
+    assert "## Correctness on the GPU" in text and "## Compiled ahead" in text
+    assert f"| {gpu_check.TINY_TABLE[0].id} | float32 | torch_math |" in text
+    assert "| bwd | 9 | 30.5 | 6.00 |" in text
+    doc["rows"][0]["passed"] = doc["passed"] = False  # a failed check fails the step, whatever its exit status
+    (scratch / "check.json").write_text(json.dumps(doc))
+    record = {"status": "passed", "detail": "exit status 0", "output_tail": ""}
+    assert campaign_steps.collect(by_name["check"], record, scratch, out, io.BytesIO())["status"] == "failed"
 
 
 def test_verify_step_covers_bf16_and_the_kv_cache():
@@ -125,17 +219,10 @@ def test_budgets_can_be_changed_per_step(capsys, tmp_path):
 
 def test_only_and_skip_choose_steps_and_env_always_stays():
     plan = list(PLAN.values())
-    assert [s.name for s in campaign.select(plan, only=["bench", "verify"])] == ["env", "verify", "bench"]
-    assert [s.name for s in campaign.select(plan, skip=["tests"])] == [
-        "env",
-        "host",
-        "capture",
-        "verify",
-        "bench",
-        "decode",
-        "memory",
-        "tune",
-    ]
+    assert [s.name for s in campaign.select(plan, only=["bench", "verify"])] == ["env", "warmup", "bench", "verify"]
+    assert [s.name for s in campaign.select(plan, only=["memory"])] == ["env", "memory"]  # nothing to compile ahead
+    assert [s.name for s in campaign.select(plan, skip=["tests"])] == [n for n in ORDER if n != "tests"]
+    assert [s.name for s in campaign.select(plan, only=["check"], skip=["warmup"])] == ["env", "check"]
     with pytest.raises(ValueError, match="--only takes step names .* got nope"):
         campaign.select(plan, only=["nope"])
 
@@ -154,22 +241,20 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["campaign.json", "campaign.md"]
     report = json.loads((tmp_path / "out" / "campaign.json").read_text())
     assert report["dry_run"] and report["steps"] == {} and report["targets"] == []
-    assert [s["name"] for s in report["plan"]] == [
-        "env", "host", "capture", "verify", "bench", "decode", "memory", "tests"
-    ]  # fmt: skip
+    assert [s["name"] for s in report["plan"]] == ORDER[:-1]
     assert "Dry run" in (tmp_path / "out" / "campaign.md").read_text()
 
 
 def test_a_default_dry_run_plans_9_minutes_and_its_report_starts_with_what_it_leaves_out(tmp_path, capsys):
     assert campaign.main(["--out", str(tmp_path / "out"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "within 540 s (9 min); not run: memory, tests, tune;" in out
+    assert "within 540 s (9 min); not run: capture, verify, tests, tune;" in out
     assert "not run: does not fit in --minutes 9" in out
     report = json.loads((tmp_path / "out" / "campaign.json").read_text())
     assert report["budget_s"]["total"] == 540 and report["budget_s"]["steps"] + campaign.RESERVE_S <= 540
     head = (tmp_path / "out" / "campaign.md").read_text().splitlines()[:6]
     assert "- passed: none" in head
-    assert any(line.startswith("- skipped: memory (does not fit in --minutes 9") for line in head), head
+    assert any(line.startswith("- skipped: capture (does not fit in --minutes 9") for line in head), head
 
 
 def test_without_cuda_the_campaign_refuses(tmp_path, capsys, monkeypatch):
@@ -242,9 +327,10 @@ def test_runner_records_failures_and_stops_a_hung_step_with_its_children(tmp_pat
 
 
 def test_a_campaign_on_the_cpu_end_to_end(tmp_path, monkeypatch):
-    """env, bench (the CPU peers), verify (the reference backend) and pytest run for real, tune
-    fails for want of a GPU; memory's rows come from a made-up step. So the collection of every
-    kind of result, the targets, the tables, the plots and the single-folder output are exercised."""
+    """env, the correctness check (its tiny table, through the interpreter), bench (the CPU peers),
+    verify (the reference backend) and pytest run for real, tune fails for want of a GPU; memory's
+    rows come from a made-up step. So the collection of every kind of result, the targets, the
+    tables, the plots and the single-folder output are exercised."""
     monkeypatch.setenv("FLASH_RECIPE_BACKEND", "reference")  # removed from the steps' environment
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the steps see no GPU, also on a machine with one
@@ -259,8 +345,11 @@ def test_a_campaign_on_the_cpu_end_to_end(tmp_path, monkeypatch):
     python = sys.executable
     bench_args = "--seqlen 32,64 --head-dim 16 --dtype float32 --nheads 2 --tokens 64 --gqa no --reps 2 --warmup 1"
     verify_args = "--json --kvcache --grid small --dtype float32 --backend reference"
+    check_argv = [python, "-m", "flash_recipe.tools.gpu_check", "--json", "{scratch}/check.json", "--fuzz-cases", "2"]
     plan = [
         campaign.build_plan()[0],  # env
+        # The steps run without TRITON_INTERPRET; the check needs it without a GPU.
+        campaign.Step("check", "check", ["env", "TRITON_INTERPRET=1", *check_argv], 120, result="check.json"),
         campaign.Step(
             "verify", "verify", [python, "-m", "flash_recipe", "verify", *verify_args.split()], 120,
             result="verify.json", stdout_is_result=True,
@@ -320,6 +409,9 @@ def test_a_campaign_on_the_cpu_end_to_end(tmp_path, monkeypatch):
     md = (out / "campaign.md").read_text()
     for text in ("## Targets:", "## Steps", "## Peak memory", "## Bench", "## Verify", "## GPU tests", "## Tune"):
         assert text in md
+    assert steps["check"]["data"]["passed"] and steps["check"]["data"]["fuzz"]["cases"] == 2
+    assert md.splitlines()[2].startswith("- correctness on the GPU (passed): PASSED: 16 of 16 table checks"), md[:400]
+    assert "## Correctness on the GPU" in md and "bfloat16 skipped: the Triton interpreter" in md
 
 
 # ----------------------------------------------------------------------------- the summaries

@@ -33,7 +33,7 @@ def _launched(fn) -> set:
     return {warmup.to_variant(kernel, args, kwargs, "truth").key for kernel, args, kwargs in launches}
 
 
-@pytest.mark.parametrize("step", ["common", "verify", "tests", "bench"])
+@pytest.mark.parametrize("step", ["common", "verify", "tests", "bench", "check"])
 def test_every_step_lists_distinct_variants_of_every_family_it_calls(step):
     """Planned as for sm90, so bf16 calls (which the interpreter's backend refuses) are listed too."""
     calls = warmup.step_calls(step, tests=TESTS)
@@ -45,9 +45,11 @@ def test_every_step_lists_distinct_variants_of_every_family_it_calls(step):
     assert len(_keys(found)) == len(found) and len({v.id for v in found}) == len(found)
     families = {v.family for v in found}
     assert {"fwd", "bwd"} <= families or {"fwd_general", "bwd"} <= families, families
-    if step == "verify":
+    if step in ("verify", "check"):
         assert {"decode", "kvcache_append", "split_combine"} <= families, families
-    assert {v.dtype for v in found} <= set(warmup.DTYPES)
+    if step == "check":
+        assert "dropout_mask" in families and {v.dtype for v in found} == {"bfloat16", "float16", "-"}
+    assert {v.dtype for v in found} - {"-"} <= set(warmup.DTYPES)  # "-": a kernel with no floating tensor
 
 
 def test_verify_list_is_exactly_what_verify_launches_and_a_dropped_variant_shows():
@@ -87,6 +89,25 @@ def test_the_gpu_test_dtypes_are_those_test_gpu_runs():
     marks = [m for m in test_gpu.test_accuracy_at_scale.pytestmark if m.args and m.args[0] == "dtype"]
     assert [str(d).replace("torch.", "") for d in marks[0].args[1]] == list(warmup.TEST_GPU_DTYPES)
     assert {file for file, _, _ in warmup.gpu_test_tables(TESTS)} == {"test_gpu", "test_kernels"}
+
+
+def test_for_takes_several_steps_each_narrowed_to_its_dtypes(capsys):
+    items = warmup.parse_for("check,bench,verify:bfloat16,verify:float16,common:float32,common")
+    assert items == [("check", None), ("bench", None), ("verify", ["bfloat16", "float16"]), ("common", None)]
+    calls = warmup.calls_for(warmup.parse_for("verify:bfloat16,bench"))
+    verify_calls = [c for c in calls if c.id.startswith("verify:")]
+    assert verify_calls and {c.dtype for c in verify_calls} == {"bfloat16"}
+    assert any(c.id.startswith("bench:") for c in calls) and len({c.id for c in calls}) == len(calls)
+    for text, message in (
+        ("check,sparse", "--for takes steps of common, verify, tests, bench, check, all .* got 'sparse'"),
+        ("verify:int8", "--for verify:int8: the dtype must be one of float16, bfloat16, float32, got 'int8'"),
+        (",", "--for needs at least one step"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            warmup.parse_for(text)
+    with pytest.raises(SystemExit):
+        cli.main(["warmup", "--for", "verify:int8"])
+    assert "the dtype must be one of" in capsys.readouterr().err
 
 
 def test_offline_targets_are_those_with_a_known_multiprocessor_count():

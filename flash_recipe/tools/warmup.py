@@ -29,7 +29,13 @@ package's launchers make is recorded with its arguments, after its heuristics. T
   their variants still compile on first use;
 - ``bench``: the campaign's bench step (``campaign.plan.bench_shapes``): the forward without
   gradients, then forward and backward, of the ``flash_recipe`` and ``flash_recipe_pointers`` peers;
+- ``check``: the campaign's correctness step (``flash_recipe.tools.gpu_check``): each row of its
+  ``GPU_TABLE`` in bf16 and fp16, as ``gpu_check.run_subject`` calls it (its fuzz only runs variants
+  the table launched);
 - ``all``: every step above.
+
+``--for`` takes several, comma-separated, each narrowed to its own dtypes with ``STEP:DTYPE``
+(``--for check,bench,verify:bfloat16``, what the campaign passes); ``--dtype`` narrows them all.
 
 On a GPU the calls run on it, so the tuned configurations, split counts and tensor descriptors are
 the GPU's own. Each worker replays recorded launches through the kernel's own ``JITFunction.run``
@@ -68,7 +74,7 @@ from flash_recipe.ops.configs import head_dim_bucket
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (16, 32, 64, 128, 256)
-STEPS = ("common", "verify", "tests", "bench", "all")
+STEPS = ("common", "verify", "tests", "bench", "check", "all")
 MAX_DEFAULT_JOBS = 16
 # The kernels' families, as the report sums them; ``attn_fwd_kernel`` is "fwd", "fwd_general" or
 # "decode" by its flags (``family``).
@@ -79,6 +85,7 @@ FAMILIES = {
     "attn_bwd_dq_kernel": "bwd",
     "rotary_append_kernel": "kvcache_append",
     "split_combine_kernel": "split_combine",
+    "dropout_mask_kernel": "dropout_mask",
 }
 # The tensor whose dtype names a kernel's variant: its first of these.
 _MAIN_TENSORS = ("Q", "X", "O")
@@ -126,13 +133,15 @@ def _dense(step: str, case, dtype: str, descriptors: Optional[bool] = None, no_g
         q, k, v = (
             torch.empty(case.batch, *s, case.head_dim, dtype=getattr(torch, dtype), device=device) for s in sizes
         )
-        options = case.options(device)
+        options = case.options(device, getattr(torch, dtype))  # sinks, if any, in the input dtype
         forced = contextlib.nullcontext() if descriptors is None else features.using_descriptors(descriptors)
         with flash_recipe.use_backend("triton"), forced:
             if no_grad_first:
                 with torch.no_grad():
                     flash_recipe.flash_attn_func(q, k, v, **options)
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            if options.get("learnable_sink") is not None:  # a leaf too, as verify makes it (dsink)
+                options["learnable_sink"] = options["learnable_sink"].clone().requires_grad_(True)
             out = flash_recipe.flash_attn_func(*leaves, **options)
             out.backward(torch.empty_like(q))
 
@@ -209,6 +218,8 @@ def step_calls(step: str, grid: str = "full", tests: Optional[Path] = None) -> l
         ]
     if step == "tests":
         return [_dense(f"tests:{file}", case, dtype) for file, case, dtype in gpu_test_tables(tests)]
+    if step == "check":
+        return _check_calls(grid)
     from flash_recipe.tools.campaign import plan
 
     calls = []
@@ -217,6 +228,57 @@ def step_calls(step: str, grid: str = "full", tests: Optional[Path] = None) -> l
         for descriptors in (None, False):  # the flash_recipe and flash_recipe_pointers peers
             calls.append(_dense(step, case, shape.dtype, descriptors, no_grad_first=True))
     return calls
+
+
+def _check_calls(grid: str) -> list[Call]:
+    """The correctness step's calls: ``gpu_check``'s table in its dtypes (``grid`` "small": the
+    interpreter's table and dtypes)."""
+    from flash_recipe.tools import gpu_check
+
+    small = grid == "small"
+    table, dtypes = (
+        (gpu_check.TINY_TABLE, gpu_check.INTERPRETER_DTYPES) if small else (gpu_check.GPU_TABLE, gpu_check.GPU_DTYPES)
+    )
+
+    def call(case, dtype: str) -> Call:
+        def make(device) -> None:
+            import torch
+
+            gpu_check.run_subject(case, getattr(torch, dtype), device)
+
+        return Call(f"check:{case.id}:{dtype}", dtype, head_dim_bucket(case.head_dim), make)
+
+    return [call(case, dtype) for case in table for dtype in dtypes]
+
+
+def parse_for(text: str) -> list[tuple]:
+    """``--for``'s value as ``[(step, dtypes or None)]``: comma-separated ``STEP`` or ``STEP:DTYPE``
+    (a step named twice keeps each of its dtypes); raises ValueError naming what is wrong."""
+    items: dict[str, Optional[list]] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        step, _, dtype = part.partition(":")
+        if step not in STEPS:
+            raise ValueError(f"--for takes steps of {', '.join(STEPS)} (optionally STEP:DTYPE), got {step!r}")
+        if dtype and dtype not in DTYPES:
+            raise ValueError(f"--for {part}: the dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if not dtype:
+            items[step] = None  # every dtype
+        elif step not in items:
+            items[step] = [dtype]
+        else:
+            known = items[step]
+            if known is not None:
+                items[step] = [*known, dtype]
+    if not items:
+        raise ValueError(f"--for needs at least one step of {', '.join(STEPS)}, got {text!r}")
+    return list(items.items())
+
+
+def calls_for(items: list[tuple], tests: Optional[Path] = None) -> list[Call]:
+    """The calls of ``parse_for``'s items, each narrowed to its dtypes; duplicates dropped."""
+    return narrow([call for step, dtypes in items for call in narrow(step_calls(step, tests=tests), dtypes)])
 
 
 def narrow(calls: list[Call], dtypes: Optional[list] = None, head_dims: Optional[list] = None) -> list[Call]:
@@ -524,14 +586,24 @@ def _positive_jobs(text: str) -> int:
     return value
 
 
+def _for(text: str) -> str:
+    try:
+        parse_for(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--for",
         dest="step",
-        choices=STEPS,
+        type=_for,
         default="common",
+        metavar="STEP[:DTYPE],...",
         help="whose variants: common (forward and backward per dtype, head dim, causal, aligned/ragged), the "
-        "calls of verify (full and KV grids), of the GPU tests' tables, of the campaign's bench, or all",
+        "calls of verify (full and KV grids), of the GPU tests' tables, of the campaign's bench or correctness "
+        "check, or all; several comma-separated, each optionally narrowed to a dtype (verify:bfloat16)",
     )
     parser.add_argument(
         "--jobs",
@@ -597,7 +669,7 @@ def run(args) -> int:
         device = torch.device(args.device)
         where = torch.cuda.get_device_name(device)
     try:
-        calls = narrow(step_calls(args.step, tests=args.tests), args.dtype, args.head_dim)
+        calls = narrow(calls_for(parse_for(args.step), tests=args.tests), args.dtype, args.head_dim)
     except FileNotFoundError as exc:
         print(f"flash-recipe warmup: {exc}", file=sys.stderr)
         return 2

@@ -3,13 +3,32 @@
 On a CUDA machine with whatever torch and Triton are installed, it runs these steps, in the order
 of value, each in its own subprocess with its own time budget (measured on an H100 and an H200
 where the plan's comments say so, planned elsewhere; ``--budget STEP=SECONDS`` changes one). The
-whole plan fits 20 minutes; a run fits what it can in ``--minutes`` (default 9, what one lent GPU
-session can spend): a step whose budget no longer fits is skipped, and the plan and the report's
-first lines say which and why (``fit``):
+whole plan fits ``TOTAL_BUDGET_S``; a run fits what it can in ``--minutes`` (default 9, what one
+lent GPU session can spend): a step whose budget no longer fits is skipped, and the plan and the
+report's first lines say which and why (``fit``). By default that is env, warmup, check, bench,
+decode, memory and host:
 
 =======  ===========================================================================================
 env      the device, its memory, torch/CUDA/Triton/flash_recipe versions, the backend chosen for the
          target shape, the bench peers this machine has
+warmup   ``flash-recipe warmup --jobs N --for ...`` (N: the CPU count, at most 16): compiles ahead,
+         in N processes, the kernel variants of the steps after it that run (check, bench, verify
+         in its dtype, the GPU tests), and reports the first-call seconds per kernel family; its
+         budget is sized from the variants of those steps (``plan.warmup_budget``)
+check    ``flash_recipe.tools.gpu_check``: correctness on the GPU: the forward and dq, dk, dv of a
+         table of cases (MHA, GQA, MQA, causal, Sq != Sk, head dims 64/128/256, varlen, a paged KV
+         cache with rows appended, window, softcap, ALiBi, dropout by its own replay) in bf16 and
+         fp16 against fp32 math by the accuracy rule, SDPA flash the low-precision peer where it
+         runs the case; then a seeded fuzz within the table's compiled variants until its time bound
+bench    ``flash-recipe bench`` at the target shapes (bf16, head dim 128, 16 heads, seqlen 4k, 8k and
+         16k at 16k tokens each, causal and not), forward, backward and both, with its peers side by
+         side: SDPA flash, cuDNN and efficient, compiled FlexAttention, and flash_recipe with TMA
+         descriptors off (a peer this machine lacks is left out and named in the report)
+decode   ``flash_recipe.tools.bench_decode --cuda-graph``: KV-cache bandwidth of one decoding step at
+         Llama-3-8B's shape, called from Python and replayed from a CUDA graph, SDPA beside (each
+         captured too), and a device-to-device copy's bandwidth
+memory   peak memory of one training step (forward; forward and backward) of flash_recipe and SDPA
+         flash at seqlen 32k and 64k, above its inputs (``bench.peak_memory``)
 host     the host cost per call at the decoding shape (``flash_recipe.tools.host_cost``): Python calls
          and microseconds of ``flash_attn_func`` (with and without autograd) and
          ``flash_attn_with_kvcache``, Triton's launch stubbed and real, torch SDPA's beside
@@ -18,15 +37,6 @@ capture  CUDA-graph capture (``flash_recipe.tools.capture_check``): a KV-cache s
          decoding step under ``torch.compile(mode="reduce-overhead")``
 verify   ``flash-recipe verify --kvcache --grid full`` in bf16: every backend against
          the reference, ``flash_attn_with_kvcache`` included
-bench    ``flash-recipe bench`` at the target shapes (bf16, head dim 128, 16 heads, seqlen 4k, 8k and
-         16k at 16k tokens each, causal and not), forward, backward and both, with its peers side by
-         side: SDPA flash, cuDNN and efficient, compiled FlexAttention, and flash_recipe with TMA
-         descriptors off (a peer this machine lacks is left out and named in the report)
-memory   peak memory of one training step (forward; forward and backward) of flash_recipe and SDPA
-         flash at seqlen 32k and 64k, above its inputs (``bench.peak_memory``)
-decode   ``flash_recipe.tools.bench_decode --cuda-graph``: KV-cache bandwidth of one decoding step at
-         Llama-3-8B's shape, called from Python and replayed from a CUDA graph, SDPA beside (each
-         captured too), and a device-to-device copy's bandwidth
 tests    pytest on the checkout's GPU-relevant test files, when a ``tests/`` folder lies next to the
          package (else recorded as skipped: an installed wheel has none)
 tune     ``flash-recipe tune --head-dim 64,128 --dtype bfloat16 --kernel fwd,decode``, its ``--json``
@@ -35,7 +45,9 @@ tune     ``flash-recipe tune --head-dim 64,128 --dtype bfloat16 --kernel fwd,dec
 
 A step that fails, crashes, hangs or outlives its budget is recorded as such (a step over budget
 has its whole process group stopped; what a finished step leaves running is stopped too) and the
-campaign goes on. The targets are then judged from this run's measurements, flash_recipe against
+campaign goes on. The report's first lines say what was proven (the check's summary: which table
+checks passed, in which dtypes, covering what, and the fuzz cases), what failed and what was
+skipped and why. The targets are then judged from this run's measurements, flash_recipe against
 SDPA's flash backend measured side by side in the same process:
 
 - forward at least 1.25x SDPA flash's TFLOP/s at each target shape, causal and not;
@@ -68,8 +80,9 @@ on their ``PYTHONPATH``, so every step runs this same flash_recipe.
 
 ``--dry-run`` prints and writes the plan (steps, commands, budgets, shapes) and runs nothing; it
 works without a GPU. Without it, a machine with no CUDA device is refused (exit status 2).
-``--only bench,memory`` and ``--skip tests`` choose steps (``env`` always runs), and
-``--minutes 20`` leaves room for all of them.
+``--only bench,memory`` and ``--skip tests`` choose steps (``env`` always runs, and ``warmup``
+with any step it compiles for unless ``--skip warmup``), and ``--minutes 23`` leaves room for all
+of them.
 
 Exit status: 0 when every step that ran passed (the targets are findings in the report, PASS or
 MISS, not an exit status); 1 when a step failed or ran out of time; 2 for a usage error or no GPU.

@@ -108,9 +108,9 @@ def _minutes(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flash_recipe.tools.campaign",
-        description="The GPU campaign: host cost and CUDA-graph capture, verify, bench with peers, decoding, "
-        "peak memory, GPU tests and tune, fitted to --minutes; writes campaign.md, campaign.json, campaign.log "
-        "and PNGs into --out.",
+        description="The GPU campaign: compiling ahead, correctness on the GPU, bench with peers, decoding, peak "
+        "memory, host cost and CUDA-graph capture, verify, GPU tests and tune, fitted to --minutes; writes "
+        "campaign.md, campaign.json, campaign.log and PNGs into --out.",
     )
     parser.add_argument("--out", required=True, help="folder for the report (created if missing)")
     parser.add_argument("--dry-run", action="store_true", help="print and write the plan; run nothing (no GPU needed)")

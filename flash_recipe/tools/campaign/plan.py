@@ -4,14 +4,19 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-# The whole plan, with every step, fits in TOTAL_BUDGET_S; a run fits what it can in ``--minutes``
-# (DEFAULT_MINUTES unless asked: ``fit``), in the order of the plan, which is the order of value.
-TOTAL_BUDGET_S = 20 * 60
+from flash_recipe.tools import gpu_check
+
+# The whole plan, with every step, fits in TOTAL_BUDGET_S (warmup compiling for check, bench,
+# verify and the tests included); a run fits what it can in ``--minutes`` (DEFAULT_MINUTES unless
+# asked: ``fit``), in the order of the plan, which is the order of value.
+TOTAL_BUDGET_S = 23 * 60
 DEFAULT_MINUTES = 9
 # Kept out of the steps' budgets: stopping a step that outlives its budget, and writing the report.
 RESERVE_S = 45
@@ -70,18 +75,52 @@ DECODE_EAGER_RATIO = 0.9
 HOST_CASES = ("fwd", "fwd_autograd", "kvcache")
 CAPTURE_CHECKS = ("kvcache", "kvcache_paged", "varlen", "fwd", "fwd_bwd", "compile")
 
-# The steps in the order of value: the decoding path (host cost, capture), correctness, training
-# speed, decoding speed, memory, the GPU tests, tuning.
-STEP_NAMES = ("host", "capture", "verify", "bench", "decode", "memory", "tests", "tune")
+# The steps in the order of value (after ``env``): compiling ahead, correctness on the GPU, training
+# speed, decoding speed, memory, the decoding path's host cost and CUDA-graph capture, verify's
+# grids, the GPU tests, tuning.
+STEP_NAMES = ("warmup", "check", "bench", "decode", "memory", "host", "capture", "verify", "tests", "tune")
 # Seconds per step (``--budget STEP=SECONDS`` changes one). Measured on one H200 on 2026-11-27:
 # env 10 s, bench 132 s, memory 17 s, decode 16 s (eager only; the CUDA-graph replay about doubles
 # it), verify (bf16, full and KV grids) unfinished after 90 s of compiling; on an H100 on
 # 2026-11-25 bench took 189 s and memory 33 s. host and capture are planned, not yet measured: host
-# times 3 cases 2 ways with SDPA beside, capture compiles 6 small variants.
+# times 3 cases 2 ways with SDPA beside, capture compiles 6 small variants. warmup's budget is
+# ``warmup_budget`` of the steps it compiles for that run (below); the figure here is for all of them.
 BUDGETS_S = {
-    "env": 20, "host": 30, "capture": 60, "verify": 120, "bench": 190, "decode": 60, "memory": 35, "tests": 210,
-    "tune": 270,
+    "env": 20, "warmup": 0, "check": 60, "bench": 190, "decode": 60, "memory": 35, "host": 30, "capture": 60,
+    "verify": 120, "tests": 210, "tune": 270,
 }  # fmt: skip
+
+# ``check`` (``flash_recipe.tools.gpu_check``): its table (17 rows in bf16 and fp16: 34 checks)
+# launches 118 kernel variants (recorded for sm90 by ``flash-recipe warmup --offline sm90 --for
+# check``); compiled on first call one after another they take WARMUP_SERIAL_S["check"] (5.5
+# minutes on the CPU machine), so the campaign compiles them ahead in ``warmup``. With its variants
+# in Triton's cache the step is the interpreter's and CUDA's start (about 10 s), the 34 checks (each
+# loads its variants and runs a
+# small forward and backward beside fp32 math and its peer: well under a second) and the fuzz,
+# which fills the rest: its table stops starting checks CHECK_MARGIN_S before the budget ends (the
+# check in flight and the exit). Without warmup (``--skip warmup``) the table is cut at that time
+# and the report lists the checks not reached.
+CHECK_MARGIN_S = 15
+# ``warmup`` compiles, in ``warmup_jobs()`` processes, the variants of the steps that run among
+# WARMUP_FOR (``flash-recipe warmup --for``). Its budget (``warmup_budget``): WARMUP_START_S
+# (spawning the workers, each importing torch and Triton), plus per step (``warmup_share``) the
+# seconds to record its calls with launches stubbed (WARMUP_RECORD_S) and its serial compile seconds
+# (WARMUP_SERIAL_S) divided among MAX_WARMUP_JOBS processes and multiplied by WARMUP_SAFETY (the GPU
+# machine's cores are not the ones measured, and 16 processes share its memory bandwidth).
+WARMUP_FOR = {
+    "check": ["check"], "bench": ["bench"], "verify": [f"verify:{dtype}" for dtype in VERIFY_DTYPES], "tests": ["tests"]
+}  # fmt: skip
+# Measured on the 2-core CPU machine with Triton 3.9 and the compile check's stub driver for sm90
+# (``flash-recipe warmup --offline sm90 --for STEP --jobs 2``, the sum of the per-variant first-call
+# seconds): check 327.6 s (118 variants: bwd 187.6 s, fwd 77.3 s, fwd_general 48.3 s, the rest
+# 14.4 s); bench 20.1 s (9 variants); verify in bf16, full and KV grids, 207.2 s (109 variants);
+# tests 0 s. Recording took 4-6 s for check and verify and 10 s for tests there (CPU tensors); bench's
+# 14 s there is allocating its 16k-token tensors on the CPU, milliseconds on a GPU.
+WARMUP_SERIAL_S = {"check": 328, "bench": 21, "verify": 208, "tests": 0}
+WARMUP_RECORD_S = {"check": 6, "bench": 2, "verify": 6, "tests": 10}
+WARMUP_START_S = 10
+MAX_WARMUP_JOBS = 16
+WARMUP_SAFETY = 2.0
 
 OUTPUT_FILES = ("campaign.md", "campaign.json", "campaign.log", "bench-fwd.png", "bench-bwd.png")
 
@@ -140,6 +179,37 @@ def find_test_tree(root: Optional[Path] = None) -> Optional[Path]:
     return None
 
 
+def warmup_jobs() -> int:
+    """The warmup's processes: this machine's CPU count, at most MAX_WARMUP_JOBS."""
+    return max(1, min(os.cpu_count() or 1, MAX_WARMUP_JOBS))
+
+
+def warmup_share(step: str) -> int:
+    """Seconds of ``warmup``'s budget that ``step``'s variants add (see WARMUP_SERIAL_S)."""
+    return math.ceil(WARMUP_RECORD_S[step] + WARMUP_SAFETY * WARMUP_SERIAL_S[step] / MAX_WARMUP_JOBS)
+
+
+def warmup_budget(steps: list) -> int:
+    """``warmup``'s budget when it compiles for ``steps`` (names of WARMUP_FOR)."""
+    return WARMUP_START_S + sum(warmup_share(step) for step in steps)
+
+
+def with_warmup_for(step: Step, steps: list) -> Step:
+    """The warmup step compiling for ``steps`` (in the plan's order), its budget sized for them
+    unless it was given one (``--budget warmup=S``)."""
+    argv = list(step.argv)
+    argv[argv.index("--for") + 1] = ",".join(item for name in steps for item in WARMUP_FOR[name])
+    if "tests" not in steps and "--tests" in argv:  # the test tree is read only for the tests' variants
+        del argv[argv.index("--tests") : argv.index("--tests") + 2]
+    params = {**step.params, "for": list(steps)}
+    budget = step.budget_s
+    if params["budget"] != "given":
+        budget = warmup_budget(steps)
+        shares = " + ".join(f"{name} {warmup_share(name)} s" for name in steps)
+        params["budget"] = f"{WARMUP_START_S} s to start + compiling for {shares}"
+    return dataclasses.replace(step, argv=argv, budget_s=budget, params=params)
+
+
 def bench_shapes() -> list:
     """The target shapes, as ``flash-recipe bench`` builds them from the bench step's options."""
     from flash_recipe.tools import bench
@@ -169,8 +239,10 @@ def build_plan(
     budgets: Optional[dict] = None,
 ) -> list:
     """The campaign's steps in the order they run (``env`` first); ``budgets`` overrides
-    ``BUDGETS_S`` per step name."""
-    budgets = {**BUDGETS_S, **(budgets or {})}
+    ``BUDGETS_S`` per step name. ``warmup`` compiles for every step of WARMUP_FOR in the plan
+    (``select`` and ``fit`` narrow it to those that run)."""
+    given = dict(budgets or {})
+    budgets = {**BUDGETS_S, **given}
     joined = lambda values: ",".join(str(v) for v in values)  # noqa: E731
     env = Step(
         "env",
@@ -288,16 +360,46 @@ def build_plan(
         params={"checks": list(CAPTURE_CHECKS)},
         result="capture.json",
     )
-    steps = [host, capture, verify, bench, decode, memory, tests]
+    check = Step(
+        "check",
+        "correctness on the GPU: forward and dq/dk/dv against fp32 math by the accuracy rule, bf16 and fp16, "
+        "then a seeded fuzz",
+        [python, "-m", "flash_recipe.tools.gpu_check", "--json", "{scratch}/check.json"]
+        + ["--seconds", str(max(budgets["check"] - CHECK_MARGIN_S, 1))],
+        budgets["check"],
+        params={
+            "cases": len(gpu_check.GPU_TABLE),
+            "dtypes": list(gpu_check.GPU_DTYPES),
+            "covers": sorted({f for case in gpu_check.GPU_TABLE for f in case.features}, key=gpu_check.feature_order),
+            "fuzz": "dense and varlen cases in the table's variants, seed 0, until the time bound",
+        },
+        result="check.json",
+    )
+    names = [name for name in WARMUP_FOR if name != "tests" or tests.skip is None]
+    warm = Step(
+        "warmup",
+        "compile ahead, in parallel, the kernel variants of the steps after it (first-call seconds per family)",
+        [python, "-m", "flash_recipe", "warmup", "--jobs", str(warmup_jobs()), "--for", ""]
+        + (["--tests", str(test_tree)] if test_tree is not None and tests.skip is None else [])
+        + ["--json", "{scratch}/warmup.json"],
+        budgets["warmup"],
+        params={"jobs": warmup_jobs(), "budget": "given" if "warmup" in given else ""},
+        result="warmup.json",
+    )
+    warm = with_warmup_for(warm, names)
+    steps = [warm, check, bench, decode, memory, host, capture, verify, tests]
     return [env, tune, *steps] if tune_first else [env, *steps, tune]
 
 
 def select(plan: list, only: Optional[list] = None, skip: Optional[list] = None) -> list:
-    """The plan with only the named steps (``env`` always stays); raises ValueError on unknown names."""
+    """The plan with only the named steps (``env`` always stays; ``warmup`` stays with any step it
+    compiles for, unless skipped by name); raises ValueError on unknown names."""
     for option, names in (("--only", only), ("--skip", skip)):
         unknown = [name for name in names or [] if name not in STEP_NAMES]
         if unknown:
             raise ValueError(f"{option} takes step names from {', '.join(STEP_NAMES)}; got {', '.join(unknown)}")
+    if only and any(name in WARMUP_FOR for name in only):
+        only = [*only, "warmup"]
     chosen = [
         step
         for step in plan
@@ -311,19 +413,37 @@ def fit(plan: list, minutes: float) -> list:
 
     In the plan's order (the order of value), a step runs if its budget fits in what is left of
     ``minutes`` after the steps before it and ``RESERVE_S``; one that does not is skipped, and a
-    later, shorter one may still fit. ``env`` always runs."""
+    later, shorter one may still fit. ``env`` always runs. A step ``warmup`` compiles for also needs
+    its share of warmup's budget (``warmup_share``, unless warmup's budget was given): warmup counts
+    WARMUP_START_S where it stands and ends up compiling for the steps that fit, with the budget
+    their shares add up to; with none of them left it is skipped."""
     left = minutes * 60 - RESERVE_S
-    fitted = []
+    warm = next((step for step in plan if step.name == "warmup" and not step.skip), None)
+    sized = warm is not None and warm.params["budget"] != "given"
+    compiled = warm.params.get("for", []) if warm is not None else []
+    fitted, warmed = [], []
     for step in plan:
-        if step.skip or step.name == "env" or step.budget_s <= left:
-            left -= 0 if step.skip else step.budget_s
+        share = warmup_share(step.name) if sized and step.name in compiled else 0
+        need = (WARMUP_START_S if sized else step.budget_s) if step is warm else step.budget_s + share
+        if step.skip or step.name == "env" or need <= left:
+            left -= 0 if step.skip else need
             fitted.append(step)
+            if not step.skip and step.name in compiled:
+                warmed.append(step.name)
             continue
+        extra = f", {share} s of them compiling ahead in warmup" if share else ""
         why = (
-            f"does not fit in --minutes {minutes:g} ({step.budget_s} s needed, {max(left, 0):.0f} s left after the "
+            f"does not fit in --minutes {minutes:g} ({need} s needed{extra}, {max(left, 0):.0f} s left after the "
             f"steps before it); a larger --minutes, or --only {step.name}, runs it"
         )
         fitted.append(dataclasses.replace(step, skip=why))
+    if warm is None:
+        return fitted
+    index = next(i for i, step in enumerate(fitted) if step.name == "warmup")
+    if not warmed:
+        fitted[index] = dataclasses.replace(warm, skip="none of the steps it compiles for runs")
+    elif not fitted[index].skip:
+        fitted[index] = with_warmup_for(warm, warmed)
     return fitted
 
 

@@ -71,6 +71,11 @@ def step_summary(report: dict) -> list:
     skipped = [f"{name} ({step.get('skip')})" for name, step in planned.items() if step.get("skip")]
     not_yet = [name for name, step in planned.items() if not step.get("skip") and name not in steps]
     lines = [f"- passed: {', '.join(passed) or 'none'}"]
+    check = steps.get("check") or {}
+    if check.get("data"):
+        lines.insert(0, f"- correctness on the GPU ({check.get('status')}): {check['data'].get('summary', '')}")
+    elif check.get("status") not in (None, "skipped"):
+        lines.insert(0, f"- correctness on the GPU: not proven ({check.get('status')}: {check.get('detail', '')})")
     if failed:
         lines.append(f"- failed: {'; '.join(failed)}")
     if skipped:
@@ -170,6 +175,8 @@ def render_markdown(report: dict) -> str:
         for name, problem in (report.get("plots") or {}).items():
             lines.append(f"![{name}]({name})" if problem is None else f"{name}: not drawn ({problem})")
         lines.append("")
+    lines += _check_section((steps.get("check") or {}).get("data") or {})
+    lines += _warmup_section((steps.get("warmup") or {}).get("data") or {})
     host_data = (steps.get("host") or {}).get("data") or {}
     if host_data.get("rows"):
         lines += [
@@ -240,6 +247,67 @@ def render_markdown(report: dict) -> str:
             lines += ["", "```", tune["output_tail"], "```"]
         lines.append("")
     return "\n".join(lines)
+
+
+def _check_section(data: dict) -> list:
+    """``## Correctness on the GPU``: each table check's worst error as a fraction of its bound."""
+    if not data.get("rows"):
+        return []
+    lines = [
+        "## Correctness on the GPU",
+        "",
+        f"{data.get('summary', '')}",
+        "",
+        "Error over the rule's bound (at most 1 passes): output 2x, gradients 3x the peer's error against fp32 "
+        "math, plus the floor; `kept`: dropout's kept fraction within 6 standard deviations.",
+        "",
+        "| case | dtype | peer | out | dq | dk | dv | other | verdict |",
+        "|---|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for row in data["rows"]:
+        errors, bounds = row.get("errors") or {}, row.get("bounds") or {}
+        cells = [_share(errors.get(n), bounds.get(n)) for n in ("out", "dq", "dk", "dv")]
+        other = ", ".join(
+            f"{n} {_share(errors[n], bounds.get(n))}" for n in errors if n not in ("out", "dq", "dk", "dv")
+        )
+        verdict = "PASS" if row.get("passed") else f"FAIL {row.get('error', '')}".strip()
+        lines.append(f"| {row['case']} | {row['dtype']} | {row.get('peer', '')} | {' | '.join(cells)} | {other} | "
+                     f"{verdict} |")  # fmt: skip
+    for failure in (data.get("fuzz") or {}).get("failed", [])[:10]:
+        lines.append(
+            f"\n- fuzz FAIL {failure['case']} {failure['dtype']}: {failure.get('error', failure.get('errors'))}"
+        )
+    if data.get("not_reached"):
+        lines.append(f"\nNot reached in {data.get('seconds_bound')} s: {', '.join(data['not_reached'])}")
+    lines.append("")
+    return lines
+
+
+def _share(error, bound) -> str:
+    if error is None:
+        return ""
+    if not bound:
+        return "exact" if error == 0 else f"{error:.2g} (exact required)"
+    return f"{error / bound:.2f}"
+
+
+def _warmup_section(data: dict) -> list:
+    """``## Compiled ahead``: first-call seconds per kernel family from the warmup step."""
+    if not data.get("families"):
+        return []
+    lines = [
+        "## Compiled ahead",
+        "",
+        f"`flash-recipe warmup --for {data.get('step')}` on {data.get('device')}: {data.get('variants')} variants, "
+        f"{data.get('sum_s')} s of first calls in {data.get('wall_s')} s wall with {data.get('jobs')} processes.",
+        "",
+        "| family | variants | first-call s (sum) | longest s |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, entry in sorted(data["families"].items()):
+        lines.append(f"| {name} | {entry['variants']} | {entry['sum_s']:.1f} | {entry['max_s']:.2f} |")
+    lines.append("")
+    return lines
 
 
 def write_report(report: dict, out: Path) -> None:

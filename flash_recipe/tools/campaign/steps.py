@@ -216,6 +216,23 @@ def collect(step: Step, record: dict, scratch: Path, out: Path, log) -> dict:
         record["data"] = document
         passed = sum(row.get("status") == "passed" for row in rows)
         record["detail"] = f"{passed} of {len(rows)} capture checks passed ({record['detail']})"
+    elif step.name == "check":
+        from flash_recipe.tools.gpu_check import summary
+
+        record["data"] = document
+        record["detail"] = f"{summary(document)} ({record['detail']})"
+        if record["status"] == "passed" and not document.get("passed"):
+            record["status"] = "failed"
+    elif step.name == "warmup":
+        record["data"] = {key: value for key, value in document.items() if key != "rows"}
+        families = ", ".join(
+            f"{name} {entry['sum_s']:.0f} s ({entry['variants']})"
+            for name, entry in sorted(document["families"].items())
+        )
+        record["detail"] = (
+            f"{document['variants']} variants, {document['errors']} failed, {document['sum_s']:.0f} s of first calls "
+            f"in {document['wall_s']:.0f} s with {document['jobs']} jobs; per family, seconds (variants): {families}"
+        )
     elif step.name == "env":
         record["data"] = document
         record["detail"] = f"{document.get('device', 'no CUDA device')}"
