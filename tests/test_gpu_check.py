@@ -110,13 +110,12 @@ def _planted(real, where: str):
 @pytest.mark.parametrize("where", ["out", "dq", "dk", "dv"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_planted_1_percent_error_fails_the_step(where, dtype, monkeypatch, device):
-    """Every dense, varlen and dropout row fails on the planted result and only on it; the run fails."""
+    """Every dense, varlen and dropout row fails on the planted result and only on it; the run fails.
+    (The same rows pass unplanted: ``test_the_step_passes_on_the_interpreters_table_as_the_campaign_runs_it``.)"""
     if device.type != "cpu":
         pytest.skip("the interpreter's table; on a GPU the campaign runs the GPU table")
     table = gpu_check.TINY_TABLE
     cases = [table[0], next(c for c in table if c.kind == "varlen"), next(c for c in table if c.kind == "dropout")]
-    clean = gpu_check.run(tuple(cases), [dtype], device, 300, fuzz=False, progress=lambda line: None)
-    assert clean["passed"]
     for name in ("flash_attn_func", "flash_attn_varlen_func"):
         monkeypatch.setattr(flash_recipe, name, _planted(getattr(flash_recipe, name), where))
     lines = []

@@ -81,7 +81,7 @@ on their ``PYTHONPATH``, so every step runs this same flash_recipe.
 ``--dry-run`` prints and writes the plan (steps, commands, budgets, shapes) and runs nothing; it
 works without a GPU. Without it, a machine with no CUDA device is refused (exit status 2).
 ``--only bench,memory`` and ``--skip tests`` choose steps (``env`` always runs, and ``warmup``
-with any step it compiles for unless ``--skip warmup``), and ``--minutes 23`` leaves room for all
+with any step it compiles for unless ``--skip warmup``), and ``--minutes 24`` leaves room for all
 of them.
 
 Exit status: 0 when every step that ran passed (the targets are findings in the report, PASS or
