@@ -285,6 +285,7 @@ TORCH_COMPAT_TESTS = (
     "test_torch_compile.py",
     "test_flash_attn_compat.py",
     "test_torch_gates.py",
+    "test_sinks.py",
 )
 TORCH_COMPAT_USAGE = "usage: nox -s 'torch_compat(2.9)' [-- --torch-index pip-config|cpu|cu126|cu128|cu130|URL]"
 

@@ -20,10 +20,12 @@ from typing import Any, Optional
 import torch
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 
 
 def signature(tensors: tuple, options: tuple) -> Optional[tuple]:
-    """A hashable key for ``tensors`` (each a plain ``torch.Tensor`` or None) and ``options``, or None.
+    """A hashable key for ``tensors`` (each a plain ``torch.Tensor``, an ``nn.Parameter`` such as a
+    model's attention sinks, or None) and ``options``, or None.
 
     A tensor contributes ``(shape, stride, dtype, device)``; an option ``(type, value)``, so that
     ``True`` and ``1``, or ``0`` and ``0.0``, which compare equal, never share a key (the checks treat
@@ -34,7 +36,7 @@ def signature(tensors: tuple, options: tuple) -> Optional[tuple]:
     for t in tensors:
         if t is None:
             key.append(None)
-        elif type(t) is _Tensor:
+        elif type(t) is _Tensor or type(t) is _Parameter:
             key.append((t.shape, t.stride(), t.dtype, t.device))
         else:
             return None

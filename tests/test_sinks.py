@@ -94,8 +94,20 @@ def test_rows_that_see_only_the_sink(dtype, device, nan_outputs):
     torch.testing.assert_close(lse[:, :, :blind], sinks.detach()[None, :, None].expand(1, 2, blind), rtol=0, atol=1e-6)
     dout = torch.zeros_like(out)
     dout[:, :blind] = 1.0  # only the blind rows carry a gradient
-    dq, dsink = torch.autograd.grad(out, (q, sinks), dout)
+    dq, dsink = torch.autograd.grad(out, (q, sinks), dout, retain_graph=True)
     assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dsink, torch.zeros_like(dsink))
+    # Every row carries one: the sinks' gradient comes from the rows that see keys, by the rule.
+    dout = _rand(*out.shape, dtype=dtype, device=device, seed=9)
+    (dsink,) = torch.autograd.grad(out, (sinks,), dout)
+    high = compute_dtype(dtype, upcast=True)
+    truth_in = [t.detach().to(high).requires_grad_() for t in (q, k, v, sinks)]
+    truth, _ = attention_reference(*truth_in[:3], causal=True, sinks=truth_in[3])
+    (truth_dsink,) = torch.autograd.grad(truth, (truth_in[3],), dout.to(high))
+    same_in = [t.detach().requires_grad_() for t in (q, k, v, sinks.to(dtype))]
+    same, _ = attention_reference(*same_in[:3], causal=True, sinks=same_in[3], upcast=False)
+    (same_dsink,) = torch.autograd.grad(same, (same_in[3],), dout)
+    assert truth_dsink.abs().max() > 0.01
+    assert_accurate("dsink", dsink, truth_dsink, same_dsink, FACTORS["dsink"])
 
 
 def _accurate(got: dict, truth: dict, same: dict) -> None:
@@ -190,6 +202,30 @@ def test_kvcache_with_sinks_appends_and_matches_the_reference(paged, num_splits,
     # fp32: the reference computes in fp64, so the rule's bound is its floor.
     assert (out - ref_out).abs().max().item() <= 1e-5 and (lse - ref_lse).abs().max().item() <= 1e-5
     assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+
+
+def test_kvcache_plans_follow_the_sinks(device, nan_outputs):
+    """The same shapes without sinks, with them, and without again: each call is planned for its own
+    sinks (the decode step's plan and the call's checks are memoized per signature)."""
+    k_cache, v_cache = (_rand(2, 64, 2, 16, device=device, seed=s) for s in (1, 2))
+    q = _rand(2, 1, 4, 16, device=device, seed=3)
+    seqlens = torch.tensor([20, 50], dtype=torch.int32, device=device)
+    results = {}
+    for sinks in (None, _sinks(4, 1.0, device), None):
+        for backend in ("triton", "reference"):
+            with flash_recipe.use_backend(backend):
+                results[backend] = flash_recipe.flash_attn_with_kvcache(
+                    q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, learnable_sink=sinks
+                )
+        assert (results["triton"] - results["reference"]).abs().max().item() <= 1e-5
+
+
+def test_a_models_sink_parameter_is_memoized_like_a_tensor():
+    """gpt-oss holds its sinks as an ``nn.Parameter``: repeated calls reuse their checks and plans."""
+    from flash_recipe.signatures import signature
+
+    sinks = torch.nn.Parameter(_sinks(4))
+    assert signature((sinks,), ()) == signature((sinks.detach(),), ())
 
 
 def test_compiled_fullgraph_traces_sinks_and_their_gradient(device):

@@ -183,7 +183,7 @@ def attention(
     args = (cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]), float(softmax_scale),
             int(diag_offset), int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), seed)
     if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor) or (
-        sinks is not None and type(sinks) is not torch.Tensor
+        sinks is not None and type(sinks) not in (torch.Tensor, torch.nn.Parameter)  # a model's sinks: a Parameter
     ):
         # Traced whole, as one op; or tensor subclasses (a collective's pending result, for one),
         # which the op's dispatch turns into the plain tensors a launch reads.

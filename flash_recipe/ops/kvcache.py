@@ -299,7 +299,8 @@ def attention_kvcache(
     state = configs.plan_state()
     if state is not None:
         key = signature(
-            (q, k_new, v_new, cache.k, cache.v, cache.table, cache.seqlens, cache.leftpad, cos, sin, options.slopes),
+            (q, k_new, v_new, cache.k, cache.v, cache.table, cache.seqlens, cache.leftpad, cos, sin, options.slopes,
+             options.sinks),
             (softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
              options.dropout_p, rotary is not None and rotary.interleaved, num_splits, pack_gqa),
         )
