@@ -218,8 +218,15 @@ def test_the_presets_select_what_ci_and_compat_compile():
     per family the small head dims (16, 32) aligned and the large ones ragged, in bf16: every head-dim
     bucket is compiled. ``--preset compat``: 4 calls at head dim 128 in bf16, both forms, sm80 and
     sm90. Packed sequences and paged caches (``varlen``, ``paged``): every head dim aligned in bf16
-    on sm80 and sm90. An option narrows a preset; no preset means every combination."""
+    on sm80 and sm90. Attention sinks (``sinks``): head dim 128 on every target, 64 on one per family,
+    aligned in bf16. An option narrows a preset; no preset means every combination."""
     ci = compile_check.select_jobs("ci")
+    sinks = [(c, t) for c, t in ci if c.call == "sinks"]
+    assert {(c.head_dim, t) for c, t in sinks} == {(128, t) for t in compile_check.TARGETS} | {
+        (64, t) for t in compile_check.FAMILY_TARGETS
+    }
+    assert {(c.form, c.dtype) for c, _ in sinks} == {("aligned", "bfloat16")}
+    ci = [(c, t) for c, t in ci if c.call != "sinks"]
     packed = [(c, t) for c, t in ci if c.call in ("varlen", "paged")]
     assert len(packed) == 2 * 5 * 2 and {t for _, t in packed} == {"sm80", "sm90"}
     assert {(c.form, c.dtype) for c, _ in packed} == {("aligned", "bfloat16")}

@@ -63,8 +63,9 @@ HEAD_DIM_BUCKETS = configs.HEAD_DIM_BUCKETS
 # (preprocess, dK/dV, dQ); "varlen" the packed-sequence forward and backward; "decode" a GQA
 # KV-cache step over a dense cache (rotary/append, the forward with decode tiles and the group packed
 # into one query tile, split-KV merge); "decode_paged" the same over a paged cache; "paged" the
-# forward over a paged cache with more query rows than a decode step.
-CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged")
+# forward over a paged cache with more query rows than a decode step; "sinks" the forward and backward
+# with attention sinks (aligned: the "bwd" call's causal tensors; ragged: every score option).
+CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
@@ -92,6 +93,10 @@ PRESETS = {
         # Packed sequences and paged caches take the general forward (and varlen the backward) with
         # their own registers: no spill at head dim <= 128 on sm80 and sm90.
         (("varlen", "paged"), ("bfloat16",), _SMALL_HEAD_DIMS + _CI_HEAD_DIMS, ("aligned",), ("sm80", "sm90")),
+        # Attention sinks: the forward and the backward with them on every target (no spill at head
+        # dim <= 128: the sinks only set each row's starting max and sum).
+        (("sinks",), ("bfloat16",), (128,), ("aligned",), TARGETS),
+        (("sinks",), ("bfloat16",), (64,), ("aligned",), FAMILY_TARGETS),
     ],
     "compat": [(("fwd", "bwd", "decode", "decode_paged"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90"))],
 }
@@ -181,7 +186,9 @@ def _qkv(case: Case, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nhea
 
 
 def _variant(case: Case, nheads: int, diag_offset: int):
-    """Causal (aligned), or window + softcap + ALiBi + dropout (ragged)."""
+    """Causal (aligned), or window + softcap + ALiBi + dropout (ragged), with attention sinks except
+    in the ``bwd`` call, which keeps the backward of an attention's own lse without them (its
+    one-key rules; ``varlen`` compiles the backward with sinks)."""
     import torch
 
     from flash_recipe.ops.launch import ScoreOptions
@@ -191,7 +198,8 @@ def _variant(case: Case, nheads: int, diag_offset: int):
     slopes = torch.rand(nheads, dtype=torch.float32)
     dropout = 0.0 if case.call in ("decode", "decode_paged", "paged") else 0.1  # the cache is forward-only
     seed = torch.zeros(1, dtype=torch.int64)
-    return ScoreOptions(diag_offset, 37, 5, 30.0, slopes, dropout, seed if dropout else None)
+    sinks = None if case.call == "bwd" else torch.randn(nheads, dtype=torch.float32)
+    return ScoreOptions(diag_offset, 37, 5, 30.0, slopes, dropout, seed if dropout else None, sinks)
 
 
 def _run_call(case: Case) -> dict[str, str]:
@@ -203,6 +211,19 @@ def _run_call(case: Case) -> dict[str, str]:
     ragged = case.form == "ragged"
     nheads, nheads_k = (6, 2) if ragged else (4, 4)
     scale = _head_dim(case) ** -0.5
+    if case.call == "sinks":  # the "bwd" call's tensors and causal mask, with a sink per query head
+        seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
+        q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
+        var = _variant(case, nheads, seqlen_k - seqlen_q)._replace(sinks=torch.randn(nheads, dtype=torch.float32))
+        forward.attention_forward(q, k, v, scale, var)
+        out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
+        backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var)
+        return {
+            "attn_fwd_kernel": "fwd",
+            "attn_bwd_preprocess_kernel": "bwd_preprocess",
+            "attn_bwd_dkdv_kernel": "bwd_dkdv",
+            "attn_bwd_dq_kernel": "bwd_dq",
+        }
     if case.call in ("fwd", "options", "bwd"):
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
@@ -210,7 +231,7 @@ def _run_call(case: Case) -> dict[str, str]:
         if case.call == "fwd":
             if ragged:  # the plain-score configuration's worst case: the window alone, every column used
                 q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim=case.head_dim)
-                var = var._replace(softcap=0.0, slopes=None, dropout_p=0.0, seed=None)
+                var = var._replace(softcap=0.0, slopes=None, dropout_p=0.0, seed=None, sinks=None)
             forward.attention_forward(q, k, v, scale, var)
             return {"attn_fwd_kernel": "fwd"}
         if case.call == "options":  # every score option, on aligned tensors (TMA where the target has it) or ragged
