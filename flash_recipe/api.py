@@ -169,7 +169,7 @@ def _checked_flash_call(q, k, v, options: FlashOptions, names, varlen: Optional[
             validate.check_scores(names[:2], q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.dtype)
     q, k, v = validate.last_dim_contiguous(names, (q, k, v))
     dropout_p = validate.check_dropout(options.dropout_p)
-    validate.check_bool("deterministic", options.deterministic)
+    deterministic = validate.check_bool("deterministic", options.deterministic)
     causal, alibi_slopes = options.causal, options.alibi_slopes
     window = validate.check_window(causal, options.window_size)
     softcap = validate.check_softcap(options.softcap)
@@ -201,6 +201,7 @@ def _checked_flash_call(q, k, v, options: FlashOptions, names, varlen: Optional[
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
         sinks=sinks,
+        deterministic=bool(deterministic),
     )
 
 
@@ -261,7 +262,10 @@ def flash_attn_func(
         alibi_slopes: float32 ``(nheads,)`` or ``(batch_size, nheads)``; adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the score of query ``i`` and key ``j``
             (after the softcap), with or without ``causal`` (the lse is that of these scores).
-        deterministic: accepted; the backward of the Triton kernels is always deterministic.
+        deterministic: the backward bit-identical from run to run. The Triton kernels' default
+            backward adds dQ with fp32 atomics in one pass over the keys (5 matrix products per
+            block pair, not 7), so dQ's last bits vary with the order the adds land in; with
+            ``deterministic=True`` they run the two-pass backward, as flash-attn does with its flag.
         return_attn_probs: also return the log-sum-exp and, with dropout, the attention
             probabilities ``(batch_size, nheads, seqlen_q, seqlen_k)``, negative where dropped
             (testing only).

@@ -106,6 +106,45 @@ def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instruction
     assert compiled_code.main_loop(uniform) == 6
 
 
+def test_matrix_work_of_the_main_loop_counts_each_instruction_shape():
+    """HMMA m16n8k16 runs once per warp, HGMMA 64xNx16 once per warpgroup of 4; an instruction whose
+    shape the mnemonic does not give (sm100's UTC*MMA) leaves the count unknown."""
+    lines = [
+        (0x000, "MOV R1, c[0x0][0x28]"),
+        (0x010, "HMMA.16816.F32.BF16 R4, R8, R12, R4"),
+        (0x020, "HMMA.1688.F32.TF32 R4, R8, R12, R4"),
+        (0x030, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24"),
+        (0x040, "@P0 BRA 0x10"),
+        (0x050, "EXIT"),
+    ]
+    sass = "\n".join(f"        /*{address:04x}*/    {text} ;" for address, text in lines)
+    assert compiled_code.loop_matrix_macs(sass, num_warps=8) == 8 * 16 * 8 * 16 + 8 * 16 * 8 * 8 + 2 * 64 * 64 * 16
+    assert compiled_code.loop_matrix_macs(sass.replace("HGMMA.64x64x16", "UTCHMMA"), num_warps=8) is None
+    assert compiled_code.loop_matrix_macs("/*0000*/ MOV R1, R2 ;", num_warps=4) is None
+
+
+@pytest.mark.slow
+def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two():
+    """The one-pass backward's main loop issues 5 block-pair products (S, dP, dV, dK and dQ); the
+    deterministic path's dQ kernel 3 and dK/dV kernel 4, as before; on sm80 (HMMA) and sm90 (HGMMA),
+    none spilling. A one-pass kernel issuing the dQ kernel's recomputation too (7) fails the check."""
+    rows = compile_in_subprocess("""
+        import json
+        from flash_recipe.tools import compile_check
+        case = compile_check.Case("bwd", "bfloat16", 128, "aligned")
+        for target in ("sm80", "sm90"):
+            for row in compile_check.check_case(case, target):
+                print(json.dumps(row))
+    """)
+    found = {(row["target"], row["kernel"]): row for row in rows if row["kernel"] != "bwd_preprocess"}
+    for target in ("sm80", "sm90"):
+        expected = {"bwd_onepass": 5, "bwd_dq": 3, "bwd_dkdv": 4}
+        assert {kernel: found[(target, kernel)]["loop_products"] for kernel in expected} == expected
+        assert all(found[(target, kernel)]["ok"] and not found[(target, kernel)]["spill_bytes"] for kernel in expected)
+    planted = compile_check._verdict({**found[("sm90", "bwd_onepass")], "loop_products": 7.0})
+    assert not planted["ok"] and "7.0 matrix products per block pair, expected 5" in planted["problems"][0]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     configs.triton_release() < compile_check.PROXY["since_triton"], reason="the bound was measured with Triton 3.9"

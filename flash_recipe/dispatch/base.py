@@ -34,14 +34,16 @@ class Backend:
     """Base class: subclasses set ``name`` and implement ``supports`` and ``run``.
 
     ``native_varlen = False``: varlen calls run one sequence at a time. ``deterministic``: the
-    same input gives the same bytes on every run (it takes part in ``flash-recipe verify``'s
-    fingerprint).
+    same input gives the same bytes on every run, for calls with ``deterministic=True`` (it takes
+    part in ``flash-recipe verify``'s fingerprint, which makes such calls).
     """
 
     name = ""
     native_varlen = False
     deterministic = False
     replays_dropout = False  # ``grad`` regenerates the forward's dropout mask from ``call.seed``
+    # Its default backward differs from its ``deterministic=True`` one (sums in the order atomics land).
+    atomic_backward = False
 
     def is_available(self) -> Optional[str]:
         return None

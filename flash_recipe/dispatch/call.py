@@ -52,6 +52,9 @@ class AttentionCall:
     # (``Backend.replays_dropout``); None draws a new one.
     seed: Optional[torch.Tensor] = None
     sinks: Optional[torch.Tensor] = None  # (H,) float, on q's device
+    # The backward bit-identical from run to run (flash-attn's ``deterministic``), where a faster
+    # backward is not (the Triton kernels' one-pass dQ adds with atomics).
+    deterministic: bool = False
     # The public layer's signature of the arguments the call was built from (``flash_recipe.signatures``),
     # which decides every field but the tensors' data; None where it was not memoized. Set by
     # ``signed``, never an argument, so ``dataclasses.replace`` (a call with other fields) drops it.

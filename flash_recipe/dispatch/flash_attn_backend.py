@@ -84,6 +84,7 @@ class FlashAttnBackend(Backend):
             window_size=call.window,
             softcap=call.softcap,
             alibi_slopes=call.alibi_slopes,
+            deterministic=call.deterministic,
             return_attn_probs=call.return_lse or call.return_probs,
         )
         if call.return_lse or call.return_probs:

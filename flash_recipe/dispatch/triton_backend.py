@@ -34,6 +34,7 @@ class TritonBackend(Backend):
     native_varlen = True
     deterministic = True
     replays_dropout = True
+    atomic_backward = True  # the one-pass backward adds dQ with atomics (``ops.backward``)
 
     def is_available(self) -> Optional[str]:
         error = capabilities.import_error("triton")
@@ -97,6 +98,7 @@ class TritonBackend(Backend):
             call.dropout_p,
             seed,
             call.sinks,
+            call.deterministic,
         )
         s_dmask = None
         if seed is not None and call.return_probs:
@@ -129,6 +131,7 @@ class TritonBackend(Backend):
             call.dropout_p,
             call.seed,
             own_lse=False,
+            deterministic=call.deterministic,
         )[:3]
 
     @staticmethod

@@ -50,10 +50,12 @@ def attn_fwd(
     dropout_p: float,
     seed: Optional[torch.Tensor],
     sinks: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q (B, Sq, H, D)``, ``k, v (B, Sk, Hk, D)`` -> ``out (B, Sq, H, D)``, ``lse (B, H, Sq)`` float32.
 
     Varlen: ``q (total_q, H, D)``, ``k, v (total_k, Hk, D)`` -> ``out (total_q, H, D)``, ``lse (H, total_q)``.
+    ``deterministic`` chooses the backward's path (``attention_backward``).
     """
     return attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset,
                            window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
@@ -89,20 +91,22 @@ def attn_bwd(
     seed: Optional[torch.Tensor],
     own_lse: bool = True,
     sinks: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq, dk, dv, dsink`` (shapes of q, k, v, sinks; ``dsink`` empty without sinks) from
     ``dout`` (shape of q); ``own_lse=False`` when ``out, lse`` may be a larger attention's
-    (``attention_backward``)."""
+    (``attention_backward``, which ``deterministic`` also steers)."""
     options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
                               window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
-    dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, softmax_scale, options, varlen, own_lse)
+    dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, softmax_scale, options, varlen, own_lse,
+                                           deterministic)
     return dq, dk, dv, dsink if dsink is not None else lse.new_empty(0)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                    diag_offset, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, own_lse=True,
-                   sinks=None):
+                   sinks=None, deterministic=False):
     contiguous = torch.contiguous_format
     return (torch.empty_like(q, memory_format=contiguous), torch.empty_like(k, memory_format=contiguous),
             torch.empty_like(v, memory_format=contiguous),
@@ -110,20 +114,22 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes, dropout_p, seed, sinks = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes, dropout_p, seed, sinks, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed, sinks)
     ctx.options = options  # max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset, window_left, window_right, softcap
     ctx.dropout_p = dropout_p
-    ctx.num_inputs = len(inputs)  # the op's arguments: q, k, v and the sinks (last) get gradients, the rest None
+    ctx.deterministic = deterministic
+    ctx.num_inputs = len(inputs)  # the op's arguments: q, k, v and the sinks get gradients, the rest None
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed, sinks = ctx.saved_tensors
     dq, dk, dv, dsink = attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
-                                 ctx.dropout_p, seed, sinks=sinks)
-    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 4) + (dsink if sinks is not None else None,)
+                                 ctx.dropout_p, seed, sinks=sinks, deterministic=ctx.deterministic)
+    # Gradients for the op's arguments in order: q, k, v, ..., sinks (the next to last), deterministic.
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 5) + (dsink if sinks is not None else None, None)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -137,15 +143,15 @@ class _EagerAttention(torch.autograd.Function):
     transforms take neither it nor the custom op's autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, args):
+    def forward(ctx, q, k, v, sinks, args, deterministic):
         output = attn_fwd_launch(q, k, v, *args, sinks)
-        _setup_context(ctx, (q, k, v, *args, sinks), output)
+        _setup_context(ctx, (q, k, v, *args, sinks, deterministic), output)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
         grads = _backward(ctx, dout, dlse)
-        return grads[0], grads[1], grads[2], grads[-1], None
+        return grads[0], grads[1], grads[2], grads[-2], None, None
 
 
 def attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset,
@@ -170,9 +176,11 @@ def attention(
     dropout_p: float = 0.0,
     seed: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes;
-    ``sinks (H,)``: each query head's sink logit (``forward``), differentiable.
+    ``sinks (H,)``: each query head's sink logit (``forward``), differentiable; ``deterministic``:
+    the backward's three-kernel path, bit-identical from run to run (``attention_backward``).
 
     With ``dropout_p > 0`` and no ``seed``, the dropout mask's seed is drawn from torch's
     generator for q's device (so ``torch.manual_seed`` makes it reproducible) and kept for the
@@ -187,11 +195,11 @@ def attention(
     ):
         # Traced whole, as one op; or tensor subclasses (a collective's pending result, for one),
         # which the op's dispatch turns into the plain tensors a launch reads.
-        return attn_fwd(q, k, v, *args, sinks)
+        return attn_fwd(q, k, v, *args, sinks, bool(deterministic))
     if torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     ):
-        return _EagerAttention.apply(q, k, v, sinks, args)
+        return _EagerAttention.apply(q, k, v, sinks, args, bool(deterministic))
     return attn_fwd_launch(q, k, v, *args, sinks)  # nothing to record
 
 

@@ -5,7 +5,8 @@ Shapes (legend as in ``forward``)::
     dout, q, out (B, Sq, H, D)   k, v (B, Sk, Hk, D)   lse (B, H, Sq) float32
         ->   dq (B, Sq, H, D)   dk, dv (B, Sk, Hk, D)
 
-Three kernels, none of which uses atomics, so gradients are bit-identical from run to run:
+The deterministic path: three kernels, none of which uses atomics, so gradients are bit-identical
+from run to run:
 
 1. ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dout * out)``, ``(B, H, Sq)`` float32.
 2. ``attn_bwd_dq_kernel``: one program per ``BLOCK_M`` queries of one head, recomputing
@@ -13,6 +14,14 @@ Three kernels, none of which uses atomics, so gradients are bit-identical from r
 3. ``attn_bwd_dkdv_kernel``: one program per ``BLOCK_N`` keys of one kv head; it walks the query
    blocks of every query head in that head's group, recomputing P, and accumulates
    ``dV += P^T dO`` and ``dK += dS^T Q``.
+
+That is 7 matrix products per (query block, key block) pair: ``Q K^T`` and ``dO V^T`` in both
+kernels, then ``dS K``, ``P^T dO`` and ``dS^T Q``. The one-pass path (the default) skips kernel 2:
+kernel 3 (``ATOMIC_DQ``) also computes ``dS K`` for its pair and adds it to an fp32 workspace with
+atomic adds, 5 products per pair, and the workspace becomes dQ in q's dtype. The order in which the
+adds land varies, so dQ's last bits vary from run to run (``deterministic=True`` takes the
+three-kernel path, as flash-attn's own flag does); fp32 with its own lse keeps the three kernels
+(``RENORM`` below needs dQ's row sums before dK/dV).
 
 fp32 with its own lse (``RENORM``): the lse is stored rounded to fp32, an ulp of a few 1e-5 at
 logits in the hundreds, which scales a whole row of P and shows in dV beyond the accuracy rule.
@@ -97,14 +106,20 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, stride_qm, stride_dom,
-    seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
+    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, stride_qm, stride_dom,
+    stride_dqm, seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
     o_n, o_r, o_d, start, end, seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, MASK_KEYS: tl.constexpr,
 ):
     """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``.
+
+    With ``ATOMIC_DQ`` (the one-pass backward) it also adds each block pair's ``dS K * scale`` to the
+    fp32 rows at ``dq_base`` with atomic adds: the fifth product, where the dQ kernel would recompute
+    P and dP (two more). ``MASK_KEYS`` (a key block that ends past ``seqlen_k``) zeroes those keys'
+    dS first: their K rows load as 0, but their P, from a score of 0, may overflow.
 
     With ``ONE_KEY`` (fp32, own lse), a masked stage gives a row that sees exactly one key (``sees_one_key``) its
     exact softmax: P = 1 on that key, so dV gets exactly its dO, and dS = 0. Computed, P is
@@ -157,7 +172,18 @@ def _dkdv_inner(
             b_dst = tl.where(m_one, 0.0, b_dst)
         if SOFTCAP:
             b_dst = b_dst * (1.0 - b_tt * b_tt)
-        b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision="ieee")
+        if MASK_KEYS:
+            b_dst = tl.where(o_n[:, None] < seqlen_k, b_dst, 0.0)
+        b_dst = b_dst.to(b_q.dtype)
+        b_dk = tl.dot(b_dst, b_q, b_dk, input_precision="ieee")
+        if ATOMIC_DQ:
+            b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision="ieee")  # [BLOCK_M, BLOCK_D]
+            p_dq = dq_base + o_m[:, None].to(tl.int64) * stride_dqm + o_d[None, :]
+            if EVEN_M and not MASK_D:
+                tl.atomic_add(p_dq, b_dq * sm_scale, sem="relaxed")
+            else:
+                tl.atomic_add(p_dq, b_dq * sm_scale, mask=(o_m[:, None] < seqlen_q) & (o_d[None, :] < head_dim),
+                              sem="relaxed")
     return b_dk, b_dv
 
 
@@ -186,30 +212,36 @@ _DQ_DKDV_FLAGS = {
         # lse) is exact only where S rounds as the forward's did; k . q rounds otherwise, which left
         # fp32 dV up to 6x torch's error at large logits. fp16/bf16 keep the direct product.
         "SAME_ORDER": lambda a: a["Q"].element_size() == 4,
+        # The one-pass backward: dQ added to the fp32 workspace DQ_ACC (None: the dQ kernel computes it).
+        "ATOMIC_DQ": lambda a: a["DQ_ACC"] is not None,
     }
 )
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, SLOPES, CU_Q, CU_K, SEED,
+    Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, DQ_ACC, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
+    stride_dqab, stride_dqam, stride_dqah,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
     window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
-    ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr,
+    ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head.
 
     With ``RENORM`` it runs after ``attn_bwd_dq_kernel``, which stored in ``LSE_FIX`` (laid out as
     ``LSE``) the log of each row's recomputed probability sum, and takes ``P = exp((S - lse) - fix)``.
+    With ``ATOMIC_DQ`` (the one-pass backward, no ``RENORM``) it also adds every query row's dQ share
+    from this key block into ``DQ_ACC``, fp32 laid out as ``Q`` (zeroed by the launcher).
     """
+    tl.static_assert(not (ATOMIC_DQ and RENORM), "RENORM needs the dQ kernel's row sums first")
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -249,6 +281,9 @@ def attn_bwd_dkdv_kernel(
         fix_base = LSE_FIX  # None unless RENORM
         if RENORM:
             fix_base = LSE_FIX + i_b * stride_lb + i_h * stride_lh + bos_q
+        dq_base = DQ_ACC  # None unless ATOMIC_DQ
+        if ATOMIC_DQ:
+            dq_base = DQ_ACC + i_b * stride_dqab + bos_q * stride_dqam + i_h * stride_dqah
         slope = 0.0
         if ALIBI:
             slope = tl.load(SLOPES + i_b * stride_sb + i_h)
@@ -261,11 +296,11 @@ def attn_bwd_dkdv_kernel(
         for stage in tl.static_range(3):
             lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, stride_qm, stride_dom,
-                seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
+                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, stride_qm, stride_dom,
+                stride_dqam, seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
                 o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride, dropout_p,
                 stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, ONE_KEY,
-                SAME_ORDER, RENORM,
+                SAME_ORDER, RENORM, ATOMIC_DQ, ATOMIC_DQ and not EVEN_N,
             )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
@@ -415,8 +450,9 @@ def attention_backward(
     options: ScoreOptions,
     varlen: Optional[Varlen] = None,
     own_lse: bool = True,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Launch the three backward kernels.
+    """Launch the backward: one pass (the default), or the three kernels of the deterministic path.
 
     Args:
         dout, q, out: ``(B, Sq, H, D)`` (varlen: ``(total_q, H, D)``); k, v: ``(B, Sk, Hk, D)``
@@ -425,6 +461,10 @@ def attention_backward(
         own_lse: ``out`` and ``lse`` are this attention's own, so a row that sees one key has
             dS = 0 exactly (``sees_one_key``). False: they may be those of a larger attention of
             which k, v are one block (ring attention), where that row's dS is not 0.
+        deterministic: the two-pass path (dQ kernel, then dK/dV), bit-identical from run to run.
+            Otherwise, and always but for fp32 with its own lse (``RENORM`` needs dQ's row sums
+            first), the dK/dV kernel also adds dQ to an fp32 workspace with atomic adds: 5 matrix
+            products per block pair instead of 7, with the last bits of dQ in the order the adds land.
 
     Returns:
         ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype, and with
@@ -449,6 +489,8 @@ def attention_backward(
     renorm = own_lse and q.element_size() == 4  # fp32: dK/dV renormalise P by dQ's row sums
     lse_fix = lse_buffer(q, varlen, dims)[0] if renorm else None
     own_lse = own_lse and sinks is None  # the one-key rules assume P sums to 1 (see the module docstring)
+    one_pass = not deterministic and not renorm
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if one_pass else None
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
     rows = packed_rows(q, k, varlen)
     # What the dK/dV and dQ kernels share: inputs, sizes and score options.
@@ -468,17 +510,23 @@ def attention_backward(
             seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim,
             IS_VARLEN=varlen is not None, BLOCK_M=pre_m, BLOCK_D=block_d,
         )
-        # dQ first: with RENORM it writes the row sums dK/dV divide out.
-        cfg = configs.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())
-        attn_bwd_dq_kernel[(triton.cdiv(dims.seqlen_q, cfg.block_m), dims.nheads, dims.batch)](
-            DQ=dq, **dims.stride_args(dq, "dq", "m"), **common, SINKS=sinks if renorm else None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        cfg = configs.launch_config(q.device, "bwd_dkdv", dims.head_dim, q.element_size())
+        if not one_pass:  # dQ first: with RENORM it writes the row sums dK/dV divide out.
+            cfg = configs.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())
+            attn_bwd_dq_kernel[(triton.cdiv(dims.seqlen_q, cfg.block_m), dims.nheads, dims.batch)](
+                DQ=dq, **dims.stride_args(dq, "dq", "m"), **common, SINKS=sinks if renorm else None,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        workspace = dims.stride_args(dq_acc, "dqa", "m") if dq_acc is not None else dict.fromkeys(
+            ("stride_dqab", "stride_dqam", "stride_dqah"), 0)
+        cfg = configs.launch_config(q.device, "bwd_onepass" if one_pass else "bwd_dkdv", dims.head_dim,
+                                    q.element_size())
         attn_bwd_dkdv_kernel[(triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch)](
-            DK=dk, DV=dv, **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"), **common,
+            DK=dk, DV=dv, DQ_ACC=dq_acc, **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"),
+            **workspace, **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+    if dq_acc is not None:
+        dq = dq_acc.to(q.dtype)  # the workspace in q's dtype: one elementwise kernel
     dsink = _sink_grad(sinks, lse, delta, lse_fix) if sinks is not None else None
     return dq, dk, dv, dsink
 

@@ -12,8 +12,9 @@ A configuration is chosen by ``(arch, kernel, head-dim bucket, element size)``:
   dim in ``HEAD_DIM_BUCKETS``), ``"fwd_general"`` (the forward with packed sequences, a KV cache's
   key ranges or pages, a softcap, ALiBi, dropout or masked head-dim columns, whose extra registers
   the dense forward's largest tiles cannot hold),
-  ``"bwd_dkdv"``, ``"bwd_dq"``, ``"decode"`` (the forward kernel on a KV cache with few query
-  rows).
+  ``"bwd_dkdv"``, ``"bwd_dq"`` (the deterministic backward's two kernels), ``"bwd_onepass"`` (the
+  dK/dV kernel adding dQ with atomics: the default backward, whose dQ tile needs registers of its
+  own), ``"decode"`` (the forward kernel on a KV cache with few query rows).
 - head-dim bucket: the padded head dim, a power of two from 16 to 256.
 - element size: 2 for fp16/bf16, 4 for fp32 (fp32 tiles need twice the shared memory).
 
@@ -201,7 +202,17 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
     ("interpreter", "decode"): [(256, 4, Config(16, 32, 1, 1))],
 }
 
-KERNELS = ("fwd", "fwd_general", "bwd_dkdv", "bwd_dq", "decode")
+KERNELS = ("fwd", "fwd_general", "bwd_dkdv", "bwd_dq", "bwd_onepass", "decode")
+
+# The one-pass backward holds each query block's dQ tile beside dK/dV's accumulators: the dK/dV
+# tiles, except where the compile check found them spilling with it (fp16/bf16, head dim <= 128,
+# ``compile_check --call bwd``): sm80 at head dims 64 (8 B) and 128 (8 B); sm86 and sm120 at 128
+# (16 B and 40 B). The replacements are the tiles that compile there without a spill and with the
+# fewest main-loop instructions per block-pair element among those tried; none measured on a GPU.
+for _arch in ("sm90", "sm80", "sm86", "amd", "interpreter"):
+    _TABLE[(_arch, "bwd_onepass")] = list(_TABLE[(_arch, "bwd_dkdv")])
+_TABLE[("sm80", "bwd_onepass")][:2] = [(64, 2, Config(32, 128, 8, 2)), (128, 2, Config(64, 64, 8, 1))]
+_TABLE[("sm86", "bwd_onepass")][1] = (128, 2, Config(32, 32, 4, 2))
 
 # sm120/sm121 have sm86's 99 KiB of shared memory and its matrix instruction (mma.sync, no wgmma):
 # they take its tiles, which the compile check proves for sm120 and sm121 themselves. sm100 takes
@@ -217,6 +228,7 @@ _TABLE[("sm100", "bwd_dkdv")] = [
     (bucket, size, Config(32, 32, 4, 1) if (bucket, size) == (256, 2) else config)
     for bucket, size, config in _TABLE[("sm90", "bwd_dkdv")]
 ]
+_TABLE[("sm100", "bwd_onepass")] = list(_TABLE[("sm100", "bwd_dkdv")])  # the same trap at 256
 ARCHS = ("sm80", "sm86", "sm90", "sm100", "sm120", "amd", "interpreter")
 
 

@@ -59,11 +59,12 @@ from flash_recipe.tools import compiled_code
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIM_BUCKETS = configs.HEAD_DIM_BUCKETS
 # Launcher calls: "fwd" the dense forward with plain scores (its "fwd" configuration); "options"
-# the dense forward with every score option (its "fwd_general" configuration); "bwd" the backward
-# (preprocess, dK/dV, dQ); "varlen" the packed-sequence forward and backward; "decode" a GQA
-# KV-cache step over a dense cache (rotary/append, the forward with decode tiles and the group packed
-# into one query tile, split-KV merge); "decode_paged" the same over a paged cache; "paged" the
-# forward over a paged cache with more query rows than a decode step; "sinks" the forward and backward
+# the dense forward with every score option (its "fwd_general" configuration); "bwd" the backward,
+# one-pass (preprocess, dK/dV adding dQ) and deterministic (preprocess, dQ, dK/dV); "varlen" the
+# packed-sequence forward and backward; "decode" a GQA KV-cache step over a dense cache
+# (rotary/append, the forward with decode tiles and the group packed into one query tile, split-KV
+# merge); "decode_paged" the same over a paged cache; "paged" the forward over a paged cache with
+# more query rows than a decode step; "sinks" the forward and backward
 # with attention sinks (aligned: the "bwd" call's causal tensors; ragged: every score option).
 CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks")
 FORMS = ("aligned", "ragged")
@@ -114,7 +115,15 @@ LOOP_STEP = {
     "decode": "BLOCK_N",
     "bwd_dq": "BLOCK_N",
     "bwd_dkdv": "BLOCK_M",
+    "bwd_onepass": "BLOCK_M",
 }
+# Matrix products per (query block, key block) pair in a kernel's main loop (the multiply-adds of
+# its matrix instructions, ``compiled_code.loop_matrix_macs``, over BLOCK_M * BLOCK_N * D), for the
+# aligned fp16/bf16 kernels at head dim 128 on PRODUCT_TARGETS: the forward's S = QK^T and PV; the
+# deterministic backward's dQ kernel (S, dP = dO V^T, dS K) and dK/dV kernel (S, dP, P^T dO, dS^T Q),
+# 7 per pair; the one-pass backward's dK/dV kernel with dQ added (5).
+PRODUCTS = {"fwd": 2, "bwd_dq": 3, "bwd_dkdv": 4, "bwd_onepass": 5}
+PRODUCT_TARGETS = ("sm80", "sm90")
 # The speed proxy: SASS instructions per key in the forward's main loop (``loop_per_row``), at most
 # those of Triton's own tutorial fused-attention forward (python/tutorials/06-fused-attention.py)
 # counted the same way (``compiled_code.main_loop``), for the aligned bf16/fp16 forward at head dim 128 on sm90.
@@ -239,7 +248,9 @@ def _run_call(case: Case) -> dict[str, str]:
             forward.attention_forward(q, k, v, scale, var)
             return {"attn_fwd_kernel": "fwd"}
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
-        backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var)
+        # The one-pass backward (the default) and the three kernels; fp32 (its own lse) runs only these.
+        for deterministic in (True,) if case.dtype == "float32" else (False, True):
+            backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, deterministic=deterministic)
         return {
             "attn_bwd_preprocess_kernel": "bwd_preprocess",
             "attn_bwd_dkdv_kernel": "bwd_dkdv",
@@ -387,6 +398,8 @@ def check_case(case: Case, target: str) -> list[dict]:
         label = labels[name]
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
+        if label == "bwd_dkdv" and _constants(kernel).get("ATOMIC_DQ"):
+            label = "bwd_onepass"  # the dK/dV kernel adding dQ too (backward.attention_backward)
         usage = compiled_code.amd_usage(kernel) if target.startswith("gfx") else compiled_code.nvidia_usage(kernel)
         step = _constants(kernel).get(LOOP_STEP.get(label, ""))
         loop = usage.get("loop_instructions")
@@ -411,6 +424,7 @@ def check_case(case: Case, target: str) -> list[dict]:
                     "loop_step": step,
                     "score_options": any(_constants(kernel).get(flag) for flag in SCORE_OPTIONS),
                     "loop_per_row": round(loop / step, 3) if loop and step else None,
+                    "loop_products": _products(kernel, usage.get("loop_matrix_macs")),
                     "seconds": seconds,
                     "call": case.call,
                     "per_key_per_kv_head": per_kv_head,
@@ -418,6 +432,27 @@ def check_case(case: Case, target: str) -> list[dict]:
             )
         )
     return rows
+
+
+def _products(kernel, macs: Optional[int]) -> Optional[float]:
+    """Block-pair matrix products in one main-loop iteration: its multiply-adds over BM * BN * D."""
+    blocks = [_constants(kernel).get(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D")]
+    if not macs or not all(blocks):
+        return None
+    return round(macs / (blocks[0] * blocks[1] * blocks[2]), 3)
+
+
+def products_expected(row: dict) -> Optional[int]:
+    """The products per block pair (``PRODUCTS``) that ``row``'s main loop must issue, or None."""
+    if (
+        row["kernel"] in PRODUCTS
+        and row["target"] in PRODUCT_TARGETS
+        and row["form"] == "aligned"
+        and row["head_dim"] == 128
+        and row["dtype"] in ("float16", "bfloat16")
+    ):
+        return PRODUCTS[row["kernel"]]
+    return None
 
 
 def _constants(kernel) -> dict:
@@ -490,6 +525,11 @@ def _verdict(row: dict) -> dict:
         problems.append(
             f"main loop {row['loop_per_row']} instructions per key, over the {PROXY['per_key']:.3f} "
             "of Triton's tutorial forward"
+        )
+    expected = products_expected(row)
+    if expected is not None and row.get("loop_products") != expected:
+        problems.append(
+            f"main loop issues {row.get('loop_products')} matrix products per block pair, expected {expected}"
         )
     bound = decode_bound(row)
     if bound is not None and not (row["per_key_per_kv_head"] or float("inf")) <= bound:

@@ -35,6 +35,7 @@ def nvidia_usage(kernel) -> dict:
         "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
         "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
         "loop_instructions": main_loop(sass.stdout),
+        "loop_matrix_macs": loop_matrix_macs(sass.stdout, kernel.metadata.num_warps),
     }
 
 
@@ -45,7 +46,38 @@ _BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+\s*,\s*)?(?:`
 
 def main_loop(sass: str) -> Optional[int]:
     """Instructions in one iteration of the main loop of a disassembled kernel (``cuobjdump -sass``),
-    or None for a kernel without a loop of matrix instructions.
+    or None for a kernel without a loop of matrix instructions (see ``main_loop_body``)."""
+    body = main_loop_body(sass)
+    return len(body) if body is not None else None
+
+
+# Matrix instructions and their shapes: ``HMMA.16816.F32.BF16`` (one warp: m16 n8 k16),
+# ``HGMMA.64x128x16.F32.BF16`` (one warpgroup of 4 warps: m64 n128 k16).
+_HMMA = re.compile(r"\bHMMA\.(16)(8)(8|16)\b")
+_HGMMA = re.compile(r"\bHGMMA\.(\d+)x(\d+)x(\d+)\b")
+
+
+def loop_matrix_macs(sass: str, num_warps: int) -> Optional[int]:
+    """Multiply-adds the thread block's matrix instructions do in one main-loop iteration (sm80's
+    ``HMMA``, once per warp; sm90's ``HGMMA``, once per warpgroup of 4 warps), or None where the
+    loop has other matrix instructions (sm100's ``UTC*MMA``, whose shape the mnemonic does not say)
+    or none. Divided by ``BLOCK_M * BLOCK_N * D`` it counts the block-pair products a loop issues."""
+    body = main_loop_body(sass)
+    if body is None:
+        return None
+    macs = 0
+    for text in body:
+        if (found := _HMMA.search(text)) is not None:
+            macs += num_warps * int(found.group(1)) * int(found.group(2)) * int(found.group(3))
+        elif (found := _HGMMA.search(text)) is not None:
+            macs += num_warps // 4 * int(found.group(1)) * int(found.group(2)) * int(found.group(3))
+        elif _MATRIX_SASS.search(text):
+            return None
+    return macs or None
+
+
+def main_loop_body(sass: str) -> Optional[list]:
+    """The instructions of one iteration of the main loop of a disassembled kernel, or None.
 
     A loop is a branch back to an earlier address from before the kernel's last ``EXIT``; its body
     is every instruction from the target to the branch, NOPs excepted. (Backward branches after the
@@ -61,8 +93,8 @@ def main_loop(sass: str) -> Optional[int]:
         if branch and int(branch.group(1), 16) < address and (last_exit is None or address < last_exit):
             body = [t for a, t in code if int(branch.group(1), 16) <= a <= address and not t.startswith("NOP")]
             if any(_MATRIX_SASS.search(t) for t in body):
-                sizes.append(len(body))
-    return min(sizes, default=None)
+                sizes.append(body)
+    return min(sizes, key=len, default=None)
 
 
 def fma_dots(kernel) -> int:

@@ -118,10 +118,13 @@ class Call:
     make: Callable[[Any], None]
 
 
-def _dense(step: str, case, dtype: str, descriptors: Optional[bool] = None, no_grad_first: bool = False) -> Call:
+def _dense(
+    step: str, case, dtype: str, descriptors: Optional[bool] = None, no_grad_first: bool = False, both: bool = False
+) -> Call:
     """``flash_attn_func`` forward and backward of a ``verify.Case`` on the ``triton`` backend, on
     contiguous tensors as ``verify.check_case`` makes them; ``no_grad_first``: a forward without
-    gradients first (bench); ``descriptors`` False: TMA off (bench's ``flash_recipe_pointers``)."""
+    gradients first (bench); ``descriptors`` False: TMA off (bench's ``flash_recipe_pointers``);
+    ``both``: the deterministic backward too, as ``verify.check_case`` runs it beside the default."""
 
     def make(device) -> None:
         import torch
@@ -142,8 +145,9 @@ def _dense(step: str, case, dtype: str, descriptors: Optional[bool] = None, no_g
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
             if options.get("learnable_sink") is not None:  # a leaf too, as verify makes it (dsink)
                 options["learnable_sink"] = options["learnable_sink"].clone().requires_grad_(True)
-            out = flash_recipe.flash_attn_func(*leaves, **options)
-            out.backward(torch.empty_like(q))
+            for deterministic in (True, False) if both else (False,):
+                out = flash_recipe.flash_attn_func(*leaves, **options, deterministic=deterministic)
+                out.backward(torch.empty_like(q))
 
     suffix = "-pointers" if descriptors is False else ""
     return Call(f"{step}:{case.id}{suffix}:{dtype}", dtype, head_dim_bucket(case.head_dim), make)
@@ -213,11 +217,15 @@ def step_calls(step: str, grid: str = "full", tests: Optional[Path] = None) -> l
         dense, kv = (
             (verify.SMALL_GRID, verify.KV_SMALL_GRID) if grid == "small" else (verify.FULL_GRID, verify.KV_FULL_GRID)
         )
-        return [_dense(step, case, dtype) for case in dense for dtype in DTYPES] + [
+        return [_dense(step, case, dtype, both=True) for case in dense for dtype in DTYPES] + [
             _kv(step, case, dtype) for case in kv for dtype in DTYPES
         ]
     if step == "tests":
-        return [_dense(f"tests:{file}", case, dtype) for file, case, dtype in gpu_test_tables(tests)]
+        # test_kernels checks its cases with ``verify.check_case``: both backward paths.
+        return [
+            _dense(f"tests:{file}", case, dtype, both=file == "test_kernels")
+            for file, case, dtype in gpu_test_tables(tests)
+        ]
     if step == "check":
         return _check_calls(grid)
     from flash_recipe.tools.campaign import plan
@@ -233,7 +241,7 @@ def step_calls(step: str, grid: str = "full", tests: Optional[Path] = None) -> l
 def _check_calls(grid: str) -> list[Call]:
     """The correctness step's calls: ``gpu_check``'s table in its dtypes (``grid`` "small": the
     interpreter's table and dtypes)."""
-    from flash_recipe.tools import gpu_check
+    from flash_recipe.tools import gpu_check_cases as gpu_check
 
     small = grid == "small"
     table, dtypes = (

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from flash_recipe.tools import gpu_check
+from flash_recipe.tools import gpu_check_cases as gpu_check
 
 # The whole plan, with every step, fits in TOTAL_BUDGET_S (warmup compiling for check, bench,
 # verify and the tests included); a run fits what it can in ``--minutes`` (DEFAULT_MINUTES unless

@@ -1,6 +1,6 @@
 """``flash-recipe tune``: time launch configurations on the local GPU and keep the fastest.
 
-For each kernel (``fwd``, ``fwd_general``, ``bwd_dkdv``, ``bwd_dq``, ``decode``; the general forward
+For each kernel (``fwd``, ``fwd_general``, ``bwd_dkdv``, ``bwd_dq``, ``bwd_onepass``, ``decode``; the general forward
 is timed and checked on a softcapped call), head-dim bucket and element size
 (2 for fp16 and bf16, which share their tiles; 4 for fp32), the tuner
 

@@ -19,7 +19,14 @@ DTYPES = ("float16", "bfloat16", "float32")
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 # The call ``compile_check`` makes to compile each kernel.
-COMPILE_CALL = {"fwd": "fwd", "fwd_general": "options", "bwd_dkdv": "bwd", "bwd_dq": "bwd", "decode": "decode"}
+COMPILE_CALL = {
+    "fwd": "fwd",
+    "fwd_general": "options",
+    "bwd_dkdv": "bwd",
+    "bwd_dq": "bwd",
+    "bwd_onepass": "bwd",
+    "decode": "decode",
+}
 # The candidate grid per kernel: block_m, block_n, num_warps, num_stages. Decoding has one to
 # sixteen query rows, so its query block is the smallest matrix-unit tile.
 GRID = {
@@ -27,8 +34,11 @@ GRID = {
     "fwd_general": ((64, 128), (32, 64, 128), (4, 8), (1, 2, 3, 4)),
     "bwd_dkdv": ((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)),
     "bwd_dq": ((32, 64, 128), (16, 32, 64), (4, 8), (1, 2, 3)),
+    "bwd_onepass": ((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)),
     "decode": ((16,), (32, 64, 128, 256), (4, 8), (1, 2, 3, 4)),
 }
+# The backward's kernels: the deterministic path's two, and the one-pass dK/dV kernel adding dQ.
+BACKWARD = ("bwd_dkdv", "bwd_dq", "bwd_onepass")
 # Eight warps only on tiles of at least this many elements: on smaller ones most of them idle.
 EIGHT_WARPS_MIN_TILE = 64 * 64
 GENERAL_SOFTCAP = 50.0
@@ -162,7 +172,7 @@ class Problem:
         # The general forward is timed on a softcapped call (Gemma 2's 50), one of the options it serves.
         softcap = GENERAL_SOFTCAP if kernel == "fwd_general" else 0.0
         self.options = ScoreOptions(sk - sq, -1, 0 if shape.causal else -1, softcap, None)
-        if kernel in ("bwd_dkdv", "bwd_dq"):
+        if kernel in BACKWARD:
             self.dout = draw(b, sq, h, d)
             self.out, self.lse = forward.attention_forward(self.q, self.k, self.v, self.scale, self.options)
 
@@ -179,7 +189,15 @@ class Problem:
                 )[0],
             )
         return backward.attention_backward(
-            self.dout, self.q, self.k, self.v, self.out, self.lse, self.scale, self.options
+            self.dout,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            self.scale,
+            self.options,
+            deterministic=self.kernel != "bwd_onepass",  # the path whose kernel this tunes
         )[:3]
 
     def reference(self, upcast: bool) -> tuple:

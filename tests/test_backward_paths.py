@@ -1,0 +1,113 @@
+"""The backward's two paths: one pass over the keys with dQ added by atomics (the default), and the
+three deterministic kernels (``deterministic=True``, and fp32 with its own lse).
+
+Both paths' accuracy by the rule is in test_kernels.py (``verify.check_case`` checks the default
+path beside the deterministic one); here which kernels each call launches, and that they agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_recipe
+from flash_recipe.ops import backward
+
+# Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
+pytestmark = pytest.mark.usefixtures("bounds_checked")
+
+
+def _rand(*shape, dtype=torch.float16, device="cpu", seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The backward kernels each call launches, in order: ``"dq"``, ``"dkdv"`` or ``"dkdv+dq"`` (the
+    dK/dV kernel adding dQ with atomics)."""
+    seen: list = []
+    for name, kernel in (("dq", backward.attn_bwd_dq_kernel), ("dkdv", backward.attn_bwd_dkdv_kernel)):
+        original = kernel.fn.run
+
+        def run(*args, _name=name, _original=original, **kwargs):
+            seen.append(_name + ("+dq" if kwargs.get("ATOMIC_DQ") else ""))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernel.fn, "run", run)
+    return seen
+
+
+def _grads(q, k, v, dout, **options):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with flash_recipe.use_backend("triton"):
+        out = flash_recipe.flash_attn_func(*leaves, **options)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+@pytest.mark.parametrize(
+    "dtype, deterministic, expected",
+    [
+        (torch.float16, False, ["dkdv+dq"]),
+        (torch.float16, True, ["dq", "dkdv"]),
+        (torch.float32, False, ["dq", "dkdv"]),  # fp32 renormalises P by dQ's row sums: dQ first
+        (torch.float32, True, ["dq", "dkdv"]),
+    ],
+    ids=["fp16-default", "fp16-deterministic", "fp32-default", "fp32-deterministic"],
+)
+def test_each_path_launches_its_kernels(dtype, deterministic, expected, launches, device):
+    q, dout = (_rand(2, 40, 4, 32, dtype=dtype, device=device, seed=s) for s in (1, 2))
+    k, v = (_rand(2, 50, 2, 32, dtype=dtype, device=device, seed=s) for s in (3, 4))
+    _grads(q, k, v, dout, causal=True, deterministic=deterministic)
+    assert launches == expected
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(causal=True),
+        dict(window_size=(7, 3), softcap=4.0),
+        dict(dropout_p=0.25),
+        dict(causal=True, learnable_sink="sinks"),
+    ],
+    ids=["causal", "window-softcap", "dropout", "sinks"],
+)
+def test_one_pass_agrees_with_the_deterministic_path(options, device, nan_outputs):
+    """GQA with ragged lengths (a key block past the last key, query rows past the last query): the
+    two paths' gradients differ only by the rounding of the order dQ is summed in."""
+    q, dout = (_rand(2, 45, 6, 40, device=device, seed=s) for s in (1, 2))
+    k, v = (_rand(2, 37, 2, 40, device=device, seed=s) for s in (3, 4))
+    if options.get("learnable_sink"):
+        options = {**options, "learnable_sink": torch.linspace(-1.0, 1.0, 6, device=device)}
+    results = []
+    for deterministic in (False, True):
+        torch.manual_seed(0)  # the same dropout mask
+        results.append(_grads(q, k, v, dout, deterministic=deterministic, **options))
+    (dq, dk, dv), (dq_det, dk_det, dv_det) = results
+    assert torch.equal(dk, dk_det) and torch.equal(dv, dv_det)  # the same kernel computes them
+    scale = dq_det.abs().max().item()
+    assert 0 < (dq.float() - dq_det.float()).abs().max().item() <= 2e-3 * scale or torch.equal(dq, dq_det)
+
+
+def test_deterministic_path_is_bit_identical_from_run_to_run(device):
+    q, dout = (_rand(1, 64, 4, 64, device=device, seed=s) for s in (1, 2))
+    k, v = (_rand(1, 96, 4, 64, device=device, seed=s) for s in (3, 4))
+    first = _grads(q, k, v, dout, causal=True, deterministic=True)
+    again = _grads(q, k, v, dout, causal=True, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_stand_in_backward_takes_the_deterministic_flag(launches, device):
+    """flash-attn's internal ``_flash_attn_backward`` (ring-flash-attn calls it) passes its
+    ``deterministic`` argument through."""
+    from flash_recipe.flash_attn import flash_attn_interface as fai
+
+    q, k, v, dout = (_rand(1, 32, 2, 16, device=device, seed=s) for s in range(4))
+    with flash_recipe.use_backend("triton"):
+        out, lse, _, rng_state = fai._flash_attn_forward(q, k, v, 0.0, 0.25, True, -1, -1, 0.0, None, False)
+        for deterministic in (True, False):
+            launches.clear()
+            dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+            fai._flash_attn_backward(
+                dout, q, k, v, out, lse, dq, dk, dv, 0.0, 0.25, True, -1, -1, 0.0, None, deterministic, rng_state
+            )
+            assert launches == (["dq", "dkdv"] if deterministic else ["dkdv+dq"])
