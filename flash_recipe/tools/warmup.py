@@ -146,7 +146,7 @@ def _dense(
             if options.get("learnable_sink") is not None:  # a leaf too, as verify makes it (dsink)
                 options["learnable_sink"] = options["learnable_sink"].clone().requires_grad_(True)
             for deterministic in (True, False) if both else (False,):
-                out = flash_recipe.flash_attn_func(*leaves, **options, deterministic=deterministic)
+                out = flash_recipe.flash_attn_func(*leaves, **{**options, "deterministic": deterministic})
                 out.backward(torch.empty_like(q))
 
     suffix = "-pointers" if descriptors is False else ""
