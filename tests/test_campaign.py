@@ -24,7 +24,8 @@ import torch
 
 from flash_recipe.tools import bench, campaign, tune, verify
 
-PLAN = {step.name: step for step in campaign.build_plan(test_tree=campaign.find_test_tree())}
+# The plan with this checkout's test tree (the package may be an installed wheel, with none beside it).
+PLAN = {step.name: step for step in campaign.build_plan(test_tree=Path(__file__).resolve().parent)}
 
 
 def _parse(add_arguments, argv):

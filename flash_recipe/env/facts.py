@@ -126,6 +126,8 @@ class CompileCheck(_CompileCheck, total=False):
     loop_instructions: Optional[int]
     loop_step: Optional[int]
     loop_per_row: Optional[float]
+    loop_matrix_macs: Optional[int]
+    loop_products: Optional[float]
     score_options: bool
     call: str
     per_key_per_kv_head: Optional[float]
