@@ -22,7 +22,7 @@ import torch
 import flash_recipe
 from flash_recipe.ops.configs import head_dim_bucket
 from flash_recipe.testing import max_error
-from flash_recipe.tools import gpu_check, gpu_check_cases, warmup
+from flash_recipe.tools import gpu_check, gpu_check_cases, warmup, warmup_calls
 
 CPU = torch.device("cpu")
 DTYPES = ["float16", "float32"]  # what the interpreter computes correctly
@@ -251,9 +251,9 @@ def test_warmup_lists_exactly_what_the_step_launches():
     with warmup.recorded_launches() as launches:
         gpu_check.run(gpu_check.TINY_TABLE, DTYPES, CPU, 300, fuzz=False, progress=lambda line: None)
     truth = {warmup.to_variant(fn, args, kwargs, "truth").key for fn, args, kwargs in launches}
-    listed, skipped = warmup.variants(warmup.step_calls("check", grid="small"), CPU)
+    listed, skipped = warmup.variants(warmup_calls.step_calls("check", grid="small"), CPU)
     assert not skipped and truth == {v.key for v in listed}
-    gpu_calls = warmup.step_calls("check")
+    gpu_calls = warmup_calls.step_calls("check")
     assert len(gpu_calls) == 2 * len(gpu_check.GPU_TABLE) and {c.dtype for c in gpu_calls} == {"bfloat16", "float16"}
 
 

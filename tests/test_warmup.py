@@ -16,7 +16,7 @@ import pytest
 import torch
 from offline import compile_in_subprocess
 
-from flash_recipe.tools import cli, verify, warmup
+from flash_recipe.tools import cli, verify, warmup, warmup_calls
 
 CPU = torch.device("cpu")
 TESTS = Path(__file__).resolve().parent  # ``nox -s tests`` imports the installed wheel: no tests/ beside it
@@ -36,7 +36,7 @@ def _launched(fn) -> set:
 @pytest.mark.parametrize("step", ["common", "verify", "tests", "bench", "check"])
 def test_every_step_lists_distinct_variants_of_every_family_it_calls(step):
     """Planned as for sm90, so bf16 calls (which the interpreter's backend refuses) are listed too."""
-    calls = warmup.step_calls(step, tests=TESTS)
+    calls = warmup_calls.step_calls(step, tests=TESTS)
     assert calls and len({call.id for call in calls}) == len(calls)
     if step in ("verify", "tests"):  # keeps the test fast
         calls = warmup.narrow(calls, ["bfloat16"]) if step == "verify" else warmup.narrow(calls, head_dims=[16, 32])
@@ -58,7 +58,7 @@ def test_verify_list_is_exactly_what_verify_launches_and_a_dropped_variant_shows
     grid's calls, leaves launches uncovered."""
     dtypes = ["float16", "float32"]  # what the interpreter's backend runs
     truth = _launched(lambda: verify.verify(["triton"], "small", dtypes, "cpu", kvcache=True))
-    calls = warmup.narrow(warmup.step_calls("verify", grid="small"), dtypes)
+    calls = warmup.narrow(warmup_calls.step_calls("verify", grid="small"), dtypes)
     listed, skipped = warmup.variants(calls, CPU)
     assert not skipped
     assert truth == _keys(listed)
@@ -78,7 +78,7 @@ def test_tests_list_covers_the_kernel_tests_own_calls():
     truth = set()
     for case in cases:
         truth |= _launched(lambda case=case: verify.check_case(case, torch.float16, CPU, "triton", seed=0))
-    calls = warmup.narrow(warmup.step_calls("tests", tests=TESTS), ["float16"], [16, 32])
+    calls = warmup.narrow(warmup_calls.step_calls("tests", tests=TESTS), ["float16"], [16, 32])
     listed, _ = warmup.variants(calls, CPU)
     assert truth and truth <= _keys(listed)
 
@@ -87,8 +87,8 @@ def test_the_gpu_test_dtypes_are_those_test_gpu_runs():
     import test_gpu
 
     marks = [m for m in test_gpu.test_accuracy_at_scale.pytestmark if m.args and m.args[0] == "dtype"]
-    assert [str(d).replace("torch.", "") for d in marks[0].args[1]] == list(warmup.TEST_GPU_DTYPES)
-    assert {file for file, _, _ in warmup.gpu_test_tables(TESTS)} == {"test_gpu", "test_kernels"}
+    assert [str(d).replace("torch.", "") for d in marks[0].args[1]] == list(warmup_calls.TEST_GPU_DTYPES)
+    assert {file for file, _, _ in warmup_calls.gpu_test_tables(TESTS)} == {"test_gpu", "test_kernels"}
 
 
 def test_for_takes_several_steps_each_narrowed_to_its_dtypes(capsys):
@@ -122,9 +122,9 @@ def test_without_a_test_tree_tests_says_why(tmp_path, monkeypatch):
 
     monkeypatch.setattr(flash_recipe, "__file__", str(tmp_path / "flash_recipe" / "__init__.py"))
     with pytest.raises(FileNotFoundError, match="checkout's tests/ folder.*name the folder with --tests"):
-        warmup.step_calls("tests")
+        warmup_calls.step_calls("tests")
     with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no test_gpu.py"):
-        warmup.step_calls("all", tests=tmp_path)
+        warmup_calls.step_calls("all", tests=tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -241,9 +241,9 @@ def test_a_replayed_variant_is_the_kernel_the_real_launch_compiles(tmp_path):
         import json, os
         os.environ["TRITON_CACHE_DIR"] = {str(tmp_path)!r}
         import torch
-        from flash_recipe.tools import compile_check, warmup
+        from flash_recipe.tools import compile_check, warmup, warmup_calls
         from flash_recipe.tools.verify import Case
-        call = warmup._dense("t", Case(1, 33, 47, 2, 1, 24, True), "float16")
+        call = warmup_calls._dense("t", Case(1, 33, 47, 2, 1, 24, True), "float16")
         found, _ = warmup.variants([call], torch.device("cpu"), "sm90")
         warmup.init_worker("sm90", "cpu")
         for variant in found:
