@@ -342,10 +342,10 @@ def _jit_kernels() -> dict:
     """The launchable jit functions of ``flash_recipe.ops``, by name."""
     from triton.runtime.jit import JITFunction
 
-    from flash_recipe.ops import backward, forward, kvcache
+    from flash_recipe.ops import backward, forward, kvcache, splits
 
     found = {}
-    for module in (forward, backward, kvcache):
+    for module in (forward, backward, kvcache, splits):
         for name, obj in vars(module).items():
             fn = getattr(obj, "fn", obj)  # triton.heuristics wraps the jit function
             if isinstance(fn, JITFunction) and name.endswith("_kernel"):
