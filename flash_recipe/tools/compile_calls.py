@@ -1,0 +1,163 @@
+"""The launcher calls the compile check makes (``flash_recipe.tools.compile_check``): for each
+``Case`` (a call, a dtype, a head-dim bucket, a form), ``run_call`` makes the call on CPU tensors
+through the package's launchers, whose launches the check compiles for a GPU target instead of
+running them. ``aligned``: head dims equal to their bucket, block-multiple lengths, MHA, causal;
+``ragged``: an odd head dim below the bucket, ragged lengths, GQA, every score option, q/k/v as
+views of one packed tensor with odd strides."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+# The GQA groups of the aligned decode steps (``decode``: a dense cache; ``decode_paged``: pages).
+DECODE_GROUPS = {"decode": 4, "decode_paged": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One launcher call: which call, in which dtype, head-dim bucket and form (see module doc)."""
+
+    call: str
+    dtype: str
+    head_dim: int  # the bucket
+    form: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.call}-{self.dtype}-d{self.head_dim}-{self.form}"
+
+
+def _head_dim(case: Case) -> int:
+    """The real head dim: the bucket itself (aligned) or an odd one below it (ragged, masked)."""
+    if case.form == "aligned":
+        return case.head_dim
+    return case.head_dim - 5 if case.head_dim > 16 else 13
+
+
+def _qkv(case: Case, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, head_dim=None):
+    """q ``(B, Sq, H, D)`` and k, v ``(B, Sk, Hk, D)`` on the CPU: separate contiguous tensors
+    (aligned), or views of one packed ``(B, S, H + 2 Hk, D)`` tensor (ragged: odd strides, and k/v
+    pointers off the 16-byte alignment); ``D`` is ``_head_dim(case)`` unless given."""
+    import torch
+
+    dtype, head_dim = getattr(torch, case.dtype), head_dim or _head_dim(case)
+    if case.form == "aligned":
+        return (
+            torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
+            torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+            torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+        )
+    packed = torch.randn(batch, max(seqlen_q, seqlen_k), nheads + 2 * nheads_k, head_dim, dtype=dtype)
+    return (
+        packed[:, :seqlen_q, :nheads],
+        packed[:, :seqlen_k, nheads : nheads + nheads_k],
+        packed[:, :seqlen_k, nheads + nheads_k :],
+    )
+
+
+def _variant(case: Case, nheads: int, diag_offset: int):
+    """Causal (aligned), or window + softcap + ALiBi + dropout (ragged), with attention sinks except
+    in the ``bwd`` call, which keeps the backward of an attention's own lse without them (its
+    one-key rules; ``varlen`` compiles the backward with sinks)."""
+    import torch
+
+    from flash_recipe.ops.launch import ScoreOptions
+
+    if case.form == "aligned":
+        return ScoreOptions(diag_offset, -1, 0, 0.0, None)
+    slopes = torch.rand(nheads, dtype=torch.float32)
+    dropout = 0.0 if case.call in ("decode", "decode_paged", "paged") else 0.1  # the cache is forward-only
+    seed = torch.zeros(1, dtype=torch.int64)
+    sinks = None if case.call == "bwd" else torch.randn(nheads, dtype=torch.float32)
+    return ScoreOptions(diag_offset, 37, 5, 30.0, slopes, dropout, seed if dropout else None, sinks)
+
+
+def run_call(case: Case) -> dict[str, str]:
+    """Run the launcher(s) of ``case``; returns which kernel label each launched jit function gets."""
+    import torch
+
+    from flash_recipe.ops import backward, forward, kvcache, launch
+
+    ragged = case.form == "ragged"
+    nheads, nheads_k = (6, 2) if ragged else (4, 4)
+    scale = _head_dim(case) ** -0.5
+    if case.call == "sinks":  # the "bwd" call's tensors and causal mask, with a sink per query head
+        seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
+        q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
+        var = _variant(case, nheads, seqlen_k - seqlen_q)._replace(sinks=torch.randn(nheads, dtype=torch.float32))
+        forward.attention_forward(q, k, v, scale, var)
+        out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
+        backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var)
+        return {
+            "attn_fwd_kernel": "fwd",
+            "attn_bwd_preprocess_kernel": "bwd_preprocess",
+            "attn_bwd_dkdv_kernel": "bwd_dkdv",
+            "attn_bwd_dq_kernel": "bwd_dq",
+        }
+    if case.call in ("fwd", "options", "bwd"):
+        seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
+        q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
+        var = _variant(case, nheads, seqlen_k - seqlen_q)
+        if case.call == "fwd":
+            if ragged:  # the plain-score configuration's worst case: the window alone, every column used
+                q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim=case.head_dim)
+                var = var._replace(softcap=0.0, slopes=None, dropout_p=0.0, seed=None, sinks=None)
+            forward.attention_forward(q, k, v, scale, var)
+            return {"attn_fwd_kernel": "fwd"}
+        if case.call == "options":  # every score option, on aligned tensors (TMA where the target has it) or ragged
+            var = _variant(dataclasses.replace(case, form="ragged"), nheads, seqlen_k - seqlen_q)
+            forward.attention_forward(q, k, v, scale, var)
+            return {"attn_fwd_kernel": "fwd"}
+        out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
+        # The one-pass backward (the default) and the three kernels; fp32 (its own lse) runs only these.
+        for deterministic in (True,) if case.dtype == "float32" else (False, True):
+            backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, deterministic=deterministic)
+        return {
+            "attn_bwd_preprocess_kernel": "bwd_preprocess",
+            "attn_bwd_dkdv_kernel": "bwd_dkdv",
+            "attn_bwd_dq_kernel": "bwd_dq",
+        }
+    if case.call == "varlen":
+        lengths = [113, 0, 257] if ragged else [512, 1024, 256]
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+        total = int(cu[-1])
+        q, k, v = (t[0] for t in _qkv(case, 1, total, total, nheads, nheads_k))
+        varlen = launch.Varlen(cu, cu, max(lengths), max(lengths))
+        var = _variant(case, nheads, 0)
+        forward.attention_forward(q, k, v, scale, var, varlen=varlen)
+        out, lse = torch.randn_like(q), torch.randn(nheads, total, dtype=torch.float32)
+        backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, varlen=varlen)
+        return {
+            "attn_fwd_kernel": "fwd",
+            "attn_bwd_preprocess_kernel": "bwd_preprocess",
+            "attn_bwd_dkdv_kernel": "bwd_dkdv",
+            "attn_bwd_dq_kernel": "bwd_dq",
+        }
+    # A KV cache of 3 sequences, appended one new key and value row per query row: "decode" over a
+    # dense cache (each sequence its own page of 1024 rows: a page table one entry wide, whose width
+    # Triton specialises to the constant 1), the other calls over pages of 64 rows (aligned) or 16
+    # (ragged). The aligned decode steps use GQA groups 4 and 8 (DECODE_GROUPS), the ragged ones 3.
+    decoding = case.call in DECODE_GROUPS
+    seqlen_q = 1 if decoding else 64
+    page_size, width = (1024, 1) if case.call == "decode" else (64, 16) if not ragged else (16, 40)
+    if decoding and not ragged:
+        nheads = nheads_k * DECODE_GROUPS[case.call]
+    dtype, head_dim = getattr(torch, case.dtype), _head_dim(case)
+    q = _qkv(case, 3, seqlen_q, seqlen_q, nheads, nheads_k)[0]
+    k_new, v_new = (torch.randn(3, seqlen_q, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    pages = torch.randn(2, 3 * width, page_size, nheads_k, head_dim, dtype=dtype)  # dense: (B, S_cache, Hk, D)
+    table = torch.arange(3 * width, dtype=torch.int32).reshape(3, width)
+    seqlens = torch.tensor([100, 333, 17], dtype=torch.int32)
+    leftpad = torch.tensor([0, 5, 3], dtype=torch.int32) if ragged else None
+    cache = kvcache.Cache(pages[0], pages[1], table, seqlens, leftpad)
+    rotary_dim = head_dim - head_dim % 2
+    angles = torch.rand(width * page_size, rotary_dim // 2)
+    rotary = kvcache.Rotary(angles.cos().to(dtype), angles.sin().to(dtype), interleaved=not ragged)
+    var = _variant(case, nheads, 0)
+    kvcache.attention_kvcache(q, k_new, v_new, cache, rotary, scale, var, num_splits=4)
+    return {
+        "rotary_append_kernel": "rotary_append",
+        "attn_fwd_kernel": "decode" if decoding else "fwd",
+        "split_combine_kernel": "split_combine",
+    }
