@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_recipe.tools import bench, campaign, tune, verify
+from flash_recipe.tools import bench, campaign, gpu_check_cases, tune, verify
 
 # The plan with this checkout's test tree (the package may be an installed wheel, with none beside it).
 PLAN = {step.name: step for step in campaign.build_plan(test_tree=Path(__file__).resolve().parent)}
@@ -411,7 +411,9 @@ def test_a_campaign_on_the_cpu_end_to_end(tmp_path, monkeypatch):
     for text in ("## Targets:", "## Steps", "## Peak memory", "## Bench", "## Verify", "## GPU tests", "## Tune"):
         assert text in md
     assert steps["check"]["data"]["passed"] and steps["check"]["data"]["fuzz"]["cases"] == 2
-    assert md.splitlines()[2].startswith("- correctness on the GPU (passed): PASSED: 16 of 16 table checks"), md[:400]
+    checks = 2 * len(gpu_check_cases.TINY_TABLE)  # the interpreter's table in float16 and float32
+    first = f"- correctness on the GPU (passed): PASSED: {checks} of {checks} table"
+    assert md.splitlines()[2].startswith(first), md[:400]
     assert "## Correctness on the GPU" in md and "bfloat16 skipped: the Triton interpreter" in md
 
 

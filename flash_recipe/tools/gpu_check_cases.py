@@ -25,6 +25,10 @@ a new feature is one more row (and its option in ``Case.options``). Kinds, with 
 - ``kvcache``: ``flash_attn_with_kvcache`` appending ``new`` rows to a (paged) cache holding
   ``cache[b]`` rows of ``Sk``, forward only, by ``verify_kvcache.check_kvcache_case`` (its oracle
   rebuilds each entry's cache; the written rows must be exact, the rest untouched).
+
+A row with ``sink`` gives every query head an attention sink (``sink + linspace(-1, 1, H)`` in the
+input dtype, as a model holds them): a leaf like q, k and v, whose gradient ``dsink`` is checked as
+theirs; SDPA has no sinks, so such rows take torch math as their peer.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Case:
     cache: tuple = ()
     new: int = 0
     page: int = 0
+    sink: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -84,6 +89,7 @@ class Case:
             "alibi" if self.alibi else "",
             f"drop{self.dropout:g}" if self.dropout else "",
             f"new{self.new}-page{self.page}" if self.kind == "kvcache" else "",
+            f"sink{self.sink:g}" if self.sink is not None else "",
         ]
         base = f"{self.kind}-B{self.batch}-Sq{self.seqlen_q}-Sk{self.seqlen_k}-H{self.nheads}-Hk{self.nheads_k}"
         return "-".join([base, f"D{self.head_dim}", "causal" if self.causal else "full", *filter(None, extras)])
@@ -101,7 +107,16 @@ class Case:
         names += ["window"] if self.window != (-1, -1) else []
         names += ["softcap"] if self.softcap else []
         names += ["ALiBi"] if self.alibi else []
+        names += ["sinks"] if self.sink is not None else []
         return names
+
+    def sinks(self, dtype, device) -> tuple:
+        """``()``, or ``(sinks,)``: the row's attention sinks ``(H,)`` in ``dtype``, an extra leaf."""
+        import torch
+
+        if self.sink is None:
+            return ()
+        return ((self.sink + torch.linspace(-1.0, 1.0, self.nheads)).to(device=device, dtype=dtype),)
 
     def options(self, device) -> dict:
         """Keyword arguments of ``flash_attn_func`` / ``flash_attn_varlen_func`` for this row."""
@@ -120,7 +135,7 @@ class Case:
         return KVCase(
             self.batch, self.seqlen_q, self.new, self.nheads, self.nheads_k, self.head_dim, seqlens=self.cache,
             capacity=self.seqlen_k, causal=self.causal, page=self.page, window=self.window, softcap=self.softcap,
-            alibi=self.alibi,
+            alibi=self.alibi, sink=self.sink,
         )  # fmt: skip
 
 
@@ -145,6 +160,9 @@ GPU_TABLE = (
     Case("kvcache", 2, 1, 2048, 8, 8, 64, causal=True, cache=(511, 1500), new=1, page=256),
     Case("dropout", 2, 256, 256, 8, 2, 128, causal=True, dropout=0.17),
     Case("dropout", 2, 200, 300, 4, 4, 64, dropout=0.1),
+    # gpt-oss: GQA 64/8 heads at head dim 64, a window of 128 with sinks; and its decoding step.
+    Case("dense", 1, 1024, 1024, 64, 8, 64, causal=True, window=(127, 0), sink=0.0),
+    Case("kvcache", 2, 1, 2048, 64, 8, 64, causal=True, cache=(1500, 90), new=1, page=256, window=(127, 0), sink=0.0),
 )
 
 # For the interpreter on a CPU: the same kinds and features at sizes it runs in seconds.
@@ -157,6 +175,8 @@ TINY_TABLE = (
     Case("varlen", 3, 19, 23, 2, 1, 32, causal=True, lens_q=(1, 19, 6), lens_k=(1, 23, 6)),
     Case("kvcache", 2, 3, 64, 4, 2, 32, causal=True, cache=(10, 27), new=3, page=16),
     Case("dropout", 1, 24, 24, 4, 2, 32, causal=True, dropout=0.17),
+    Case("dense", 1, 30, 30, 4, 2, 16, causal=True, window=(7, 0), sink=0.0),
+    Case("kvcache", 2, 1, 64, 4, 2, 16, causal=True, cache=(40, 3), new=1, page=16, window=(7, 0), sink=0.0),
 )
 
 
@@ -184,40 +204,43 @@ def inputs(case: Case, dtype, device, seed: int) -> tuple:
     return q, k, v, dout, extra
 
 
-def grads(fn: Callable, q, k, v, dout) -> tuple:
-    """``fn(q, k, v)`` and its backward on fresh leaf copies: ``(out, dq, dk, dv)``."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+def grads(fn: Callable, q, k, v, dout, *more) -> tuple:
+    """``fn(q, k, v, *more)`` and its backward on fresh leaf copies: ``(out, dq, dk, dv, *dmore)``
+    (``more``: the sinks, if the row has them)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, *more)]
     out = fn(*leaves)
     out.backward(dout.to(out.dtype))
     return (out.detach(), *(t.grad.detach() for t in leaves))
 
 
 def subject(case: Case, options: dict, extra: dict) -> Callable:
-    """``fn(q, k, v) -> out``: the call under test, on the ``triton`` backend."""
+    """``fn(q, k, v[, sinks]) -> out``: the call under test, on the ``triton`` backend."""
     import flash_recipe
 
-    def fn(q, k, v):
+    def fn(q, k, v, *sinks):
+        sink = sinks[0] if sinks else None
         with flash_recipe.use_backend("triton"):
             if case.kind == "varlen":
-                return flash_recipe.flash_attn_varlen_func(q, k, v, **extra, **options)
-            return flash_recipe.flash_attn_func(q, k, v, dropout_p=case.dropout, **options)
+                return flash_recipe.flash_attn_varlen_func(q, k, v, **extra, **options, learnable_sink=sink)
+            return flash_recipe.flash_attn_func(q, k, v, dropout_p=case.dropout, **options, learnable_sink=sink)
 
     return fn
 
 
 def _per_sequence(case: Case, attend: Callable, extra: dict) -> Callable:
-    """``fn(q, k, v)`` applying ``attend(q_b, k_b, v_b, b)`` (each ``(1, S_b, H, D)``) to each
-    sequence of a varlen row and packing the outputs back, or to the whole batch (``b`` None)."""
+    """``fn(q, k, v[, sinks])`` applying ``attend(q_b, k_b, v_b, b[, sinks])`` (each ``(1, S_b, H, D)``)
+    to each sequence of a varlen row and packing the outputs back, or to the whole batch (``b`` None)."""
     import torch
 
     if case.kind != "varlen":
-        return lambda q, k, v: attend(q, k, v, None)
+        return lambda q, k, v, *sinks: attend(q, k, v, None, *sinks)
     cu_q, cu_k = (extra[f"cu_seqlens_{side}"].tolist() for side in "qk")
 
-    def fn(q, k, v):
+    def fn(q, k, v, *sinks):
+        rows_q, rows_k = ([slice(c[b], c[b + 1]) for b in range(case.batch)] for c in (cu_q, cu_k))
         outs = [
-            attend(q[None, cu_q[b] : cu_q[b + 1]], k[None, cu_k[b] : cu_k[b + 1]], v[None, cu_k[b] : cu_k[b + 1]], b)[0]
-            for b in range(case.batch)
+            attend(q[None, rq], k[None, rk], v[None, rk], b, *sinks)[0]
+            for b, (rq, rk) in enumerate(zip(rows_q, rows_k))
         ]
         return torch.cat(outs)
 
@@ -231,7 +254,7 @@ def torch_math(case: Case, options: dict, extra: dict, upcast: bool, keep=None) 
 
     slopes = options["alibi_slopes"]
 
-    def attend(q, k, v, b):
+    def attend(q, k, v, b, *sinks):
         row_slopes = None if slopes is None else slopes if b is None else slopes[b]
         dropout = dict(dropout_p=case.dropout, dropout_mask=keep) if case.dropout else {}
         window, softcap = options["window_size"], options["softcap"]
@@ -245,6 +268,7 @@ def torch_math(case: Case, options: dict, extra: dict, upcast: bool, keep=None) 
             window=window,
             softcap=softcap,
             alibi_slopes=row_slopes,
+            sinks=sinks[0] if sinks else None,
             **dropout,
         )[0]
 
@@ -258,7 +282,8 @@ def sdpa_flash_reason(case: Case, dtype, device) -> Optional[str]:
     if str(dtype) not in ("torch.float16", "torch.bfloat16"):
         return f"SDPA flash runs fp16/bf16, not {str(dtype).replace('torch.', '')}"
     features = [n for n, on in (("window", case.window != (-1, -1)), ("softcap", case.softcap), ("ALiBi", case.alibi),
-                                ("dropout", case.dropout), ("a KV cache", case.kind == "kvcache")) if on]  # fmt: skip
+                                ("dropout", case.dropout), ("a KV cache", case.kind == "kvcache"),
+                                ("attention sinks", case.sink is not None)) if on]  # fmt: skip
     if features:
         return f"SDPA flash has no {', '.join(features)}: the peer is torch math in the input dtype"
     lens = zip(case.lens_q, case.lens_k) if case.kind == "varlen" else [(case.seqlen_q, case.seqlen_k)]
@@ -328,12 +353,13 @@ def check(case: Case, dtype, device, seed: int = 0) -> dict:
     keep = None
     if case.dropout:
         torch.manual_seed(seed)
-    got = grads(subject(case, options, extra), q, k, v, dout)
+    more = case.sinks(dtype, device)  # the sinks: a leaf, dsink checked as dq is
+    got = grads(subject(case, options, extra), q, k, v, dout, *more)
     if case.dropout:
         keep = _replayed_mask(case, q, k, v, options, seed)
-    truth = grads(torch_math(case, options, extra, True, keep), *(t.to(high) for t in (q, k, v, dout)))
-    same = grads(torch_math(case, options, extra, False, keep), q, k, v, dout)
-    names = ("out", *GRADIENTS)
+    truth = grads(torch_math(case, options, extra, True, keep), *(t.to(high) for t in (q, k, v, dout, *more)))
+    same = grads(torch_math(case, options, extra, False, keep), q, k, v, dout, *more)
+    names = ("out", *GRADIENTS, *("dsink" for _ in more))
     errors, bounds = _judge(names, got, truth, same)
     reason = sdpa_flash_reason(case, dtype, device)
     row.update(peer="torch_math", peer_note=reason)
@@ -402,7 +428,7 @@ def run_subject(case: Case, dtype, device, seed: int = 0) -> None:
         return
     q, k, v, dout, extra = inputs(case, dtype, device, seed)
     options = case.options(device)
-    grads(subject(case, options, extra), q, k, v, dout)
+    grads(subject(case, options, extra), q, k, v, dout, *case.sinks(dtype, device))
     if case.dropout:
         _replayed_mask(case, q, k, v, options, seed)
 

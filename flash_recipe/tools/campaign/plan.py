@@ -90,11 +90,11 @@ BUDGETS_S = {
     "verify": 120, "tests": 210, "tune": 270,
 }  # fmt: skip
 
-# ``check`` (``flash_recipe.tools.gpu_check``): its table (17 rows in bf16 and fp16: 34 checks)
+# ``check`` (``flash_recipe.tools.gpu_check``): its table (19 rows in bf16 and fp16: 38 checks)
 # launches 118 kernel variants (recorded for sm90 by ``flash-recipe warmup --offline sm90 --for
 # check``); compiled on first call one after another they take WARMUP_SERIAL_S["check"] (5.5
 # minutes on the CPU machine), so the campaign compiles them ahead in ``warmup``. With its variants
-# in Triton's cache the step is the interpreter's and CUDA's start (about 10 s), the 34 checks (each
+# in Triton's cache the step is the interpreter's and CUDA's start (about 10 s), the 38 checks (each
 # loads its variants and runs a
 # small forward and backward beside fp32 math and its peer: well under a second) and the fuzz,
 # which fills the rest: its table stops starting checks CHECK_MARGIN_S before the budget ends (the
