@@ -50,7 +50,7 @@ def test_backend_matches_native_by_the_rule(backend, dtype, monkeypatch):
     from flash_recipe.ops import backward, forward
 
     launches = []
-    for kernel in (forward.attn_fwd_kernel.fn, backward.attn_bwd_dq_kernel.fn):  # every launch ends in their run
+    for kernel in (forward.attn_fwd_kernel.fn, backward.attn_bwd_dkdv_kernel.fn):  # both backward paths launch dK/dV
         monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **k: launches.append(1) or _run(*a, **k))
     model = flux_model()
     truth = run_model(model, "native", torch.float64)
