@@ -114,8 +114,10 @@ def one_thread():
 def test_dispatch_overhead_on_cpu_is_within_5_percent(monkeypatch, one_thread):
     """flash_attn_func on the CPU costs at most 1.05x a direct SDPA call (B1, S512, H8, D64, causal).
 
-    Calls are interleaved in rounds and the fastest round of each is compared: interference from
-    other processes only ever adds time, so the minimum is the stable estimate.
+    Each call is timed beside a direct one, in alternating order, and the median of the 200 ratios
+    is compared: a slow moment of the machine slows both calls of a pair, and the median ignores
+    the pairs one interruption hit. (The fastest of 25 rounds of each, compared before, moved by
+    several percent from run to run on a 2-core machine, across the bound.)
     """
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.randn(1, 512, 8, 64)
@@ -127,21 +129,24 @@ def test_dispatch_overhead_on_cpu_is_within_5_percent(monkeypatch, one_thread):
     def direct():
         torch.nn.functional.scaled_dot_product_attention(qt, qt, qt, is_causal=True)
 
-    rounds = {ours: [], direct: []}
-    for fn in rounds:
-        for _ in range(10):
-            fn()
-    for _ in range(25):
-        for fn, times in rounds.items():
-            begin = time.perf_counter()
-            for _ in range(10):
-                fn()
-            times.append(time.perf_counter() - begin)
-    ratio = min(rounds[ours]) / min(rounds[direct])
-    assert ratio <= 1.05, (
-        f"ratio {ratio:.3f} (medians {statistics.median(rounds[ours]):.5f} vs "
-        f"{statistics.median(rounds[direct]):.5f} s per 10 calls)"
-    )
+    def timed(fn) -> float:
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+
+    for _ in range(10):
+        ours()
+        direct()
+    ratios = []
+    for i in range(200):
+        if i % 2:
+            mine, theirs = timed(ours), timed(direct)
+        else:
+            theirs, mine = timed(direct), timed(ours)
+        ratios.append(mine / theirs)
+    ratio = statistics.median(ratios)
+    quartiles = [round(x, 3) for x in statistics.quantiles(ratios)]
+    assert ratio <= 1.05, f"median ratio {ratio:.3f} over {len(ratios)} pairs (quartiles {quartiles})"
 
 
 def test_warmup_without_gpu_says_why(capsys):
