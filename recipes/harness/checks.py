@@ -10,6 +10,7 @@ environment; ``hermetic_lock`` does both for poetry.lock.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -198,7 +199,8 @@ def run_verify(env_dir: Path, *, env: dict[str, str], cwd: Path, log_file: Path,
         verify_env["TRITON_INTERPRET"] = "1"
     started = time.monotonic()
     cmd = [env_dir / "bin" / "flash-recipe", "verify", "--json"]
-    proc = subprocess.Popen(
+    start = functools.partial(
+        subprocess.Popen,
         [str(c) for c in cmd],
         cwd=cwd,
         env=verify_env,
@@ -209,7 +211,7 @@ def run_verify(env_dir: Path, *, env: dict[str, str], cwd: Path, log_file: Path,
         start_new_session=True,
         preexec_fn=die_with_parent,
     )
-    with ended_with_harness(proc):  # its children end with it, and with the harness
+    with ended_with_harness(start) as proc:  # its children end with it, and with the harness
         try:
             stdout, stderr = proc.communicate(timeout=900)
         except BaseException:

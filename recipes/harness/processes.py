@@ -6,7 +6,9 @@ first process SIGTERM when the harness dies, but its children would outlive it; 
 also gets a watchdog (``ended_with_harness``): a small process that waits on a pipe the harness
 holds open and, when the pipe closes (the step finished, or the harness died by any signal,
 SIGKILL included, since the kernel closes a dead process's files), ends the step's whole group:
-SIGTERM, then SIGKILL two seconds later.
+SIGTERM, then SIGKILL two seconds later. The watchdog starts before the step and learns its
+process group through the pipe the moment the step exists, so a signal that ends the harness
+while the step starts its children finds the watchdog already waiting.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _WATCHDOG = r"""
 import os, signal, sys, time
-pgid = int(sys.argv[1])
+line = sys.stdin.buffer.readline()  # the step's process group, once the step has started
+if not line.strip():
+    sys.exit(0)  # the harness ended before it started the step
+pgid = int(line)
 sys.stdin.buffer.read()  # returns at end of file: the harness closed its end or died
 for sig in (signal.SIGTERM, signal.SIGKILL):
     try:
@@ -49,14 +54,14 @@ def die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def ended_with_harness(process: subprocess.Popen) -> Iterator[None]:
-    """While the block runs, a watchdog ends ``process``'s group (started with
-    ``start_new_session``) if the harness dies; on leaving the block the group is ended too, so no
-    child of the step outlives it."""
+def ended_with_harness(start: Callable[[], subprocess.Popen]) -> Iterator[subprocess.Popen]:
+    """Start a watchdog, then the step (``start()``, a Popen with ``start_new_session``), and yield
+    the step: while the block runs the watchdog ends the step's group if the harness dies; on
+    leaving the block the group is ended too, so no child of the step outlives it."""
     read_end, write_end = os.pipe()  # both close-on-exec: no step process inherits the write end
     try:
         watchdog = subprocess.Popen(
-            [sys.executable, "-I", "-c", _WATCHDOG, str(process.pid)],
+            [sys.executable, "-I", "-c", _WATCHDOG],
             stdin=read_end,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -65,7 +70,9 @@ def ended_with_harness(process: subprocess.Popen) -> Iterator[None]:
     finally:
         os.close(read_end)
     try:
-        yield
+        process = start()
+        os.write(write_end, f"{process.pid}\n".encode())
+        yield process
     finally:
         os.close(write_end)
         watchdog.wait()

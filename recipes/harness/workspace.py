@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import signal
@@ -199,7 +200,8 @@ def run_step(cmd: list, *, cwd: Path, env: dict[str, str], log_file: Path, timeo
     with open(log_file, "a") as handle:
         handle.write(f"\n$ {' '.join(map(str, cmd))}\n")
         handle.flush()
-        proc = subprocess.Popen(
+        start = functools.partial(
+            subprocess.Popen,
             [str(c) for c in cmd],
             cwd=cwd,
             env=env,
@@ -210,7 +212,7 @@ def run_step(cmd: list, *, cwd: Path, env: dict[str, str], log_file: Path, timeo
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        with ended_with_harness(proc):
+        with ended_with_harness(start) as proc:
             try:
                 out, _ = proc.communicate(timeout=timeout)
             except BaseException:  # KeyboardInterrupt, timeout: take the whole group down
