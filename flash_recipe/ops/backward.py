@@ -106,20 +106,24 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, stride_qm, stride_dom,
+    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, stride_qm, stride_dom,
     stride_dqm, seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
     o_n, o_r, o_d, start, end, seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, MASK_KEYS: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, RAGGED_N: tl.constexpr, SINK_ROWS: tl.constexpr,
 ):
     """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``.
 
     With ``ATOMIC_DQ`` (the one-pass backward) it also adds each block pair's ``dS K * scale`` to the
     fp32 rows at ``dq_base`` with atomic adds: the fifth product, where the dQ kernel would recompute
-    P and dP (two more). ``MASK_KEYS`` (a key block that ends past ``seqlen_k``) zeroes those keys'
-    dS first: their K rows load as 0, but their P, from a score of 0, may overflow.
+    P and dP (two more). With ``RAGGED_N`` (a key block that may end past ``seqlen_k``) it zeroes
+    those keys' dS first: their K rows load as 0, but their P, from a score of 0, may overflow.
+
+    With ``SINK_ROWS`` (attention sinks) it adds each query row's ``sum_j P dP`` over this key block
+    to ``sink_base`` (fp32, atomic): ``rowsum(dO * O)`` from the probabilities themselves, not from
+    the output rounded to its dtype, for the sinks' gradient (``_sink_grad``).
 
     With ``ONE_KEY`` (fp32, own lse), a masked stage gives a row that sees exactly one key (``sees_one_key``) its
     exact softmax: P = 1 on that key, so dV gets exactly its dO, and dS = 0. Computed, P is
@@ -172,7 +176,12 @@ def _dkdv_inner(
             b_dst = tl.where(m_one, 0.0, b_dst)
         if SOFTCAP:
             b_dst = b_dst * (1.0 - b_tt * b_tt)
-        if MASK_KEYS:
+        if SINK_ROWS:  # sum_j P dP per query row, the keys past seqlen_k left out
+            b_pdp = b_pt * b_dpt  # [BLOCK_N, BLOCK_M]
+            if RAGGED_N:
+                b_pdp = tl.where(o_n[:, None] < seqlen_k, b_pdp, 0.0)
+            tl.atomic_add(sink_base + o_m, tl.sum(b_pdp, 0), mask=o_m < seqlen_q, sem="relaxed")
+        if ATOMIC_DQ and RAGGED_N:
             b_dst = tl.where(o_n[:, None] < seqlen_k, b_dst, 0.0)
         b_dst = b_dst.to(b_q.dtype)
         b_dk = tl.dot(b_dst, b_q, b_dk, input_precision="ieee")
@@ -214,11 +223,13 @@ _DQ_DKDV_FLAGS = {
         "SAME_ORDER": lambda a: a["Q"].element_size() == 4,
         # The one-pass backward: dQ added to the fp32 workspace DQ_ACC (None: the dQ kernel computes it).
         "ATOMIC_DQ": lambda a: a["DQ_ACC"] is not None,
+        # Attention sinks: each row's sum of P dP, for their gradient.
+        "SINK_ROWS": lambda a: a["SINK_DELTA"] is not None,
     }
 )
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, DQ_ACC, SLOPES, CU_Q, CU_K, SEED,
+    Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, DQ_ACC, SINK_DELTA, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -233,6 +244,7 @@ def attn_bwd_dkdv_kernel(
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
     ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    SINK_ROWS: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head.
 
@@ -281,6 +293,9 @@ def attn_bwd_dkdv_kernel(
         fix_base = LSE_FIX  # None unless RENORM
         if RENORM:
             fix_base = LSE_FIX + i_b * stride_lb + i_h * stride_lh + bos_q
+        sink_base = SINK_DELTA  # None unless SINK_ROWS: laid out as LSE
+        if SINK_ROWS:
+            sink_base = SINK_DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
         dq_base = DQ_ACC  # None unless ATOMIC_DQ
         if ATOMIC_DQ:
             dq_base = DQ_ACC + i_b * stride_dqab + bos_q * stride_dqam + i_h * stride_dqah
@@ -296,11 +311,11 @@ def attn_bwd_dkdv_kernel(
         for stage in tl.static_range(3):
             lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, stride_qm, stride_dom,
-                stride_dqam, seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
-                o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride, dropout_p,
+                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, stride_qm,
+                stride_dom, stride_dqam, seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale,
+                softcap, slope, o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride, dropout_p,
                 stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, ONE_KEY,
-                SAME_ORDER, RENORM, ATOMIC_DQ, ATOMIC_DQ and not EVEN_N,
+                SAME_ORDER, RENORM, ATOMIC_DQ, not EVEN_N, SINK_ROWS,
             )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
@@ -490,6 +505,8 @@ def attention_backward(
     lse_fix = lse_buffer(q, varlen, dims)[0] if renorm else None
     own_lse = own_lse and sinks is None  # the one-key rules assume P sums to 1 (see the module docstring)
     one_pass = not deterministic and not renorm
+    # The sinks' gradient weighs each row's sum of P dP, accumulated by the dK/dV kernel (``_sink_grad``).
+    sink_delta = torch.zeros_like(delta) if sinks is not None else None
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if one_pass else None
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
     rows = packed_rows(q, k, varlen)
@@ -521,20 +538,22 @@ def attention_backward(
         cfg = configs.launch_config(q.device, "bwd_onepass" if one_pass else "bwd_dkdv", dims.head_dim,
                                     q.element_size())
         attn_bwd_dkdv_kernel[(triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch)](
-            DK=dk, DV=dv, DQ_ACC=dq_acc, **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"),
-            **workspace, **common,
+            DK=dk, DV=dv, DQ_ACC=dq_acc, SINK_DELTA=sink_delta, **dims.stride_args(dk, "dk", "n"),
+            **dims.stride_args(dv, "dv", "n"), **workspace, **common,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if dq_acc is not None:
         dq = dq_acc.to(q.dtype)  # the workspace in q's dtype: one elementwise kernel
-    dsink = _sink_grad(sinks, lse, delta, lse_fix) if sinks is not None else None
+    dsink = _sink_grad(sinks, lse, sink_delta, lse_fix) if sink_delta is not None else None
     return dq, dk, dv, dsink
 
 
 def _sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, lse_fix: Optional[torch.Tensor]):
     """``dsink[h] = -sum over rows of p_sink * delta``, with ``p_sink = exp(sink[h] - lse)`` (over
-    ``exp(lse_fix)`` with ``RENORM``, as dK/dV's P). ``lse``, ``delta``, ``lse_fix``: ``(B, H, Sq)``
-    or varlen ``(H, total_q)`` float32; returns ``(H,)`` in the sinks' dtype."""
+    ``exp(lse_fix)`` with ``RENORM``, as dK/dV's P) and ``delta`` each row's ``sum_j P dP`` (the
+    dK/dV kernel's ``SINK_ROWS``: ``rowsum(dO * O)`` without O's rounding to its dtype, which in
+    fp16 moved dsink past the accuracy rule). ``lse``, ``delta``, ``lse_fix``: ``(B, H, Sq)`` or
+    varlen ``(H, total_q)`` float32; returns ``(H,)`` in the sinks' dtype."""
     logits = sinks.float()[:, None] - lse  # broadcasts over (B, H, Sq) and (H, total_q)
     if lse_fix is not None:
         logits = logits - lse_fix
