@@ -111,3 +111,34 @@ def test_stand_in_backward_takes_the_deterministic_flag(launches, device):
                 dout, q, k, v, out, lse, dq, dk, dv, 0.0, 0.25, True, -1, -1, 0.0, None, deterministic, rng_state
             )
             assert launches == (["dq", "dkdv"] if deterministic else ["dkdv+dq"])
+
+
+@pytest.mark.parametrize(
+    "target, head_dim, release, expected",
+    [
+        ("sm90", 128, (3, 2), False),  # 56-224 B spilled (compile check, Triton 3.2 and 3.3)
+        ("sm90", 128, (3, 3), False),
+        ("sm90", 128, (3, 4), True),
+        ("sm90", 128, (3, 9), True),
+        ("sm90", 64, (3, 2), True),
+        ("sm80", 128, (3, 2), True),
+        ("sm100", 128, (3, 3), False),
+        ("interpreter", 128, (3, 2), True),
+    ],
+)
+def test_one_pass_where_the_installed_triton_fits_its_tile(monkeypatch, target, head_dim, release, expected):
+    from flash_recipe.ops import configs
+
+    monkeypatch.setattr(configs, "triton_release", lambda: release)
+    monkeypatch.setattr(configs, "target_of", lambda device: target)
+    assert configs.one_pass_fits(torch.device("cpu"), head_dim) is expected
+
+
+def test_the_three_kernels_run_where_the_one_pass_tile_does_not_fit(monkeypatch, launches, device):
+    from flash_recipe.ops import configs
+
+    monkeypatch.setattr(configs, "one_pass_fits", lambda device, head_dim: False)
+    q, dout = (_rand(1, 40, 4, 32, device=device, seed=s) for s in (1, 2))
+    k, v = (_rand(1, 50, 2, 32, device=device, seed=s) for s in (3, 4))
+    _grads(q, k, v, dout, causal=True)
+    assert launches == ["dq", "dkdv"]

@@ -127,7 +127,8 @@ def test_matrix_work_of_the_main_loop_counts_each_instruction_shape():
 def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two():
     """The one-pass backward's main loop issues 5 block-pair products (S, dP, dV, dK and dQ); the
     deterministic path's dQ kernel 3 and dK/dV kernel 4, as before; on sm80 (HMMA) and sm90 (HGMMA),
-    none spilling. A one-pass kernel issuing the dQ kernel's recomputation too (7) fails the check."""
+    with MHA and with GQA (its own specialisation, a row of its own), none spilling. A one-pass
+    kernel issuing the dQ kernel's recomputation too (7) fails the check."""
     rows = compile_in_subprocess("""
         import json
         from flash_recipe.tools import compile_check
@@ -136,12 +137,18 @@ def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two(
             for row in compile_check.check_case(case, target):
                 print(json.dumps(row))
     """)
-    found = {(row["target"], row["kernel"]): row for row in rows if row["kernel"] != "bwd_preprocess"}
+    found = {
+        (row["target"], row["kernel"], row["case"].endswith("-gqa")): row
+        for row in rows
+        if row["kernel"] != "bwd_preprocess"
+    }
     for target in ("sm80", "sm90"):
-        expected = {"bwd_onepass": 5, "bwd_dq": 3, "bwd_dkdv": 4}
-        assert {kernel: found[(target, kernel)]["loop_products"] for kernel in expected} == expected
-        assert all(found[(target, kernel)]["ok"] and not found[(target, kernel)]["spill_bytes"] for kernel in expected)
-    planted = compile_check._verdict({**found[("sm90", "bwd_onepass")], "loop_products": 7.0})
+        for grouped in (False, True):
+            expected = {"bwd_onepass": 5, "bwd_dq": 3, "bwd_dkdv": 4}
+            chosen = {kernel: found[(target, kernel, grouped)] for kernel in expected}
+            assert {kernel: row["loop_products"] for kernel, row in chosen.items()} == expected
+            assert all(row["ok"] and not row["spill_bytes"] for row in chosen.values()), chosen
+    planted = compile_check._verdict({**found[("sm90", "bwd_onepass", False)], "loop_products": 7.0})
     assert not planted["ok"] and "7.0 matrix products per block pair, expected 5" in planted["problems"][0]
 
 

@@ -106,15 +106,22 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, stride_qm, stride_dom,
-    stride_dqm, seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope,
-    o_n, o_r, o_d, start, end, seed, rng_base, rng_stride, dropout_p,
+    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, slope_base, stride_qm,
+    stride_dom, stride_dqm, stride_qh, stride_doh, stride_lh, stride_dqh, group_size, seqlen_q, seqlen_k, head_dim,
+    lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, start, end, seed, rng_base, rng_stride,
+    dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, RAGGED_N: tl.constexpr, SINK_ROWS: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, RAGGED_N: tl.constexpr, SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr,
 ):
-    """Accumulate one head's contribution from query rows ``[start, end)``; tiles are ``[keys, queries]``.
+    """Accumulate the contribution of query rows ``[start, end)`` of each of the ``group_size`` query
+    heads that share this kv head; tiles are ``[keys, queries]``.
+
+    The ``*_base`` pointers are the group's first head's (``slope_base``: its ALiBi slope,
+    ``rng_base``: its dropout offset); head ``g`` adds ``g`` times the head's stride. One loop walks
+    every (head, query block) pair (``GROUPED``: more than one head): a loop over the heads around
+    this one spilled registers at head dims 64 and 128 where the single loop does not.
 
     With ``ATOMIC_DQ`` (the one-pass backward) it also adds each block pair's ``dS K * scale`` to the
     fp32 rows at ``dq_base`` with atomic adds: the fifth product, where the dQ kernel would recompute
@@ -131,24 +138,38 @@ def _dkdv_inner(
     P off 1 by a few ulp of 50 and dS the difference of two rounded sums. The launcher routes such
     rows to masked stages (a single key: ``attn_bwd_dkdv_kernel``); unmasked stages have none.
     """
-    for start_m in range(loop_bound(start), loop_bound(end), BLOCK_M):
+    # One step per (head, query block) pair; with a group (``GROUPED``) the head ``g`` and the block
+    # ``start_m`` are carried from step to step (no division).
+    n_blocks = tl.cdiv(end - start, BLOCK_M)
+    g = 0
+    start_m = start
+    if GROUPED:
+        g = tl.zeros([], dtype=tl.int64)
+    for step in range(0, loop_bound(n_blocks * group_size)):
+        if not GROUPED:
+            start_m = start + step * BLOCK_M
         start_m = tl.multiple_of(start_m, BLOCK_M)
         o_m = start_m + o_r  # query rows [BLOCK_M]
         # [BLOCK_M, BLOCK_D] each
-        b_q = load_tile(q_base, start_m, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)
-        b_do = load_tile(do_base, start_m, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)
+        b_q = load_tile(q_base + g * stride_qh, start_m, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)
+        b_do = load_tile(do_base + g * stride_doh, start_m, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M,
+                         MASK_D)
+        row_base = g * stride_lh  # LSE, DELTA, LSE_FIX and SINK_DELTA share a layout
         # Rows past seqlen_q load q = dO = 0, lse = delta = 0: dV and dK get nothing from them.
         if EVEN_M:
-            b_lse = tl.load(lse_base + o_m)  # [BLOCK_M]
-            b_delta = tl.load(delta_base + o_m)  # [BLOCK_M]
+            b_lse = tl.load(lse_base + row_base + o_m)  # [BLOCK_M]
+            b_delta = tl.load(delta_base + row_base + o_m)  # [BLOCK_M]
         else:
-            b_lse = tl.load(lse_base + o_m, mask=o_m < seqlen_q, other=0.0)
-            b_delta = tl.load(delta_base + o_m, mask=o_m < seqlen_q, other=0.0)
+            b_lse = tl.load(lse_base + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
+            b_delta = tl.load(delta_base + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
         if RENORM:  # each row's log of its recomputed probabilities' sum (``attn_bwd_dq_kernel``)
             if EVEN_M:
-                b_lse_fix = tl.load(fix_base + o_m)  # [BLOCK_M]
+                b_lse_fix = tl.load(fix_base + row_base + o_m)  # [BLOCK_M]
             else:
-                b_lse_fix = tl.load(fix_base + o_m, mask=o_m < seqlen_q, other=0.0)
+                b_lse_fix = tl.load(fix_base + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(slope_base + g)
         if SAME_ORDER:  # the forward's product, transposed: the same rounding as the logits its lse came from
             b_qk = tl.trans(tl.dot(b_q, tl.trans(b_k), input_precision="ieee"))  # [BLOCK_N, BLOCK_M]
         else:
@@ -165,7 +186,8 @@ def _dkdv_inner(
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
             # out uses P * keep / (1 - p): so do dV and, through dP, dS.
-            m_keep = dropout_keep(seed, rng_base, o_m[None, :], o_n[:, None], rng_stride, dropout_p)
+            m_keep = dropout_keep(seed, rng_base + row_base * rng_stride, o_m[None, :], o_n[:, None], rng_stride,
+                                  dropout_p)
             b_pt_kept = tl.where(m_keep, b_pt / (1.0 - dropout_p), 0.0)
             b_dv = tl.dot(b_pt_kept.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
             b_dpt = tl.where(m_keep, b_dpt / (1.0 - dropout_p), 0.0)
@@ -180,19 +202,24 @@ def _dkdv_inner(
             b_pdp = b_pt * b_dpt  # [BLOCK_N, BLOCK_M]
             if RAGGED_N:
                 b_pdp = tl.where(o_n[:, None] < seqlen_k, b_pdp, 0.0)
-            tl.atomic_add(sink_base + o_m, tl.sum(b_pdp, 0), mask=o_m < seqlen_q, sem="relaxed")
+            tl.atomic_add(sink_base + row_base + o_m, tl.sum(b_pdp, 0), mask=o_m < seqlen_q, sem="relaxed")
         if ATOMIC_DQ and RAGGED_N:
             b_dst = tl.where(o_n[:, None] < seqlen_k, b_dst, 0.0)
         b_dst = b_dst.to(b_q.dtype)
         b_dk = tl.dot(b_dst, b_q, b_dk, input_precision="ieee")
         if ATOMIC_DQ:
             b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision="ieee")  # [BLOCK_M, BLOCK_D]
-            p_dq = dq_base + o_m[:, None].to(tl.int64) * stride_dqm + o_d[None, :]
+            p_dq = dq_base + g * stride_dqh + o_m[:, None].to(tl.int64) * stride_dqm + o_d[None, :]
             if EVEN_M and not MASK_D:
                 tl.atomic_add(p_dq, b_dq * sm_scale, sem="relaxed")
             else:
                 tl.atomic_add(p_dq, b_dq * sm_scale, mask=(o_m[:, None] < seqlen_q) & (o_d[None, :] < head_dim),
                               sem="relaxed")
+        if GROUPED:  # the next query block, or the next head's first
+            start_m += BLOCK_M
+            wrap = start_m >= end
+            start_m = tl.where(wrap, start, start_m)
+            g = tl.where(wrap, g + 1, g)
     return b_dk, b_dv
 
 
@@ -225,6 +252,8 @@ _DQ_DKDV_FLAGS = {
         "ATOMIC_DQ": lambda a: a["DQ_ACC"] is not None,
         # Attention sinks: each row's sum of P dP, for their gradient.
         "SINK_ROWS": lambda a: a["SINK_DELTA"] is not None,
+        # GQA/MQA: more than one query head per kv head, walked in ``_dkdv_inner``'s loop.
+        "GROUPED": lambda a: a["group_size"] > 1,
     }
 )
 @triton.jit
@@ -244,7 +273,7 @@ def attn_bwd_dkdv_kernel(
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
     ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    SINK_ROWS: tl.constexpr,
+    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head.
 
@@ -284,39 +313,40 @@ def attn_bwd_dkdv_kernel(
         full_begin = tl.where(seqlen_k == 1, end, full_begin)
         full_end = tl.where(seqlen_k == 1, end, full_end)
 
-    for g in range(0, loop_bound(group_size)):
-        i_h = (i_hk * group_size + g).to(tl.int64)
-        q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h * stride_qh
-        do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h * stride_doh
-        lse_base = LSE + i_b * stride_lb + i_h * stride_lh + bos_q
-        delta_base = DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
-        fix_base = LSE_FIX  # None unless RENORM
-        if RENORM:
-            fix_base = LSE_FIX + i_b * stride_lb + i_h * stride_lh + bos_q
-        sink_base = SINK_DELTA  # None unless SINK_ROWS: laid out as LSE
-        if SINK_ROWS:
-            sink_base = SINK_DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
-        dq_base = DQ_ACC  # None unless ATOMIC_DQ
-        if ATOMIC_DQ:
-            dq_base = DQ_ACC + i_b * stride_dqab + bos_q * stride_dqam + i_h * stride_dqah
-        slope = 0.0
-        if ALIBI:
-            slope = tl.load(SLOPES + i_b * stride_sb + i_h)
-        seed = 0
-        rng_base = 0
-        if DROPOUT:
-            seed = tl.load(SEED)
-            rng_base = (i_b * stride_lb + i_h * stride_lh + bos_q) * rng_stride
-        # Rows that see part of the block (masked), all of it (unmasked), part of it again (masked).
-        for stage in tl.static_range(3):
-            lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
-            b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, stride_qm,
-                stride_dom, stride_dqam, seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale,
-                softcap, slope, o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride, dropout_p,
-                stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, ONE_KEY,
-                SAME_ORDER, RENORM, ATOMIC_DQ, not EVEN_N, SINK_ROWS,
-            )
+    # The group's first query head; ``_dkdv_inner`` walks its heads and their query blocks in one loop.
+    i_h = (i_hk * group_size).to(tl.int64)
+    q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h * stride_qh
+    do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h * stride_doh
+    lse_base = LSE + i_b * stride_lb + i_h * stride_lh + bos_q
+    delta_base = DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
+    fix_base = LSE_FIX  # None unless RENORM
+    if RENORM:
+        fix_base = LSE_FIX + i_b * stride_lb + i_h * stride_lh + bos_q
+    sink_base = SINK_DELTA  # None unless SINK_ROWS: laid out as LSE
+    if SINK_ROWS:
+        sink_base = SINK_DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
+    dq_base = DQ_ACC  # None unless ATOMIC_DQ
+    if ATOMIC_DQ:
+        dq_base = DQ_ACC + i_b * stride_dqab + bos_q * stride_dqam + i_h * stride_dqah
+    slope_base = SLOPES  # None unless ALIBI
+    if ALIBI:
+        slope_base = SLOPES + i_b * stride_sb + i_h
+    seed = 0
+    rng_base = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+        rng_base = (i_b * stride_lb + i_h * stride_lh + bos_q) * rng_stride
+    # Rows that see part of the block (masked), all of it (unmasked), part of it again (masked).
+    for stage in tl.static_range(3):
+        lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
+        b_dk, b_dv = _dkdv_inner(
+            b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, slope_base,
+            stride_qm, stride_dom, stride_dqam, stride_qh, stride_doh, stride_lh, stride_dqah, group_size, seqlen_q,
+            seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, lo, hi, seed,
+            rng_base, rng_stride, dropout_p,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, ONE_KEY,
+            SAME_ORDER, RENORM, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED,
+        )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
     dv_base = DV + i_b * stride_dvb + bos_k * stride_dvn + i_hk.to(tl.int64) * stride_dvh
@@ -480,6 +510,8 @@ def attention_backward(
             Otherwise, and always but for fp32 with its own lse (``RENORM`` needs dQ's row sums
             first), the dK/dV kernel also adds dQ to an fp32 workspace with atomic adds: 5 matrix
             products per block pair instead of 7, with the last bits of dQ in the order the adds land.
+            Where the installed Triton spills the one-pass tile (``configs.one_pass_fits``: Hopper
+            at head dim 128 before Triton 3.4) the three kernels run instead.
 
     Returns:
         ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype, and with
@@ -504,7 +536,7 @@ def attention_backward(
     renorm = own_lse and q.element_size() == 4  # fp32: dK/dV renormalise P by dQ's row sums
     lse_fix = lse_buffer(q, varlen, dims)[0] if renorm else None
     own_lse = own_lse and sinks is None  # the one-key rules assume P sums to 1 (see the module docstring)
-    one_pass = not deterministic and not renorm
+    one_pass = not deterministic and not renorm and configs.one_pass_fits(q.device, dims.head_dim)
     # The sinks' gradient weighs each row's sum of P dP, accumulated by the dK/dV kernel (``_sink_grad``).
     sink_delta = torch.zeros_like(delta) if sinks is not None else None
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if one_pass else None

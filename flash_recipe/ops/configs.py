@@ -211,11 +211,19 @@ KERNELS = ("fwd", "fwd_general", "bwd_dkdv", "bwd_dq", "bwd_onepass", "decode")
 # fewest main-loop instructions per block-pair element among those tried; none measured on a GPU.
 for _arch in ("sm90", "sm80", "sm86", "amd", "interpreter"):
     _TABLE[(_arch, "bwd_onepass")] = list(_TABLE[(_arch, "bwd_dkdv")])
-_TABLE[("sm80", "bwd_onepass")][:2] = [(64, 2, Config(32, 128, 8, 2)), (128, 2, Config(64, 64, 8, 1))]
+# sm80 at head dim 128 runs two stages: with one, the packed-sequence (varlen) call spilled 16 B;
+# two spill in no call on Triton 3.9 (``compile_check --call bwd --call sinks --call varlen
+# --target sm80 --head-dim 128``) nor in the ``bwd`` call on 3.2.
+_TABLE[("sm80", "bwd_onepass")][:2] = [(64, 2, Config(32, 128, 8, 2)), (128, 2, Config(64, 64, 8, 2))]
 _TABLE[("sm86", "bwd_onepass")][1] = (128, 2, Config(32, 32, 4, 2))
 # sm90 at head dim 128: with attention sinks' row sums the 2-stage tile spilled 8 B; one stage keeps
 # both variants spill-free, with fewer main-loop instructions per element (787 against 852 per 1000).
 _TABLE[("sm90", "bwd_onepass")][1] = (128, 2, Config(32, 128, 8, 1))
+# Triton releases before these compile that tile with spills (56 to 224 B per thread on 3.2 and 3.3,
+# fp16/bf16, MHA, GQA and sinks), and every other wgmma tile tried spilled or crashed the compiler
+# (``compile_check --call bwd --call sinks --target sm90 --head-dim 128`` per release): there the
+# backward takes the three kernels (``one_pass_fits``).
+ONE_PASS_SINCE_TRITON = {("sm90", 128): (3, 4), ("sm100", 128): (3, 4)}
 
 # sm120/sm121 have sm86's 99 KiB of shared memory and its matrix instruction (mma.sync, no wgmma):
 # they take its tiles, which the compile check proves for sm120 and sm121 themselves. sm100 takes
@@ -231,6 +239,10 @@ _TABLE[("sm100", "bwd_dkdv")] = [
     (bucket, size, Config(32, 32, 4, 1) if (bucket, size) == (256, 2) else config)
     for bucket, size, config in _TABLE[("sm90", "bwd_dkdv")]
 ]
+# sm100's dK/dV at head dim 128: Hopper's tile spilled 8 B (MHA, fp16/bf16); 64-row query blocks
+# do not, with fewer main-loop instructions per element (6.70 x 8 / (64 x 128) against 9.72 x 8 /
+# (32 x 128)), ``compile_check --call bwd --target sm100 --head-dim 128``.
+_TABLE[("sm100", "bwd_dkdv")][1] = (128, 2, Config(64, 128, 8, 1))
 _TABLE[("sm100", "bwd_onepass")] = list(_TABLE[("sm100", "bwd_dkdv")])  # the same trap at 256
 _TABLE[("sm100", "bwd_onepass")][1] = _TABLE[("sm90", "bwd_onepass")][1]
 ARCHS = ("sm80", "sm86", "sm90", "sm100", "sm120", "amd", "interpreter")
@@ -374,6 +386,14 @@ def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Conf
                 used.append((target, kernel, bucket, element_size))
             return Config(*found)
     return get_config(target, kernel, head_dim, element_size)
+
+
+def one_pass_fits(device, head_dim: int) -> bool:
+    """Whether the installed Triton compiles the one-pass backward's tile for ``device``'s target
+    and head dim without spilling (``ONE_PASS_SINCE_TRITON``); where not, ``attention_backward``
+    runs the three kernels."""
+    since = ONE_PASS_SINCE_TRITON.get((arch_family(target_of(device)), head_dim_bucket(head_dim)))
+    return since is None or triton_release() >= since
 
 
 def _compile_or_launch_failure(exc: Exception) -> bool:

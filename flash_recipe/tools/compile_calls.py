@@ -1,7 +1,8 @@
 """The launcher calls the compile check makes (``flash_recipe.tools.compile_check``): for each
 ``Case`` (a call, a dtype, a head-dim bucket, a form), ``run_call`` makes the call on CPU tensors
 through the package's launchers, whose launches the check compiles for a GPU target instead of
-running them. ``aligned``: head dims equal to their bucket, block-multiple lengths, MHA, causal;
+running them. ``aligned``: head dims equal to their bucket, block-multiple lengths, MHA, causal
+(the ``bwd`` call also with GQA groups of 4: ``group_size`` 1 and larger are two specialisations);
 ``ragged``: an odd head dim below the bucket, ragged lengths, GQA, every score option, q/k/v as
 views of one packed tensor with odd strides."""
 
@@ -109,10 +110,15 @@ def run_call(case: Case) -> dict[str, str]:
             var = _variant(dataclasses.replace(case, form="ragged"), nheads, seqlen_k - seqlen_q)
             forward.attention_forward(q, k, v, scale, var)
             return {"attn_fwd_kernel": "fwd"}
-        out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         # The one-pass backward (the default) and the three kernels; fp32 (its own lse) runs only these.
-        for deterministic in (True,) if case.dtype == "float32" else (False, True):
-            backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, deterministic=deterministic)
+        # Aligned: MHA, then GQA (8 query heads on 2 kv heads), which Triton compiles apart.
+        for heads in ((nheads, nheads_k),) if ragged else ((nheads, nheads_k), (8, 2)):
+            q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, *heads)
+            out, lse = torch.randn_like(q), torch.randn(2, heads[0], seqlen_q, dtype=torch.float32)
+            for deterministic in (True,) if case.dtype == "float32" else (False, True):
+                backward.attention_backward(
+                    torch.randn_like(q), q, k, v, out, lse, scale, var, deterministic=deterministic
+                )
         return {
             "attn_bwd_preprocess_kernel": "bwd_preprocess",
             "attn_bwd_dkdv_kernel": "bwd_dkdv",

@@ -106,6 +106,8 @@ ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine")
 # The forward's compile-time flags that make a launch take the ``"fwd_general"`` configuration
 # (``forward.attention_forward``: key ranges, score options, masked head-dim columns).
 SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
+# The kernels a GQA launch compiles apart (``group_size`` above 1), whose rows say so ("-gqa").
+GROUPED_KERNELS = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
 GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
 # The rows one iteration of a tiled kernel's main loop advances by: keys for the forward, decode and
 # dQ kernels, queries for dK/dV.
@@ -243,6 +245,8 @@ def check_case(case: Case, target: str) -> list[dict]:
     rows = []
     for name, kernel in compiled:
         label = labels[name]
+        # The backward kernels' GQA specialisation (group_size above 1) is a row of its own.
+        grouped = name in GROUPED_KERNELS and _constants(kernel).get("group_size") != 1
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
         if label == "bwd_dkdv" and _constants(kernel).get("ATOMIC_DQ"):
@@ -257,7 +261,7 @@ def check_case(case: Case, target: str) -> list[dict]:
         rows.append(
             _verdict(
                 {
-                    "case": case.id,
+                    "case": case.id + ("-gqa" if grouped else ""),
                     "kernel": label,
                     "target": target,
                     "dtype": case.dtype,
