@@ -92,14 +92,13 @@ BUDGETS_S = {
 
 # ``check`` (``flash_recipe.tools.gpu_check``): its table (19 rows in bf16 and fp16: 38 checks)
 # launches 98 kernel variants (recorded for sm90 by ``flash-recipe warmup --offline sm90 --for
-# check``; 118 when WARMUP_SERIAL_S was measured, before the one-pass backward); compiled on first
-# call one after another they take WARMUP_SERIAL_S["check"] (5.5 minutes on the CPU machine), so the
-# campaign compiles them ahead in ``warmup``. With its variants in Triton's cache the step is the
-# interpreter's and CUDA's start (about 10 s), the 38 checks (each loads its variants and runs a
-# small forward and backward beside fp32 math and its peer: well under a second) and the fuzz,
-# which fills the rest: its table stops starting checks CHECK_MARGIN_S before the budget ends (the
-# check in flight and the exit). Without warmup (``--skip warmup``) the table is cut at that time
-# and the report lists the checks not reached.
+# check``); compiled on first call one after another they take WARMUP_SERIAL_S["check"] (1.7
+# minutes on the CPU machine), so the campaign compiles them ahead in ``warmup``. With its
+# variants in Triton's cache the step is the interpreter's and CUDA's start (about 10 s), the 38
+# checks (each loads its variants and runs a small forward and backward beside fp32 math and its
+# peer: well under a second) and the fuzz, which fills the rest: its table stops starting checks
+# CHECK_MARGIN_S before the budget ends (the check in flight and the exit). Without warmup
+# (``--skip warmup``) the table is cut at that time and the report lists the checks not reached.
 CHECK_MARGIN_S = 15
 # ``warmup`` compiles, in ``warmup_jobs()`` processes, the variants of the steps that run among
 # WARMUP_FOR (``flash-recipe warmup --for``). Its budget (``warmup_budget``): WARMUP_START_S
@@ -110,17 +109,16 @@ CHECK_MARGIN_S = 15
 WARMUP_FOR = {
     "check": ["check"], "bench": ["bench"], "verify": [f"verify:{dtype}" for dtype in VERIFY_DTYPES], "tests": ["tests"]
 }  # fmt: skip
-# Measured on the 2-core CPU machine with Triton 3.9 and the compile check's stub driver for sm90
-# (``flash-recipe warmup --offline sm90 --for STEP --jobs 2``, the sum of the per-variant first-call
-# seconds): check 327.6 s (118 variants: bwd 187.6 s, fwd 77.3 s, fwd_general 48.3 s, the rest
-# 14.4 s); bench 20.1 s (9 variants); verify in bf16, full and KV grids, 207.2 s (109 variants);
-# the GPU tests' tables 1523.5 s (280 variants, 99 of them fp32; measured while other work shared
-# the cores, so an upper bound; one fp32 backward variant alone took 84 s). Recording took 4-6 s
-# for check and verify and 10 s for tests there (CPU tensors); bench's 14 s there is allocating its
-# 16k-token tensors on the CPU, milliseconds on a GPU. The lists have changed since (the one-pass
-# backward, the sink rows): check 98 variants, bench 7, verify in bf16 140 (both backward paths),
-# recorded with launches stubbed; their seconds are not measured again yet.
-WARMUP_SERIAL_S = {"check": 328, "bench": 21, "verify": 208, "tests": 1524}
+# Measured on the 2-core CPU machine with Triton 3.9 and the compile check's stub driver for sm90,
+# each step alone and with an empty Triton cache (``TRITON_CACHE_DIR=$(mktemp -d) flash-recipe
+# warmup --offline sm90 --for STEP --jobs 2``, the sum of the per-variant first-call seconds):
+# check 101.2 s (98 variants: bwd 41.9 s, fwd 27.7 s, fwd_general 20.5 s, the rest 11.1 s); bench
+# 8.2 s (7 variants); verify in bf16, full and KV grids, both backward paths, 137.5 s (140
+# variants: bwd 82.5 s); the GPU tests' tables 554.2 s (287 variants: bwd 367.4 s, the longest an
+# fp32 backward variant at 13.7 s). Recording took 4-6 s for check and verify and 10 s for tests
+# there (CPU tensors); bench's recording allocates its 16k-token tensors on the CPU, milliseconds on
+# a GPU.
+WARMUP_SERIAL_S = {"check": 102, "bench": 9, "verify": 138, "tests": 555}
 WARMUP_RECORD_S = {"check": 6, "bench": 2, "verify": 6, "tests": 10}
 WARMUP_START_S = 10
 MAX_WARMUP_JOBS = 16
