@@ -31,7 +31,7 @@ from recipes.harness import public_hosts
 from recipes.harness.config import Options
 from recipes.harness.paths import RecipePath
 from recipes.harness.prepare import Build, is_torch_coupled, locked_versions, log
-from recipes.harness.processes import die_with_parent, ended_with_harness
+from recipes.harness.processes import ended_with_harness
 from recipes.harness.workspace import run_step
 
 
@@ -208,8 +208,7 @@ def run_verify(env_dir: Path, *, env: dict[str, str], cwd: Path, log_file: Path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
+        start_new_session=True,  # preexec_fn: ended_with_harness's
     )
     with ended_with_harness(start) as proc:  # its children end with it, and with the harness
         try:

@@ -6,9 +6,10 @@ first process SIGTERM when the harness dies, but its children would outlive it; 
 also gets a watchdog (``ended_with_harness``): a small process that waits on a pipe the harness
 holds open and, when the pipe closes (the step finished, or the harness died by any signal,
 SIGKILL included, since the kernel closes a dead process's files), ends the step's whole group:
-SIGTERM, then SIGKILL two seconds later. The watchdog starts before the step and learns its
-process group through the pipe the moment the step exists, so a signal that ends the harness
-while the step starts its children finds the watchdog already waiting.
+SIGTERM, then SIGKILL two seconds later. The watchdog starts before the step, and the step's
+first process writes its process group into the pipe itself, before it runs the step's command
+(``preexec_fn``): so a signal that ends the harness at any moment after the step exists, even
+before ``Popen`` has returned to the harness, finds the watchdog knowing which group to end.
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ def die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def ended_with_harness(start: Callable[[], subprocess.Popen]) -> Iterator[subprocess.Popen]:
-    """Start a watchdog, then the step (``start()``, a Popen with ``start_new_session``), and yield
-    the step: while the block runs the watchdog ends the step's group if the harness dies; on
-    leaving the block the group is ended too, so no child of the step outlives it."""
+def ended_with_harness(start: Callable[..., subprocess.Popen]) -> Iterator[subprocess.Popen]:
+    """Start a watchdog, then the step (``start(preexec_fn=...)``, a Popen with
+    ``start_new_session``; the ``preexec_fn`` given announces the step's group to the watchdog and
+    calls ``die_with_parent``), and yield the step: while the block runs the watchdog ends the
+    step's group if the harness dies; on leaving the block the group is ended too, so no child of
+    the step outlives it."""
     read_end, write_end = os.pipe()  # both close-on-exec: no step process inherits the write end
     try:
         watchdog = subprocess.Popen(
@@ -69,10 +72,13 @@ def ended_with_harness(start: Callable[[], subprocess.Popen]) -> Iterator[subpro
         )
     finally:
         os.close(read_end)
+
+    def announce() -> None:  # in the step's first process, after setsid, before its command runs
+        os.write(write_end, f"{os.getpid()}\n".encode())
+        die_with_parent()
+
     try:
-        process = start()
-        os.write(write_end, f"{process.pid}\n".encode())
-        yield process
+        yield start(preexec_fn=announce)
     finally:
         os.close(write_end)
         watchdog.wait()

@@ -23,7 +23,7 @@ from typing import IO
 
 from recipes.harness.paths import RecipePath
 from recipes.harness.prepare import Build, Tools
-from recipes.harness.processes import die_with_parent, ended_with_harness
+from recipes.harness.processes import ended_with_harness
 
 # Variables of the calling environment that would let a path see the user's configuration,
 # another environment or the network.
@@ -209,8 +209,7 @@ def run_step(cmd: list, *, cwd: Path, env: dict[str, str], log_file: Path, timeo
             stderr=handle,
             stdin=subprocess.DEVNULL,
             text=True,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
+            start_new_session=True,  # preexec_fn: ended_with_harness's
         )
         with ended_with_harness(start) as proc:
             try:
