@@ -217,12 +217,14 @@ for _arch in ("sm90", "sm80", "sm86", "amd", "interpreter"):
 _TABLE[("sm80", "bwd_onepass")][:2] = [(64, 2, Config(32, 128, 8, 2)), (128, 2, Config(64, 64, 8, 2))]
 _TABLE[("sm86", "bwd_onepass")][1] = (128, 2, Config(32, 32, 4, 2))
 # sm90 at head dim 128: with attention sinks' row sums the 2-stage tile spilled 8 B; one stage keeps
-# both variants spill-free, with fewer main-loop instructions per element (787 against 852 per 1000).
+# both variants spill-free, with fewer main-loop instructions per element (787 against 852 per 1000,
+# measured before the dK/dV loop walked a GQA group's heads; 0.80 per element now, docs/performance.md).
 _TABLE[("sm90", "bwd_onepass")][1] = (128, 2, Config(32, 128, 8, 1))
 # Triton releases before these compile that tile with spills (56 to 224 B per thread on 3.2 and 3.3,
 # fp16/bf16, MHA, GQA and sinks), and every other wgmma tile tried spilled or crashed the compiler
 # (``compile_check --call bwd --call sinks --target sm90 --head-dim 128`` per release): there the
-# backward takes the three kernels (``one_pass_fits``).
+# backward takes the three kernels (``one_pass_fits``). sm100 takes Hopper's tile and so the same
+# rule, not compiled per release for sm100 itself.
 ONE_PASS_SINCE_TRITON = {("sm90", 128): (3, 4), ("sm100", 128): (3, 4)}
 
 # sm120/sm121 have sm86's 99 KiB of shared memory and its matrix instruction (mma.sync, no wgmma):
