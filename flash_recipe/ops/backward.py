@@ -51,6 +51,7 @@ import triton.language as tl
 
 from flash_recipe.ops import configs, tiles
 from flash_recipe.ops.launch import ScoreOptions, Varlen, layout, lse_buffer, packed_rows, score_args
+from flash_recipe.ops.schedule import launch_order, launch_section
 from flash_recipe.ops.tiles import (
     LOG2E,
     dropout_keep,
@@ -276,6 +277,8 @@ def attn_bwd_dkdv_kernel(
     SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head.
+    Key block 0, which a causal mask shows to every query block, launches first: heaviest first
+    without reordering.
 
     With ``RENORM`` it runs after ``attn_bwd_dq_kernel``, which stored in ``LSE_FIX`` (laid out as
     ``LSE``) the log of each row's recomputed probability sum, and takes ``P = exp((S - lse) - fix)``.
@@ -387,7 +390,7 @@ def _dq_inner(
 
 
 @triton.heuristics({**_DQ_DKDV_FLAGS, "HAS_SINK": lambda a: a["SINKS"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=["head_section"])  # a runtime count: no variant per value
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS,
     stride_qb, stride_qm, stride_qh,
@@ -397,13 +400,14 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
-    window_left, window_right, dropout_p, rng_stride,
+    window_left, window_right, dropout_p, rng_stride, head_section,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, RENORM: tl.constexpr,
     HAS_SINK: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
+    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``, its programs in ``schedule.launch_order``'s order, as
+    the forward's.
 
     With ``RENORM`` (fp32, own lse) it also stores in ``LSE_FIX`` (laid out as ``LSE``) the log of
     each row's sum of ``exp(S - lse)``: 0 up to the rounding of the stored lse, which at logits in
@@ -413,9 +417,7 @@ def attn_bwd_dq_kernel(
     (``SINKS (H,)``, passed with ``RENORM`` only, the one use of it here) each row's sum starts at
     its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
     """
-    i_m = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+    i_m, _, i_h, i_b = launch_order(1, head_section)
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, total_k, IS_VARLEN)
     q_start = i_m * BLOCK_M
@@ -561,7 +563,10 @@ def attention_backward(
         )
         if not one_pass:  # dQ first: with RENORM it writes the row sums dK/dV divide out.
             cfg = configs.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())
-            attn_bwd_dq_kernel[(triton.cdiv(dims.seqlen_q, cfg.block_m), dims.nheads, dims.batch)](
+            blocks = triton.cdiv(dims.seqlen_q, cfg.block_m)
+            attn_bwd_dq_kernel[(blocks, dims.nheads, dims.batch)](
+                head_section=launch_section(dims.nheads * dims.batch, blocks, dims.seqlen_k, dims.head_dim,
+                                            k.element_size(), q.device, options.window_left, options.window_right),
                 DQ=dq, **dims.stride_args(dq, "dq", "m"), **common, SINKS=sinks if renorm else None,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )

@@ -49,6 +49,7 @@ from flash_recipe.ops.launch import (
     plan,
     score_args,
 )
+from flash_recipe.ops.schedule import launch_order, launch_section
 from flash_recipe.ops.splits import split_combine_kernel
 from flash_recipe.ops.tiles import (
     LN2,
@@ -172,7 +173,7 @@ def _fwd_inner(
         "FOLD": lambda a: a["Q"].element_size() == 2 and not a["ALIBI"] and a["qk_scale"] > 0.0,
     }
 )
-@triton.jit
+@triton.jit(do_not_specialize=["head_section"])  # a runtime count: no variant per value
 def attn_fwd_kernel(
     Q, K, V, O, K_TILES, V_TILES, LSE, SLOPES, CU_Q, K_START, K_END, PAGE_TABLE, SEED, SINKS,
     stride_qb, stride_qm, stride_qh,
@@ -181,7 +182,7 @@ def attn_fwd_kernel(
     stride_ob, stride_om, stride_oh, stride_os,
     stride_lb, stride_lh, stride_ls, stride_sb, stride_tb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, qk_scale, diag_offset,
-    window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits,
+    window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits, head_section,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr,
@@ -189,7 +190,9 @@ def attn_fwd_kernel(
     FOLD: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
-    ``(cdiv(max Sq * group_size, BLOCK_M) * num_splits, Hk, B)``.
+    ``(cdiv(max Sq * group_size, BLOCK_M) * num_splits, Hk, B)``. Programs take their query block,
+    share and head in ``schedule.launch_order``'s order: heaviest blocks first, ``head_section``
+    heads at a time.
 
     ``PACK_GQA`` (GQA with a short query: decoding): one program serves all ``group_size`` query
     heads of kv head ``i_hk``, so each key and value block is loaded once for the whole group. Row
@@ -233,10 +236,7 @@ def attn_fwd_kernel(
     tl.static_assert(KV_RANGES or not PAGED, "PAGED addresses key ranges through the page table: it needs KV_RANGES")
     tl.static_assert(not TMA or not (IS_VARLEN or KV_RANGES), "TMA tiles address dense tensors only")
     tl.static_assert(not (PACK_GQA and DROPOUT), "PACK_GQA serves the forward-only short queries: no dropout")
-    i_m = tl.program_id(0) // num_splits
-    i_s = tl.program_id(0) % num_splits
-    i_h = tl.program_id(1)  # the query head; with PACK_GQA the kv head
-    i_b = tl.program_id(2)
+    i_m, i_s, i_h, i_b = launch_order(num_splits, head_section)  # i_h: the query head; with PACK_GQA the kv head
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     if PACK_GQA:
         n_rows = seqlen_q * group_size
@@ -494,10 +494,11 @@ def plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kern
     rows = packed_rows(q, k, varlen, table is not None)
     block_d = configs.head_dim_bucket(dims.head_dim)
     views = features.tma_views(k, v, cfg.block_n) if keys is None and varlen is None else None
-    if pack:
-        grid = (triton.cdiv(dims.seqlen_q * group, block_m) * num_splits, dims.nheads_k, dims.batch)
-    else:
-        grid = (triton.cdiv(dims.seqlen_q, block_m) * num_splits, dims.nheads, dims.batch)
+    heads = dims.nheads_k if pack else dims.nheads
+    query_blocks = triton.cdiv(dims.seqlen_q * (group if pack else 1), block_m)
+    grid = (query_blocks * num_splits, heads, dims.batch)
+    section = launch_section(heads * dims.batch, query_blocks, dims.seqlen_k, dims.head_dim, k.element_size(), q.device,
+                             options.window_left, options.window_right)
     main = plan(attn_fwd_kernel, grid, dict(
         Q=q, K=k, V=v, O=o_split, K_TILES=views[0] if views else None, V_TILES=views[1] if views else None,
         LSE=lse_split, CU_Q=cu_q, SINKS=options.sinks,
@@ -508,6 +509,7 @@ def plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kern
         stride_lb=stride_lb, stride_lh=stride_lh, stride_ls=lse_split.stride(0) if num_splits > 1 else 0,
         nheads=dims.nheads, group_size=group, seqlen_q=dims.seqlen_q,
         seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
+        head_section=section,
         qk_scale=_base2_scale(options.softcap if options.softcap > 0.0 else softmax_scale),
         **rows, **paging, **score_args(options, dims.seqlen_k),
         PACK_GQA=pack, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,

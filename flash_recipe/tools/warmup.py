@@ -194,7 +194,17 @@ def to_variant(fn, args: tuple, kwargs: dict, call: str) -> Variant:
     bound = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
     options = tuple((k, v) for k, v in kwargs.items() if k not in names)  # in the launch's order, as Triton keys them
     constexprs = _constexprs(fn)
-    key = tuple(("constexpr", bound.get(n)) if n in constexprs else _specialisation(bound.get(n)) for n in names)
+    # Arguments Triton does not specialise on (``do_not_specialize``) compile one kernel whatever their
+    # value: only their integer width counts.
+    plain = {names[n] if isinstance(n, int) else n for n in getattr(fn, "do_not_specialize", None) or ()}
+    key = tuple(
+        ("constexpr", bound.get(n))
+        if n in constexprs
+        else _specialisation(bound.get(n))[:1]
+        if n in plain
+        else _specialisation(bound.get(n))
+        for n in names
+    )
     constants = {name: bound.get(name) for name in constexprs}
     name = fn.fn.__name__
     main = next((bound[t] for t in _MAIN_TENSORS if bound.get(t) is not None), None)
