@@ -389,7 +389,9 @@ def _dq_inner(
     return b_dq, b_psum
 
 
-@triton.heuristics({**_DQ_DKDV_FLAGS, "HAS_SINK": lambda a: a["SINKS"] is not None})
+@triton.heuristics(
+    {**_DQ_DKDV_FLAGS, "HAS_SINK": lambda a: a["SINKS"] is not None, "SECTIONS": lambda a: a["head_section"] > 1}
+)
 @triton.jit(do_not_specialize=["head_section"])  # a runtime count: no variant per value
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS,
@@ -404,7 +406,7 @@ def attn_bwd_dq_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, RENORM: tl.constexpr,
-    HAS_SINK: tl.constexpr,
+    HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``, its programs in ``schedule.launch_order``'s order, as
     the forward's.
@@ -417,7 +419,7 @@ def attn_bwd_dq_kernel(
     (``SINKS (H,)``, passed with ``RENORM`` only, the one use of it here) each row's sum starts at
     its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
     """
-    i_m, _, i_h, i_b = launch_order(1, head_section)
+    i_m, _, i_h, i_b = launch_order(1, head_section, SECTIONS)
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, total_k, IS_VARLEN)
     q_start = i_m * BLOCK_M

@@ -234,6 +234,14 @@ ONE_PASS_SINCE_TRITON = {("sm90", 128): (3, 4), ("sm100", 128): (3, 4)}
 # The general forward takes the dense forward's tiles except on Hopper (above).
 for _arch in ("sm80", "sm86", "amd", "interpreter"):
     _TABLE[(_arch, "fwd_general")] = _TABLE[(_arch, "fwd")]
+# sm86/sm120 at head dim 128 (99 KiB): the dense forward's 64x64 tile spilled with packed sequences
+# (sm120 112 B) and paged caches (sm86 56 B, sm120 72 B), and 160-224 B with every score option.
+# 32x64 at two stages spills in none of the three on sm86 and sm120; of the spill-free tiles tried
+# (64x32 at 4 and 8 warps, 64x64 at one stage, which still spilled with the score options) it issues
+# the fewest instructions per score element where it matters most (``compile_check --call varlen
+# --call paged --call options --target sm86 --target sm120 --head-dim 128``). None measured on a GPU.
+_TABLE[("sm86", "fwd_general")] = list(_TABLE[("sm86", "fwd")])
+_TABLE[("sm86", "fwd_general")][1] = (128, 2, Config(32, 64, 4, 2))
 for _kernel in KERNELS:
     _TABLE[("sm120", _kernel)] = _TABLE[("sm86", _kernel)]
     _TABLE[("sm100", _kernel)] = _TABLE[("sm90", _kernel)]

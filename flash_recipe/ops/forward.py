@@ -163,6 +163,7 @@ def _fwd_inner(
         "ALIBI": lambda a: a["SLOPES"] is not None,
         "DROPOUT": lambda a: a["SEED"] is not None,
         "HAS_SINK": lambda a: a["SINKS"] is not None,
+        "SECTIONS": lambda a: a["head_section"] > 1,  # schedule.launch_order
         # With PACK_GQA the tile's rows are the group's query heads at each position: Sq * group rows.
         "EVEN_M": lambda a: not a["IS_VARLEN"]
         and a["seqlen_q"] * (a["group_size"] if a["PACK_GQA"] else 1) % a["BLOCK_M"] == 0,
@@ -187,7 +188,7 @@ def attn_fwd_kernel(
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    FOLD: tl.constexpr, HAS_SINK: tl.constexpr,
+    FOLD: tl.constexpr, HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
     ``(cdiv(max Sq * group_size, BLOCK_M) * num_splits, Hk, B)``. Programs take their query block,
@@ -236,7 +237,7 @@ def attn_fwd_kernel(
     tl.static_assert(KV_RANGES or not PAGED, "PAGED addresses key ranges through the page table: it needs KV_RANGES")
     tl.static_assert(not TMA or not (IS_VARLEN or KV_RANGES), "TMA tiles address dense tensors only")
     tl.static_assert(not (PACK_GQA and DROPOUT), "PACK_GQA serves the forward-only short queries: no dropout")
-    i_m, i_s, i_h, i_b = launch_order(num_splits, head_section)  # i_h: the query head; with PACK_GQA the kv head
+    i_m, i_s, i_h, i_b = launch_order(num_splits, head_section, SECTIONS)  # i_h: with PACK_GQA the kv head
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     if PACK_GQA:
         n_rows = seqlen_q * group_size

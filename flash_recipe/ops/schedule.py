@@ -136,13 +136,16 @@ def model_rows(shapes=MODEL_SHAPES, slots: int = MODEL_SLOTS, l2: int = MODEL_L2
 
 
 @triton.jit
-def launch_order(group, section):
+def launch_order(group, section, SECTIONS: tl.constexpr):
     """This program's ``(query block, share, head, batch entry)`` on a grid ``(n * group, heads, batch)``
     whose axis 0 holds ``group`` consecutive programs per query block (split-KV: the shares), in the
-    order the module docstring gives: ``section`` heads at a time (a runtime value, 1 or more)."""
+    order the module docstring gives: ``section`` heads at a time (a runtime value, 1 or more).
+    ``SECTIONS`` is ``section > 1``, a compile-time flag: launches of one head at a time (decoding,
+    no causal mask) compile without the sections' arithmetic, whose registers spilled the decode
+    kernel on sm90 under Triton 3.2."""
     n_m = tl.num_programs(0) // group
     i_s = tl.program_id(0) % group
-    if section > 1:
+    if SECTIONS:
         heads = tl.num_programs(1)
         count = heads * tl.num_programs(2)  # the heads of every batch entry, one after another
         unit = tl.program_id(0) // group + n_m * (tl.program_id(1) + heads * tl.program_id(2))  # launch position

@@ -79,7 +79,7 @@ SPILL_BUDGET_MAX_HEAD_DIM = 128
 # target in the aligned form in bf16 and fp32; the small head dims (16, 32) aligned in bf16 and the
 # (slow) ragged form of the large ones in bf16 on one target per configuration family (fp16
 # compiles to the same tiles as bf16; sm89, sm121, gfx90a and gfx950 share their family's tables);
-# and packed sequences and paged caches, every head dim aligned in bf16, on sm80 and sm90.
+# and packed sequences and paged caches, every head dim aligned in bf16, one target per family.
 # "compat" (``nox -s torch_compat``, once per torch release): the forward, backward and decode
 # step for sm80 and sm90 at head dim 128 in bf16, both forms.
 _CI_CALLS = ("fwd", "options", "bwd", "decode", "decode_paged")
@@ -92,8 +92,8 @@ PRESETS = {
         (_CI_CALLS, ("bfloat16",), _SMALL_HEAD_DIMS, ("aligned",), FAMILY_TARGETS),
         (_CI_CALLS, ("bfloat16",), _CI_HEAD_DIMS, ("ragged",), FAMILY_TARGETS),
         # Packed sequences and paged caches take the general forward (and varlen the backward) with
-        # their own registers: no spill at head dim <= 128 on sm80 and sm90.
-        (("varlen", "paged"), ("bfloat16",), _SMALL_HEAD_DIMS + _CI_HEAD_DIMS, ("aligned",), ("sm80", "sm90")),
+        # their own registers: no spill at head dim <= 128 on any family.
+        (("varlen", "paged"), ("bfloat16",), _SMALL_HEAD_DIMS + _CI_HEAD_DIMS, ("aligned",), FAMILY_TARGETS),
         # Attention sinks: the forward and the backward with them on every target (no spill at head
         # dim <= 128: the sinks only set each row's starting max and sum).
         (("sinks",), ("bfloat16",), (128,), ("aligned",), TARGETS),
