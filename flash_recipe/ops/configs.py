@@ -82,7 +82,7 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(32, 32, 4, 1)),
     ],
     ("sm80", "fwd"): [
-        (32, 2, Config(128, 64, 8, 3)),  # 4 warps spill 16 B at head dim 32
+        (32, 2, Config(128, 64, 8, 2)),  # 4 warps spill 16 B at head dim 32; 3 stages 8 B (causal, sections)
         (64, 2, Config(128, 64, 4, 3)),
         (128, 2, Config(128, 64, 8, 3)),
         (256, 2, Config(64, 64, 4, 2)),
@@ -134,7 +134,7 @@ _TABLE: dict[tuple[str, str], list[tuple[int, int, Config]]] = {
         (256, 4, Config(32, 16, 4, 1)),
     ],
     ("sm86", "bwd_dq"): [
-        (32, 2, Config(64, 64, 4, 1)),  # 2 stages spill 8 B at head dim 32
+        (32, 2, Config(64, 32, 4, 1)),  # 64-key blocks spill 8 B at head dim 16 (causal, sections); 2 stages at 32
         (64, 2, Config(64, 64, 4, 2)),
         (128, 2, Config(64, 32, 4, 1)),
         (256, 2, Config(32, 32, 4, 1)),
