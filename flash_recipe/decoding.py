@@ -20,9 +20,8 @@ import torch
 
 from flash_recipe import dispatch, validate
 from flash_recipe.dispatch import AttentionCall, CacheCall, PagedCall
+from flash_recipe.ops.limits import MAX_SPLITS
 from flash_recipe.signatures import Memo, signature
-
-MAX_SPLITS = 128  # the most num_splits flash-attn takes
 
 
 def _check_cache_tensors(q, k_cache, v_cache, k, v) -> tuple:
@@ -89,7 +88,7 @@ def build_cache_call(q, k_cache, v_cache, **args) -> CacheCall:
         form = _CACHE_CALLS.get(key) if key is not None else None
         if form is not None:
             return _repeat_cache_call(key, form, q, k_cache, v_cache, args)
-    call = _checked_cache_call(q, k_cache, v_cache, **args)
+    call = _checked_cache_call(q, k_cache, v_cache, _upstream_args(args), **args)
     given = (q, k_cache, v_cache, k, v, args["learnable_sink"])
     passed = all(
         a is b for a, b in zip((call.q, call.k_cache, call.v_cache, call.k, call.v, call.attention.sinks), given)
@@ -131,6 +130,11 @@ _CACHE_OPTIONS = (
 )  # fmt: skip
 
 
+def _upstream_args(args: dict) -> dict:
+    """The keyword arguments upstream flash-attn 2 takes, as given: all but ``learnable_sink``."""
+    return {name: value for name, value in args.items() if name != "learnable_sink"}
+
+
 def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: dict) -> CacheCall:
     """The ``CacheCall`` of a call whose signature was checked before (see ``build_cache_call``):
     what the checks derived, from ``form``, with this call's tensors from ``args``."""
@@ -154,7 +158,7 @@ def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: 
     rotary_cos = args["rotary_cos"]
     rotary = None if rotary_cos is None else (rotary_cos, args["rotary_sin"], form.interleaved)
     # As the checked call gives them to upstream flash-attn: the window it masks, the split count as an int.
-    user_args = {name: value for name, value in args.items() if name != "learnable_sink"}  # not flash-attn 2's
+    user_args = _upstream_args(args)
     user_args.update(window_size=attention.window, num_splits=form.num_splits)
     return CacheCall(
         q, k_cache, v_cache, args["k"], args["v"], rotary, seqlens, args["cache_leftpad"], table, form.paged,
@@ -166,6 +170,7 @@ def _checked_cache_call(
     q,
     k_cache,
     v_cache,
+    user_args: dict,
     *,
     k,
     v,
@@ -185,25 +190,7 @@ def _checked_cache_call(
     return_softmax_lse,
     learnable_sink,
 ) -> CacheCall:
-    """``build_cache_call``'s checks, all of them."""
-    user_args = dict(
-        k=k,
-        v=v,
-        rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin,
-        cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad,
-        block_table=block_table,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        rotary_interleaved=rotary_interleaved,
-        alibi_slopes=alibi_slopes,
-        num_splits=num_splits,
-        return_softmax_lse=return_softmax_lse,
-    )
+    """``build_cache_call``'s checks, all of them; ``user_args`` is ``_upstream_args`` of the keywords."""
     q, k_cache, v_cache, k, v = _check_cache_tensors(q, k_cache, v_cache, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     window = validate.check_window(causal, window_size)

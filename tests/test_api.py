@@ -173,9 +173,9 @@ def test_bad_backend_env_var(monkeypatch):
 def test_cpu_goes_to_sdpa_without_interpreter(monkeypatch):
     # Triton reads TRITON_INTERPRET once, at import, so the variable stays and the check is patched.
     from flash_recipe import dispatch
-    from flash_recipe.ops import configs
+    from flash_recipe.ops import targets
 
-    monkeypatch.setattr(configs, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(targets, "interpreter_enabled", lambda: False)
     dispatch.capabilities.import_error.cache_clear()
     reasons = flash_recipe.explain(Q, K, K)
     assert list(reasons) == ["flash_attn", "triton", "sdpa", "reference"]
@@ -296,10 +296,13 @@ def test_import_selects_compiles_and_probes_nothing():
         "before = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')); "
         "flash_recipe.flash_attn_func; "
         "print(json.dumps([before, sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'flash_attn') "
-        "or m.startswith('flash_recipe.ops.') and m != 'flash_recipe.ops.configs')]))"
+        "or m.startswith('flash_recipe.ops.') and m not in "
+        "('flash_recipe.ops.configs', 'flash_recipe.ops.limits', 'flash_recipe.ops.options', "
+        "'flash_recipe.ops.targets'))]))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    # `import flash_recipe` imports not even torch; the API then loads torch but no Triton.
+    # `import flash_recipe` imports not even torch; the API then loads torch but no Triton, and of
+    # the kernels' package only the table, its constants, the target detection and the options type.
     assert json.loads(result.stdout) == [[], []]
 
 
@@ -382,7 +385,7 @@ def mocked_gpu(monkeypatch):
     import types
 
     from flash_recipe import dispatch
-    from flash_recipe.ops import configs
+    from flash_recipe.ops import targets
 
     def install(major: int, minor: int, shared: int, amd: str = ""):
         props = types.SimpleNamespace(
@@ -392,11 +395,11 @@ def mocked_gpu(monkeypatch):
         monkeypatch.setattr(torch.version, "hip", "6.4" if amd else None)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        for cached in (dispatch.capabilities.configs_problem, configs.gpu_target):
+        for cached in (dispatch.capabilities.configs_problem, targets.gpu_target):
             cached.cache_clear()
 
     yield install
-    for cached in (dispatch.capabilities.configs_problem, configs.gpu_target):
+    for cached in (dispatch.capabilities.configs_problem, targets.gpu_target):
         cached.cache_clear()
 
 

@@ -127,17 +127,17 @@ def test_stand_in_backward_takes_the_deterministic_flag(launches, device):
     ],
 )
 def test_one_pass_where_the_installed_triton_fits_its_tile(monkeypatch, target, head_dim, release, expected):
-    from flash_recipe.ops import configs
+    from flash_recipe.ops import choose, targets
 
-    monkeypatch.setattr(configs, "triton_release", lambda: release)
-    monkeypatch.setattr(configs, "target_of", lambda device: target)
-    assert configs.one_pass_fits(torch.device("cpu"), head_dim) is expected
+    monkeypatch.setattr(targets, "triton_release", lambda: release)
+    monkeypatch.setattr(targets, "target_of", lambda device: target)
+    assert choose.one_pass_fits(torch.device("cpu"), head_dim) is expected
 
 
 def test_the_three_kernels_run_where_the_one_pass_tile_does_not_fit(monkeypatch, launches, device):
-    from flash_recipe.ops import configs
+    from flash_recipe.ops import choose
 
-    monkeypatch.setattr(configs, "one_pass_fits", lambda device, head_dim: False)
+    monkeypatch.setattr(choose, "one_pass_fits", lambda device, head_dim: False)
     q, dout = (_rand(1, 40, 4, 32, device=device, seed=s) for s in (1, 2))
     k, v = (_rand(1, 50, 2, 32, device=device, seed=s) for s in (3, 4))
     _grads(q, k, v, dout, causal=True)

@@ -238,7 +238,7 @@ def test_kvcache_bad_metadata_stays_in_bounds(table, seqlens, leftpad, splits, b
     """``attention_kvcache`` (append with rotary, then split-KV attention over pages) on bad tables,
     lengths and padding: the append kernel, the forward kernel and the split merge stay in bounds."""
     from flash_recipe.ops.kvcache import Cache, Rotary, attention_kvcache
-    from flash_recipe.ops.launch import ScoreOptions
+    from flash_recipe.ops.options import ScoreOptions
 
     q = _rand(3, 2, 2, 16, seed=1)
     k_cache, v_cache = _rand(NUM_PAGES, PAGE, 1, 16, seed=2), _rand(NUM_PAGES, PAGE, 1, 16, seed=3)
@@ -246,8 +246,10 @@ def test_kvcache_bad_metadata_stays_in_bounds(table, seqlens, leftpad, splits, b
     angle = _rand(24, 4, seed=6)  # rotary positions [0, 24): fewer than the capacity
     rotary = Rotary(angle.cos(), angle.sin(), interleaved=False)
     cache = Cache(k_cache, v_cache, _i32(table), _i32(seqlens), None if leftpad is None else _i32(leftpad))
-    var = ScoreOptions(0, 8, 0, 0.0, None)  # causal with a left window: q moves with its positions
-    out, lse = attention_kvcache(q, k_new, v_new, cache, rotary, 0.25, var, num_splits=splits)
+    var = ScoreOptions(
+        softmax_scale=0.25, diag_offset=0, window_left=8, window_right=0, softcap=0.0, alibi_slopes=None
+    )  # causal, a left window: q moves
+    out, lse = attention_kvcache(q, k_new, v_new, cache, rotary, var, num_splits=splits)
     assert out.shape == q.shape and lse.shape == (3, 2, 2)
 
 
@@ -256,13 +258,23 @@ def test_kvcache_bad_metadata_stays_in_bounds(table, seqlens, leftpad, splits, b
 def test_dense_cache_bad_batch_index_stays_in_bounds(table, bounds_checked):
     """A dense cache is one page per entry (``cache_batch_idx`` becomes a one-column table)."""
     from flash_recipe.ops.kvcache import Cache, attention_kvcache
-    from flash_recipe.ops.launch import ScoreOptions
+    from flash_recipe.ops.options import ScoreOptions
 
     q = _rand(3, 1, 2, 16, seed=1)
     k_cache, v_cache = _rand(2, 32, 1, 16, seed=2), _rand(2, 32, 1, 16, seed=3)
     k_new, v_new = _rand(3, 1, 1, 16, seed=4), _rand(3, 1, 1, 16, seed=5)
     cache = Cache(k_cache, v_cache, _i32(table), _i32([4, 31, 7]), None)
-    attention_kvcache(q, k_new, v_new, cache, None, 0.25, ScoreOptions(0, -1, -1, 0.0, None), num_splits=2)
+    attention_kvcache(
+        q,
+        k_new,
+        v_new,
+        cache,
+        None,
+        ScoreOptions(
+            softmax_scale=0.25, diag_offset=0, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None
+        ),
+        num_splits=2,
+    )
 
 
 KEY_RANGES = [
@@ -278,12 +290,15 @@ KEY_RANGES = [
 def test_forward_key_ranges_bad_stay_in_bounds(start, end, splits, bounds_checked):
     """``attention_forward`` with paged ``KeyRanges`` whose rows lie outside the page table."""
     from flash_recipe.ops.forward import attention_forward
-    from flash_recipe.ops.launch import KeyRanges, ScoreOptions
+    from flash_recipe.ops.options import KeyRanges, ScoreOptions
 
     q = _rand(3, 5, 2, 16, seed=1)
     k, v = _rand(NUM_PAGES, PAGE, 1, 16, seed=2), _rand(NUM_PAGES, PAGE, 1, 16, seed=3)
     keys = KeyRanges(_i32(start), _i32(end), 32, _i32(GOOD_TABLE))
-    attention_forward(q, k, v, 0.25, ScoreOptions(0, -1, 0, 0.0, None), keys=keys, num_splits=splits, kernel="decode")
+    options = ScoreOptions(
+        softmax_scale=0.25, diag_offset=0, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None
+    )
+    attention_forward(q, k, v, options, keys=keys, num_splits=splits, kernel="decode")
 
 
 TOTAL_Q, TOTAL_K = 30, 40
@@ -299,12 +314,18 @@ CU_SEQLENS = [
 
 
 def _varlen_inputs(cu_q, cu_k):
-    from flash_recipe.ops.launch import ScoreOptions, Varlen
+    from flash_recipe.ops.options import ScoreOptions, Varlen
 
     q = _rand(TOTAL_Q, 2, 16, seed=1)
     k, v = _rand(TOTAL_K, 1, 16, seed=2), _rand(TOTAL_K, 1, 16, seed=3)
     varlen = Varlen(_i32(cu_q), _i32(cu_k), 40, 40)
-    return q, k, v, ScoreOptions(0, -1, 0, 0.0, None), varlen
+    return (
+        q,
+        k,
+        v,
+        ScoreOptions(softmax_scale=0.25, diag_offset=0, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None),
+        varlen,
+    )
 
 
 @pytest.mark.parametrize("cu_q,cu_k", [c[1:] for c in CU_SEQLENS], ids=[c[0] for c in CU_SEQLENS])
@@ -312,17 +333,17 @@ def test_varlen_forward_bad_cu_seqlens_stays_in_bounds(cu_q, cu_k, bounds_checke
     from flash_recipe.ops.forward import attention_forward
 
     q, k, v, var, varlen = _varlen_inputs(cu_q, cu_k)
-    attention_forward(q, k, v, 0.25, var, varlen)
+    attention_forward(q, k, v, var, varlen)
 
 
 @pytest.mark.parametrize("cu_q,cu_k", [c[1:] for c in CU_SEQLENS], ids=[c[0] for c in CU_SEQLENS])
 def test_varlen_backward_bad_cu_seqlens_stays_in_bounds(cu_q, cu_k, bounds_checked):
     """The three backward kernels, given an ``out`` and ``lse`` of the right shapes."""
-    from flash_recipe.ops.backward import attention_backward
+    from flash_recipe.ops.backward_launch import attention_backward
 
     q, k, v, var, varlen = _varlen_inputs(cu_q, cu_k)
     out, lse, dout = _rand(*q.shape, seed=4), _rand(2, TOTAL_Q, seed=5), _rand(*q.shape, seed=6)
-    attention_backward(dout, q, k, v, out, lse, 0.25, var, varlen)
+    attention_backward(dout, q, k, v, out, lse, var, varlen)
 
 
 @pytest.mark.parametrize("table", [GOOD_TABLE, [[0, 99], [-1, 3], [BIG, -(2**31)]]], ids=["table-good", "table-bad"])
@@ -331,10 +352,10 @@ def test_paged_varlen_bad_metadata_stays_in_bounds(cu_q, cu_k, table, bounds_che
     """Paged varlen keys (as ``flash_attn_varlen_func`` with ``block_table`` launches them): key
     lengths from ``cu_seqlens_k``, rows through the page table."""
     from flash_recipe.ops.forward import attention_forward
-    from flash_recipe.ops.launch import KeyRanges
+    from flash_recipe.ops.options import KeyRanges
 
     q, _, _, var, varlen = _varlen_inputs(cu_q, cu_k)
     k, v = _rand(NUM_PAGES, PAGE, 1, 16, seed=2), _rand(NUM_PAGES, PAGE, 1, 16, seed=3)
     lengths = varlen.cu_seqlens_k[1:] - varlen.cu_seqlens_k[:-1]
     keys = KeyRanges(torch.zeros_like(lengths), lengths, 40, _i32(table))
-    attention_forward(q, k, v, 0.25, var, varlen, keys)
+    attention_forward(q, k, v, var, varlen, keys)

@@ -9,10 +9,14 @@ fresh process without ``TRITON_INTERPRET``. The full sweep is ``nox -s compile_c
 
 from __future__ import annotations
 
+import ast
+import textwrap
+from pathlib import Path
+
 import pytest
 from offline import compile_in_subprocess
 
-from flash_recipe.ops import configs
+from flash_recipe.ops import choose, configs, targets
 from flash_recipe.tools import compile_check, compiled_code
 
 
@@ -49,19 +53,121 @@ def test_unknown_architectures_get_the_conservative_family_and_old_ones_are_refu
     assert "sized for 232448" in configs.shared_memory_problem("sm90", 101376)
 
 
+# -- the table is data ----------------------------------------------------------------------------
+MUTATING_METHODS = {"append", "extend", "update", "insert", "setdefault", "pop", "popitem", "clear", "remove"}
+
+
+def _module_level(tree: ast.Module):
+    """The nodes that run when the module is imported (not inside a function body)."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def table_mutations(source: str) -> list[str]:
+    """What in ``source`` changes a value after it was built: an assignment (plain, augmented or
+    annotated) or ``del`` whose target is an item or attribute, anywhere; at module level, a
+    ``for`` or ``while`` loop and a call of a mutating method (``.append``, ``.update``, ...)."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            if any(isinstance(part, (ast.Subscript, ast.Attribute)) for part in ast.walk(target)):
+                found.append(f"line {node.lineno}: changes {ast.unparse(target)}")
+    for node in _module_level(tree):
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            found.append(f"line {node.lineno}: a loop at module level")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATING_METHODS:
+            found.append(f"line {node.lineno}: calls .{node.func.attr} at module level")
+    return sorted(found)
+
+
+def test_the_table_is_one_literal_that_nothing_changes():
+    source = Path(configs.__file__).read_text()
+    assert table_mutations(source) == []
+    tree = ast.parse(source)
+    bound = [node for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))]
+    names = [ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target) for node in bound]
+    assert names.count("_TABLE") == 1
+    assert isinstance(bound[names.index("_TABLE")].value, ast.Dict)
+
+
+def test_the_mutation_check_finds_each_kind():
+    source = textwrap.dedent("""
+        _TABLE = {("x", "y"): [(16, 2, 1)]}
+        _TABLE[("x", "y")][1] = (32, 2, 2)
+        _TABLE[("x", "z")] += [(16, 4, 3)]
+        for kernel in ("a", "b"):
+            pass
+        _TABLE.update({})
+        _TABLE[("x", "y")].append((64, 2, 4))
+
+        def lookup(key):
+            rows = []
+            rows.append(key)  # a local list, built inside a function: not the table
+            return rows
+    """)
+    assert table_mutations(source) == [
+        "line 3: changes _TABLE['x', 'y'][1]",
+        "line 4: changes _TABLE['x', 'z']",
+        "line 5: a loop at module level",
+        "line 7: calls .update at module level",
+        "line 8: calls .append at module level",
+    ]
+    assert table_mutations('_TABLE = {("x", "y"): [(16, 2, 1)]}\n') == []
+
+
+# Blocks of the table noted "as X": each repeats X's rows, except at the (max bucket, max element
+# size) rows given, which the table says why.
+SAME_ROWS = [
+    *[(("sm120", kernel), ("sm86", kernel), set()) for kernel in configs.KERNELS],
+    *[(("sm100", kernel), ("sm90", kernel), set()) for kernel in ("fwd", "fwd_general", "bwd_dq", "decode")],
+    (("sm100", "bwd_dkdv"), ("sm90", "bwd_dkdv"), {(128, 2), (256, 2)}),
+    (("sm100", "bwd_onepass"), ("sm90", "bwd_onepass"), {(256, 2)}),
+    (("sm100", "bwd_onepass"), ("sm100", "bwd_dkdv"), {(128, 2)}),
+    (("sm90", "decode"), ("sm80", "decode"), set()),
+    *[((family, "fwd_general"), (family, "fwd"), set()) for family in ("sm80", "amd", "interpreter")],
+    (("sm86", "fwd_general"), ("sm86", "fwd"), {(128, 2)}),
+    (("sm90", "fwd_general"), ("sm90", "fwd"), {(64, 2), (128, 2)}),
+    *[((family, "bwd_onepass"), (family, "bwd_dkdv"), set()) for family in ("amd", "interpreter")],
+    (("sm80", "bwd_onepass"), ("sm80", "bwd_dkdv"), {(64, 2)}),
+    (("sm86", "bwd_onepass"), ("sm86", "bwd_dkdv"), {(128, 2)}),
+    (("sm90", "bwd_onepass"), ("sm90", "bwd_dkdv"), {(128, 2)}),
+]
+
+
+@pytest.mark.parametrize(
+    ("block", "model", "differing"), SAME_ROWS, ids=lambda v: "-".join(v) if isinstance(v, tuple) else None
+)
+def test_a_block_noted_as_another_repeats_its_rows(block, model, differing):
+    rows, model_rows = configs._TABLE[block], configs._TABLE[model]
+    assert [row[:2] for row in rows] == [row[:2] for row in model_rows]
+    assert {row[:2] for row, other in zip(rows, model_rows) if row[2] != other[2]} == differing
+
+
 def test_overriding_replaces_one_launch_configuration_in_its_block():
     import torch
 
     cpu = torch.device("cpu")
-    table = configs.launch_config(cpu, "fwd", 100, 2)
+    table = choose.launch_config(cpu, "fwd", 100, 2)
     assert table == configs.get_config("interpreter", "fwd", 100, 2)
     candidate = configs.Config(16, 16, 1, 1)
-    with configs.overriding("fwd", 128, 2, candidate):
-        assert configs.launch_config(cpu, "fwd", 100, 2) == candidate  # same bucket, same element size
-        assert configs.launch_config(cpu, "fwd", 100, 4) == configs.get_config("interpreter", "fwd", 100, 4)
-        assert configs.launch_config(cpu, "bwd_dq", 128, 2) == configs.get_config("interpreter", "bwd_dq", 128, 2)
-    assert configs.launch_config(cpu, "fwd", 100, 2) == table
-    with pytest.raises(ValueError, match="kernel must be one of"), configs.overriding("forward", 128, 2, candidate):
+    with choose.overriding("fwd", 128, 2, candidate):
+        assert choose.launch_config(cpu, "fwd", 100, 2) == candidate  # same bucket, same element size
+        assert choose.launch_config(cpu, "fwd", 100, 4) == configs.get_config("interpreter", "fwd", 100, 4)
+        assert choose.launch_config(cpu, "bwd_dq", 128, 2) == configs.get_config("interpreter", "bwd_dq", 128, 2)
+    assert choose.launch_config(cpu, "fwd", 100, 2) == table
+    with pytest.raises(ValueError, match="kernel must be one of"), choose.overriding("forward", 128, 2, candidate):
         pass
 
 
@@ -154,7 +260,7 @@ def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two(
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    configs.triton_release() < compile_check.PROXY["since_triton"], reason="the bound was measured with Triton 3.9"
+    targets.triton_release() < compile_check.PROXY["since_triton"], reason="the bound was measured with Triton 3.9"
 )
 def test_the_speed_proxy_holds_for_the_table_and_fails_for_the_old_tile():
     """The aligned sm90 forward at head dim 128 costs at most the tutorial's instructions per key; its
@@ -233,7 +339,7 @@ def test_launch_specialisation_is_applied():
     """)
     fp32 = rows.pop(-2)  # full-precision fp32 dots run on the FMA units, which the check sees and allows
     assert fp32["dtype"] == "float32" and fp32["fma_dots"] > 0 and fp32["ok"], fp32
-    assert rows.pop()["driver_after"] != "_OfflineDriver"  # the stand-in driver is removed afterwards
+    assert rows.pop()["driver_after"] != "OfflineDriver"  # the stand-in driver is removed afterwards
     assert all(row["fma_dots"] == 0 for row in rows), rows
     by_target = {row["target"]: row for row in rows}
     assert set(by_target) == {"sm90", "sm120", "gfx942"}

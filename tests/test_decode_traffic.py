@@ -121,13 +121,15 @@ def test_the_proxy_sees_unpacked_reads(bounds_checked):
     batch, group = 1, 4
     q = _rand(batch, 1, NHEADS_K * group, HEAD_DIM, seed=1)
     k, v = _rand(batch, 64, NHEADS_K, HEAD_DIM, seed=2), _rand(batch, 64, NHEADS_K, HEAD_DIM, seed=3)
-    from flash_recipe.ops.launch import ScoreOptions
+    from flash_recipe.ops.options import ScoreOptions
 
-    options = ScoreOptions(64 - 1, -1, 0, 0.0, None)
-    forward.attention_forward(q, k, v, HEAD_DIM**-0.5, options, pack_gqa=False)
+    options = ScoreOptions(
+        softmax_scale=HEAD_DIM**-0.5, diag_offset=64 - 1, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None
+    )
+    forward.attention_forward(q, k, v, options, pack_gqa=False)
     unpacked = _kv_bytes(bounds_checked)
     bounds_checked.loaded.clear()
-    forward.attention_forward(q, k, v, HEAD_DIM**-0.5, options)
+    forward.attention_forward(q, k, v, options)
     packed = _kv_bytes(bounds_checked)
     minimum = _minimum([64], 1, -1, 2)
     assert unpacked / minimum == pytest.approx(group) and packed / minimum <= BOUND

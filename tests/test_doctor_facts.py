@@ -417,17 +417,17 @@ def test_the_injected_facts_of_the_rule_tests_use_declared_keys():
 
 
 # -- one definition of "the interpreter is on" ---------------------------------------------------------------------
-def test_compile_check_asks_configs_whether_the_interpreter_is_on(monkeypatch):
-    from flash_recipe.ops import configs
+def test_compile_check_asks_targets_whether_the_interpreter_is_on(monkeypatch):
+    from flash_recipe.ops import targets
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(configs, "interpreter_enabled", lambda: True)
+    monkeypatch.setattr(targets, "interpreter_enabled", lambda: True)
     row = probes.triton_compile_check("sm90")
     assert row["ok"] is None and "TRITON_INTERPRET" in row["error"]
 
 
 def test_env_package_does_not_parse_triton_interpret_itself():
-    """No ``os.environ.get("TRITON_INTERPRET")`` (or ``[...]``, ``"..." in``) in flash_recipe/env: it asks configs."""
+    """No ``os.environ.get("TRITON_INTERPRET")`` (or ``[...]``, ``"..." in``) in flash_recipe/env: it asks targets."""
     for path in ENV_DIR.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value == "TRITON_INTERPRET":

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_recipe.ops import configs, features
+from flash_recipe.ops import features, targets
 
 
 def test_descriptors_on_hopper_and_blackwell_with_triton_3_4(monkeypatch):
     monkeypatch.delenv("FLASH_RECIPE_TMA", raising=False)
-    monkeypatch.setattr(configs, "triton_release", lambda: (3, 4))
+    monkeypatch.setattr(targets, "triton_release", lambda: (3, 4))
     assert [
         t
         for t in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx942", "interpreter")
@@ -20,7 +20,7 @@ def test_descriptors_on_hopper_and_blackwell_with_triton_3_4(monkeypatch):
         monkeypatch.setenv("FLASH_RECIPE_TMA", off)
         assert not features.descriptors_enabled("sm90"), off
     monkeypatch.delenv("FLASH_RECIPE_TMA")
-    monkeypatch.setattr(configs, "triton_release", lambda: (3, 3))
+    monkeypatch.setattr(targets, "triton_release", lambda: (3, 3))
     assert not features.descriptors_enabled("sm90")
     with pytest.raises(NotImplementedError, match="Triton 3.4 or newer"), features.using_descriptors(True):
         pass
@@ -29,7 +29,7 @@ def test_descriptors_on_hopper_and_blackwell_with_triton_3_4(monkeypatch):
 
 
 def test_a_forced_choice_holds_in_its_block_only(monkeypatch):
-    monkeypatch.setattr(configs, "triton_release", lambda: (3, 9))
+    monkeypatch.setattr(targets, "triton_release", lambda: (3, 9))
     with features.using_descriptors(True):
         assert features.descriptors_enabled("interpreter") and features.descriptors_enabled("sm80")
         with features.using_descriptors(False):
@@ -61,7 +61,7 @@ def test_only_tensors_tma_can_read_as_row_tiles_qualify():
 def test_tma_views_are_row_tiles_of_keys_and_values(monkeypatch):
     k, v = (torch.empty(2, 80, 4, 64, dtype=torch.float16) for _ in range(2))
     assert features.tma_views(k, v, 32) is None  # the CPU (interpreter target): pointers
-    monkeypatch.setattr(configs, "triton_release", lambda: (3, 9))
+    monkeypatch.setattr(targets, "triton_release", lambda: (3, 9))
     with features.using_descriptors(True):
         tiles = features.tma_views(k, v, 32)
         assert features.tma_views(k, v.float(), 32) is None

@@ -154,7 +154,8 @@ def test_dropout_backward_regenerates_the_mask():
     """triton: the backward replays the forward's dropout mask from rng_state (checked against the
     kernels' own custom ops with that seed; the backward as flash-attn's, whose out and lse may be
     a larger attention's: ``own_lse=False``); S_dmask is negative where dropped."""
-    from flash_recipe.ops.attention import attention, attn_bwd
+    from flash_recipe.ops.attention import attention, attn_bwd, flatten
+    from flash_recipe.ops.options import ScoreOptions
 
     q, k, v, dout = _tensors(1, 24, 24, 2, 2, seed=5)
     with flash_recipe.use_backend("triton"):
@@ -164,28 +165,18 @@ def test_dropout_backward_regenerates_the_mask():
             dout, q, k, v, out, lse, dq, dk, dv, 0.3, 0.25, False, -1, -1, 0.0, None, False, rng_state
         )
     assert s_dmask.shape == (1, 2, 128, 128) and (s_dmask[:, :, :24, :24] < 0).any()
-    expected_out, expected_lse = attention(q, k, v, 0.25, 0, dropout_p=0.3, seed=rng_state[:1])
-    expected = attn_bwd(
-        dout,
-        q,
-        k,
-        v,
-        expected_out,
-        expected_lse,
-        None,
-        None,
-        0,
-        0,
-        0.25,
-        0,
-        -1,
-        -1,
-        0.0,
-        None,
-        0.3,
-        rng_state[:1],
-        own_lse=False,
+    options = ScoreOptions(
+        softmax_scale=0.25,
+        diag_offset=0,
+        window_left=-1,
+        window_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        dropout_p=0.3,
+        seed=rng_state[:1],
     )
+    expected_out, expected_lse = attention(q, k, v, options)
+    expected = attn_bwd(dout, q, k, v, expected_out, expected_lse, *flatten(options, None), False, False)
     assert _max(out, expected_out) == 0.0
     for grad, want in zip((dq, dk, dv), expected):
         assert _max(grad, want) == 0.0
@@ -194,7 +185,8 @@ def test_dropout_backward_regenerates_the_mask():
 def test_varlen_dropout_runs_and_replays_the_mask():
     """Varlen with dropout on the triton backend: the backward regenerates the forward's mask (the
     same gradients as the kernels' custom ops with that seed, ``own_lse=False`` as above)."""
-    from flash_recipe.ops.attention import attention, attn_bwd
+    from flash_recipe.ops.attention import attention, attn_bwd, flatten
+    from flash_recipe.ops.options import ScoreOptions, Varlen
 
     gen = torch.Generator().manual_seed(8)
     q, k, v, dout = (torch.randn(20, 2, 16, generator=gen) for _ in range(4))
@@ -206,30 +198,19 @@ def test_varlen_dropout_runs_and_replays_the_mask():
             dout, q, k, v, out, lse, dq, dk, dv, cu, cu, 13, 13, 0.3, 0.25, True, -1, -1, 0.0, None, False, rng_state
         )
     assert s_dmask.shape == (0,)
-    expected, expected_lse = attention(
-        q, k, v, 0.25, 0, (-1, 0), cu_seqlens=(cu, cu), max_seqlens=(13, 13), dropout_p=0.3, seed=rng_state[:1]
+    options = ScoreOptions(
+        softmax_scale=0.25,
+        diag_offset=0,
+        window_left=-1,
+        window_right=0,
+        softcap=0.0,
+        alibi_slopes=None,
+        dropout_p=0.3,
+        seed=rng_state[:1],
     )
-    grads = attn_bwd(
-        dout,
-        q,
-        k,
-        v,
-        expected,
-        expected_lse,
-        cu,
-        cu,
-        13,
-        13,
-        0.25,
-        0,
-        -1,
-        0,
-        0.0,
-        None,
-        0.3,
-        rng_state[:1],
-        own_lse=False,
-    )
+    varlen = Varlen(cu, cu, 13, 13)
+    expected, expected_lse = attention(q, k, v, options, varlen)
+    grads = attn_bwd(dout, q, k, v, expected, expected_lse, *flatten(options, varlen), False, False)
     assert _max(out, expected) == 0.0
     for grad, want in zip((dq, dk, dv), grads):
         assert _max(grad, want) == 0.0

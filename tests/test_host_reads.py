@@ -459,13 +459,13 @@ def test_the_guard_catches_a_host_read_added_on_the_path(read, device, monkeypat
 def test_the_guard_catches_a_read_inside_the_backward(device, monkeypatch, fresh_memos):
     """The backward runs with the mode off the stack; the guard re-enters at its launcher, so a read
     of ``cu_seqlens`` there fails too."""
-    from flash_recipe.ops import backward
+    from flash_recipe.ops import backward_launch
 
-    launch = backward.attention_backward
+    launch = backward_launch.attention_backward
 
-    def reading(dout, q, k, v, out, lse, softmax_scale, options, varlen, *args, **kwargs):
+    def reading(dout, q, k, v, out, lse, options, varlen, *args, **kwargs):
         varlen.cu_seqlens_k.tolist()
-        return launch(dout, q, k, v, out, lse, softmax_scale, options, varlen, *args, **kwargs)
+        return launch(dout, q, k, v, out, lse, options, varlen, *args, **kwargs)
 
     monkeypatch.setattr(ops_attention, "attention_backward", reading)
     guard = HostReadGuard()

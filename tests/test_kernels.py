@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import flash_recipe
-from flash_recipe.ops import configs, features, tiles
+from flash_recipe.ops import features, targets, tiles
 from flash_recipe.reference import attention_reference
 from flash_recipe.tools.verify import Case, check_case
 
@@ -220,7 +220,7 @@ def test_tanh_is_accurate_to_about_one_ulp_everywhere(device):
     truth = torch.tanh(x.double())
     spacing = torch.from_numpy(np.spacing(truth.float().abs().numpy())).double().clamp_min(2.0**-149)
     ulps = (y.double() - truth).abs() / spacing
-    limit = 1.5 if configs.interpreter_enabled() else 2.5
+    limit = 1.5 if targets.interpreter_enabled() else 2.5
     assert ulps.max().item() <= limit, f"tanh is off by {ulps.max().item():.2f} ulp at x = {x[ulps.argmax()].item()}"
 
 
@@ -236,7 +236,7 @@ def launched(monkeypatch) -> list:
 DESCRIPTOR_CASES = [c for c in CASES if c.head_dim in (16, 32, 64, 128, 256)]
 
 
-@pytest.mark.skipif(configs.triton_release() < features.DESCRIPTORS_SINCE, reason="tensor descriptors need Triton 3.4")
+@pytest.mark.skipif(targets.triton_release() < features.DESCRIPTORS_SINCE, reason="tensor descriptors need Triton 3.4")
 @pytest.mark.parametrize("case", DESCRIPTOR_CASES, ids=lambda c: c.id)
 def test_tensor_descriptor_path_matches_pointer_path(case, device, nan_outputs, launched):
     """The forward's TMA path (``ops.features``; on by default on sm90/sm100) gives the pointer
@@ -261,7 +261,7 @@ def _case_inputs(case, device):
     )
 
 
-@pytest.mark.skipif(configs.triton_release() < features.DESCRIPTORS_SINCE, reason="tensor descriptors need Triton 3.4")
+@pytest.mark.skipif(targets.triton_release() < features.DESCRIPTORS_SINCE, reason="tensor descriptors need Triton 3.4")
 @pytest.mark.parametrize("causal", [False, True])
 def test_tensor_descriptors_on_packed_keys_with_gqa_and_batches(causal, device, launched):
     """kv-packed views (row stride 2 * Hk * D) in a batch of 2 with GQA take the descriptor path and

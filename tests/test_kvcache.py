@@ -285,7 +285,7 @@ def test_bad_metadata_on_the_device_gives_nan_not_stray_access(device):
     range or an end past the table makes that batch entry NaN and writes nothing outside the cache;
     the other entries are untouched."""
     from flash_recipe.ops.kvcache import Cache, attention_kvcache
-    from flash_recipe.ops.launch import ScoreOptions
+    from flash_recipe.ops.options import ScoreOptions
 
     q = _rand(3, 1, 2, 16, device=device, seed=1)
     k_cache, v_cache = (_rand(6, 16, 2, 16, device=device, seed=s) for s in (2, 3))
@@ -299,8 +299,7 @@ def test_bad_metadata_on_the_device_gives_nan_not_stray_access(device):
         v_new,
         Cache(k_cache, v_cache, table, seqlens, None),
         None,
-        0.25,
-        ScoreOptions(0, -1, 0, 0.0, None),
+        ScoreOptions(softmax_scale=0.25, diag_offset=0, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None),
         num_splits=2,
     )
     assert out[0].isfinite().all() and lse[0].isfinite().all()

@@ -15,7 +15,8 @@ import torch
 
 import flash_recipe
 from flash_recipe import signatures
-from flash_recipe.ops import backward, forward, schedule
+from flash_recipe.ops import backward_launch, forward, schedule
+from flash_recipe.tools import schedule_report
 
 pytestmark = pytest.mark.usefixtures("bounds_checked")
 
@@ -142,7 +143,7 @@ def test_the_order_changes_no_bit(causal, monkeypatch, device):
     for section in (1, 2, 4):
         signatures.forget()  # plan again, with this section
         monkeypatch.setattr(forward, "launch_section", lambda *args, _s=section: _s)
-        monkeypatch.setattr(backward, "launch_section", lambda *args, _s=section: _s)
+        monkeypatch.setattr(backward_launch, "launch_section", lambda *args, _s=section: _s)
         got = []
         for deterministic in (False, True):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -159,13 +160,13 @@ def test_the_order_changes_no_bit(causal, monkeypatch, device):
 def test_the_model_finds_the_order_no_slower_than_the_plain_one():
     """The model behind docs/performance.md's table: every causal shape ends sooner (or as soon) in
     this order, and the plain order's tail is what the table says it is."""
-    rows = schedule.model_rows()
-    assert [r[:3] for r in rows] == list(schedule.MODEL_SHAPES)
+    rows = schedule_report.model_rows()
+    assert [r[:3] for r in rows] == list(schedule_report.MODEL_SHAPES)
     for *_, plain, ordered in rows:
         assert 1.0 <= ordered <= plain
     assert max(r[-2] for r in rows) > 1.05  # the plain order's tail is worth reordering for
-    assert schedule.model_time([3.0, 1.0, 1.0, 1.0], 2) == 3.0
-    assert schedule.model_time([1.0, 1.0, 1.0, 3.0], 2) == 4.0
+    assert schedule_report.model_time([3.0, 1.0, 1.0, 1.0], 2) == 3.0
+    assert schedule_report.model_time([1.0, 1.0, 1.0, 3.0], 2) == 4.0
 
 
 def test_the_module_prints_the_model_table():
@@ -173,7 +174,7 @@ def test_the_module_prints_the_model_table():
     import sys
 
     printed = subprocess.run(
-        [sys.executable, "-m", "flash_recipe.ops.schedule"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "flash_recipe.tools.schedule_report"], capture_output=True, text=True, check=True
     ).stdout
     assert "A model, not a timing" in printed
     assert "| B2 S8192 H16 | 2048 | 6 |" in printed

@@ -246,16 +246,20 @@ def test_compiled_fullgraph_traces_sinks_and_their_gradient(device):
 
 def test_custom_ops_with_sinks_pass_opcheck(device):
     """torch.library.opcheck with sinks: the schema, fake kernels and autograd registration agree."""
-    from flash_recipe.ops.attention import attn_bwd, attn_fwd
+    from flash_recipe.ops.attention import attn_bwd, attn_fwd, flatten
+    from flash_recipe.ops.options import ScoreOptions
 
     q, k, v = (_rand(2, 19, 4, 16, device=device, seed=s).requires_grad_() for s in range(3))
     sinks = _sinks(4, 0.0, device).requires_grad_()
-    args = (q, k, v, None, None, 0, 0, 0.25, 0, 5, 2, 3.0, None, 0.0, None, sinks)
+    options = ScoreOptions(
+        softmax_scale=0.25, diag_offset=0, window_left=5, window_right=2, softcap=3.0, alibi_slopes=None, sinks=sinks
+    )
+    args = (q, k, v, *flatten(options, None), False)
     torch.library.opcheck(attn_fwd, args)
     out, lse = attn_fwd(*args)
     detached = [t.detach() for t in (q, k, v)]
-    bwd_args = (torch.randn_like(out), *detached, out.detach(), lse, None, None, 0, 0, 0.25, 0, 5, 2, 3.0, None, 0.0)
-    torch.library.opcheck(attn_bwd, (*bwd_args, None), {"sinks": sinks.detach()})
+    flat = flatten(options._replace(sinks=sinks.detach()), None)
+    torch.library.opcheck(attn_bwd, (torch.randn_like(out), *detached, out.detach(), lse, *flat, True, False))
 
 
 def test_stand_in_takes_s_aux_and_sdpa_takes_learnable_sink(device):

@@ -6,21 +6,23 @@ sm80), an H100/H200 (132, sm90) and an RTX 4090 (128, sm89) must satisfy five pr
 choice (``violations``): (a) the launch fills the SMs unless the cache is too short to split
 further, (b) within the key blocks and the cap, (c) 1 when the programs alone make a wave, (d) a
 well-filled last wave or the best available, and (e) packing and splitting together are never
-slower than the unpacked path on the proxy (``splits.critical_path``). Deliberately wrong rules
+slower than the unpacked path on the proxy (``splits_report.critical_path``). Deliberately wrong rules
 must break them, so the checks can fail. The wiring through ``kvcache.heuristic_splits`` runs with
 only the GPU driver faked, as tests/test_tune.py fakes it.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
 import torch
 
 from flash_recipe import decoding
-from flash_recipe.ops import configs, kvcache, splits, tuned
+from flash_recipe.ops import configs, kvcache, limits, splits, targets, tuned
 from flash_recipe.ops.splits import GOOD_WAVE_EFFICIENCY, MAX_SPLITS, PROGRAMS_PER_SM, choose_splits
+from flash_recipe.tools import splits_report
 from flash_recipe.tools.campaign import plan
 
 H, HK, D, SIZE = 32, 8, 128, 2  # Llama-3-8B, bf16
@@ -72,8 +74,8 @@ def violations(rule, batch: int, key_blocks: int, sms: int) -> list[str]:
     best = max(splits.wave_efficiency(packed, s, sms) for s in _candidates(packed, key_blocks, sms))
     if efficiency < GOOD_WAVE_EFFICIENCY and efficiency < best:
         found.append(f"d: wave efficiency {efficiency:.2f}, below {GOOD_WAVE_EFFICIENCY} and the best {best:.2f}")
-    packed_path = splits.critical_path(packed, chosen, key_blocks, sms)
-    unpacked_path = splits.critical_path(unpacked, rule(unpacked, key_blocks, sms), key_blocks, sms)
+    packed_path = splits_report.critical_path(packed, chosen, key_blocks, sms)
+    unpacked_path = splits_report.critical_path(unpacked, rule(unpacked, key_blocks, sms), key_blocks, sms)
     if packed_path > unpacked_path:
         found.append(f"e: packed path {packed_path} key blocks, unpacked {unpacked_path}")
     return found
@@ -174,13 +176,16 @@ def test_bad_arguments_are_named(args, error, words):
 
 
 def test_the_caps_agree():
-    """flash-attn's 128: the most a caller may ask for, the rule may choose, a tuned file may hold."""
-    assert decoding.MAX_SPLITS == splits.MAX_SPLITS == tuned.MAX_SPLITS == 128
+    """flash-attn's 128: the most a caller may ask for, the rule may choose, a tuned file may hold,
+    defined once (``ops.limits``)."""
+    assert decoding.MAX_SPLITS == splits.MAX_SPLITS == tuned.MAX_SPLITS == limits.MAX_SPLITS == 128
+    for module in (decoding, splits, tuned):
+        assert "MAX_SPLITS =" not in inspect.getsource(module), f"{module.__name__} defines its own MAX_SPLITS"
 
 
 # -- the table ----------------------------------------------------------------------------------
 
-# The splits column of ``python -m flash_recipe.ops.splits`` for the grid, per SM count, in the
+# The splits column of ``python -m flash_recipe.tools.splits_report`` for the grid, per SM count, in the
 # order batch x cache (1024, 8192, 32768). Regenerate it there when the rule changes on purpose.
 TABLE = {
     108: [16, 27, 27, 6, 6, 6, 1, 1, 1, 1, 1, 1],
@@ -190,9 +195,9 @@ TABLE = {
 
 
 def test_the_table_is_the_campaign_grid_and_says_what_the_rule_chooses():
-    assert (splits.TABLE_BATCHES, splits.TABLE_CACHES) == (plan.DECODE_BATCHES, plan.DECODE_CACHES)
-    assert splits.TABLE_SHAPE == {"nheads": H, "nheads_k": HK, "head_dim": D, "element_size": SIZE}
-    rows = splits.split_table()
+    assert (splits_report.TABLE_BATCHES, splits_report.TABLE_CACHES) == (plan.DECODE_BATCHES, plan.DECODE_CACHES)
+    assert splits_report.TABLE_SHAPE == {"nheads": H, "nheads_k": HK, "head_dim": D, "element_size": SIZE}
+    rows = splits_report.split_table()
     assert len(rows) == len(GRID)
     for row in rows:
         assert FAMILY[row.target] == configs.arch_family(row.target) and GPUS[row.sms][0] == row.target
@@ -202,7 +207,7 @@ def test_the_table_is_the_campaign_grid_and_says_what_the_rule_chooses():
         assert row.waves == pytest.approx(row.programs * row.splits / (row.sms * PROGRAMS_PER_SM))
         assert row.path <= row.unpacked_path
     assert {sms: [r.splits for r in rows if r.sms == sms] for sms in GPUS} == TABLE
-    table = splits.markdown(rows)
+    table = splits_report.markdown(rows)
     assert len(table.splitlines()) == 2 + len(rows) and "| 132 (sm90) | 8 | 8192 | 128 | 64 | 8 |" in table
 
 
@@ -211,7 +216,11 @@ def test_the_module_prints_the_table():
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "flash_recipe.ops.splits"], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-m", "flash_recipe.tools.splits_report"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert "| 108 (sm80) | 1 | 1024 | 16 | 8 | 16 |" in done.stdout
 
@@ -248,10 +257,10 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPUS[state.sms][1])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    for forget in (configs.gpu_target.cache_clear, splits.sm_count.cache_clear, tuned.forget):
+    for forget in (targets.gpu_target.cache_clear, splits.sm_count.cache_clear, tuned.forget):
         forget()
     yield state
-    for forget in (configs.gpu_target.cache_clear, splits.sm_count.cache_clear, tuned.forget):
+    for forget in (targets.gpu_target.cache_clear, splits.sm_count.cache_clear, tuned.forget):
         forget()
 
 
@@ -264,7 +273,7 @@ def test_the_heuristic_counts_the_launch_as_it_runs(fake_gpu, sms):
     programs and key blocks of the decode configuration reach ``choose_splits``."""
     fake_gpu.sms = sms
     target = GPUS[sms][0]
-    assert configs.target_of(CUDA0) == target
+    assert targets.target_of(CUDA0) == target
     for batch in plan.DECODE_BATCHES:
         for cache in plan.DECODE_CACHES:
             blocks = _key_blocks(cache, target)

@@ -177,7 +177,7 @@ def test_a_paged_launch_without_key_ranges_is_refused_by_the_kernel(monkeypatch)
     ``KV_RANGES``), instead of reading rows from a page table it has no range for. The launcher
     never does that; the launch is altered here to show it."""
     from flash_recipe.ops import forward
-    from flash_recipe.ops.launch import KeyRanges, ScoreOptions
+    from flash_recipe.ops.options import KeyRanges, ScoreOptions
     from flash_recipe.signatures import Memo
 
     planned = forward.plan
@@ -193,7 +193,10 @@ def test_a_paged_launch_without_key_ranges_is_refused_by_the_kernel(monkeypatch)
     lengths = torch.tensor([5], dtype=torch.int32)
     keys = KeyRanges(torch.zeros_like(lengths), lengths, 32, torch.tensor([[0, 1]], dtype=torch.int32))
     with pytest.raises(Exception, match="PAGED addresses key ranges through the page table: it needs KV_RANGES"):
-        forward.attention_forward(q, pages, pages, 0.25, ScoreOptions(0, -1, 0, 0.0, None), keys=keys)
+        options = ScoreOptions(
+            softmax_scale=0.25, diag_offset=0, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None
+        )
+        forward.attention_forward(q, pages, pages, options, keys=keys)
 
 
 def _layer(module: str) -> str:

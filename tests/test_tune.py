@@ -1,7 +1,7 @@
 """``flash-recipe tune`` and the per-device cache of tuned configurations, on the CPU.
 
 The cache (``flash_recipe.ops.tuned``) is tested as files: its format, where it lives, and that a
-stale or corrupt file is ignored with one warning. The dispatcher's side (``configs.launch_config``,
+stale or corrupt file is ignored with one warning. The dispatcher's side (``choose.launch_config``,
 ``kvcache.auto_splits``) needs a GPU to ask; this machine has none, so ``fake_gpu`` stands in for
 the missing driver alone: ``torch.cuda`` answers the device queries as an H100 would, and every
 flash_recipe function runs unchanged. The tuner runs its real launches through Triton's
@@ -20,7 +20,7 @@ import pytest
 import torch
 from offline import compile_in_subprocess
 
-from flash_recipe.ops import configs, forward, kvcache, splits, tuned
+from flash_recipe.ops import choose, configs, forward, kvcache, splits, targets, tuned
 from flash_recipe.ops.configs import Config
 from flash_recipe.tools import cli, tune
 
@@ -58,10 +58,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: properties(device).name)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    configs.gpu_target.cache_clear()
+    targets.gpu_target.cache_clear()
     splits.sm_count.cache_clear()
     yield
-    configs.gpu_target.cache_clear()
+    targets.gpu_target.cache_clear()
     splits.sm_count.cache_clear()
 
 
@@ -139,21 +139,21 @@ def test_launch_config_takes_the_tuned_config_only_for_the_matching_device(fake_
     _write(_document())
     table = configs.get_config("sm90", "fwd", 128, 2)
     assert table != Config(64, 32, 4, 5)
-    assert configs.launch_config(CUDA0, "fwd", 100, 2) == Config(64, 32, 4, 5)  # same bucket
-    assert configs.launch_config(torch.device("cuda"), "fwd", 128, 2) == Config(64, 32, 4, 5)  # current device
-    assert configs.launch_config(CUDA0, "fwd", 128, 4) == configs.get_config("sm90", "fwd", 128, 4)
-    assert configs.launch_config(CUDA0, "bwd_dq", 128, 2) == configs.get_config("sm90", "bwd_dq", 128, 2)
-    assert configs.launch_config(CUDA0, "fwd", 64, 2) == configs.get_config("sm90", "fwd", 64, 2)
+    assert choose.launch_config(CUDA0, "fwd", 100, 2) == Config(64, 32, 4, 5)  # same bucket
+    assert choose.launch_config(torch.device("cuda"), "fwd", 128, 2) == Config(64, 32, 4, 5)  # current device
+    assert choose.launch_config(CUDA0, "fwd", 128, 4) == configs.get_config("sm90", "fwd", 128, 4)
+    assert choose.launch_config(CUDA0, "bwd_dq", 128, 2) == configs.get_config("sm90", "bwd_dq", 128, 2)
+    assert choose.launch_config(CUDA0, "fwd", 64, 2) == configs.get_config("sm90", "fwd", 64, 2)
     # Another GPU model reads its own file (there is none): the table.
-    assert configs.launch_config(torch.device("cuda", 1), "fwd", 128, 2) == configs.get_config("sm80", "fwd", 128, 2)
+    assert choose.launch_config(torch.device("cuda", 1), "fwd", 128, 2) == configs.get_config("sm80", "fwd", 128, 2)
     # Never on the CPU.
-    assert configs.launch_config(torch.device("cpu"), "fwd", 128, 2) == configs.get_config("interpreter", "fwd", 128, 2)
+    assert choose.launch_config(torch.device("cpu"), "fwd", 128, 2) == configs.get_config("interpreter", "fwd", 128, 2)
     # An overriding block comes first.
-    with configs.overriding("fwd", 128, 2, Config(32, 32, 4, 1)):
-        assert configs.launch_config(CUDA0, "fwd", 128, 2) == Config(32, 32, 4, 1)
+    with choose.overriding("fwd", 128, 2, Config(32, 32, 4, 1)):
+        assert choose.launch_config(CUDA0, "fwd", 128, 2) == Config(32, 32, 4, 1)
     # Never under the interpreter.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert configs.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("interpreter", "fwd", 128, 2)
+    assert choose.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("interpreter", "fwd", 128, 2)
 
 
 def test_a_tuned_config_that_fails_to_compile_falls_back_to_the_table(fake_gpu):
@@ -167,9 +167,9 @@ def test_a_tuned_config_that_fails_to_compile_falls_back_to_the_table(fake_gpu):
     table = configs.get_config("sm90", "fwd", 128, 2)
     launched = []
 
-    @configs.tuned_fallback
+    @choose.tuned_fallback
     def launcher(head_dim):
-        cfg = configs.launch_config(CUDA0, "fwd", head_dim, 2)
+        cfg = choose.launch_config(CUDA0, "fwd", head_dim, 2)
         launched.append(cfg)
         if cfg == Config(64, 32, 4, 5):
             raise OutOfResources(300000, 232448, "shared memory")
@@ -197,14 +197,14 @@ def test_other_failures_of_a_launcher_propagate(fake_gpu):
 
     _write(_document())
 
-    @configs.tuned_fallback
+    @choose.tuned_fallback
     def bad_input(head_dim):
-        configs.launch_config(CUDA0, "fwd", head_dim, 2)
+        choose.launch_config(CUDA0, "fwd", head_dim, 2)
         raise ValueError("q must be contiguous")
 
-    @configs.tuned_fallback
+    @choose.tuned_fallback
     def always_out_of_memory(head_dim):
-        configs.launch_config(CUDA0, "fwd", head_dim, 2)
+        choose.launch_config(CUDA0, "fwd", head_dim, 2)
         raise OutOfResources(300000, 232448, "shared memory")
 
     with pytest.raises(ValueError, match="contiguous"):
@@ -221,7 +221,7 @@ def test_a_machine_without_a_cache_file_runs_the_table(fake_gpu):
         for kernel in configs.KERNELS:
             for head_dim in (16, 64, 128, 256):
                 for size in (2, 4):
-                    assert configs.launch_config(CUDA0, kernel, head_dim, size) == configs.get_config(
+                    assert choose.launch_config(CUDA0, kernel, head_dim, size) == configs.get_config(
                         "sm90", kernel, head_dim, size
                     )
         step = (1, 4, 1, 4096, CUDA0, 128, 2)  # batch, heads, rows, capacity, device, head dim, element size
@@ -234,13 +234,13 @@ def test_the_file_is_read_once_per_process_and_again_when_the_variable_changes(f
     read = tuned.read
     monkeypatch.setattr(tuned, "read", lambda path: reads.append(path) or read(path))
     for _ in range(50):
-        assert configs.launch_config(CUDA0, "fwd", 128, 2) == Config(64, 32, 4, 5)
+        assert choose.launch_config(CUDA0, "fwd", 128, 2) == Config(64, 32, 4, 5)
         kvcache.auto_splits(2, 16, 1, 8192, CUDA0, 128, 2)
     assert len(reads) == 1
     other = tmp_path / "other"
     monkeypatch.setenv(tuned.ENV_VAR, str(other))
     tuned.save(tuned.make_key(H100, "sm90"), [tuned.config_entry("fwd", 128, 2, (128, 128, 8, 2))], [])
-    assert configs.launch_config(CUDA0, "fwd", 128, 2) == Config(128, 128, 8, 2)
+    assert choose.launch_config(CUDA0, "fwd", 128, 2) == Config(128, 128, 8, 2)
     assert reads[-1] == other / "NVIDIA-H100-80GB-HBM3.tune.json"
 
 
@@ -253,7 +253,7 @@ def test_a_stale_file_is_ignored_with_one_warning(fake_gpu, field, value):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert configs.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("sm90", "fwd", 128, 2)
+            assert choose.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("sm90", "fwd", 128, 2)
             step = (2, 16, 1, 8192, CUDA0, 128, 2)
             assert kvcache.auto_splits(*step) == kvcache.heuristic_splits(*step)
     (warning,) = _tuned_warnings(record)
@@ -282,7 +282,7 @@ def test_a_corrupt_file_is_ignored_with_one_warning(fake_gpu, name):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert configs.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("sm90", "fwd", 128, 2)
+            assert choose.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("sm90", "fwd", 128, 2)
     (warning,) = _tuned_warnings(record)
     assert path in str(warning.message) and "built-in table" in str(warning.message)
     with pytest.raises(tuned.BadCacheFile):
@@ -295,8 +295,8 @@ def test_an_entry_that_cannot_fit_the_gpu_is_dropped_with_one_warning_and_the_re
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert configs.launch_config(CUDA0, "bwd_dq", 128, 2) == configs.get_config("sm90", "bwd_dq", 128, 2)
-            assert configs.launch_config(CUDA0, "fwd", 128, 2) == Config(64, 32, 4, 5)  # the fitting entry
+            assert choose.launch_config(CUDA0, "bwd_dq", 128, 2) == configs.get_config("sm90", "bwd_dq", 128, 2)
+            assert choose.launch_config(CUDA0, "fwd", 128, 2) == Config(64, 32, 4, 5)  # the fitting entry
     (warning,) = _tuned_warnings(record)
     message = str(warning.message)
     assert path in message and "bwd_dq" in message and "458752" in message and "232448" in message
@@ -388,12 +388,12 @@ def launches(monkeypatch):
     seen = []
     launch = forward.attention_forward
 
-    def recorded(q, k, v, scale, options, *args, **kwargs):
-        config = configs.launch_config(q.device, kwargs.get("kernel", "fwd"), q.shape[-1], q.element_size())
+    def recorded(q, k, v, options, *args, **kwargs):
+        config = choose.launch_config(q.device, kwargs.get("kernel", "fwd"), q.shape[-1], q.element_size())
         seen.append(config)
         if config == BROKEN:
             raise RuntimeError("out of resources: shared memory")
-        out, lse = launch(q, k, v, scale, options, *args, **kwargs)
+        out, lse = launch(q, k, v, options, *args, **kwargs)
         return (out + 0.01 if config == WRONG else out), lse
 
     monkeypatch.setattr(forward, "attention_forward", recorded)
@@ -451,8 +451,8 @@ def test_the_tuner_keeps_the_fastest_correct_candidate(launches, fake_gpu, monke
     # Written to the H100's file, which the launches on that GPU then use.
     assert report["path"] == str(tuned.cache_path(H100))
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert configs.launch_config(CUDA0, "fwd", 32, 2) == FAST
-    assert configs.launch_config(CUDA0, "fwd", 32, 4) == configs.get_config("sm90", "fwd", 32, 4)
+    assert choose.launch_config(CUDA0, "fwd", 32, 2) == FAST
+    assert choose.launch_config(CUDA0, "fwd", 32, 4) == configs.get_config("sm90", "fwd", 32, 4)
 
 
 def test_the_table_stays_unless_a_candidate_beats_it_by_min_gain():
@@ -510,7 +510,7 @@ def test_the_tuner_times_the_split_kv_counts_of_a_decoding_step():
 def test_the_tuner_drops_the_candidates_pruning_drops(monkeypatch):
     """The wiring: on a target with a shared-memory limit, ``prune`` runs before any launch and what
     it drops is never checked or timed (the compile itself is tested below, in a subprocess)."""
-    monkeypatch.setattr(configs, "target_of", lambda device: "sm120")
+    monkeypatch.setattr(targets, "target_of", lambda device: "sm120")
     table = configs.get_config("sm120", "fwd", 32, 4)
 
     def fake_prune(kernel, head_dim, dtype, found, target, jobs=1):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from offline import compile_in_subprocess
 
-from flash_recipe.tools import cli, verify, warmup, warmup_calls
+from flash_recipe.tools import cli, splits_report, verify, warmup, warmup_calls
 
 CPU = torch.device("cpu")
 TESTS = Path(__file__).resolve().parent  # ``nox -s tests`` imports the installed wheel: no tests/ beside it
@@ -111,9 +111,7 @@ def test_for_takes_several_steps_each_narrowed_to_its_dtypes(capsys):
 
 
 def test_offline_targets_are_those_with_a_known_multiprocessor_count():
-    from flash_recipe.ops import splits
-
-    assert set(warmup.OFFLINE_TARGETS) == {target for _, target in splits.TABLE_GPUS}
+    assert set(warmup.OFFLINE_TARGETS) == {target for _, target in splits_report.TABLE_GPUS}
 
 
 def test_without_a_test_tree_tests_says_why(tmp_path, monkeypatch):
@@ -241,7 +239,8 @@ def test_a_replayed_variant_is_the_kernel_the_real_launch_compiles(tmp_path):
         import json, os
         os.environ["TRITON_CACHE_DIR"] = {str(tmp_path)!r}
         import torch
-        from flash_recipe.tools import compile_check, warmup, warmup_calls
+        from flash_recipe.ops import offline
+        from flash_recipe.tools import warmup, warmup_calls
         from flash_recipe.tools.verify import Case
         call = warmup_calls._dense("t", Case(1, 33, 47, 2, 1, 24, True), "float16")
         found, _ = warmup.variants([call], torch.device("cpu"), "sm90")
@@ -251,7 +250,7 @@ def test_a_replayed_variant_is_the_kernel_the_real_launch_compiles(tmp_path):
         compiled = warmup._WORKER["compiled"]
         replayed = {{kernel.hash for _, kernel in compiled}}
         sizes = lambda: {{name: sum(len(c[0]) for c in fn.device_caches.values())
-                         for name, fn in compile_check._jit_kernels().items()}}
+                         for name, fn in offline.jit_kernels().items()}}
         before, count = sizes(), len(compiled)
         with warmup.offline_planning("sm90"):
             call.make(torch.device("cpu"))

@@ -29,7 +29,7 @@ from flash_recipe.dispatch.flash_attn_backend import FlashAttnBackend
 from flash_recipe.dispatch.reference_backend import ReferenceBackend
 from flash_recipe.dispatch.sdpa_backend import SdpaBackend
 from flash_recipe.dispatch.triton_backend import TritonBackend
-from flash_recipe.ops import configs
+from flash_recipe.ops import targets
 from flash_recipe.signatures import Memo, signature
 
 __all__ = [
@@ -204,7 +204,7 @@ def _selection_key(call: AttentionCall, forced: Optional[str], extra_key: Option
     if found is None:
         return None
     # The interpreter decides for CPU tensors only (``TritonBackend.supports``).
-    interpreted = not call.q.is_cuda and configs.interpreter_enabled()
+    interpreted = not call.q.is_cuda and targets.interpreter_enabled()
     return found, extra_key, forced, alias.is_installed(), interpreted
 
 

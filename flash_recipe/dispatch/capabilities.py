@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.ops import configs
+from flash_recipe.ops import configs, targets
 
 # Turing (sm75: T4, RTX 20xx) and older. The doctor's gpu-too-old finding says the same.
 TURING_ISSUES = "#330, #542, #720, #887"
@@ -102,9 +102,9 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 @constant_under_compile
 def interpreter_problem() -> Optional[str]:
     """Why the Triton interpreter cannot run CPU tensors now, or None if it can."""
-    if not configs.interpreter_enabled():
+    if not targets.interpreter_enabled():
         return "tensors are on the CPU; Triton runs there only through its interpreter (TRITON_INTERPRET=1)"
-    if configs.interpreter_imported_late():
+    if targets.interpreter_imported_late():
         return "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import of triton"
     return None
 
@@ -117,7 +117,7 @@ def configs_problem(index: int) -> Optional[str]:
     an architecture no family serves (NVIDIA below sm80, AMD other than CDNA) and a GPU that
     reports less shared memory per block (``shared_memory_per_block_optin``) than its family needs.
     """
-    target = configs.gpu_target(index)
+    target = targets.gpu_target(index)
     try:
         configs.arch_family(target)
     except ValueError as exc:

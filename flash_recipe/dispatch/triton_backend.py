@@ -9,21 +9,31 @@ import torch
 from flash_recipe.dispatch import capabilities
 from flash_recipe.dispatch.base import Backend
 from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
+from flash_recipe.ops.options import KeyRanges, ScoreOptions, Varlen
 
 
-def key_range_options(call: AttentionCall):
-    """The kernels' ``ScoreOptions`` for a call on per-batch key ranges (a cache, paged keys), which
-    align each batch's diagonal bottom-right in the kernel: its window, softcap and ALiBi."""
-    from flash_recipe.ops.launch import ScoreOptions
-
+def score_options(call: AttentionCall, key_ranges: bool = False) -> ScoreOptions:
+    """The kernels' ``ScoreOptions`` for ``call``: its scale, window, softcap, ALiBi, dropout and
+    sinks. ``key_ranges``: the call runs on per-batch key ranges (a cache, paged keys), which align
+    each batch's diagonal bottom-right in the kernel, so its ``diag_offset`` is 0."""
     return ScoreOptions(
-        diag_offset=0,
-        window_left=call.window[0],
-        window_right=call.window[1],
-        softcap=call.softcap,
-        slopes=call.alibi_slopes,
+        softmax_scale=float(call.softmax_scale),
+        diag_offset=0 if key_ranges else int(call.diag_offset),
+        window_left=int(call.window[0]),
+        window_right=int(call.window[1]),
+        softcap=float(call.softcap),
+        alibi_slopes=call.alibi_slopes,
+        dropout_p=float(call.dropout_p),
+        seed=call.seed,
         sinks=call.sinks,
     )
+
+
+def varlen_of(call: AttentionCall) -> Optional[Varlen]:
+    """The packed sequences of a varlen call (None for a dense one)."""
+    if call.cu_seqlens_q is None:
+        return None
+    return Varlen(call.cu_seqlens_q, call.cu_seqlens_k, int(call.max_seqlen_q), int(call.max_seqlen_k))
 
 
 class TritonBackend(Backend):
@@ -79,60 +89,26 @@ class TritonBackend(Backend):
         return capabilities.last_dim_strided(call)
 
     def run(self, call: AttentionCall):
-        from flash_recipe.ops.attention import attention, new_seed
+        from flash_recipe.ops.attention import attention, new_seed  # imports Triton: on the first run only
 
-        seed = None
-        if call.dropout_p > 0.0:
-            seed = call.seed if call.seed is not None else new_seed(call.q.device)
-        out, lse = attention(
-            call.q,
-            call.k,
-            call.v,
-            call.softmax_scale,
-            call.diag_offset,
-            call.window,
-            call.softcap,
-            call.alibi_slopes,
-            (call.cu_seqlens_q, call.cu_seqlens_k),
-            (call.max_seqlen_q, call.max_seqlen_k),
-            call.dropout_p,
-            seed,
-            call.sinks,
-            call.deterministic,
-        )
+        options = score_options(call)
+        if options.dropout_p > 0.0 and options.seed is None:
+            options = options._replace(seed=new_seed(call.q.device))
+        out, lse = attention(call.q, call.k, call.v, options, varlen_of(call), call.deterministic)
         s_dmask = None
-        if seed is not None and call.return_probs:
-            s_dmask = self._dropped_probs(call, seed)
+        if options.seed is not None and call.return_probs:
+            s_dmask = self._dropped_probs(call, options.seed)
         return out, lse, s_dmask
 
     def grad(self, call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple:
-        from flash_recipe.ops.attention import attn_bwd
+        from flash_recipe.ops.attention import attn_bwd, flatten  # imports Triton: on the first run only
 
         if call.dropout_p > 0.0 and call.seed is None:
             raise ValueError("a backward with dropout needs the forward's seed (call.seed)")
+        options = score_options(call)._replace(sinks=None)  # a backend's grad: dq, dk, dv only
         # own_lse=False: out and lse may be those of a larger attention (ring attention).
-        return attn_bwd(
-            dout,
-            call.q,
-            call.k,
-            call.v,
-            out,
-            lse,
-            call.cu_seqlens_q,
-            call.cu_seqlens_k,
-            call.max_seqlen_q,
-            call.max_seqlen_k,
-            call.softmax_scale,
-            call.diag_offset,
-            call.window[0],
-            call.window[1],
-            call.softcap,
-            call.alibi_slopes,
-            call.dropout_p,
-            call.seed,
-            own_lse=False,
-            deterministic=call.deterministic,
-        )[:3]
+        flat = flatten(options, varlen_of(call))
+        return attn_bwd(dout, call.q, call.k, call.v, out, lse, *flat, False, call.deterministic)[:3]
 
     @staticmethod
     def _dropped_probs(call: AttentionCall, seed) -> torch.Tensor:
@@ -145,21 +121,17 @@ class TritonBackend(Backend):
         return torch.where(keep, probs, -probs).to(call.q.dtype)
 
     def run_cache(self, call: CacheCall) -> tuple:
-        from flash_recipe.ops.kvcache import Cache, Rotary, attention_kvcache
+        from flash_recipe.ops.kvcache import Cache, Rotary, attention_kvcache  # imports Triton: first run only
 
         cache = Cache(call.k_cache, call.v_cache, call.table, call.seqlens, call.leftpad)
         rotary = Rotary(*call.rotary) if call.rotary is not None else None
-        att = call.attention
-        return attention_kvcache(
-            call.q, call.k, call.v, cache, rotary, att.softmax_scale, key_range_options(att), call.num_splits
-        )
+        options = score_options(call.attention, key_ranges=True)
+        return attention_kvcache(call.q, call.k, call.v, cache, rotary, options, call.num_splits)
 
     def run_paged(self, call: PagedCall) -> tuple:
-        from flash_recipe.ops.forward import attention_forward
-        from flash_recipe.ops.launch import KeyRanges, Varlen
+        from flash_recipe.ops.forward import attention_forward  # imports Triton: on the first run only
 
         att = call.attention
         lengths_k = call.lengths_k
         keys = KeyRanges(torch.zeros_like(lengths_k), lengths_k, att.max_seqlen_k, call.block_table)
-        varlen = Varlen(att.cu_seqlens_q, att.cu_seqlens_k, att.max_seqlen_q, att.max_seqlen_k)
-        return attention_forward(att.q, att.k, att.v, att.softmax_scale, key_range_options(att), varlen, keys)
+        return attention_forward(att.q, att.k, att.v, score_options(att, key_ranges=True), varlen_of(att), keys)

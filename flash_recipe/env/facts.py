@@ -105,32 +105,15 @@ class _CompileCheck(TypedDict):
 
 class CompileCheck(_CompileCheck, total=False):
     """:func:`~flash_recipe.env.probes.triton_compile_check`: ``arch`` and ``ok`` always; ``error``
-    when not ok; the report row of :func:`flash_recipe.tools.compile_check.check_case` when it compiled."""
+    when not ok; when it compiled, the compiled kernel's shared memory against the limit, its warps
+    and pipeline stages, the seconds the compile took, and ``problems`` (shared memory over the limit)."""
 
     error: str
-    case: str
-    kernel: str
-    target: str
-    dtype: str
-    head_dim: int
-    form: str
+    case: str  # "fwd-float16-d64-aligned": call, dtype, head dim, form, as the compile check names its cases
     shared_bytes: int
     shared_limit: int
     num_warps: int
     num_stages: int
-    registers: int
-    spill_bytes: int
-    fma_dots: int
-    stores: bool
-    matrix_unit: Optional[str]
-    loop_instructions: Optional[int]
-    loop_step: Optional[int]
-    loop_per_row: Optional[float]
-    loop_matrix_macs: Optional[int]
-    loop_products: Optional[float]
-    score_options: bool
-    call: str
-    per_key_per_kv_head: Optional[float]
     seconds: float
     problems: list[str]
 

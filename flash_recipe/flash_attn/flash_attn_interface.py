@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 
 from flash_recipe import api, decoding, dispatch, validate
-from flash_recipe.api import FlashOptions, build_flash_call
 from flash_recipe.decoding import paged_varlen
 from flash_recipe.dispatch import AttentionCall
+from flash_recipe.flash_call import FlashOptions, build_flash_call
 
 __all__ = [
     "_flash_attn_backward",

@@ -1,21 +1,37 @@
 """Triton kernels, one module per algorithm, each with jit kernels and launcher functions:
 
-- ``forward``: attention forward (online softmax) and the split-KV merge;
-- ``launch``: what the launchers share: ``ScoreOptions``, ``Varlen``, ``KeyRanges`` and the keyword
-  arguments they become;
-- ``backward``: the recomputing backward (preprocess, dK/dV, dQ);
+- ``forward``: attention forward (online softmax), split-KV included;
+- ``options``: a call's options as the launchers take them (``ScoreOptions``, ``Varlen``,
+  ``KeyRanges``); torch only;
+- ``launch``: what the launchers share: ``score_args`` (the one function that turns ``ScoreOptions``
+  into kernel arguments), the sizes and strides of a launch, and its ``Plan``, decided once per
+  signature and launched by keyword;
+- ``backward``: the recomputing backward's kernels (preprocess, dK/dV, dQ);
+- ``backward_launch``: their launcher, ``attention_backward``, planned and launched as the forward;
 - ``kvcache``: rotary embedding and in-place cache append, then the forward over the cache;
+- ``decode``: split-KV's merge of the shares' partial outputs, which the forward launches after them;
 - ``splits``: the split-KV rule (how many shares of the keys a launch over a cache splits into);
+- ``schedule``: the order a launch's programs start in (``launch_order``, called inside the forward
+  and dQ kernels) and how many heads a section of that order spans;
 - ``dropout``: the dropout mask materialised for ``return_attn_probs``;
 - ``tiles``: the Triton helpers they share (tile loads, loop bounds, logits, dropout draws);
-- ``attention``: the torch custom ops with fake kernels and autograd;
-- ``configs``: launch configurations per architecture, as data (and the one lookup launchers use);
+- ``attention``: the torch custom ops with fake kernels and autograd, whose flat parameters come
+  from one list (``OPTION_PARAMS``);
+- ``configs``: launch configurations per architecture, as one table literal, and its lookup;
+- ``targets``: the compile target of a device, the installed Triton release, the interpreter switch;
+- ``choose``: the configuration a launch on a device takes (an override, a tuned entry or the
+  table's), the fall back from a failing tuned one, and whether the one-pass backward runs;
+- ``limits``: numbers shared across layers (``MAX_SPLITS``, ``HEAD_DIM_BUCKETS``); imports nothing;
 - ``tuned``: the per-GPU cache of tuned configurations that ``flash-recipe tune`` writes;
-- ``features``: where the kernels use compiler features such as TMA tensor descriptors.
+- ``features``: where the kernels use compiler features such as TMA tensor descriptors;
+- ``offline``: launches that compile for a named GPU target and run nothing, without that GPU.
 
-The offline compile of every variant for GPU targets is a tool: ``flash_recipe.tools.compile_check``.
+The offline compile of every variant for GPU targets is a tool: ``flash_recipe.tools.compile_check``;
+so are the reports of the split rule and the launch order (``tools.splits_report``,
+``tools.schedule_report``).
 
-Importing a kernel module (``forward``, ``backward``, ``kvcache``, ``dropout``, ``tiles``,
-``attention``) imports Triton; ``configs``, ``tuned``, ``features`` and ``splits`` do not.
+Importing a kernel module (``forward``, ``backward``, ``kvcache``, ``decode``, ``dropout``, ``tiles``,
+``attention``), ``backward_launch``, ``schedule``, ``launch`` or ``offline`` imports Triton; ``configs``, ``targets``,
+``choose``, ``limits``, ``tuned``, ``features``, ``options`` and ``splits`` do not.
 ``flash_recipe`` itself imports Triton only when the ``triton`` backend first runs.
 """

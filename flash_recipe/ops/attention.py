@@ -2,14 +2,17 @@
 
 ``flash_recipe::attn_fwd`` and ``flash_recipe::attn_bwd`` wrap the launchers in ``forward`` and
 ``backward``; their fake implementations give torch.compile the output shapes without running
-anything. ``attention(...)`` is the differentiable entry point used by the dispatcher.
+anything. ``attention(q, k, v, options, varlen)`` is the differentiable entry point the dispatcher
+uses: an eager call runs the launchers on its ``ScoreOptions`` directly, and only a call that goes
+through the ops (under torch.compile, or with tensor subclasses) is flattened into the ops' flat
+parameters (``flatten``) and back (``unflatten``). Both ops' schemas and both directions of the
+flattening come from one list, ``OPTION_PARAMS``.
 
-Masking arguments follow flash-attn: query ``i`` sees keys
-``[i + diag_offset - window_left, i + diag_offset + window_right]``, ``-1`` meaning unbounded on
-that side (causal is ``window_right = 0``). With ``cu_seqlens_q``/``cu_seqlens_k`` (int32
-``(B + 1,)``) the tensors are packed varlen ``(total, heads, head_dim)`` and every sequence
-aligns its diagonal bottom-right. ``sinks (H,)``, optional, adds each query head's sink logit to its
-softmax's denominator (``forward``); autograd returns its gradient too.
+Masking follows flash-attn: query ``i`` sees keys ``[i + diag_offset - window_left, i + diag_offset
++ window_right]``, ``-1`` meaning unbounded on that side (causal is ``window_right = 0``). With
+``varlen`` (``cu_seqlens`` int32 ``(B + 1,)``) the tensors are packed ``(total, heads, head_dim)``
+and every sequence aligns its diagonal bottom-right. ``options.sinks (H,)``, optional, adds each
+query head's sink logit to its softmax's denominator (``forward``); autograd returns its gradient.
 """
 
 from __future__ import annotations
@@ -18,189 +21,187 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.ops.backward import attention_backward
+from flash_recipe.ops.backward_launch import attention_backward
 from flash_recipe.ops.forward import attention_forward
-from flash_recipe.ops.launch import ScoreOptions, Varlen
+from flash_recipe.ops.options import ScoreOptions, Varlen
+
+# The ops' parameters that carry a call's options, in order, with their schema types: the fields of
+# ``Varlen`` (None and 0 without packed sequences), then those of ``ScoreOptions``, by name.
+OPTION_PARAMS: tuple[tuple[str, str], ...] = (
+    ("cu_seqlens_q", "Tensor?"),
+    ("cu_seqlens_k", "Tensor?"),
+    ("max_seqlen_q", "SymInt"),
+    ("max_seqlen_k", "SymInt"),
+    ("softmax_scale", "float"),
+    ("diag_offset", "SymInt"),
+    ("window_left", "SymInt"),
+    ("window_right", "SymInt"),
+    ("softcap", "float"),
+    ("alibi_slopes", "Tensor?"),
+    ("dropout_p", "float"),
+    ("seed", "Tensor?"),
+    ("sinks", "Tensor?"),
+)
+_NAMES = tuple(name for name, _ in OPTION_PARAMS)
+_NO_VARLEN = {"cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": 0, "max_seqlen_k": 0}
 
 
-def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left, window_right,
-            softcap, alibi_slopes, dropout_p, seed, sinks):
+def flatten(options: ScoreOptions, varlen: Optional[Varlen]) -> tuple:
+    """``options`` and ``varlen`` as the ops' flat parameters, in ``OPTION_PARAMS`` order."""
+    values = {**(varlen._asdict() if varlen is not None else _NO_VARLEN), **options._asdict()}
+    return tuple(values[name] for name in _NAMES)
+
+
+def unflatten(flat) -> tuple[ScoreOptions, Optional[Varlen]]:
+    """The ``ScoreOptions`` and ``Varlen`` (None without packed sequences) of the ops' flat parameters."""
+    values = dict(zip(_NAMES, flat))
+    options = ScoreOptions(**{name: values[name] for name in ScoreOptions._fields})
     varlen = None
-    if cu_seqlens_q is not None:
-        varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = ScoreOptions(diag_offset, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
+    if values["cu_seqlens_q"] is not None:
+        varlen = Varlen(**{name: values[name] for name in Varlen._fields})
     return options, varlen
 
 
-@torch.library.custom_op("flash_recipe::attn_fwd", mutates_args=())
-def attn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: Optional[torch.Tensor],
-    cu_seqlens_k: Optional[torch.Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    diag_offset: int,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: Optional[torch.Tensor],
-    dropout_p: float,
-    seed: Optional[torch.Tensor],
-    sinks: Optional[torch.Tensor] = None,
-    deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def op_schema(tensors: str, flags: str, returns: str) -> str:
+    """An op's schema: its leading ``tensors``, the options of ``OPTION_PARAMS``, its ``flags``."""
+    options = ", ".join(f"{kind} {name}" for name, kind in OPTION_PARAMS)
+    return f"({tensors}, {options}, {flags}) -> {returns}"
+
+
+def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest) -> tuple[torch.Tensor, torch.Tensor]:
     """``q (B, Sq, H, D)``, ``k, v (B, Sk, Hk, D)`` -> ``out (B, Sq, H, D)``, ``lse (B, H, Sq)`` float32.
 
     Varlen: ``q (total_q, H, D)``, ``k, v (total_k, Hk, D)`` -> ``out (total_q, H, D)``, ``lse (H, total_q)``.
-    ``deterministic`` chooses the backward's path (``attention_backward``).
+    ``rest``: the flat options, then ``deterministic`` (the backward's path, ``attention_backward``).
     """
-    return attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset,
-                           window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
+    options, varlen = unflatten(rest[:-1])
+    return attention_forward(q, k, v, options, varlen)
+
+
+attn_fwd = torch.library.custom_op(
+    "flash_recipe::attn_fwd", _attn_fwd, mutates_args=(),
+    schema=op_schema("Tensor q, Tensor k, Tensor v", "bool deterministic", "(Tensor, Tensor)"),
+)
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, cu_seqlens_q, *args):
-    if cu_seqlens_q is not None:
+def _attn_fwd_fake(q, k, v, *rest):
+    if rest[0] is not None:  # cu_seqlens_q: packed sequences
         return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("flash_recipe::attn_bwd", mutates_args=())
-def attn_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_q: Optional[torch.Tensor],
-    cu_seqlens_k: Optional[torch.Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    diag_offset: int,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: Optional[torch.Tensor],
-    dropout_p: float,
-    seed: Optional[torch.Tensor],
-    own_lse: bool = True,
-    sinks: Optional[torch.Tensor] = None,
-    deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attn_bwd(dout, q, k, v, out, lse, *rest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq, dk, dv, dsink`` (shapes of q, k, v, sinks; ``dsink`` empty without sinks) from
-    ``dout`` (shape of q); ``own_lse=False`` when ``out, lse`` may be a larger attention's
-    (``attention_backward``, which ``deterministic`` also steers)."""
-    options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
-                              window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
-    dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, softmax_scale, options, varlen, own_lse,
-                                           deterministic)
+    ``dout`` (shape of q). ``rest``: the flat options, then ``own_lse`` (False when ``out, lse`` may
+    be a larger attention's) and ``deterministic`` (``attention_backward``)."""
+    *flat, own_lse, deterministic = rest
+    options, varlen = unflatten(flat)
+    dq, dk, dv, dsink = attention_backward(dout, q, k, v, out, lse, options, varlen, own_lse, deterministic)
     return dq, dk, dv, dsink if dsink is not None else lse.new_empty(0)
 
 
+attn_bwd = torch.library.custom_op(
+    "flash_recipe::attn_bwd", _attn_bwd, mutates_args=(),
+    schema=op_schema("Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse",
+                     "bool own_lse, bool deterministic", "(Tensor, Tensor, Tensor, Tensor)"),
+)
+
+
 @attn_bwd.register_fake
-def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   diag_offset, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, own_lse=True,
-                   sinks=None, deterministic=False):
+def _attn_bwd_fake(dout, q, k, v, out, lse, *rest):
+    sinks = unflatten(rest[:-2])[0].sinks
     contiguous = torch.contiguous_format
     return (torch.empty_like(q, memory_format=contiguous), torch.empty_like(k, memory_format=contiguous),
             torch.empty_like(v, memory_format=contiguous),
             torch.empty_like(sinks) if sinks is not None else lse.new_empty(0))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes, dropout_p, seed, sinks, deterministic = inputs
+def _save(ctx, q, k, v, output, options: ScoreOptions, varlen: Optional[Varlen], deterministic: bool) -> None:
+    """Keep what the backward needs: the tensors saved, the rest of the options on ``ctx``."""
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed, sinks)
-    ctx.options = options  # max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset, window_left, window_right, softcap
-    ctx.dropout_p = dropout_p
+    cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, options.alibi_slopes, options.seed, options.sinks)
+    ctx.options = options._replace(alibi_slopes=None, seed=None, sinks=None)  # their tensors are saved
+    ctx.max_seqlens = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else None
     ctx.deterministic = deterministic
-    ctx.num_inputs = len(inputs)  # the op's arguments: q, k, v and the sinks get gradients, the rest None
     ctx.mark_non_differentiable(lse)
 
 
+def _gradients(ctx, dout) -> tuple:
+    """``dq, dk, dv`` and the sinks' gradient (None without sinks) of a call ``_save`` kept."""
+    q, k, v, out, lse, cu_q, cu_k, slopes, seed, sinks = ctx.saved_tensors
+    options = ctx.options._replace(alibi_slopes=slopes, seed=seed, sinks=sinks)
+    varlen = Varlen(cu_q, cu_k, *ctx.max_seqlens) if ctx.max_seqlens is not None else None
+    dq, dk, dv, dsink = attn_bwd(dout, q, k, v, out, lse, *flatten(options, varlen), True, ctx.deterministic)
+    return dq, dk, dv, dsink if sinks is not None else None
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *flat, deterministic = inputs
+    options, varlen = unflatten(flat)
+    _save(ctx, q, k, v, output, options, varlen, deterministic)
+
+
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed, sinks = ctx.saved_tensors
-    dq, dk, dv, dsink = attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
-                                 ctx.dropout_p, seed, sinks=sinks, deterministic=ctx.deterministic)
-    # Gradients for the op's arguments in order: q, k, v, ..., sinks (the next to last), deterministic.
-    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 5) + (dsink if sinks is not None else None, None)
+    dq, dk, dv, dsink = _gradients(ctx, dout)
+    # One gradient per op argument: q, k, v, the options (only the sinks have one), deterministic.
+    return (dq, dk, dv, *(dsink if name == "sinks" else None for name in _NAMES), None)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
-    """``attn_fwd`` with its registered autograd, for eager calls: the same launcher, the same
-    ``_setup_context`` and ``_backward``, without the custom op's dispatch (which torch.compile
-    needs and an eager call pays for on every step). ``args`` holds the op's arguments after v.
-    A ``forward(ctx, ...)`` Function, for which torch binds no signature per call (``torch.func``
-    transforms take neither it nor the custom op's autograd)."""
+    """``attn_fwd`` with its registered autograd, for eager calls: the same launcher, ``_save`` and
+    ``_gradients``, without the custom op's dispatch and flattening (which torch.compile needs and
+    an eager call would pay for on every step). ``sinks`` is ``options.sinks``, an argument of its
+    own so that autograd tracks it. A ``forward(ctx, ...)`` Function, for which torch binds no
+    signature per call (``torch.func`` transforms take neither it nor the custom op's autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, args, deterministic):
-        output = attn_fwd_launch(q, k, v, *args, sinks)
-        _setup_context(ctx, (q, k, v, *args, sinks, deterministic), output)
+    def forward(ctx, q, k, v, sinks, options, varlen, deterministic):
+        output = attention_forward(q, k, v, options, varlen)
+        _save(ctx, q, k, v, output, options, varlen, deterministic)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        grads = _backward(ctx, dout, dlse)
-        return grads[0], grads[1], grads[2], grads[-2], None, None
-
-
-def attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, diag_offset,
-                    window_left, window_right, softcap, alibi_slopes, dropout_p, seed, sinks=None):
-    """What ``attn_fwd`` runs: the forward launcher on the op's arguments."""
-    options, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, diag_offset, window_left,
-                              window_right, softcap, alibi_slopes, dropout_p, seed, sinks)
-    return attention_forward(q, k, v, softmax_scale, options, varlen)
+        dq, dk, dv, dsink = _gradients(ctx, dout)
+        return dq, dk, dv, dsink, None, None, None
 
 
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    softmax_scale: float,
-    diag_offset: int,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    cu_seqlens: tuple = (None, None),
-    max_seqlens: tuple[int, int] = (0, 0),
-    dropout_p: float = 0.0,
-    seed: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
+    options: ScoreOptions,
+    varlen: Optional[Varlen] = None,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes;
-    ``sinks (H,)``: each query head's sink logit (``forward``), differentiable; ``deterministic``:
-    the backward's three-kernel path, bit-identical from run to run (``attention_backward``).
+    """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes.
 
-    With ``dropout_p > 0`` and no ``seed``, the dropout mask's seed is drawn from torch's
-    generator for q's device (so ``torch.manual_seed`` makes it reproducible) and kept for the
-    backward, which regenerates the same mask.
+    ``options.sinks (H,)`` are differentiable; ``deterministic`` takes the backward's three-kernel
+    path, bit-identical from run to run (``attention_backward``). With ``dropout_p > 0`` and no
+    ``seed``, the dropout mask's seed is drawn from torch's generator for q's device (so
+    ``torch.manual_seed`` makes it reproducible) and kept for the backward, which regenerates the
+    same mask.
     """
-    if dropout_p > 0.0 and seed is None:
-        seed = new_seed(q.device)
-    args = (cu_seqlens[0], cu_seqlens[1], int(max_seqlens[0]), int(max_seqlens[1]), float(softmax_scale),
-            int(diag_offset), int(window[0]), int(window[1]), float(softcap), alibi_slopes, float(dropout_p), seed)
+    if options.dropout_p > 0.0 and options.seed is None:
+        options = options._replace(seed=new_seed(q.device))
+    sinks = options.sinks
     if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor) or (
         sinks is not None and type(sinks) not in (torch.Tensor, torch.nn.Parameter)  # a model's sinks: a Parameter
     ):
         # Traced whole, as one op; or tensor subclasses (a collective's pending result, for one),
         # which the op's dispatch turns into the plain tensors a launch reads.
-        return attn_fwd(q, k, v, *args, sinks, bool(deterministic))
+        return attn_fwd(q, k, v, *flatten(options, varlen), bool(deterministic))
     if torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     ):
-        return _EagerAttention.apply(q, k, v, sinks, args, bool(deterministic))
-    return attn_fwd_launch(q, k, v, *args, sinks)  # nothing to record
+        return _EagerAttention.apply(q, k, v, sinks, options, varlen, bool(deterministic))
+    return attention_forward(q, k, v, options, varlen)  # nothing to record
 
 
 def new_seed(device: torch.device) -> torch.Tensor:

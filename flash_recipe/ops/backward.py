@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward by recomputation.
+"""FlashAttention-2 backward by recomputation: the kernels (their launcher: ``backward_launch``).
 
 Shapes (legend as in ``forward``)::
 
@@ -42,16 +42,10 @@ zero gradients.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Optional
-
-import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import configs, tiles
-from flash_recipe.ops.launch import ScoreOptions, Varlen, layout, lse_buffer, packed_rows, score_args
-from flash_recipe.ops.schedule import launch_order, launch_section
+from flash_recipe.ops.schedule import launch_order
 from flash_recipe.ops.tiles import (
     LOG2E,
     dropout_keep,
@@ -62,6 +56,7 @@ from flash_recipe.ops.tiles import (
     scores,
     sees_one_key,
     sequence,
+    sequences,
     stage_bounds,
     store_tile,
 )
@@ -289,15 +284,12 @@ def attn_bwd_dkdv_kernel(
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1)
     i_b = tl.program_id(2)
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
-    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, total_k, IS_VARLEN)
+    bos_q, seqlen_q, bos_k, seqlen_k, diag_offset, lo_offset, hi_offset = sequences(
+        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, window_left, window_right, IS_VARLEN)
     k_start = i_n * BLOCK_N
     if IS_VARLEN:
         if k_start >= seqlen_k:
             return
-        diag_offset = seqlen_k - seqlen_q
-    lo_offset = diag_offset - window_left
-    hi_offset = diag_offset + window_right
     i_b = i_b.to(tl.int64)
     o_n = k_start + tl.arange(0, BLOCK_N)  # key rows [BLOCK_N]
     o_c = tl.arange(0, BLOCK_N)
@@ -420,15 +412,12 @@ def attn_bwd_dq_kernel(
     its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
     """
     i_m, _, i_h, i_b = launch_order(1, head_section, SECTIONS)
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
-    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, total_k, IS_VARLEN)
+    bos_q, seqlen_q, bos_k, seqlen_k, diag_offset, lo_offset, hi_offset = sequences(
+        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, window_left, window_right, IS_VARLEN)
     q_start = i_m * BLOCK_M
     if IS_VARLEN:
         if q_start >= seqlen_q:
             return
-        diag_offset = seqlen_k - seqlen_q
-    lo_offset = diag_offset - window_left
-    hi_offset = diag_offset + window_right
     i_b = i_b.to(tl.int64)
     i_hk = i_h // group_size
     o_m = q_start + tl.arange(0, BLOCK_M)  # query rows [BLOCK_M]
@@ -485,116 +474,3 @@ def attn_bwd_dq_kernel(
             tl.store(LSE_FIX + row_base + o_m, b_fix)
         else:
             tl.store(LSE_FIX + row_base + o_m, b_fix, mask=o_m < seqlen_q)
-
-
-@configs.tuned_fallback
-def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    softmax_scale: float,
-    options: ScoreOptions,
-    varlen: Optional[Varlen] = None,
-    own_lse: bool = True,
-    deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Launch the backward: one pass (the default), or the three kernels of the deterministic path.
-
-    Args:
-        dout, q, out: ``(B, Sq, H, D)`` (varlen: ``(total_q, H, D)``); k, v: ``(B, Sk, Hk, D)``
-            (varlen: ``(total_k, Hk, D)``); lse as returned by ``attention_forward`` with the same
-            ``softmax_scale``, ``options`` and ``varlen``. ``dout`` may have any strides.
-        own_lse: ``out`` and ``lse`` are this attention's own, so a row that sees one key has
-            dS = 0 exactly (``sees_one_key``). False: they may be those of a larger attention of
-            which k, v are one block (ring attention), where that row's dS is not 0.
-        deterministic: the two-pass path (dQ kernel, then dK/dV), bit-identical from run to run.
-            Otherwise, and always but for fp32 with its own lse (``RENORM`` needs dQ's row sums
-            first), the dK/dV kernel also adds dQ to an fp32 workspace with atomic adds: 5 matrix
-            products per block pair instead of 7, with the last bits of dQ in the order the adds land.
-            Where the installed Triton spills the one-pass tile (``configs.one_pass_fits``: Hopper
-            at head dim 128 before Triton 3.4) the three kernels run instead.
-
-    Returns:
-        ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype, and with
-        ``options.sinks`` the sinks' gradient ``dsink`` shaped and typed like them (else None).
-    """
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    dims = layout(q, k, varlen)
-    dq = tiles.output_buffer(q.shape, q.dtype, q.device)
-    dk = tiles.output_buffer(k.shape, k.dtype, k.device)
-    dv = tiles.output_buffer(v.shape, v.dtype, v.device)
-    sinks = options.sinks
-    if dq.numel() == 0 or dk.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
-        # No key: P = 0 and dS = 0; the sinks still see delta (0 where out is, as a row with no key's).
-        delta = (dout.float() * out.float()).sum(-1) if sinks is not None and dq.numel() else None
-        dsink = None
-        if sinks is not None:
-            dsink = torch.zeros_like(sinks) if delta is None else _sink_grad(sinks, lse, delta.movedim(-1, -2), None)
-        return dq.zero_(), dk.zero_(), dv.zero_(), dsink
-    block_d = configs.head_dim_bucket(dims.head_dim)
-    delta, stride_lb, stride_lh = lse_buffer(q, varlen, dims)
-    renorm = own_lse and q.element_size() == 4  # fp32: dK/dV renormalise P by dQ's row sums
-    lse_fix = lse_buffer(q, varlen, dims)[0] if renorm else None
-    own_lse = own_lse and sinks is None  # the one-key rules assume P sums to 1 (see the module docstring)
-    one_pass = not deterministic and not renorm and configs.one_pass_fits(q.device, dims.head_dim)
-    # The sinks' gradient weighs each row's sum of P dP, accumulated by the dK/dV kernel (``_sink_grad``).
-    sink_delta = torch.zeros_like(delta) if sinks is not None else None
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if one_pass else None
-    cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
-    rows = packed_rows(q, k, varlen)
-    # What the dK/dV and dQ kernels share: inputs, sizes and score options.
-    common = dict(
-        Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, LSE_FIX=lse_fix, CU_Q=cu_q, CU_K=cu_k,
-        **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
-        **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
-        nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k,
-        **rows, head_dim=dims.head_dim, sm_scale=softmax_scale, **score_args(options, dims.seqlen_k),
-        BLOCK_D=block_d, OWN_LSE=own_lse,
-    )
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        pre_m = 64
-        attn_bwd_preprocess_kernel[(triton.cdiv(dims.seqlen_q, pre_m), dims.nheads, dims.batch)](
-            O=out, DO=dout, DELTA=delta, CU_Q=cu_q if cu_q is not None else delta, **dims.stride_args(out, "o", "m"),
-            **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
-            seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim,
-            IS_VARLEN=varlen is not None, BLOCK_M=pre_m, BLOCK_D=block_d,
-        )
-        if not one_pass:  # dQ first: with RENORM it writes the row sums dK/dV divide out.
-            cfg = configs.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())
-            blocks = triton.cdiv(dims.seqlen_q, cfg.block_m)
-            attn_bwd_dq_kernel[(blocks, dims.nheads, dims.batch)](
-                head_section=launch_section(dims.nheads * dims.batch, blocks, dims.seqlen_k, dims.head_dim,
-                                            k.element_size(), q.device, options.window_left, options.window_right),
-                DQ=dq, **dims.stride_args(dq, "dq", "m"), **common, SINKS=sinks if renorm else None,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-        workspace = dims.stride_args(dq_acc, "dqa", "m") if dq_acc is not None else dict.fromkeys(
-            ("stride_dqab", "stride_dqam", "stride_dqah"), 0)
-        cfg = configs.launch_config(q.device, "bwd_onepass" if one_pass else "bwd_dkdv", dims.head_dim,
-                                    q.element_size())
-        attn_bwd_dkdv_kernel[(triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch)](
-            DK=dk, DV=dv, DQ_ACC=dq_acc, SINK_DELTA=sink_delta, **dims.stride_args(dk, "dk", "n"),
-            **dims.stride_args(dv, "dv", "n"), **workspace, **common,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    if dq_acc is not None:
-        dq = dq_acc.to(q.dtype)  # the workspace in q's dtype: one elementwise kernel
-    dsink = _sink_grad(sinks, lse, sink_delta, lse_fix) if sink_delta is not None else None
-    return dq, dk, dv, dsink
-
-
-def _sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, lse_fix: Optional[torch.Tensor]):
-    """``dsink[h] = -sum over rows of p_sink * delta``, with ``p_sink = exp(sink[h] - lse)`` (over
-    ``exp(lse_fix)`` with ``RENORM``, as dK/dV's P) and ``delta`` each row's ``sum_j P dP`` (the
-    dK/dV kernel's ``SINK_ROWS``: ``rowsum(dO * O)`` without O's rounding to its dtype, which in
-    fp16 moved dsink past the accuracy rule). ``lse``, ``delta``, ``lse_fix``: ``(B, H, Sq)`` or
-    varlen ``(H, total_q)`` float32; returns ``(H,)`` in the sinks' dtype."""
-    logits = sinks.float()[:, None] - lse  # broadcasts over (B, H, Sq) and (H, total_q)
-    if lse_fix is not None:
-        logits = logits - lse_fix
-    rows = tuple(d for d in range(lse.dim()) if d != lse.dim() - 2)  # every dim but the head's
-    return (-(torch.exp(logits) * delta).sum(dim=rows)).to(sinks.dtype)

@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterator
 from typing import Optional
 
-from flash_recipe.ops import configs
+from flash_recipe.ops import configs, targets
 
 # The first Triton release with host-side tensor descriptors (``triton.tools.tensor_descriptor``).
 DESCRIPTORS_SINCE = (3, 4)
@@ -35,10 +35,10 @@ _FORCED: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("flash_
 def using_descriptors(enabled: bool) -> Iterator[None]:
     """Inside the block, launches use tensor descriptors where the tensors allow (``True``) or never
     (``False``), whatever the target; this thread or asyncio task only."""
-    if enabled and configs.triton_release() < DESCRIPTORS_SINCE:
+    if enabled and targets.triton_release() < DESCRIPTORS_SINCE:
         raise NotImplementedError(
             f"tensor descriptors need Triton {'.'.join(map(str, DESCRIPTORS_SINCE))} or newer, "
-            f"this is {'.'.join(map(str, configs.triton_release()))}")
+            f"this is {'.'.join(map(str, targets.triton_release()))}")
     token = _FORCED.set(bool(enabled))
     try:
         yield
@@ -64,7 +64,7 @@ def descriptors_enabled(target: str) -> bool:
         return asked
     if target == "interpreter":
         return False
-    return configs.triton_release() >= DESCRIPTORS_SINCE and configs.arch_family(target) in DESCRIPTOR_FAMILIES
+    return targets.triton_release() >= DESCRIPTORS_SINCE and configs.arch_family(target) in DESCRIPTOR_FAMILIES
 
 
 def descriptor_problem(t, block_rows: int) -> Optional[str]:
@@ -95,7 +95,7 @@ def tma_views(k, v, block_rows: int):
     """Tensor descriptors of ``k`` and ``v`` ``(B, Sk, Hk, D)`` as ``(B * Sk, Hk * D)`` rows with
     ``[block_rows, D]`` tiles, or None where descriptors are off for the target (``descriptors_enabled``)
     or either tensor does not allow the view (``descriptor_problem``)."""
-    if not descriptors_enabled(configs.target_of(k.device)):
+    if not descriptors_enabled(targets.target_of(k.device)):
         return None
     if descriptor_problem(k, block_rows) or descriptor_problem(v, block_rows):
         return None

@@ -28,29 +28,17 @@ lse includes it; a row that sees no key then outputs 0 with lse = ``sinks[h]``.
 
 from __future__ import annotations
 
-import math
-import struct
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import configs, features, tiles
-from flash_recipe.ops.launch import (
-    KeyRanges,
-    Plan,
-    ScoreOptions,
-    Varlen,
-    launch,
-    layout,
-    lse_buffer,
-    packed_rows,
-    plan,
-    score_args,
-)
+from flash_recipe.ops import choose, configs, features, limits, targets, tiles
+from flash_recipe.ops.decode import launch_split_merge, plan_split_merge
+from flash_recipe.ops.launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
+from flash_recipe.ops.options import KeyRanges, ScoreOptions, Varlen
 from flash_recipe.ops.schedule import launch_order, launch_section
-from flash_recipe.ops.splits import split_combine_kernel
 from flash_recipe.ops.tiles import (
     LN2,
     LOG2E,
@@ -215,7 +203,7 @@ def attn_fwd_kernel(
 
     Split-KV (``num_splits > 1``): program ``(i_m * num_splits + i_s)`` takes the ``i_s``-th of
     ``num_splits`` equal shares of the key blocks and writes its partial (normalised) output and
-    log-sum-exp at split offset ``i_s * stride_os`` / ``i_s * stride_ls``; ``split_combine_kernel``
+    log-sum-exp at split offset ``i_s * stride_os`` / ``i_s * stride_ls``; ``decode.split_combine_kernel``
     merges them. A row with no key in a share stores lse = +inf and output 0.
 
     With ``TMA`` (dense calls only: no varlen, key ranges or splits), ``K_TILES`` and ``V_TILES``
@@ -384,11 +372,10 @@ def attn_fwd_kernel(
         tl.store(p_lse, b_lse, mask=m_rows)
 
 
-@configs.tuned_fallback
+@choose.tuned_fallback
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, options: ScoreOptions,
-    varlen: Optional[Varlen] = None, keys: Optional[KeyRanges] = None, num_splits: int = 1, kernel: str = "fwd",
-    pack_gqa: Optional[bool] = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: ScoreOptions, varlen: Optional[Varlen] = None,
+    keys: Optional[KeyRanges] = None, num_splits: int = 1, kernel: str = "fwd", pack_gqa: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Inputs are validated by the caller (see ``flash_recipe.api``).
 
@@ -396,11 +383,10 @@ def attention_forward(
         q: ``(B, Sq, H, D)``; k, v: ``(B, Sk, Hk, D)``; or with ``varlen``: ``(total_q, H, D)`` and
             ``(total_k, Hk, D)``; or with a paged ``keys``: ``(num_pages, page_size, Hk, D)``.
             Last dim contiguous, ``H % Hk == 0``.
-        softmax_scale: multiplies ``q @ k^T`` before the softmax.
-        options: masks and score options (see ``ScoreOptions``).
+        options: the scale, masks and score options (``ScoreOptions``).
         keys: per-batch key rows (a KV cache); each batch aligns its diagonal bottom-right.
         num_splits: > 1 (with ``keys``) splits every row's keys into that many shares run by
-            separate programs, then merges them (``split_combine_kernel``): more parallelism for
+            separate programs, then merges them (``decode.split_combine_kernel``): more parallelism for
             few query rows.
         kernel: the launch configuration to use, ``"fwd"`` or ``"decode"`` (small query blocks);
             ``"fwd"`` becomes ``"fwd_general"`` with varlen, key ranges, softcap, ALiBi, dropout or a
@@ -417,13 +403,12 @@ def attention_forward(
     if varlen is not None and keys is None:
         cu_k = varlen.cu_seqlens_k
         keys = KeyRanges(cu_k[:-1], cu_k[1:], varlen.max_seqlen_k)
-    key = _plan_key(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa)
+    key = _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa)
     found = _PLANS.get(key) if key is not None else None
     if found is None:
-        found = _PLANS.keep(key, plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel,
-                                               pack_gqa))
+        found = _PLANS.keep(key, plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa))
     else:
-        configs.took_tuned(found.tuned)
+        choose.took_tuned(found.tuned)
     return run_forward(found, q, k, v, options, varlen, keys)
 
 
@@ -436,47 +421,47 @@ class ForwardPlan(NamedTuple):
     combine: Optional[Plan]  # the split-KV merge, with num_splits > 1
     num_splits: int
     tma_rows: int  # > 0: K and V are read through tensor descriptors of [tma_rows, D] tiles
-    tuned: tuple  # the tuned configurations it took (``configs.tuned_fallback``)
+    tuned: tuple  # the tuned configurations it took (``choose.tuned_fallback``)
 
 
 # Signature of a forward launch (``_plan_key``) -> its ``ForwardPlan``.
 _PLANS = Memo()
 
 
-def _plan_key(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa) -> Optional[tuple]:
+def _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> Optional[tuple]:
     """The signature that decides a forward launch: tensors, options, and the settings that can change
     at run time (the interpreter, tensor descriptors, the tuned configurations); None: not memoized."""
-    state = configs.plan_state()
+    state = choose.plan_state()
     if state is None:
         return None
     cu_q = varlen.cu_seqlens_q if varlen is not None else None
     start, end, max_len, table = keys if keys is not None else (None, None, None, None)
     found = signature(
-        (q, k, v, options.slopes, options.seed, options.sinks, cu_q, start, end, table),
-        (softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
+        (q, k, v, options.alibi_slopes, options.seed, options.sinks, cu_q, start, end, table),
+        (options.softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
          options.dropout_p, varlen.max_seqlen_q if varlen is not None else None, max_len, num_splits, kernel, pack_gqa),
     )
     if found is None:
         return None
     if keys is not None:  # key ranges: no tensor descriptors
-        return found, state, configs.target_of(q.device)
+        return found, state, targets.target_of(q.device)
     aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # tensor descriptors need 16-byte bases
-    return found, state, configs.target_of(q.device), aligned, features.requested()
+    return found, state, targets.target_of(q.device), aligned, features.requested()
 
 
-def plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kernel, pack_gqa) -> ForwardPlan:
+def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> ForwardPlan:
     """Decide a forward launch (the first call of its signature): configuration, grid and arguments."""
     dims = layout(q, k, varlen, keys)
     lse_shape = (dims.batch, dims.nheads, dims.seqlen_q) if varlen is None else (dims.nheads, q.shape[0])
-    used = configs.tuned_taken()
+    used = choose.tuned_taken()
     before = len(used) if used is not None else 0
     if q.numel() == 0 or dims.seqlen_q == 0:
         return ForwardPlan(tuple(q.shape), lse_shape, None, None, num_splits, 0, ())
     # Outputs as meta tensors: their strides, without memory (a launch allocates its own).
     out = torch.empty(q.shape, dtype=q.dtype, device="meta")
     lse, stride_lb, stride_lh = lse_buffer(out, varlen, dims)
-    plain = varlen is None and keys is None and options.softcap <= 0.0 and options.slopes is None
-    if kernel == "fwd" and not (plain and options.dropout_p == 0.0 and dims.head_dim in configs.HEAD_DIM_BUCKETS):
+    plain = varlen is None and keys is None and options.softcap <= 0.0 and options.alibi_slopes is None
+    if kernel == "fwd" and not (plain and options.dropout_p == 0.0 and dims.head_dim in limits.HEAD_DIM_BUCKETS):
         kernel = "fwd_general"
     group = dims.nheads // dims.nheads_k
     pack, cfg, block_m = gqa_packing(q.device, kernel, dims.seqlen_q, dims.head_dim, group, options.dropout_p,
@@ -509,23 +494,15 @@ def plan_forward(q, k, v, softmax_scale, options, varlen, keys, num_splits, kern
         stride_os=o_split.stride(0) if num_splits > 1 else 0,
         stride_lb=stride_lb, stride_lh=stride_lh, stride_ls=lse_split.stride(0) if num_splits > 1 else 0,
         nheads=dims.nheads, group_size=group, seqlen_q=dims.seqlen_q,
-        seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, sm_scale=softmax_scale, num_splits=num_splits,
-        head_section=section,
-        qk_scale=_base2_scale(options.softcap if options.softcap > 0.0 else softmax_scale),
-        **rows, **paging, **score_args(options, dims.seqlen_k),
+        seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, num_splits=num_splits, head_section=section,
+        **rows, **paging, **score_args(options, dims.seqlen_k, forward=True),
         PACK_GQA=pack, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ), q.device)
     combine = None
     if num_splits > 1:
-        block_m = 16
-        combine = plan(split_combine_kernel, (triton.cdiv(dims.seqlen_q, block_m), dims.nheads, dims.batch), dict(
-            O_SPLIT=o_split, LSE_SPLIT=lse_split, O=out, LSE=lse, CU_Q=cu_q,
-            stride_ps=o_split.stride(0), **dims.stride_args(o_split[0], "p", "m"),
-            stride_qs=lse_split.stride(0), stride_lb=stride_lb, stride_lh=stride_lh,
-            **dims.stride_args(out, "o", "m"), seqlen_q=dims.seqlen_q, total_q=rows["total_q"],
-            head_dim=dims.head_dim, num_splits=num_splits, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
-        ), q.device)
+        combine = plan_split_merge(o_split, lse_split, out, lse, cu_q, dims, stride_lb, stride_lh, rows["total_q"],
+                                   block_d, q.device)
     taken = tuple(used[before:]) if used is not None else ()
     return ForwardPlan(tuple(q.shape), lse_shape, main, combine, num_splits, cfg.block_n if views else 0, taken)
 
@@ -546,13 +523,12 @@ def run_forward(p: ForwardPlan, q, k, v, options: ScoreOptions, varlen, keys) ->
         k_tiles, v_tiles = features.descriptors(k, v, p.tma_rows)
     cu_q = varlen.cu_seqlens_q if varlen is not None else None
     given = dict(Q=q, K=k, V=v, O=o_split, LSE=lse_split, K_TILES=k_tiles, V_TILES=v_tiles, CU_Q=cu_q,
-                 SLOPES=options.slopes, SEED=options.seed, SINKS=options.sinks)
+                 SLOPES=options.alibi_slopes, SEED=options.seed, SINKS=options.sinks)
     if keys is not None:
         given.update(K_START=keys.start, K_END=keys.end, PAGE_TABLE=keys.table)
     launch(p.main, {name: given[name] for name in p.main.tensors})
     if p.combine is not None:
-        given = dict(O_SPLIT=o_split, LSE_SPLIT=lse_split, O=out, LSE=lse, CU_Q=cu_q)
-        launch(p.combine, {name: given[name] for name in p.combine.tensors})
+        launch_split_merge(p.combine, o_split, lse_split, out, lse, cu_q)
     return out, lse
 
 
@@ -582,18 +558,9 @@ def gqa_packing(
     rows = seqlen_q * group
     packable = pack_gqa is not False and group > 1 and dropout_p == 0.0
     if packable and rows <= PACK_MAX_ROWS:
-        cfg = configs.launch_config(device, "decode", head_dim, element_size)
+        cfg = choose.launch_config(device, "decode", head_dim, element_size)
         return True, cfg, max(cfg.block_m, triton.next_power_of_2(rows))
-    cfg = configs.launch_config(device, kernel, head_dim, element_size)
+    cfg = choose.launch_config(device, kernel, head_dim, element_size)
     pack = packable and triton.cdiv(rows, cfg.block_m) < group * triton.cdiv(seqlen_q, cfg.block_m)
     return pack, cfg, cfg.block_m
 
-
-def _base2_scale(nat_scale: float) -> float:
-    """``nat_scale * log2(e)`` as the fp32 the kernel receives: the multiplier of its base-2 logits
-    (``_fwd_inner``), whose sign in fp32 decides ``FOLD`` (a positive scale below fp32's range is 0)."""
-    scale = nat_scale * math.log2(math.e)
-    try:  # rounded to fp32 on the host, without a tensor per launch
-        return struct.unpack("f", struct.pack("f", scale))[0]
-    except OverflowError:
-        return math.copysign(math.inf, scale)

@@ -26,9 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import configs, splits, tiles
+from flash_recipe.ops import choose, configs, splits, targets, tiles
 from flash_recipe.ops.forward import PACK_MAX_ROWS, ForwardPlan, gqa_packing, plan_forward, run_forward
-from flash_recipe.ops.launch import KeyRanges, Plan, ScoreOptions, launch, plan
+from flash_recipe.ops.launch import Plan, launch, plan
+from flash_recipe.ops.options import KeyRanges, ScoreOptions
+
+# Helpers the kernels call by name: torch.compile regenerates a kernel with the jit functions it
+# names, not the modules they are reached through.
+from flash_recipe.ops.tiles import load_tile, store_tile
 from flash_recipe.signatures import Memo, signature
 
 
@@ -68,7 +73,7 @@ def rotary_append_kernel(
     m_rows = rows < seqlen
     pos0 = tl.load(POS + i_b)
     x_base = X + i_b * stride_xb + i_h * stride_xh
-    b_x = tiles.load_tile(x_base, i_m * BLOCK_M, stride_xm, seqlen, head_dim, o_r, o_d, True, MASK_D).to(tl.float32)
+    b_x = load_tile(x_base, i_m * BLOCK_M, stride_xm, seqlen, head_dim, o_r, o_d, True, MASK_D).to(tl.float32)
     if ROTARY:
         half = rotary_dim // 2
         if INTERLEAVED:
@@ -103,7 +108,7 @@ def rotary_append_kernel(
         tl.store(p_out + o_d[None, :], b_x.to(OUT.dtype.element_ty), mask=m_out)
     else:
         o_base = OUT + i_b * stride_ob + i_h * stride_oh
-        tiles.store_tile(o_base, i_m * BLOCK_M, stride_om, seqlen, head_dim, o_r, o_d, b_x, True, MASK_D)
+        store_tile(o_base, i_m * BLOCK_M, stride_om, seqlen, head_dim, o_r, o_d, b_x, True, MASK_D)
 
 
 class Rotary(NamedTuple):
@@ -179,8 +184,8 @@ class StepPlan(NamedTuple):
     forward: ForwardPlan  # the attention over the cache (``forward.plan_forward``)
 
 
-def _plan_step(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], softmax_scale: float, options: ScoreOptions,
-               keys: KeyRanges, num_splits: int, pack_gqa: Optional[bool], q_moves: bool) -> StepPlan:
+def _plan_step(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], options: ScoreOptions, keys: KeyRanges,
+               num_splits: int, pack_gqa: Optional[bool], q_moves: bool) -> StepPlan:
     append_k = append_v = rotate_q = None
     if k_new is not None and k_new.shape[1] > 0:
         append_k = _plan_copy(k_new, cache.k, cache.seqlens, 1, rotary, cache)
@@ -194,7 +199,7 @@ def _plan_step(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], softmax_
         heads, rows = program_heads(q, cache.k.shape[2], pack_gqa)
         num_splits = auto_splits(batch, heads, rows, keys.max_len, q.device, head_dim, q.element_size())
     kernel = "decode" if seqlen_q <= 16 else "fwd"
-    found = plan_forward(q, cache.k, cache.v, softmax_scale, options, None, keys, num_splits, kernel, pack_gqa)
+    found = plan_forward(q, cache.k, cache.v, options, None, keys, num_splits, kernel, pack_gqa)
     return StepPlan(append_k, append_v, rotate_q, found)
 
 
@@ -209,7 +214,7 @@ def auto_splits(
     if device.type != "cuda":
         return 1
     if seqlen_q <= 16:
-        target = configs.target_of(device)
+        target = targets.target_of(device)
         if target != "interpreter":
             from flash_recipe.ops import tuned
 
@@ -235,8 +240,8 @@ def launch_blocks(device: torch.device, rows: int, head_dim: int, element_size: 
     (decode tiles, counted as the general forward's).
     """
     if rows <= PACK_MAX_ROWS:
-        return 1, configs.launch_config(device, "decode", head_dim, element_size).block_n
-    cfg = configs.launch_config(device, "fwd_general", head_dim, element_size)
+        return 1, choose.launch_config(device, "decode", head_dim, element_size).block_n
+    cfg = choose.launch_config(device, "fwd_general", head_dim, element_size)
     return triton.cdiv(rows, cfg.block_m), cfg.block_n
 
 
@@ -273,10 +278,10 @@ def program_heads(q: torch.Tensor, nheads_k: int, pack_gqa: Optional[bool] = Non
 _STEPS = Memo()
 
 
-@configs.tuned_fallback
+@choose.tuned_fallback
 def attention_kvcache(
     q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], cache: Cache,
-    rotary: Optional[Rotary], softmax_scale: float, options: ScoreOptions, num_splits: int = 0,
+    rotary: Optional[Rotary], options: ScoreOptions, num_splits: int = 0,
     pack_gqa: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache`` on validated input (see ``flash_recipe.decoding``).
@@ -296,22 +301,22 @@ def attention_kvcache(
     keys = KeyRanges(start, end, cache.table.shape[1] * cache.k.shape[1], cache.table)  # capacity: Cache.capacity
     cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (None, None)
     key = None
-    state = configs.plan_state()
+    state = choose.plan_state()
     if state is not None:
         key = signature(
-            (q, k_new, v_new, cache.k, cache.v, cache.table, cache.seqlens, cache.leftpad, cos, sin, options.slopes,
-             options.sinks),
-            (softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
+            (q, k_new, v_new, cache.k, cache.v, cache.table, cache.seqlens, cache.leftpad, cos, sin,
+             options.alibi_slopes, options.sinks),
+            (options.softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
              options.dropout_p, rotary is not None and rotary.interleaved, num_splits, pack_gqa),
         )
     if key is not None:
-        key = key, state, configs.target_of(q.device)
+        key = key, state, targets.target_of(q.device)
     step = _STEPS.get(key) if key is not None else None
     if step is None:
-        step = _STEPS.keep(key, _plan_step(q, k_new, v_new, cache, rotary, softmax_scale, options, keys, num_splits,
-                                           pack_gqa, q_moves))
+        step = _STEPS.keep(key, _plan_step(q, k_new, v_new, cache, rotary, options, keys, num_splits, pack_gqa,
+                                           q_moves))
     else:
-        configs.took_tuned(step.forward.tuned)
+        choose.took_tuned(step.forward.tuned)
     if step.append_k is not None:
         _launch_copy(step.append_k, _copy_tensors(k_new, cache.k, cache.seqlens, rotary, cache))
         _launch_copy(step.append_v, _copy_tensors(v_new, cache.v, cache.seqlens, None, cache))

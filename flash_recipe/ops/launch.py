@@ -1,10 +1,7 @@
-"""What the launchers share: the per-call option types and the keyword arguments they become.
+"""What the launchers share: the keyword arguments a call's options and tensors become, and the
+plan of a launch.
 
-Shapes (B batch, Sq/Sk query/key length, H query heads, Hk key/value heads, D head dim)::
-
-    dense    q (B, Sq, H, D)    k, v (B, Sk, Hk, D)       lse (B, H, Sq)
-    varlen   q (total_q, H, D)  k, v (total_k, Hk, D)     lse (H, total_q)
-    paged    k, v (num_pages, page_size, Hk, D)
+Shapes as in ``flash_recipe.ops.options`` (``ScoreOptions``, ``Varlen``, ``KeyRanges``).
 
 Every kernel is launched by keyword: the helpers here return dicts keyed by the kernels'
 parameter names, so a parameter is named once, in the kernel signature and at its launch.
@@ -16,55 +13,14 @@ grid, every argument that is not a tensor, and the compile-time flags the kernel
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from flash_recipe.ops import tiles
-
-
-class ScoreOptions(NamedTuple):
-    """The per-call masking and score options, as the kernels take them.
-
-    Query ``i`` sees keys ``[i + diag_offset - window_left, i + diag_offset + window_right]``,
-    ``-1`` meaning unbounded on that side (causal: ``window_right = 0``). ``diag_offset`` is
-    ``Sk - Sq`` for flash-attn's bottom-right alignment and ``0`` for SDPA's top-left; varlen
-    sequences and per-batch key ranges always align bottom-right, each with its own lengths.
-    """
-
-    diag_offset: int
-    window_left: int
-    window_right: int
-    softcap: float  # > 0 enables softcapping
-    slopes: Optional[torch.Tensor]  # ALiBi slopes, fp32 (H,) or (B, H)
-    dropout_p: float = 0.0
-    seed: Optional[torch.Tensor] = None  # int64 (1,) on the device: the dropout mask's Philox seed
-    # Attention sinks, (H,) float (any float dtype, read as fp32): query head h's softmax denominator
-    # gains exp(sinks[h]), a logit with no value; the lse includes it.
-    sinks: Optional[torch.Tensor] = None
-
-
-class Varlen(NamedTuple):
-    """Packed sequences: ``cu_seqlens`` int32 ``(B + 1,)`` and the longest length, per side."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-class KeyRanges(NamedTuple):
-    """Keys of batch ``b`` are rows ``start[b]:end[b]`` (int32 ``(B,)`` each), optionally paged.
-
-    With ``table`` (int32 ``(B, width)``) the key tensors are ``(num_pages, page_size, Hk, D)``
-    and row ``r`` of batch ``b`` lives in page ``table[b, r // page_size]``. ``max_len`` bounds
-    ``end - start`` (it sizes the split-KV shares, never the reads).
-    """
-
-    start: torch.Tensor
-    end: torch.Tensor
-    max_len: int
-    table: Optional[torch.Tensor] = None
+from flash_recipe.ops.options import KeyRanges, ScoreOptions, Varlen
 
 
 class Layout(NamedTuple):
@@ -85,18 +41,27 @@ class Layout(NamedTuple):
         return {f"stride_{prefix}b": batch, f"stride_{prefix}{row}": rows, f"stride_{prefix}h": heads}
 
 
-def score_args(options: ScoreOptions, seqlen_k: int) -> dict:
-    """The kernels' score arguments: the ``SLOPES`` and ``SEED`` tensors (None where unused: the
-    kernels' ``ALIBI`` and ``DROPOUT`` follow from that), the slopes' batch stride, the option
-    scalars and the window flags."""
-    slopes = options.slopes
+def score_args(options: ScoreOptions, seqlen_k: int, forward: bool = False) -> dict:
+    """The kernels' arguments for ``options``: the one place an option's meaning becomes kernel
+    arguments.
+
+    ``SLOPES`` and ``SEED`` are tensors or None (the kernels' ``ALIBI`` and ``DROPOUT`` follow from
+    that); the slopes' batch stride; the scale ``sm_scale``; the softcap (any value serves when
+    ``SOFTCAP`` is off); the window's edges and flags; the dropout rate and the rows per head of
+    its random stream. ``forward`` adds ``qk_scale``, the forward's multiplier of its base-2 logits:
+    ``log2(e)`` times the softcap when softcapping (the logit is then ``softcap * tanh(q . k *
+    softmax_scale / softcap)``), else times ``softmax_scale``.
+    """
+    slopes = options.alibi_slopes
+    softcap = options.softcap > 0.0
     if options.dropout_p > 0.0 and options.seed is None:
         raise ValueError("ScoreOptions with dropout_p > 0 needs its seed (an int64 tensor of one element)")
-    return dict(
+    args = dict(
         SLOPES=slopes,
         SEED=options.seed if options.dropout_p > 0.0 else None,
         stride_sb=slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-        softcap=options.softcap if options.softcap > 0.0 else 1.0,  # any value serves when SOFTCAP is off
+        sm_scale=options.softmax_scale,
+        softcap=options.softcap if softcap else 1.0,
         diag_offset=options.diag_offset,
         window_left=max(options.window_left, 0),
         window_right=max(options.window_right, 0),
@@ -104,8 +69,21 @@ def score_args(options: ScoreOptions, seqlen_k: int) -> dict:
         rng_stride=seqlen_k,
         MASK_LEFT=options.window_left >= 0,
         MASK_RIGHT=options.window_right >= 0,
-        SOFTCAP=options.softcap > 0.0,
+        SOFTCAP=softcap,
     )
+    if forward:
+        args["qk_scale"] = base2_scale(options.softcap if softcap else options.softmax_scale)
+    return args
+
+
+def base2_scale(nat_scale: float) -> float:
+    """``nat_scale * log2(e)`` as the fp32 the forward kernel receives: the multiplier of its base-2
+    logits, whose sign in fp32 decides ``FOLD`` (a positive scale below fp32's range is 0)."""
+    scale = nat_scale * math.log2(math.e)
+    try:  # rounded to fp32 on the host, without a tensor per launch
+        return struct.unpack("f", struct.pack("f", scale))[0]
+    except OverflowError:
+        return math.copysign(math.inf, scale)
 
 
 def layout(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], keys: Optional[KeyRanges] = None) -> Layout:

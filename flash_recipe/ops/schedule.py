@@ -23,15 +23,15 @@ The dK/dV kernel needs none of this: its key block 0, which every query block se
 causal mask, already launches first. Which order is faster on a given GPU is for its timings to
 say (``python -m flash_recipe.campaign``); the order never changes a result, since every program
 computes what it computed before, only at another time. ``launch_sequence`` states the order in
-Python (the tests hold the kernels to it), and ``python -m flash_recipe.ops.schedule`` prints what
-a model of a launch (``model_time``) says of it for the campaign's causal shapes.
+Python (the tests hold the kernels to it); ``python -m flash_recipe.tools.schedule_report`` prints
+what a model of a launch says of it for the campaign's causal shapes.
 """
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
+import torch
 import triton
 import triton.language as tl
 
@@ -71,8 +71,6 @@ def l2_bytes(device: Any) -> int:
     index; ``DEFAULT_L2_BYTES`` for any other device or where torch does not say."""
     if getattr(device, "type", None) != "cuda":
         return DEFAULT_L2_BYTES
-    import torch
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     found = _L2_BYTES.get(index)
     if found is None:
@@ -101,38 +99,6 @@ def launch_sequence(query_blocks: int, heads: int, section: int) -> list[tuple[i
         width = heads - first if which == last else section
         order += [(m, first + h) for m in reversed(range(query_blocks)) for h in range(width)]
     return order
-
-
-def model_time(costs: list[float], slots: int) -> float:
-    """When the last of ``costs`` (each program's time, in launch order) ends if each starts on the
-    first of ``slots`` to free up: a model of a GPU's dispatch, without memory or clock effects."""
-    ends = [0.0] * slots
-    for cost in costs:
-        heapq.heappush(ends, heapq.heappop(ends) + cost)
-    return max(ends)
-
-
-# The model's launches: the campaign's causal bench shapes (16k tokens, 16 heads) and one with 8
-# heads; bf16 at head dim 128 in 128 x 128 blocks, one program per multiprocessor of an H100.
-MODEL_SHAPES = ((8, 2048, 16), (4, 4096, 16), (2, 8192, 16), (1, 16384, 16), (2, 8192, 8))
-MODEL_SLOTS = 132
-MODEL_L2_BYTES = 50 * 2**20
-
-
-def model_rows(shapes=MODEL_SHAPES, slots: int = MODEL_SLOTS, l2: int = MODEL_L2_BYTES, block: int = 128) -> list:
-    """``(batch, seqlen, heads, programs, section, plain, ordered)`` per causal shape: the modelled
-    time of the plain order and of ``launch_sequence``, over the ideal ``total work / slots``. A
-    program costs 1 plus the key blocks it visits (block ``m`` sees ``m + 1``)."""
-    rows = []
-    for batch, seqlen, heads in shapes:
-        blocks, count = -(-seqlen // block), batch * heads
-        section = section_heads(count, blocks, 2 * seqlen * 128 * 2, l2, True)
-        plain = [1.0 + m + 1 for _ in range(count) for m in range(blocks)]
-        ordered = [1.0 + m + 1 for m, _ in launch_sequence(blocks, count, section)]
-        ideal = sum(plain) / slots
-        rows.append((batch, seqlen, heads, len(plain), section, model_time(plain, slots) / ideal,
-                     model_time(ordered, slots) / ideal))
-    return rows
 
 
 @triton.jit
@@ -164,10 +130,3 @@ def launch_order(group, section, SECTIONS: tl.constexpr):
         i_b = tl.program_id(2)
     return i_m, i_s, i_h, i_b
 
-
-if __name__ == "__main__":
-    print(f"A model, not a timing: {MODEL_SLOTS} slots, {MODEL_L2_BYTES >> 20} MiB of L2, causal, bf16, head dim 128;")
-    print("each launch's modelled time over the ideal (total work / slots)\n")
-    print("| causal shape | programs | section | plain order | this order |\n|---|---:|---:|---:|---:|")
-    for batch, seqlen, heads, programs, section, plain, ordered in model_rows():
-        print(f"| B{batch} S{seqlen} H{heads} | {programs} | {section} | {plain:.3f} | {ordered:.3f} |")

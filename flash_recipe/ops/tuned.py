@@ -1,6 +1,6 @@
 """Tuned launch configurations: the per-device cache that ``flash-recipe tune`` writes and the launchers read.
 
-``configs.launch_config`` asks this module first (after an ``overriding`` block) and falls back to
+``choose.launch_config`` asks this module first (after an ``overriding`` block) and falls back to
 the table, so a machine that never tuned runs exactly the table's configurations. Nothing here
 applies on the CPU or under ``TRITON_INTERPRET``: the callers ask only for a GPU target.
 
@@ -54,25 +54,23 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
+from flash_recipe import __version__
 from flash_recipe.files import write_json
+from flash_recipe.ops.limits import HEAD_DIM_BUCKETS, MAX_SPLITS
 
 FORMAT = 1
 ENV_VAR = "FLASH_RECIPE_TUNE_CACHE"
 SUFFIX = ".tune.json"
 KEY_FIELDS = ("gpu", "target", "triton", "flash_recipe")
-HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
 ELEMENT_SIZES = (2, 4)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
-# The most splits a tuned count may hold: the split rule's cap, splits.MAX_SPLITS (flash-attn's 128), not
-# imported from there because configs imports this module and splits imports configs.
-MAX_SPLITS = 128
 
 
 class TunedCacheWarning(UserWarning):
     """A tuned-configuration file was ignored (unreadable, another format, or stale), or one of its
-    entries failed to compile or launch (``configs.tuned_fallback``)."""
+    entries failed to compile or launch (``choose.tuned_fallback``)."""
 
 
 class BadCacheFile(ValueError):
@@ -127,9 +125,7 @@ def cache_path(gpu: str, directory: Optional[os.PathLike] = None) -> Path:
 def make_key(gpu: str, target: str) -> dict:
     """The key of a cache file for GPU model ``gpu`` (compile target ``target``) with the Triton and
     flash_recipe installed in this process."""
-    import triton
-
-    from flash_recipe import __version__
+    import triton  # imported only to make a key: reading and checking a file needs no Triton
 
     return {"gpu": gpu, "target": target, "triton": triton.__version__, "flash_recipe": __version__}
 
@@ -255,7 +251,7 @@ _REJECTED: set = set()  # (target, kernel, bucket, element size) of entries that
 def _gpu_name(index: int) -> str:
     name = _NAMES.get(index)
     if name is None:
-        import torch
+        import torch  # only once a GPU is asked about: the file format and its checks need no torch
 
         name = _NAMES[index] = torch.cuda.get_device_name(index)
     return name
@@ -263,7 +259,7 @@ def _gpu_name(index: int) -> str:
 
 def _shared_memory(index: int) -> Optional[int]:
     """The most shared memory a block may opt in to on GPU ``index``, or None where torch does not say."""
-    import torch
+    import torch  # only for a GPU (see _gpu_name)
 
     return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
 
@@ -303,7 +299,7 @@ def for_device(device, target: str) -> Optional[Tuned]:
         return None
     index = device.index
     if index is None:
-        import torch
+        import torch  # only for a GPU (see _gpu_name)
 
         index = torch.cuda.current_device()
     memo = (index, target, os.environ.get(ENV_VAR), os.environ.get("XDG_CACHE_HOME"))
@@ -338,7 +334,7 @@ def splits_for(device, target: str, bucket: int, element_size: int, programs: in
 
 
 # Counts the changes to what this module answers (entries read, forgotten or rejected): memoized
-# launch plans are keyed by it (``configs.plan_state``).
+# launch plans are keyed by it (``choose.plan_state``).
 GENERATION = [0]
 
 
@@ -359,7 +355,7 @@ def forget() -> None:
 
 def reject(entries) -> None:
     """Serve these entries, ``(target, kernel, head-dim bucket, element size)``, from the table for
-    the rest of the process: they failed to compile or launch (``configs.tuned_fallback``)."""
+    the rest of the process: they failed to compile or launch (``choose.tuned_fallback``)."""
     with _LOCK:
         _REJECTED.update(entries)
     _changed()
@@ -406,7 +402,7 @@ def locked(path: Path):
     handle = os.open(str(path) + ".lock", flags, 0o600)
     try:
         if os.name == "nt":
-            import msvcrt
+            import msvcrt  # each platform's lock module exists on that platform only
 
             msvcrt.locking(handle, msvcrt.LK_LOCK, 1)  # retries for 10 s, then raises OSError
         else:

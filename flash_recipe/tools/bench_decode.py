@@ -71,13 +71,14 @@ def _flash_recipe_unpacked(q, k_cache, v_cache, seqlens):
     import torch
 
     from flash_recipe.ops.kvcache import Cache, attention_kvcache
-    from flash_recipe.ops.launch import ScoreOptions
+    from flash_recipe.ops.options import ScoreOptions
 
     table = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)[:, None]
     cache = Cache(k_cache, v_cache, table, seqlens, None)
-    options = ScoreOptions(0, -1, 0, 0.0, None)
-    scale = q.shape[-1] ** -0.5
-    return lambda: attention_kvcache(q, None, None, cache, None, scale, options, pack_gqa=False)
+    options = ScoreOptions(
+        softmax_scale=q.shape[-1] ** -0.5, diag_offset=0, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None
+    )
+    return lambda: attention_kvcache(q, None, None, cache, None, options, pack_gqa=False)
 
 
 def _sdpa(q, k_cache, v_cache, seqlens):

@@ -183,7 +183,10 @@ def check_dense(backward: bool) -> dict:
         out = flash_recipe.flash_attn_func(q, k, v, causal=True)
         if not backward:
             return (out,)
-        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+        # ``out`` detached: an output that kept its graph alive would keep q, k and v's gradient
+        # accumulators from an eager step on the default stream, which the captured backward would
+        # then wait for across streams and so invalidate the capture.
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
 
     want = step()
     graph, outputs = _captured(step)

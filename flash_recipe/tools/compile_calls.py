@@ -57,28 +57,40 @@ def _qkv(case: Case, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nhea
     )
 
 
-def _variant(case: Case, nheads: int, diag_offset: int):
+def _variant(case: Case, nheads: int, diag_offset: int, scale: float):
     """Causal (aligned), or window + softcap + ALiBi + dropout (ragged), with attention sinks except
     in the ``bwd`` call, which keeps the backward of an attention's own lse without them (its
     one-key rules; ``varlen`` compiles the backward with sinks)."""
     import torch
 
-    from flash_recipe.ops.launch import ScoreOptions
+    from flash_recipe.ops.options import ScoreOptions
 
     if case.form == "aligned":
-        return ScoreOptions(diag_offset, -1, 0, 0.0, None)
+        return ScoreOptions(
+            softmax_scale=scale, diag_offset=diag_offset, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None
+        )
     slopes = torch.rand(nheads, dtype=torch.float32)
     dropout = 0.0 if case.call in ("decode", "decode_paged", "paged") else 0.1  # the cache is forward-only
     seed = torch.zeros(1, dtype=torch.int64)
     sinks = None if case.call == "bwd" else torch.randn(nheads, dtype=torch.float32)
-    return ScoreOptions(diag_offset, 37, 5, 30.0, slopes, dropout, seed if dropout else None, sinks)
+    return ScoreOptions(
+        softmax_scale=scale,
+        diag_offset=diag_offset,
+        window_left=37,
+        window_right=5,
+        softcap=30.0,
+        alibi_slopes=slopes,
+        dropout_p=dropout,
+        seed=seed if dropout else None,
+        sinks=sinks,
+    )
 
 
 def run_call(case: Case) -> dict[str, str]:
     """Run the launcher(s) of ``case``; returns which kernel label each launched jit function gets."""
     import torch
 
-    from flash_recipe.ops import backward, forward, kvcache, launch
+    from flash_recipe.ops import backward_launch, forward, kvcache, options
 
     ragged = case.form == "ragged"
     nheads, nheads_k = (6, 2) if ragged else (4, 4)
@@ -86,10 +98,12 @@ def run_call(case: Case) -> dict[str, str]:
     if case.call == "sinks":  # the "bwd" call's tensors and causal mask, with a sink per query head
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
-        var = _variant(case, nheads, seqlen_k - seqlen_q)._replace(sinks=torch.randn(nheads, dtype=torch.float32))
-        forward.attention_forward(q, k, v, scale, var)
+        var = _variant(case, nheads, seqlen_k - seqlen_q, scale)._replace(
+            sinks=torch.randn(nheads, dtype=torch.float32)
+        )
+        forward.attention_forward(q, k, v, var)
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
-        backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var)
+        backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
         return {
             "attn_fwd_kernel": "fwd",
             "attn_bwd_preprocess_kernel": "bwd_preprocess",
@@ -99,16 +113,16 @@ def run_call(case: Case) -> dict[str, str]:
     if case.call in ("fwd", "options", "bwd"):
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
-        var = _variant(case, nheads, seqlen_k - seqlen_q)
+        var = _variant(case, nheads, seqlen_k - seqlen_q, scale)
         if case.call == "fwd":
             if ragged:  # the plain-score configuration's worst case: the window alone, every column used
                 q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim=case.head_dim)
-                var = var._replace(softcap=0.0, slopes=None, dropout_p=0.0, seed=None, sinks=None)
-            forward.attention_forward(q, k, v, scale, var)
+                var = var._replace(softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, sinks=None)
+            forward.attention_forward(q, k, v, var)
             return {"attn_fwd_kernel": "fwd"}
         if case.call == "options":  # every score option, on aligned tensors (TMA where the target has it) or ragged
-            var = _variant(dataclasses.replace(case, form="ragged"), nheads, seqlen_k - seqlen_q)
-            forward.attention_forward(q, k, v, scale, var)
+            var = _variant(dataclasses.replace(case, form="ragged"), nheads, seqlen_k - seqlen_q, scale)
+            forward.attention_forward(q, k, v, var)
             return {"attn_fwd_kernel": "fwd"}
         # The one-pass backward (the default) and the three kernels; fp32 (its own lse) runs only these.
         # Aligned: MHA, then GQA (8 query heads on 2 kv heads), which Triton compiles apart.
@@ -116,8 +130,8 @@ def run_call(case: Case) -> dict[str, str]:
             q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, *heads)
             out, lse = torch.randn_like(q), torch.randn(2, heads[0], seqlen_q, dtype=torch.float32)
             for deterministic in (True,) if case.dtype == "float32" else (False, True):
-                backward.attention_backward(
-                    torch.randn_like(q), q, k, v, out, lse, scale, var, deterministic=deterministic
+                backward_launch.attention_backward(
+                    torch.randn_like(q), q, k, v, out, lse, var, deterministic=deterministic
                 )
         return {
             "attn_bwd_preprocess_kernel": "bwd_preprocess",
@@ -129,11 +143,11 @@ def run_call(case: Case) -> dict[str, str]:
         cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
         total = int(cu[-1])
         q, k, v = (t[0] for t in _qkv(case, 1, total, total, nheads, nheads_k))
-        varlen = launch.Varlen(cu, cu, max(lengths), max(lengths))
-        var = _variant(case, nheads, 0)
-        forward.attention_forward(q, k, v, scale, var, varlen=varlen)
+        varlen = options.Varlen(cu, cu, max(lengths), max(lengths))
+        var = _variant(case, nheads, 0, scale)
+        forward.attention_forward(q, k, v, var, varlen=varlen)
         out, lse = torch.randn_like(q), torch.randn(nheads, total, dtype=torch.float32)
-        backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, scale, var, varlen=varlen)
+        backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var, varlen=varlen)
         return {
             "attn_fwd_kernel": "fwd",
             "attn_bwd_preprocess_kernel": "bwd_preprocess",
@@ -160,8 +174,8 @@ def run_call(case: Case) -> dict[str, str]:
     rotary_dim = head_dim - head_dim % 2
     angles = torch.rand(width * page_size, rotary_dim // 2)
     rotary = kvcache.Rotary(angles.cos().to(dtype), angles.sin().to(dtype), interleaved=not ragged)
-    var = _variant(case, nheads, 0)
-    kvcache.attention_kvcache(q, k_new, v_new, cache, rotary, scale, var, num_splits=4)
+    var = _variant(case, nheads, 0, scale)
+    kvcache.attention_kvcache(q, k_new, v_new, cache, rotary, var, num_splits=4)
     return {
         "rotary_append_kernel": "rotary_append",
         "attn_fwd_kernel": "decode" if decoding else "fwd",

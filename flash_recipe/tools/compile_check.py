@@ -6,9 +6,9 @@ loads and so decide the shared memory a launch needs), and integers equal to 1 b
 This check therefore does not build signatures by hand: it calls the real launchers
 (``attention_forward``, ``attention_backward``, ``attention_kvcache``) with CPU tensors shaped
 like a real call, and lets Triton's own launch path specialise and compile each kernel for the
-chosen target. The only stand-ins are for the GPU itself: an offline driver that names the target
-and launches nothing (Triton then compiles as for a warm-up), and ``configs.target_of``, which
-answers with that target instead of asking a device.
+chosen target. The only stand-ins are for the GPU itself (``flash_recipe.ops.offline``): an
+offline driver that names the target and launches nothing (Triton then compiles as for a warm-up),
+and ``targets.target_of``, which answers with that target instead of asking a device.
 
 Each call is made in two forms:
 
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import itertools
 import json
 import sys
@@ -52,12 +51,13 @@ import time
 from collections.abc import Iterator
 from typing import Optional
 
-from flash_recipe.ops import configs
+from flash_recipe.ops import configs, limits, targets
+from flash_recipe.ops.offline import offline_launches
 from flash_recipe.tools import compiled_code
 from flash_recipe.tools.compile_calls import DECODE_GROUPS, Case, run_call
 
 DTYPES = ("float16", "bfloat16", "float32")
-HEAD_DIM_BUCKETS = configs.HEAD_DIM_BUCKETS
+HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # Launcher calls: "fwd" the dense forward with plain scores (its "fwd" configuration); "options"
 # the dense forward with every score option (its "fwd_general" configuration); "bwd" the backward,
 # one-pass (preprocess, dK/dV adding dQ) and deterministic (preprocess, dQ, dK/dV); "varlen" the
@@ -150,96 +150,10 @@ def cases(calls=CALLS, dtypes=DTYPES, buckets=HEAD_DIM_BUCKETS, forms=FORMS) -> 
         yield Case(call, dtype, head_dim, form)
 
 
-# -- compiling through Triton's launch path ----------------------------------------------------
-
-
-def _gpu_target(target: str):
-    from triton.backends.compiler import GPUTarget
-
-    if target.startswith("gfx"):
-        return GPUTarget("hip", target, 64)
-    return GPUTarget("cuda", int(target[2:]), 32)
-
-
-class _OfflineDriver:
-    """Stands in for the GPU driver: reports ``target`` as the current device and launches nothing.
-
-    The device is named after the target, so that Triton's per-device kernel caches keep each
-    target's kernels apart within one process.
-    """
-
-    def __init__(self, target: str):
-        self.name = target
-        self.target = _gpu_target(target)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return f"offline-{self.name}"
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        import torch
-
-        return torch.device("cpu")
-
-
-def _jit_kernels() -> dict:
-    """The launchable jit functions of ``flash_recipe.ops``, by name."""
-    from triton.runtime.jit import JITFunction
-
-    from flash_recipe.ops import backward, forward, kvcache, splits
-
-    found = {}
-    for module in (forward, backward, kvcache, splits):
-        for name, obj in vars(module).items():
-            fn = getattr(obj, "fn", obj)  # triton.heuristics wraps the jit function
-            if isinstance(fn, JITFunction) and name.endswith("_kernel"):
-                found[name] = fn
-    return found
-
-
-@contextlib.contextmanager
-def _offline_launches(target: str):
-    """Launches compile for ``target`` and run nothing; yields the list of ``(name, compiled)``."""
-    from triton.runtime.driver import driver
-
-    compiled = []
-    kernels = _jit_kernels()
-    original_target_of = configs.target_of
-
-    def capture(name, fn):
-        run = type(fn).run
-
-        def offline_run(*args, grid, warmup, **kwargs):
-            kernel = run(fn, *args, grid=grid, warmup=True, **kwargs)
-            compiled.append((name, kernel))
-            return kernel
-
-        return offline_run
-
-    saved = dict(vars(driver))  # the active driver's slot is named differently across Triton releases
-    driver.set_active(_OfflineDriver(target))
-    configs.target_of = lambda device: target
-    for name, fn in kernels.items():
-        fn.run = capture(name, fn)
-    try:
-        yield compiled
-    finally:
-        for fn in kernels.values():
-            del fn.run
-        configs.target_of = original_target_of
-        vars(driver).clear()
-        vars(driver).update(saved)
-
-
 def check_case(case: Case, target: str) -> list[dict]:
     """Compile ``case`` for ``target`` through the launch path; one report row per kernel launched."""
     start = time.perf_counter()
-    with _offline_launches(target) as compiled:
+    with offline_launches(target) as compiled:
         labels = run_call(case)
     seconds = round(time.perf_counter() - start, 2)
     rows = []
@@ -250,7 +164,7 @@ def check_case(case: Case, target: str) -> list[dict]:
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
         if label == "bwd_dkdv" and _constants(kernel).get("ATOMIC_DQ"):
-            label = "bwd_onepass"  # the dK/dV kernel adding dQ too (backward.attention_backward)
+            label = "bwd_onepass"  # the dK/dV kernel adding dQ too (backward_launch.attention_backward)
         usage = compiled_code.amd_usage(kernel) if target.startswith("gfx") else compiled_code.nvidia_usage(kernel)
         step = _constants(kernel).get(LOOP_STEP.get(label, ""))
         loop = usage.get("loop_instructions")
@@ -331,7 +245,7 @@ def proxy_applies(row: dict) -> bool:
         and row["form"] == "aligned"
         and row["head_dim"] == PROXY["head_dim"]
         and row["dtype"] in ("float16", "bfloat16")
-        and configs.triton_release() >= PROXY["since_triton"]
+        and targets.triton_release() >= PROXY["since_triton"]
     )
 
 
@@ -462,7 +376,7 @@ def main(argv: Optional[list] = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    if configs.interpreter_enabled():
+    if targets.interpreter_enabled():
         print("unset TRITON_INTERPRET: the compile check needs Triton's compiler", file=sys.stderr)
         return 2
     jobs = select_jobs(args.preset, args.target, args.call, args.dtype, args.head_dim, args.form)

@@ -236,7 +236,7 @@ def main(argv: Optional[list] = None) -> int:
     import torch
 
     from flash_recipe.files import write_json
-    from flash_recipe.ops.configs import interpreter_enabled
+    from flash_recipe.ops.targets import interpreter_enabled
 
     args = build_parser().parse_args(argv)
     if args.seconds <= 0:

@@ -45,10 +45,9 @@ cache entry, is the one the real launch compiles (tests/test_warmup.py checks it
 
 ``--offline TARGET`` does the same without a GPU, for measuring the compile part: the calls are
 made with CPU tensors on the Triton backend with the target's launch configurations, split-KV
-counts from the target's multiprocessor count (``splits.TABLE_GPUS``; tuned files are not read),
-and the workers compile for the target with the compile check's stub driver
-(``compile_check._offline_launches``), into a fresh temporary cache, so they measure compiling,
-not loading. It needs ``TRITON_INTERPRET`` unset.
+counts from the target's multiprocessor count (``splits_report.TABLE_GPUS``; tuned files are not read),
+and the workers compile for the target with the stub driver of ``flash_recipe.ops.offline``, into
+a fresh temporary cache, so they measure compiling, not loading. It needs ``TRITON_INTERPRET`` unset.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ FAMILIES = {
 }
 # The tensor whose dtype names a kernel's variant: its first of these.
 _MAIN_TENSORS = ("Q", "X", "O")
-# --offline targets: those whose multiprocessor count ``splits.TABLE_GPUS`` holds (split-KV counts).
+# --offline targets: those whose multiprocessor count ``splits_report.TABLE_GPUS`` holds (split-KV counts).
 OFFLINE_TARGETS = ("sm80", "sm89", "sm90")
 
 
@@ -233,28 +232,29 @@ def recorded_launches():
 @contextlib.contextmanager
 def offline_planning(target: str) -> Iterator[None]:
     """CPU tensors planned as for ``target``: its launch configurations and tensor descriptors
-    (``configs.target_of``), split-KV counts from its multiprocessor count, and the Triton backend
+    (``targets.target_of``), split-KV counts from its multiprocessor count, and the Triton backend
     for every call (on the CPU the dispatcher would take it only through the interpreter)."""
     import triton
 
     from flash_recipe import dispatch
-    from flash_recipe.ops import configs, kvcache, splits
+    from flash_recipe.ops import kvcache, splits, targets
+    from flash_recipe.tools.splits_report import TABLE_GPUS  # on use: importing warmup loads no torch
 
-    sms = dict((t, n) for n, t in splits.TABLE_GPUS)[target]
+    sms = dict((t, n) for n, t in TABLE_GPUS)[target]
     triton_backend = dispatch.TritonBackend()
 
     def auto_splits(batch, nheads, seqlen_q, capacity, device, head_dim, element_size):
         query_blocks, block_n = kvcache.launch_blocks(device, seqlen_q, head_dim, element_size)
         return splits.choose_splits(batch * nheads * query_blocks, triton.cdiv(capacity, block_n), sms)
 
-    saved = configs.target_of, kvcache.auto_splits, dispatch.select
-    configs.target_of = lambda device: target
+    saved = targets.target_of, kvcache.auto_splits, dispatch.select
+    targets.target_of = lambda device: target
     kvcache.auto_splits = auto_splits
     dispatch.select = lambda call, extra=None, extra_key=None: triton_backend
     try:
         yield
     finally:
-        configs.target_of, kvcache.auto_splits, dispatch.select = saved
+        targets.target_of, kvcache.auto_splits, dispatch.select = saved
 
 
 def variants(calls: list[Call], device, target: Optional[str] = None) -> tuple[list[Variant], dict]:
@@ -285,16 +285,16 @@ _WORKER: dict = {}  # the worker process's device and, offline, its stub launch 
 
 
 def init_worker(target: Optional[str], device: str, cache: Optional[str] = None) -> None:
-    """Set up a worker: offline, the compile check's stub driver for ``target`` for its lifetime;
+    """Set up a worker: offline, the stub driver (``ops.offline``) for ``target`` for its lifetime;
     on a GPU, ``device`` made current; ``cache``: the Triton cache directory to compile into."""
     if cache:
         os.environ["TRITON_CACHE_DIR"] = cache
     import torch
 
     if target:
-        from flash_recipe.tools.compile_check import _offline_launches
+        from flash_recipe.ops.offline import offline_launches  # on use: importing warmup loads no Triton
 
-        context = _offline_launches(target)
+        context = offline_launches(target)
         _WORKER.update(context=context, compiled=context.__enter__())  # compiled: (name, kernel) pairs
     elif torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
@@ -477,10 +477,10 @@ def _report(result: dict) -> str:
 def run(args) -> int:
     import torch
 
-    from flash_recipe.ops import configs
+    from flash_recipe.ops import targets
 
     if args.offline:
-        if configs.interpreter_enabled():
+        if targets.interpreter_enabled():
             print("flash-recipe warmup: unset TRITON_INTERPRET: --offline needs Triton's compiler", file=sys.stderr)
             return 2
         device, where = torch.device("cpu"), f"{args.offline} offline (stub driver, nothing launched)"
@@ -523,7 +523,7 @@ def run(args) -> int:
     for row in rows:
         variant = found[row["index"]]
         row.update(variant=variant.id, family=variant.family, call=variant.call)
-    target = args.offline or configs.target_of(device)
+    target = args.offline or targets.target_of(device)
     result = {"step": args.step, "device": where, "target": target, **summary(rows, wall, args.jobs)}
     print(_report(result))
     if args.json:

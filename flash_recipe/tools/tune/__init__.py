@@ -15,8 +15,8 @@ is timed and checked on a softcapped call), head-dim bucket and element size
    the output, 3x for the gradients, plus 1e-5), with output buffers filled with NaN first: a
    candidate that computes anything else, or leaves a tile unwritten, is rejected;
 4. times it through the real launcher (``ops.forward.attention_forward``,
-   ``ops.backward.attention_backward``, ``ops.kvcache.attention_kvcache``) inside
-   ``configs.overriding`` (``triton.testing.do_bench``, median, L2 flushed between runs) on the
+   ``ops.backward_launch.attention_backward``, ``ops.kvcache.attention_kvcache``) inside
+   ``choose.overriding`` (``triton.testing.do_bench``, median, L2 flushed between runs) on the
    timing shapes: each sequence length at about ``tokens`` tokens per batch, causal and not; a
    decoding step (one query row, GQA 4:1) per batch size and cache length. The backward's
    configurations are timed as the whole backward with only the tuned kernel changed;
@@ -28,7 +28,7 @@ then timed per batch size and cache length, and the fastest is kept per bucket o
 (``batch * nheads``) and cache length when it beats ``kvcache.heuristic_splits`` by ``min_gain``.
 
 The winners are written to the per-device cache (``flash_recipe.ops.tuned``: where it lives, its
-format, its key), which ``configs.launch_config`` and ``kvcache.auto_splits`` read from then on. A
+format, its key), which ``choose.launch_config`` and ``kvcache.auto_splits`` read from then on. A
 run covers what it is asked for and keeps the file's other entries.
 
 The package, one module per step:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Optional
 
-from flash_recipe.ops import configs
+from flash_recipe.ops import choose, configs, targets
 from flash_recipe.ops.configs import Config
 from flash_recipe.tools.tune.problem import COMPILE_CALL, EIGHT_WARPS_MIN_TILE, ELEMENT_SIZE, GRID, TuneError
 
@@ -32,7 +32,7 @@ def _compile_one(job: tuple) -> list[dict]:
     kernel, head_dim, dtype, config, target, form = job
     row = {"kernel": kernel, "config": list(config), "form": form, "target": target}
     try:
-        with configs.overriding(kernel, head_dim, ELEMENT_SIZE[dtype], Config(*config)):
+        with choose.overriding(kernel, head_dim, ELEMENT_SIZE[dtype], Config(*config)):
             compiled = compile_check.check_case(compile_check.Case(COMPILE_CALL[kernel], dtype, head_dim, form), target)
     except Exception as exc:  # a candidate the compiler refuses is dropped, with the reason
         return [{**row, "fits": False, "problem": f"does not compile: {type(exc).__name__}: {exc}"[:500]}]
@@ -77,7 +77,7 @@ def prune(
     dropped in one form is not compiled in the next. Needs Triton's compiler (``TRITON_INTERPRET``
     unset); ``jobs > 1`` compiles in that many processes.
     """
-    if configs.interpreter_enabled():
+    if targets.interpreter_enabled():
         raise TuneError("pruning compiles the kernels for the GPU: unset TRITON_INTERPRET")
     if target not in configs.SHARED_MEMORY_LIMIT:
         raise TuneError(f"no shared-memory limit on record for {target}; known: {sorted(configs.SHARED_MEMORY_LIMIT)}")

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from flash_recipe.ops import configs, tuned
+from flash_recipe.ops import targets, tuned
 from flash_recipe.tools.tune.problem import DTYPES, HEAD_DIMS, KERNELS, SPLITS, TuneError, describe
 from flash_recipe.tools.tune.search import tune
 
@@ -208,7 +208,7 @@ def run(args) -> int:
         return 2
     try:
         print(
-            f"tuning {torch.cuda.get_device_name(device)} ({configs.target_of(device)}) into {tuned.cache_dir()}",
+            f"tuning {torch.cuda.get_device_name(device)} ({targets.target_of(device)}) into {tuned.cache_dir()}",
             flush=True,
         )
         report = tune(

@@ -9,12 +9,12 @@ import dataclasses
 import itertools
 from typing import Any, Callable, NamedTuple, Optional
 
-from flash_recipe.ops import configs, tuned
+from flash_recipe.ops import configs, limits
 from flash_recipe.ops.configs import Config
 from flash_recipe.testing import FACTORS, accuracy_bound, max_error
 
 KERNELS = configs.KERNELS
-HEAD_DIMS = tuned.HEAD_DIM_BUCKETS
+HEAD_DIMS = limits.HEAD_DIM_BUCKETS
 DTYPES = ("float16", "bfloat16", "float32")
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
@@ -145,7 +145,7 @@ class Problem:
         import torch
 
         from flash_recipe.ops import forward, kvcache
-        from flash_recipe.ops.launch import ScoreOptions
+        from flash_recipe.ops.options import ScoreOptions
 
         self.kernel, self.dtype, self.shape = kernel, dtype, shape
         gen = torch.Generator().manual_seed(seed)
@@ -162,7 +162,9 @@ class Problem:
             seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
             table = torch.arange(b, dtype=torch.int32, device=device)[:, None]
             self.cache = kvcache.Cache(self.k, self.v, table, seqlens, None)
-            self.options = ScoreOptions(0, -1, 0, 0.0, None)  # per-batch ranges align bottom-right
+            self.options = ScoreOptions(
+                softmax_scale=self.scale, diag_offset=0, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None
+            )  # per-batch ranges align bottom-right
             self.lengths = lengths
             heads, rows = kvcache.program_heads(self.q, hk)  # GQA packs its group: fewer programs
             size = self.q.element_size()
@@ -171,31 +173,35 @@ class Problem:
         self.heuristic_splits = None  # decoding only
         # The general forward is timed on a softcapped call (Gemma 2's 50), one of the options it serves.
         softcap = GENERAL_SOFTCAP if kernel == "fwd_general" else 0.0
-        self.options = ScoreOptions(sk - sq, -1, 0 if shape.causal else -1, softcap, None)
+        self.options = ScoreOptions(
+            softmax_scale=self.scale,
+            diag_offset=sk - sq,
+            window_left=-1,
+            window_right=0 if shape.causal else -1,
+            softcap=softcap,
+            alibi_slopes=None,
+        )
         if kernel in BACKWARD:
             self.dout = draw(b, sq, h, d)
-            self.out, self.lse = forward.attention_forward(self.q, self.k, self.v, self.scale, self.options)
+            self.out, self.lse = forward.attention_forward(self.q, self.k, self.v, self.options)
 
     def launch(self, num_splits: Optional[int] = None) -> tuple:
-        from flash_recipe.ops import backward, forward, kvcache
+        from flash_recipe.ops import backward_launch, forward, kvcache
 
         if self.kernel in ("fwd", "fwd_general"):
-            return (forward.attention_forward(self.q, self.k, self.v, self.scale, self.options)[0],)
+            return (forward.attention_forward(self.q, self.k, self.v, self.options)[0],)
         if self.kernel == "decode":
             splits = self.heuristic_splits if num_splits is None else num_splits
             return (
-                kvcache.attention_kvcache(
-                    self.q, None, None, self.cache, None, self.scale, self.options, num_splits=splits
-                )[0],
+                kvcache.attention_kvcache(self.q, None, None, self.cache, None, self.options, num_splits=splits)[0],
             )
-        return backward.attention_backward(
+        return backward_launch.attention_backward(
             self.dout,
             self.q,
             self.k,
             self.v,
             self.out,
             self.lse,
-            self.scale,
             self.options,
             deterministic=self.kernel != "bwd_onepass",  # the path whose kernel this tunes
         )[:3]

@@ -9,7 +9,7 @@ import itertools
 import math
 from typing import Any, Callable, Optional
 
-from flash_recipe.ops import configs, tuned
+from flash_recipe.ops import choose, configs, limits, targets, tuned
 from flash_recipe.ops.configs import Config
 from flash_recipe.tools.tune.candidates import candidates, prune
 from flash_recipe.tools.tune.problem import (
@@ -150,7 +150,7 @@ class Tuner:
         row = _row(kernel, head_dim, element_size, config, "ok")
         splits_checked = (1, 3) if kernel == "decode" else (None,)  # one share, and uneven shares
         try:
-            with configs.overriding(kernel, head_dim, element_size, config):
+            with choose.overriding(kernel, head_dim, element_size, config):
                 problem = _first_failure(checks, splits_checked)
                 if problem is not None:
                     return {**row, "status": "wrong", "detail": problem}
@@ -218,7 +218,7 @@ class Tuner:
         label = f"num_splits d{head_dim} {'/'.join(dtypes)}"
         checks = self.checks("decode", head_dim, dtypes, (True,))
         measured: dict = {}  # (programs bucket, cache bucket) -> [(heuristic, {splits: ms})]
-        with configs.overriding("decode", head_dim, element_size, decode_config):
+        with choose.overriding("decode", head_dim, element_size, decode_config):
             usable = []
             for splits in self.splits:
                 try:
@@ -341,7 +341,7 @@ def tune(
                 f"(torch.cuda.is_available() is {torch.cuda.is_available()})"
             )
         timer = gpu_timer()
-    target = configs.target_of(device)
+    target = targets.target_of(device)
     try:
         configs.arch_family(target)
     except ValueError as exc:
@@ -398,7 +398,7 @@ def tune(
                 )
             )
         if kernel == "decode" and splits:
-            decode_config = outcome["winner"] or configs.launch_config(device, "decode", head_dim, element_size)
+            decode_config = outcome["winner"] or choose.launch_config(device, "decode", head_dim, element_size)
             with on_device:
                 report["num_splits"] += run.split_counts(head_dim, element_size, names, decode_config)
     if save and (report["configs"] or report["num_splits"]):
@@ -423,8 +423,8 @@ def _check_arguments(kernels, head_dims, dtypes, seqlens, causal, decode_batches
     for name, values, low in (("seqlens", seqlens, 1), ("decode_batches", decode_batches, 1)):
         if not values or any(not isinstance(v, int) or v < low for v in values):
             raise ValueError(f"{name} must be positive integers, got {list(values)}")
-    if any(not isinstance(s, int) or not 1 <= s <= tuned.MAX_SPLITS for s in splits):
-        raise ValueError(f"splits must be integers from 1 to {tuned.MAX_SPLITS}, got {list(splits)}")
+    if any(not isinstance(s, int) or not 1 <= s <= limits.MAX_SPLITS for s in splits):
+        raise ValueError(f"splits must be integers from 1 to {limits.MAX_SPLITS}, got {list(splits)}")
     if tokens < 1 or nheads < 1:
         raise ValueError(f"tokens and nheads must be positive, got {tokens} and {nheads}")
     if not 0.0 <= min_gain < 1.0:

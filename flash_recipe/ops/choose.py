@@ -1,0 +1,157 @@
+"""Which configuration and which backward a launch on a device runs, and the fall back when a
+tuned configuration fails.
+
+``launch_config(device, kernel, head_dim, element_size)`` answers, in order:
+
+1. an ``overriding`` block's configuration (what ``flash-recipe tune`` times, and tests use);
+2. on a GPU, the configuration ``flash-recipe tune`` measured fastest on this GPU model
+   (``ops.tuned``), unless it failed in this process;
+3. the table's for the device's compile target (``ops.configs.get_config`` with
+   ``ops.targets.target_of``).
+
+``tuned_fallback`` wraps a launcher so that a tuned configuration that fails to compile or launch
+is dropped for the rest of the process and the launcher runs again on the table's. Launchers that
+memoize a launch plan key it by ``plan_state()`` and report the tuned entries a reused plan took
+with ``took_tuned``. ``one_pass_fits`` says whether the one-pass backward runs on a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import warnings
+from collections.abc import Iterator
+from typing import Callable, Optional, TypeVar
+
+from flash_recipe.ops import configs, targets, tuned
+from flash_recipe.ops.configs import KERNELS, Config, head_dim_bucket
+
+T = TypeVar("T")
+
+# Launch configurations that replace the table's within a ``with overriding(...)`` block, by
+# ``(kernel, head-dim bucket, element size)``.
+_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("flash_recipe_config_overrides", default={})
+
+# The tuned entries the launches of the running ``tuned_fallback`` call took, as ``(target, kernel,
+# head-dim bucket, element size)`` (None outside one).
+_TUNED_USED: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("flash_recipe_tuned_used", default=None)
+
+
+@contextlib.contextmanager
+def overriding(kernel: str, head_dim: int, element_size: int, config: Config) -> Iterator[None]:
+    """Launches of ``kernel`` at ``head_dim``'s bucket and ``element_size`` use ``config`` inside the block
+    (this thread or asyncio task only)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    token = _OVERRIDES.set({**_OVERRIDES.get(), (kernel, head_dim_bucket(head_dim), element_size): Config(*config)})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def tuned_taken() -> Optional[list]:
+    """The tuned entries the running ``tuned_fallback`` call's launches took so far (None outside one)."""
+    return _TUNED_USED.get()
+
+
+def took_tuned(entries: tuple) -> None:
+    """Record that a launch took these tuned entries (a memoized plan that ``launch_config`` chose
+    them for), so that ``tuned_fallback`` can reject them if the launch fails."""
+    if entries:
+        used = _TUNED_USED.get()
+        if used is not None:
+            used.extend(entries)
+
+
+def plan_state() -> Optional[int]:
+    """What memoized launch plans are keyed by beside their signature: a count that changes whenever
+    ``launch_config`` may answer differently (``tuned.GENERATION``: tuned entries read, forgotten
+    or rejected; 0 while nothing tuned was read), or None inside an ``overriding`` block (whose
+    configurations are not memoized)."""
+    if _OVERRIDES.get():
+        return None
+    return tuned.GENERATION[0]
+
+
+def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Config:
+    """The configuration a launch on ``device`` uses: an ``overriding`` block's, else the one
+    ``flash-recipe tune`` measured fastest on this GPU model (``flash_recipe.ops.tuned``: a GPU
+    only, never the CPU or the interpreter, and not after it failed, see ``tuned_fallback``),
+    else the table's for the device's target (``configs.get_config``)."""
+    bucket = head_dim_bucket(head_dim)
+    override = _OVERRIDES.get().get((kernel, bucket, element_size))
+    if override is not None:
+        return override
+    target = targets.target_of(device)
+    if target != "interpreter" and device.type == "cuda":
+        found = tuned.config_for(device, target, kernel, bucket, element_size)
+        if found is not None:
+            used = _TUNED_USED.get()
+            if used is not None:
+                used.append((target, kernel, bucket, element_size))
+            return Config(*found)
+    return configs.get_config(target, kernel, head_dim, element_size)
+
+
+def one_pass_fits(device, head_dim: int) -> bool:
+    """Whether the installed Triton compiles the one-pass backward's tile for ``device``'s target
+    and head dim without spilling (``configs.ONE_PASS_SINCE_TRITON``); where not,
+    ``attention_backward`` runs the three kernels."""
+    family = configs.arch_family(targets.target_of(device))
+    since = configs.ONE_PASS_SINCE_TRITON.get((family, head_dim_bucket(head_dim)))
+    return since is None or targets.triton_release() >= since
+
+
+def _compile_or_launch_failure(exc: Exception) -> bool:
+    """Whether ``exc`` is Triton failing to compile or launch a kernel (out of shared memory or
+    registers, a compiler error, ptxas), which another configuration may not hit."""
+    # Imported once a launch has failed: this module loads without Triton (the tuner and the
+    # lint environment import it before any kernel).
+    import triton.compiler.errors as compiler_errors
+    import triton.runtime.errors as runtime_errors
+
+    kinds = [getattr(runtime_errors, "OutOfResources", None), getattr(runtime_errors, "PTXASError", None),
+             getattr(compiler_errors, "CompilationError", None)]
+    return isinstance(exc, tuple(kind for kind in kinds if isinstance(kind, type))) or "ptxas" in str(exc)
+
+
+def tuned_fallback(launcher: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a launcher (a function that allocates its outputs and launches kernels) so that a
+    tuned configuration that fails to compile or launch falls back to the table's.
+
+    When ``launcher`` raises a Triton compile or launch error after one of its launches took a
+    tuned configuration, those tuned entries are rejected for the rest of the process, one
+    ``TunedCacheWarning`` names them, and ``launcher`` runs again on the table's configurations.
+    Any other error, or one without a tuned configuration, propagates unchanged.
+    """
+
+    @functools.wraps(launcher)
+    def run(*args, **kwargs):
+        token = _TUNED_USED.set([])
+        try:
+            try:
+                return launcher(*args, **kwargs)
+            except Exception as exc:
+                used = _TUNED_USED.get() or []
+                if not used or not _compile_or_launch_failure(exc):
+                    raise
+                tuned.reject(used)
+
+                entries = ", ".join(f"{kernel} at head dim {bucket} ({size}-byte elements) on {target}"
+                                    for target, kernel, bucket, size in dict.fromkeys(used))
+                first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+                warnings.warn(
+                    f"flash_recipe: the tuned launch configuration for {entries} failed "
+                    f"({type(exc).__name__}: {first_line}); the built-in configuration serves it from now on "
+                    "in this process. Re-run `flash-recipe tune` on this GPU, or delete the file that "
+                    "`flash-recipe tune --show` lists.",
+                    tuned.TunedCacheWarning,
+                    stacklevel=2,
+                )
+            return launcher(*args, **kwargs)
+        finally:
+            _TUNED_USED.reset(token)
+
+    return run

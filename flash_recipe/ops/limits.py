@@ -1,0 +1,15 @@
+"""Numbers the public API, the launchers, the split-KV rule and the tuned cache share.
+
+A leaf module: it imports nothing, so any module of the package can import it without a cycle.
+"""
+
+from __future__ import annotations
+
+# The most shares of the keys a launch over a KV cache may split into: flash-attn's cap on
+# ``num_splits``. The public API refuses a larger ``num_splits``, the split-KV rule never chooses
+# more (``ops.splits``), and a tuned file may not hold more (``ops.tuned``).
+MAX_SPLITS = 128
+
+# The head dims the kernels are compiled for (a head dim is padded up to the next of these): the
+# keys of the configuration table (``ops.configs``) and of a tuned file.
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
