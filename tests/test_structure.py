@@ -1,6 +1,7 @@
-"""The package's shape: no import cycle, kernels launched by keyword, backends named for branching
-only inside ``flash_recipe.dispatch`` (all three read from the source), and kernel flags that are
-only valid together guarded in the kernel.
+"""The package's shape: no import cycle, imports of the package at the top of their files unless a
+comment says why not, kernels launched by keyword, backends named for branching only inside
+``flash_recipe.dispatch`` (all four read from the source), and kernel flags that are only valid
+together guarded in the kernel.
 
 Each checker is also run on a small snippet that breaks its rule, so a checker that stopped
 seeing anything would fail here rather than pass in silence.
@@ -9,7 +10,9 @@ seeing anything would fail here rather than pass in silence.
 from __future__ import annotations
 
 import ast
+import io
 import textwrap
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -101,6 +104,73 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import():
         "pkg.kvcache": ast.parse("from pkg import api\n"),
     }
     assert cycles(import_graph(modules)) == [["pkg.api", "pkg.kvcache", "pkg.api"]]
+
+
+def _imports_the_package(node: ast.AST) -> bool:
+    """``import flash_recipe...``, ``from flash_recipe... import ...`` or a relative import."""
+    if isinstance(node, ast.ImportFrom):
+        return node.level > 0 or (node.module or "").split(".")[0] == "flash_recipe"
+    return isinstance(node, ast.Import) and any(alias.name.split(".")[0] == "flash_recipe" for alias in node.names)
+
+
+def function_level_imports(source: str) -> dict[int, bool]:
+    """The imports of flash_recipe modules inside a function, by line, each with whether it says why
+    it is not at the top of the file: a comment on its first line, or a line holding only a comment
+    right above it."""
+    lines = source.splitlines()
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    commented = {token.start[0] for token in tokens if token.type == tokenize.COMMENT}
+    found = {}
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if _imports_the_package(node):
+                above = lines[node.lineno - 2].lstrip() if node.lineno > 1 else ""
+                found[node.lineno] = node.lineno in commented or above.startswith("#")
+    return found
+
+
+def test_every_function_level_import_of_the_package_says_why():
+    """An import of a flash_recipe module sits at the top of its file, where the import graph can be
+    read; one that stays inside a function says why on its line or the line above: a cycle, Triton
+    or torch kept out of an import that must not load them, a name looked up per call."""
+    seen, silent = 0, []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        imports = function_level_imports(path.read_text())
+        seen += len(imports)
+        silent += [f"{path.relative_to(PACKAGE.parent)}:{line}" for line, why in sorted(imports.items()) if not why]
+    assert seen > 0  # the walk sees the function-level imports (the Triton backend's, for one)
+    assert silent == []
+
+
+def test_the_import_reason_check_finds_a_function_level_import_without_a_comment():
+    snippet = textwrap.dedent("""
+        import flash_recipe
+
+
+        def silent():
+            from flash_recipe import api
+            import flash_recipe.ops
+            from . import sibling
+            import torch
+            x = 1  # a comment on the line above is not one above the import
+            from flash_recipe.ops import tuned
+            # a comment with a blank line between says nothing about the import
+
+            from ..api import explain
+            return api, sibling, torch, x, tuned, explain
+
+
+        def explained():
+            from flash_recipe import api  # imports torch: the doctor starts without it
+            # a cycle: flash_recipe.api imports this module
+            from flash_recipe.ops import (
+                tuned,
+            )
+            return api, tuned
+    """)
+    assert function_level_imports(snippet) == {6: False, 7: False, 8: False, 11: False, 14: False, 19: True, 21: True}
 
 
 def _launches(tree: ast.AST) -> list[tuple[str, ast.Call]]:

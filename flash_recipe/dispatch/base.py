@@ -24,6 +24,7 @@ import torch
 
 from flash_recipe.dispatch import torch_cache
 from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
+from flash_recipe.reference import attention_reference_backward
 
 
 class BackendUnavailableError(NotImplementedError):
@@ -77,8 +78,6 @@ class Backend:
         which ``call``'s keys are one block (``reference.attention_reference_backward`` says what
         that gives). Default: that reference in plain torch, one sequence at a time for varlen.
         """
-        from flash_recipe.reference import attention_reference_backward
-
         if call.dropout_p > 0.0 and not self.replays_dropout:
             raise NotImplementedError(
                 f"backend {self.name!r} cannot regenerate the forward's dropout mask in a separate "

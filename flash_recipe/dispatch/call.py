@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.reference import effective_window
+from flash_recipe.reference import attention_reference, effective_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +99,6 @@ class AttentionCall:
     def probabilities(self) -> torch.Tensor:
         """The softmax probabilities ``(B, H, Sq, Sk)`` of a dense call (before dropout), float32 by
         ``flash_recipe.reference`` (float64 for float32 inputs); not differentiable."""
-        from flash_recipe.reference import attention_reference
-
         options = dict(
             window=self.window,
             softcap=self.softcap,

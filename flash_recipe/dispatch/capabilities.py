@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from flash_recipe.env import versions
 from flash_recipe.ops import configs, targets
 
 # Turing (sm75: T4, RTX 20xx) and older. The doctor's gpu-too-old finding says the same.
@@ -71,8 +72,6 @@ def import_error(module: str) -> Optional[str]:
 def triton_too_old() -> Optional[str]:
     """Why the imported Triton is older than the kernels support, or None."""
     import triton
-
-    from flash_recipe.env import versions
 
     release = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
     if release >= versions.TRITON_MIN:

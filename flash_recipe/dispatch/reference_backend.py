@@ -6,6 +6,7 @@ from typing import Optional
 
 from flash_recipe.dispatch.base import Backend
 from flash_recipe.dispatch.call import AttentionCall
+from flash_recipe.reference import attention_reference
 
 
 class ReferenceBackend(Backend):
@@ -20,8 +21,6 @@ class ReferenceBackend(Backend):
         return None
 
     def run(self, call: AttentionCall):
-        from flash_recipe.reference import attention_reference
-
         out, lse = attention_reference(
             call.q,
             call.k,

@@ -9,6 +9,7 @@ import torch
 from flash_recipe.dispatch import capabilities
 from flash_recipe.dispatch.base import Backend
 from flash_recipe.dispatch.call import AttentionCall
+from flash_recipe.reference import alibi_bias, visible_keys
 
 
 class SdpaBackend(Backend):
@@ -46,8 +47,6 @@ class SdpaBackend(Backend):
         return None
 
     def run(self, call: AttentionCall):
-        from flash_recipe.reference import alibi_bias, visible_keys
-
         q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # (B, H, S, D) views
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
         if seqlen_k == 0:  # rows that see no key output 0

@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from flash_recipe.dispatch.call import CacheCall, PagedCall
+from flash_recipe.reference import rotary_reference
 
 
 def slots(pages: torch.Tensor, table_row: list, start: int, end: int) -> tuple:
@@ -30,8 +31,6 @@ def rows(pages: torch.Tensor, table_row: list, start: int, end: int) -> torch.Te
 
 def run_cache(backend, call: CacheCall) -> tuple:
     """``flash_attn_with_kvcache`` in torch, then ``backend.run`` once per batch entry."""
-    from flash_recipe.reference import rotary_reference
-
     q, att = call.q, call.attention
     batch, seqlen_q = q.shape[:2]
     lengths = call.seqlens.tolist()

@@ -113,7 +113,7 @@ class TritonBackend(Backend):
     @staticmethod
     def _dropped_probs(call: AttentionCall, seed) -> torch.Tensor:
         """The probabilities ``(B, H, Sq, Sk)`` the kernel used, negated where dropout dropped them."""
-        from flash_recipe.ops.dropout import dropout_mask
+        from flash_recipe.ops.dropout import dropout_mask  # imports Triton: on the first run only
 
         batch, seqlen_q, nheads, _ = call.q.shape
         keep = dropout_mask(seed, batch, nheads, seqlen_q, call.k.shape[1], call.dropout_p)

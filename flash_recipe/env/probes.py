@@ -41,6 +41,7 @@ from flash_recipe.env.facts import (
     TorchFacts,
     TritonFacts,
 )
+from flash_recipe.env.wheels import parse_wheel_filename
 
 # Environment variables that change how flash-attn's setup.py or torch's extension builder behave.
 BUILD_ENV_VARS = (
@@ -290,8 +291,8 @@ def _compile_forward(arch: str) -> CompileCheck:
     dim 64) on CPU tensors, compiled for ``arch`` through Triton's launch path (``ops.offline``)."""
     import torch  # as in every probe: importing the doctor imports no torch
 
-    from flash_recipe.ops import configs, forward, offline
-    from flash_recipe.ops.options import ScoreOptions
+    from flash_recipe.ops import configs, forward, offline  # imports torch and Triton: the doctor starts without them
+    from flash_recipe.ops.options import ScoreOptions  # imports torch: the doctor starts without it
 
     q, k, v = (torch.randn(2, 1024, 4, 64, dtype=torch.float16) for _ in range(3))
     causal = ScoreOptions(
@@ -403,8 +404,6 @@ def probe_flash_attn(load: bool = True) -> FlashAttnFacts:
     name = url.rstrip("/").rsplit("/", 1)[-1].replace("%2B", "+") if url.endswith(".whl") else None
     out["wheel_filename"] = name
     if name:
-        from flash_recipe.env.wheels import parse_wheel_filename
-
         try:
             out["wheel_name_parts"] = parse_wheel_filename(name)
         except ValueError:
@@ -460,7 +459,7 @@ def probe_flex() -> FlexFacts:
 
 def probe_backends() -> BackendsFacts:
     """Which flash_recipe backends can run here, and why not, for a small fp16 causal call."""
-    from flash_recipe.dispatch import BACKENDS
+    from flash_recipe.dispatch import BACKENDS  # imports torch: the doctor starts without it
 
     availability = {}
     for backend in BACKENDS:
@@ -470,7 +469,7 @@ def probe_backends() -> BackendsFacts:
             availability[backend.name] = f"is_available() raised {type(exc).__name__}: {exc}"
     import torch
 
-    from flash_recipe import explain
+    from flash_recipe import explain  # imports torch: the doctor starts without it
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.zeros(1, 16, 2, 64, dtype=torch.float16, device=device)

@@ -37,6 +37,6 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing
+    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn", name, __all__)

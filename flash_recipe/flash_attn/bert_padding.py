@@ -19,6 +19,6 @@ def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing
+    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn.bert_padding", name, __all__)

@@ -149,6 +149,7 @@ def _forward(call: AttentionCall, block_table=None) -> tuple:
         else:
             backend = dispatch.select(call, _replays_dropout(call))
             if call.dropout_p > 0.0:
+                # imports Triton, which importing the stand-in does not: dropout calls only
                 from flash_recipe.ops.attention import new_seed
 
                 call = dataclasses.replace(call, seed=new_seed(q.device))
@@ -383,6 +384,6 @@ _wrapped_flash_attn_varlen_backward = _flash_attn_varlen_backward
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing
+    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn.flash_attn_interface", name, __all__)

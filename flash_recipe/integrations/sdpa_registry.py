@@ -80,6 +80,9 @@ from typing import Optional
 
 import torch
 
+from flash_recipe import validate
+from flash_recipe.dispatch import AttentionCall, PagedCall, TritonBackend
+
 NAME = "flash_recipe"
 FIRST_TORCH = "2.10"  # the first torch release with torch.nn.attention's flash-attention registry
 _REGISTRY_FUNCTIONS = ("register_flash_attention_impl", "activate_flash_attention_impl")
@@ -143,8 +146,6 @@ class _Handle:
 def _triton_backend():
     """The backend every call runs on: flash_recipe's Triton kernels, never the selection's
     fallbacks (its sdpa backend would call back into these very ops)."""
-    from flash_recipe.dispatch import TritonBackend
-
     return TritonBackend()
 
 
@@ -176,9 +177,6 @@ def _make_call(
     seed=None,
 ):
     """The ``AttentionCall`` for flash-attn-layout tensors, or NotImplementedError with the reason."""
-    from flash_recipe import validate
-    from flash_recipe.dispatch import AttentionCall
-
     varlen = cum_seq_q is not None
     validate.check_qkv(query, key, value, ("query", "key", "value"), varlen=varlen)
     if varlen:
@@ -212,6 +210,7 @@ def _forward(what, call):
     """``(out, lse, rng_state, philox_offset)`` of ``call`` on the Triton kernels."""
     rng_state = torch.zeros(2, dtype=torch.uint64, device=call.q.device)
     if call.dropout_p > 0.0:
+        # imports Triton, which importing this module does not: dropout calls only
         from flash_recipe.ops.attention import new_seed
 
         call = dataclasses.replace(call, seed=new_seed(call.q.device))
@@ -316,8 +315,6 @@ def _lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
 def _used_keys(key, value, cum_seq_k, seqused_k):
     """``seqused_k`` without pages: the first ``seqused_k[b]`` keys of each sequence's slot
     ``cum_seq_k[b]:cum_seq_k[b + 1]``, packed (a copy), with their own offsets."""
-    from flash_recipe import validate
-
     if cum_seq_k is None:
         raise ValueError("seqused_k without block_table needs cum_seq_k (the key slots)")
     cum_seq_k = validate.check_offsets("cum_seq_k", cum_seq_k, key.shape[0], key.device)
@@ -342,9 +339,6 @@ def _paged_forward(
     """Packed queries over paged keys ``(num_pages, page_size, Hk, D)``: sequence ``b``'s key ``j``
     is row ``j % page_size`` of page ``block_table[b, j // page_size]``; ``seqused_k`` (else the
     lengths in ``cum_seq_k``) gives each sequence's number of keys. Forward only."""
-    from flash_recipe import validate
-    from flash_recipe.dispatch import AttentionCall, PagedCall
-
     names = ("query", "key", "value")
     for name, t in zip(names[1:], (key, value)):
         validate.check_tensor(name, t, 4, "(num_pages, page_size, nheads_k, headdim) with block_table")

@@ -71,6 +71,9 @@ from typing import Optional
 
 import torch
 
+from flash_recipe import api, dispatch, validate
+from flash_recipe.padding import pad_input, unpad_input
+
 ATTN_IMPLEMENTATION = "recipe_attention"
 # Substrings by which transformers routes an implementation name to its own machinery.
 _RESERVED = ("flash", "sdpa", "flex", "eager", "paged", "/", ":", "|")
@@ -180,8 +183,6 @@ def _window(sliding_window, causal: bool) -> tuple[int, int]:
 
 def _indices(mask: torch.Tensor):
     """``indices (total,)``, ``cu_seqlens (batch + 1,)`` int32, ``max_seqlen`` of a bool ``(batch, seqlen)`` mask."""
-    from flash_recipe.padding import unpad_input
-
     _, indices, cu_seqlens, max_seqlen, _ = unpad_input(mask.unsqueeze(-1), mask)
     return indices, cu_seqlens, max_seqlen
 
@@ -261,8 +262,6 @@ def _attend_padded_static(q, k, v, mask_q, mask_k, options: dict) -> torch.Tenso
     no key, and the backward would carry it into the real rows' gradients); its output is set to 0
     in both forms.
     """
-    from flash_recipe import dispatch, validate
-
     validate.check_qkv(q, k, v)
     batch, seqlen_q, _, head_dim = q.shape
     seqlen_k = k.shape[1]
@@ -339,8 +338,6 @@ def attention_forward(
         ``(out, None)``: ``out (batch, seqlen_q, nheads, headdim)``; padded query rows are 0.
         No attention weights (as flash-attn, they are never materialised).
     """
-    from flash_recipe import api, validate
-
     if kwargs.get("output_attentions"):
         raise NotImplementedError(
             "output_attentions=True is not supported by flash_recipe: as in flash-attn, the attention weights are "
@@ -412,7 +409,6 @@ def attention_forward(
             max_k,
             **options,
         )
-        from flash_recipe.padding import pad_input
 
         return pad_input(out, indices_q, batch, seqlen_q), None
 

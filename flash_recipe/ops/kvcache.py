@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import choose, configs, splits, targets, tiles
+from flash_recipe.ops import choose, configs, splits, targets, tiles, tuned
 from flash_recipe.ops.forward import PACK_MAX_ROWS, ForwardPlan, gqa_packing, plan_forward, run_forward
 from flash_recipe.ops.launch import Plan, launch, plan
 from flash_recipe.ops.options import KeyRanges, ScoreOptions
@@ -216,8 +216,6 @@ def auto_splits(
     if seqlen_q <= 16:
         target = targets.target_of(device)
         if target != "interpreter":
-            from flash_recipe.ops import tuned
-
             programs = batch * nheads * triton.cdiv(seqlen_q, 16)
             found = tuned.splits_for(device, target, configs.head_dim_bucket(head_dim), element_size, programs,
                                      capacity)

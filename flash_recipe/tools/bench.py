@@ -41,8 +41,11 @@ import sys
 import time
 from typing import Callable, Optional
 
+import flash_recipe
 from flash_recipe import files
+from flash_recipe.ops import features
 from flash_recipe.tools.bench_timing import UNFUSED_PEERS, Timer, Timing, dynamo_counters, fresh_dynamo, grown, judge
+from flash_recipe.tools.verify import versions
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
@@ -94,9 +97,6 @@ def _flash_recipe(backend_name: Optional[str], descriptors: Optional[bool] = Non
     kernels' pointer loads where they would use TMA tensor descriptors (``ops.features``)."""
     import contextlib
 
-    import flash_recipe
-    from flash_recipe.ops import features
-
     def run(q, k, v, causal):
         forced = features.using_descriptors(descriptors) if descriptors is not None else contextlib.nullcontext()
         with flash_recipe.use_backend(backend_name), forced:
@@ -143,7 +143,7 @@ def peers(device_type: str) -> dict[str, Callable]:
     """The peers that can run on this machine, by name (availability only; shapes may still fail)."""
     import importlib.util
 
-    from flash_recipe import dispatch
+    from flash_recipe import dispatch  # imports torch: importing bench loads none
 
     if device_type != "cuda":
         return {"flash_recipe": _flash_recipe(None), "sdpa": _sdpa(None)}
@@ -419,9 +419,6 @@ def context_line() -> str:
 
     import torch
 
-    import flash_recipe
-    from flash_recipe.tools.verify import versions
-
     v = versions()
     device = (
         torch.cuda.get_device_name()
@@ -487,7 +484,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.host is not None:
-        from flash_recipe.tools import host_cost
+        from flash_recipe.tools import host_cost  # imports torch: importing bench loads none
 
         return host_cost.main(args.host, prog="flash-recipe bench --host")
     bad = [m for m in args.mode if m not in MODES] or [

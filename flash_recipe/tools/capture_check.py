@@ -27,6 +27,7 @@ import argparse
 import sys
 from typing import Callable, Optional
 
+import flash_recipe
 from flash_recipe import files
 
 CHECKS = ("kvcache", "kvcache_paged", "varlen", "fwd", "fwd_bwd", "compile")
@@ -70,8 +71,6 @@ def _decode_case(paged: bool):
     """A decoding step's state and ``step(state) -> outputs``: new keys appended (rotated), then
     attention over the cache; the outputs include the cache rows it writes."""
     import torch
-
-    import flash_recipe
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -145,8 +144,6 @@ def check_decode(paged: bool) -> dict:
 def check_varlen() -> dict:
     import torch
 
-    import flash_recipe
-
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(1)
     lengths = [37, 1, 130, 64]
@@ -167,8 +164,6 @@ def check_varlen() -> dict:
 
 def check_dense(backward: bool) -> dict:
     import torch
-
-    import flash_recipe
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(2)
@@ -227,8 +222,6 @@ def run(checks=CHECKS, report=print) -> list:
     """Run the checks; one row per check: ``{"check", "status", "detail"}`` (status passed,
     failed or error)."""
     import torch
-
-    import flash_recipe
 
     rows = []
     for name in checks:

@@ -63,7 +63,7 @@ def _variant(case: Case, nheads: int, diag_offset: int, scale: float):
     one-key rules; ``varlen`` compiles the backward with sinks)."""
     import torch
 
-    from flash_recipe.ops.options import ScoreOptions
+    from flash_recipe.ops.options import ScoreOptions  # imports torch: importing compile_calls loads none
 
     if case.form == "aligned":
         return ScoreOptions(
@@ -90,6 +90,7 @@ def run_call(case: Case) -> dict[str, str]:
     """Run the launcher(s) of ``case``; returns which kernel label each launched jit function gets."""
     import torch
 
+    # imports Triton: importing compile_calls loads none
     from flash_recipe.ops import backward_launch, forward, kvcache, options
 
     ragged = case.form == "ragged"

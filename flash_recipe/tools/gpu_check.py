@@ -28,6 +28,10 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from flash_recipe.files import write_json
+from flash_recipe.ops import targets
+from flash_recipe.ops.configs import head_dim_bucket
+from flash_recipe.tools import warmup
 from flash_recipe.tools.gpu_check_cases import (
     GPU_DTYPES,
     GPU_TABLE,
@@ -56,8 +60,6 @@ FUZZ_DRAWS = 25  # draws per fuzz case before giving up on finding one whose var
 def fuzz_case(rng: random.Random, templates: list, longest: int) -> Case:
     """A dense or varlen case with one template's features (causal, window, softcap, ALiBi, GQA or
     not) and head-dim bucket, and random lengths (up to ``longest``), heads and head dim."""
-    from flash_recipe.ops.configs import head_dim_bucket
-
     t = rng.choice(templates)
     bucket = head_dim_bucket(t.head_dim)
     head_dim = rng.choice([d for d in range(8, bucket + 1, 8) if head_dim_bucket(d) == bucket])
@@ -81,8 +83,6 @@ def fuzz_case(rng: random.Random, templates: list, longest: int) -> Case:
 
 def variant_keys(case: Case, dtype, device) -> set:
     """The kernel variants the check of ``case`` launches, recorded with Triton's launch stubbed."""
-    from flash_recipe.tools import warmup
-
     with warmup.recorded_launches() as launches:
         run_subject(case, dtype, device)
     return {warmup.to_variant(fn, args, kwargs, case.id).key for fn, args, kwargs in launches}
@@ -235,14 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list] = None) -> int:
     import torch
 
-    from flash_recipe.files import write_json
-    from flash_recipe.ops.targets import interpreter_enabled
-
     args = build_parser().parse_args(argv)
     if args.seconds <= 0:
         print(f"gpu_check: --seconds must be positive, got {args.seconds:g}", file=sys.stderr)
         return 2
-    interpreter = interpreter_enabled()
+    interpreter = targets.interpreter_enabled()
     device = torch.device("cuda" if torch.cuda.is_available() and not interpreter else "cpu")
     if device.type == "cpu" and not interpreter:
         print("gpu_check: no CUDA device and TRITON_INTERPRET is unset: the Triton kernels cannot run here "

@@ -38,6 +38,9 @@ import math
 import time
 from typing import Any, Callable, Optional
 
+import flash_recipe
+from flash_recipe.tools.verify_kvcache import KVCase, _kv_inputs, check_kvcache_case
+
 KINDS = ("dense", "varlen", "dropout", "kvcache")
 GRADIENTS = ("dq", "dk", "dv")
 GPU_DTYPES = ("bfloat16", "float16")
@@ -130,8 +133,6 @@ class Case:
 
     def kv_case(self):
         """The ``verify_kvcache.KVCase`` of a kvcache row."""
-        from flash_recipe.tools.verify_kvcache import KVCase
-
         return KVCase(
             self.batch, self.seqlen_q, self.new, self.nheads, self.nheads_k, self.head_dim, seqlens=self.cache,
             capacity=self.seqlen_k, causal=self.causal, page=self.page, window=self.window, softcap=self.softcap,
@@ -215,7 +216,6 @@ def grads(fn: Callable, q, k, v, dout, *more) -> tuple:
 
 def subject(case: Case, options: dict, extra: dict) -> Callable:
     """``fn(q, k, v[, sinks]) -> out``: the call under test, on the ``triton`` backend."""
-    import flash_recipe
 
     def fn(q, k, v, *sinks):
         sink = sinks[0] if sinks else None
@@ -250,7 +250,7 @@ def _per_sequence(case: Case, attend: Callable, extra: dict) -> Callable:
 def torch_math(case: Case, options: dict, extra: dict, upcast: bool, keep=None) -> Callable:
     """The reference (``flash_recipe.testing.attention``) in fp32/fp64 (``upcast``) or in the input
     dtype; ``keep``: dropout's kept entries ``(B, H, Sq, Sk)``."""
-    from flash_recipe.testing import attention
+    from flash_recipe.testing import attention  # imports torch: importing gpu_check_cases loads none
 
     slopes = options["alibi_slopes"]
 
@@ -310,6 +310,7 @@ def sdpa_flash(case: Case, extra: dict) -> Callable:
 
 def _judge(names: tuple, got: tuple, truth: tuple, peer: tuple) -> tuple:
     """Errors of ``got`` and the rule's bounds from ``peer``, both against ``truth``, per name."""
+    # imports torch: importing gpu_check_cases loads none
     from flash_recipe.testing import FACTORS, accuracy_bound, max_error
 
     errors = {n: max_error(g, t) for n, g, t in zip(names, got, truth)}
@@ -322,8 +323,6 @@ def _replayed_mask(case: Case, q, k, v, options: dict, seed: int):
     again with ``return_attn_probs=True`` (negative probabilities were dropped)."""
     import torch
 
-    import flash_recipe
-
     torch.manual_seed(seed)
     with torch.no_grad(), flash_recipe.use_backend("triton"):
         _, _, probs = flash_recipe.flash_attn_func(q, k, v, case.dropout, return_attn_probs=True, **options)
@@ -335,13 +334,11 @@ def check(case: Case, dtype, device, seed: int = 0) -> dict:
     [torch_math_bounds], passed}`` (see the module docstring for what each kind compares)."""
     import torch
 
-    from flash_recipe.testing import compute_dtype
+    from flash_recipe.testing import compute_dtype  # imports torch: importing gpu_check_cases loads none
 
     row: dict[str, Any] = {"case": case.id, "kind": case.kind, "features": case.features}
     row["dtype"] = str(dtype).replace("torch.", "")
     if case.kind == "kvcache":
-        from flash_recipe.tools.verify_kvcache import check_kvcache_case
-
         result = check_kvcache_case(case.kv_case(), dtype, device, "triton", seed)
         note = "a paged cache with rows appended: verify's KV oracle rebuilds it in torch, in the input dtype"
         row.update(peer="torch_math", peer_note=note, errors=result["errors"], bounds=result["bounds"])
@@ -383,7 +380,7 @@ def check(case: Case, dtype, device, seed: int = 0) -> dict:
 
 def truth_probs(case: Case, q, k, options: dict, dtype):
     """The reference's probabilities ``(B, H, Sq, Sk)`` before dropout (zero where not visible)."""
-    from flash_recipe.testing import attention
+    from flash_recipe.testing import attention  # imports torch: importing gpu_check_cases loads none
 
     _, probs = attention(
         q.to(dtype), k.to(dtype), k.to(dtype), None, case.causal, window=options["window_size"],
@@ -417,11 +414,7 @@ def safe_check(case: Case, dtype, device, seed: int = 0) -> dict:
 def run_subject(case: Case, dtype, device, seed: int = 0) -> None:
     """The calls the check of ``case`` makes on the ``triton`` backend, and only those (what
     ``flash-recipe warmup --for check`` records)."""
-    import flash_recipe
-
     if case.kind == "kvcache":
-        from flash_recipe.tools.verify_kvcache import _kv_inputs
-
         q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case.kv_case(), dtype, device, seed)
         with flash_recipe.use_backend("triton"):
             flash_recipe.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)

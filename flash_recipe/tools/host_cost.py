@@ -42,7 +42,8 @@ import time
 from collections.abc import Iterator
 from typing import Callable, Optional
 
-from flash_recipe import files, signatures
+import flash_recipe
+from flash_recipe import files, signatures, validate
 
 CASES = ("fwd", "fwd_autograd", "kvcache")
 # Shapes: (batch, nheads, nheads_k, head_dim); the cache rows differ on a GPU and on the CPU.
@@ -112,8 +113,6 @@ def make_case(name: str, device, dtype, cache: int, shape: tuple = SHAPE) -> tup
     """``(flash_recipe call, torch SDPA call)`` of case ``name`` on new tensors."""
     import torch
 
-    import flash_recipe
-
     if name not in CASES:
         raise ValueError(f"case must be one of {CASES}, got {name!r}")
     batch, nheads, nheads_k, head_dim = shape
@@ -155,8 +154,6 @@ def make_case(name: str, device, dtype, cache: int, shape: tuple = SHAPE) -> tup
 def device_metadata(device) -> Iterator[None]:
     """On a CPU, the metadata tensors stand for device memory: ``validate.on_host`` answers False
     (the one decision a GPU call takes differently), so a call reads no metadata value, as on a GPU."""
-    from flash_recipe import validate
-
     if device.type != "cpu":
         yield
         return
@@ -173,8 +170,6 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
     """One row per case: Python calls and microseconds per call of flash_recipe's call (on the
     triton backend, launches stubbed with ``stub``), and torch SDPA's microseconds beside it."""
     import torch
-
-    import flash_recipe
 
     rows = []
     for name in cases:
@@ -239,8 +234,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args, command: str = "python -m flash_recipe.tools.host_cost") -> int:
     """Measure and print the table (``command``: how it was invoked, for the context line)."""
     import torch
-
-    import flash_recipe
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":

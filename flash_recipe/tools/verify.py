@@ -32,6 +32,8 @@ import sys
 from importlib import metadata
 from typing import Optional
 
+import flash_recipe
+from flash_recipe.env.distinfo import distribution_info
 from flash_recipe.tools.verify_kvcache import KV_FULL_GRID, KV_SMALL_GRID, check_kvcache_case
 
 
@@ -133,8 +135,6 @@ def versions() -> dict:
     """flash_recipe, torch (and its CUDA/HIP), Triton, flash-attn and Python versions, from metadata."""
     import torch
 
-    import flash_recipe
-
     def dist_version(name: str) -> Optional[str]:
         try:
             return metadata.version(name)
@@ -194,10 +194,9 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     """Verify one backend on one case; returns the errors, bounds, verdict and fingerprint."""
     import torch
 
-    import flash_recipe
-    from flash_recipe import dispatch
-    from flash_recipe.reference import attention_reference, compute_dtype
-    from flash_recipe.testing import FACTORS, accuracy_bound, max_error
+    from flash_recipe import dispatch  # imports torch: importing verify loads none
+    from flash_recipe.reference import attention_reference, compute_dtype  # imports torch: importing verify loads none
+    from flash_recipe.testing import FACTORS, accuracy_bound, max_error  # imports torch: importing verify loads none
 
     q, k, v, dout = _inputs(case, dtype, device, seed)
     options = case.options(device, dtype)
@@ -270,9 +269,7 @@ def verify(
     """
     import torch
 
-    import flash_recipe
-    from flash_recipe import dispatch
-    from flash_recipe.env.distinfo import distribution_info
+    from flash_recipe import dispatch  # imports torch: importing verify loads none
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cases = {"small": SMALL_GRID, "full": FULL_GRID}.get(grid) or (FULL_GRID if dev.type == "cuda" else SMALL_GRID)
@@ -358,7 +355,7 @@ def format_table(report: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from flash_recipe.dispatch import backend_names
+    from flash_recipe.dispatch import backend_names  # imports torch: importing verify loads none
 
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.add_argument(

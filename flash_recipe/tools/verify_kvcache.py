@@ -8,6 +8,8 @@ import dataclasses
 import hashlib
 from typing import Optional
 
+import flash_recipe
+
 
 @dataclasses.dataclass(frozen=True)
 class KVCase:
@@ -205,6 +207,7 @@ def _kv_oracle(case: KVCase, q, k_cache, v_cache, k_new, v_new, kwargs: dict, up
     """
     import torch
 
+    # imports torch: importing verify_kvcache loads none
     from flash_recipe.testing import attention, compute_dtype, rotary
 
     dtype, device = q.dtype, q.device
@@ -261,7 +264,7 @@ def check_kvcache_case(case: KVCase, dtype, device, backend: str, seed: int) -> 
     """
     import torch
 
-    import flash_recipe
+    # imports torch: importing verify_kvcache loads none
     from flash_recipe.testing import FORWARD_FACTOR, accuracy_bound, max_error
 
     q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case, dtype, device, seed)

@@ -68,6 +68,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
+import flash_recipe
+from flash_recipe.ops import targets
 from flash_recipe.tools.warmup_calls import (
     DTYPES,
     HEAD_DIMS,
@@ -178,7 +180,7 @@ def family(kernel: str, constants: dict, seqlen_q: Optional[int]) -> str:
     """The report's family of a launch of ``kernel`` (a function name) with ``constants``: the
     forward is "decode" over a KV cache with at most 16 query rows (as ``kvcache`` launches it),
     "fwd_general" with any flag of ``compile_check.GENERAL_FLAGS``, else "fwd"."""
-    from flash_recipe.tools.compile_check import GENERAL_FLAGS
+    from flash_recipe.tools.compile_check import GENERAL_FLAGS  # imports Triton: importing warmup loads none
 
     if kernel != "attn_fwd_kernel":
         return FAMILIES.get(kernel, kernel)
@@ -224,7 +226,7 @@ def to_variant(fn, args: tuple, kwargs: dict, call: str) -> Variant:
 def recorded_launches():
     """Inside the block no Triton kernel compiles or runs: each launch is recorded as ``(jit
     function, args, kwargs)`` in the list this yields (``host_cost.stubbed_launches``)."""
-    from flash_recipe.tools.host_cost import stubbed_launches
+    from flash_recipe.tools.host_cost import stubbed_launches  # imports torch: importing warmup loads none
 
     return stubbed_launches()
 
@@ -236,8 +238,8 @@ def offline_planning(target: str) -> Iterator[None]:
     for every call (on the CPU the dispatcher would take it only through the interpreter)."""
     import triton
 
-    from flash_recipe import dispatch
-    from flash_recipe.ops import kvcache, splits, targets
+    from flash_recipe import dispatch  # imports torch: importing warmup loads none
+    from flash_recipe.ops import kvcache, splits  # imports Triton: importing warmup loads none
     from flash_recipe.tools.splits_report import TABLE_GPUS  # on use: importing warmup loads no torch
 
     sms = dict((t, n) for n, t in TABLE_GPUS)[target]
@@ -260,8 +262,6 @@ def offline_planning(target: str) -> Iterator[None]:
 def variants(calls: list[Call], device, target: Optional[str] = None) -> tuple[list[Variant], dict]:
     """The distinct variants ``calls`` launch on ``device`` (offline for ``target`` if given), in
     the order first launched, and ``{call id: reason}`` for the calls the Triton backend refused."""
-    import flash_recipe
-
     found: dict[tuple, Variant] = {}
     skipped = {}
     planning = offline_planning(target) if target else contextlib.nullcontext()
@@ -476,8 +476,6 @@ def _report(result: dict) -> str:
 
 def run(args) -> int:
     import torch
-
-    from flash_recipe.ops import targets
 
     if args.offline:
         if targets.interpreter_enabled():

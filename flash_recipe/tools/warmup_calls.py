@@ -11,7 +11,13 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import flash_recipe
+from flash_recipe.ops import features
 from flash_recipe.ops.configs import head_dim_bucket
+from flash_recipe.tools import gpu_check_cases as gpu_check
+from flash_recipe.tools import verify
+from flash_recipe.tools.verify import Case
+from flash_recipe.tools.verify_kvcache import _kv_inputs
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -44,9 +50,6 @@ def _dense(
     def make(device) -> None:
         import torch
 
-        import flash_recipe
-        from flash_recipe.ops import features
-
         sizes = [(case.seqlen_q, case.nheads), (case.seqlen_k, case.nheads_k), (case.seqlen_k, case.nheads_k)]
         q, k, v = (
             torch.empty(case.batch, *s, case.head_dim, dtype=getattr(torch, dtype), device=device) for s in sizes
@@ -74,9 +77,6 @@ def _kv(step: str, case, dtype: str) -> Call:
     def make(device) -> None:
         import torch
 
-        import flash_recipe
-        from flash_recipe.tools.verify_kvcache import _kv_inputs
-
         q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case, getattr(torch, dtype), device, 0)
         with flash_recipe.use_backend("triton"):
             flash_recipe.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, **kwargs)
@@ -88,8 +88,6 @@ def gpu_test_tables(tests: Optional[Path] = None) -> list[tuple]:
     """``(file, case, dtype)`` of the accuracy tables ``--for tests`` covers (see the module doc),
     read from the checkout's ``tests`` folder: by default next to the package (where the campaign
     finds it)."""
-    import flash_recipe
-
     tests = Path(tests) if tests else Path(flash_recipe.__file__).resolve().parent.parent / "tests"
     if not (tests / "test_gpu.py").is_file():
         raise FileNotFoundError(
@@ -113,9 +111,6 @@ def gpu_test_tables(tests: Optional[Path] = None) -> list[tuple]:
 def step_calls(step: str, grid: str = "full", tests: Optional[Path] = None) -> list[Call]:
     """The calls ``step`` makes (see the module doc); ``grid`` "small" takes verify's CPU grids;
     ``tests``: the test folder ``--for tests`` reads (``gpu_test_tables``)."""
-    from flash_recipe.tools import verify
-    from flash_recipe.tools.verify import Case
-
     if step not in STEPS:
         raise ValueError(f"step must be one of {STEPS}, got {step!r}")
     if step == "all":
@@ -143,6 +138,7 @@ def step_calls(step: str, grid: str = "full", tests: Optional[Path] = None) -> l
         ]
     if step == "check":
         return _check_calls(grid)
+    # a cycle: the campaign package imports gpu_check, which imports warmup and so this module
     from flash_recipe.tools.campaign import plan
 
     calls = []
@@ -156,8 +152,6 @@ def step_calls(step: str, grid: str = "full", tests: Optional[Path] = None) -> l
 def _check_calls(grid: str) -> list[Call]:
     """The correctness step's calls: ``gpu_check``'s table in its dtypes (``grid`` "small": the
     interpreter's table and dtypes)."""
-    from flash_recipe.tools import gpu_check_cases as gpu_check
-
     small = grid == "small"
     table, dtypes = (
         (gpu_check.TINY_TABLE, gpu_check.INTERPRETER_DTYPES) if small else (gpu_check.GPU_TABLE, gpu_check.GPU_DTYPES)

@@ -89,6 +89,6 @@ def apply_rotary_emb(
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing
+    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn.layers.rotary", name, __all__)

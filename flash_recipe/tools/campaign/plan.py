@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import flash_recipe
+from flash_recipe.tools import bench
 from flash_recipe.tools import gpu_check_cases as gpu_check
+from flash_recipe.tools.bench import Shape
 
 # The whole plan, with every step, fits in TOTAL_BUDGET_S (warmup compiling for check, bench,
 # verify and the tests included); a run fits what it can in ``--minutes`` (DEFAULT_MINUTES unless
@@ -168,8 +171,6 @@ class Step:
 
 def package_root() -> Path:
     """The folder flash_recipe was imported from (its parent): a checkout or site-packages."""
-    import flash_recipe
-
     return Path(flash_recipe.__file__).resolve().parent.parent
 
 
@@ -214,8 +215,6 @@ def with_warmup_for(step: Step, steps: list) -> Step:
 
 def bench_shapes() -> list:
     """The target shapes, as ``flash-recipe bench`` builds them from the bench step's options."""
-    from flash_recipe.tools import bench
-
     causal, gqa = [False, True], [False]
     return bench.shapes(
         TARGET["seqlens"], [TARGET["head_dim"]], causal, gqa, [TARGET["dtype"]], TARGET["tokens"], TARGET["nheads"]
@@ -225,8 +224,6 @@ def bench_shapes() -> list:
 def memory_shapes(seqlens=MEMORY_SEQLENS) -> list:
     """The peak-memory shapes: batch 1 at each of ``seqlens`` (32k and 64k), bf16, head dim 128,
     16 heads, causal and not."""
-    from flash_recipe.tools.bench import Shape
-
     return [
         Shape(1, seqlen, TARGET["nheads"], TARGET["nheads"], TARGET["head_dim"], causal, TARGET["dtype"])
         for seqlen in seqlens

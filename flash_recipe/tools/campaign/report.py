@@ -6,7 +6,10 @@ import datetime
 from pathlib import Path
 from typing import Optional
 
+import flash_recipe
 from flash_recipe.files import write_json
+from flash_recipe.tools.bench import to_markdown
+from flash_recipe.tools.bench_decode import markdown
 from flash_recipe.tools.campaign.plan import BENCH_MODES, REFERENCE, SUBJECT, TARGET, TOTAL_BUDGET_S, bench_shapes
 from flash_recipe.tools.campaign.targets import (
     decode_targets,
@@ -168,8 +171,6 @@ def render_markdown(report: dict) -> str:
         lines.append("")
     bench_data = (steps.get("bench") or {}).get("data") or {}
     if bench_data.get("rows"):
-        from flash_recipe.tools.bench import to_markdown
-
         context = bench_data.get("context", "")
         lines += ["## Bench", "", to_markdown(bench_data["rows"], bench_data.get("modes", BENCH_MODES), context)]
         for name, problem in (report.get("plots") or {}).items():
@@ -201,8 +202,6 @@ def render_markdown(report: dict) -> str:
         lines.append("")
     decode_data = (steps.get("decode") or {}).get("data") or {}
     if decode_data.get("rows"):
-        from flash_recipe.tools.bench_decode import markdown
-
         lines += ["## Decoding", "", markdown(decode_data), ""]
         if any("graph_bytes_per_s" in row for row in decode_data["rows"]):
             lines += [markdown(decode_data, "graph_bytes_per_s"), ""]
@@ -320,8 +319,6 @@ def timestamp() -> str:
 
 
 def new_report(plan: list, command: str, dry_run: bool, minutes: Optional[float] = None) -> dict:
-    import flash_recipe
-
     return {
         "format": 1,
         "command": command,

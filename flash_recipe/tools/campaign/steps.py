@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from flash_recipe.tools import bench, gpu_check
 from flash_recipe.tools.campaign.plan import STOP_GRACE_S, Step, package_root
 from flash_recipe.tools.campaign.targets import parse_junit, summarize_verify
+from flash_recipe.tools.verify import format_table
 
 # ----------------------------------------------------------------------------- running steps
 
@@ -181,8 +183,6 @@ def collect(step: Step, record: dict, scratch: Path, out: Path, log) -> dict:
         record["detail"] += f"; its result is not JSON ({exc})"
         return record
     if step.name == "verify":
-        from flash_recipe.tools.verify import format_table
-
         log.write(("\n" + format_table(document) + "\n").encode())
         log.flush()
         summary = summarize_verify(document)
@@ -217,10 +217,8 @@ def collect(step: Step, record: dict, scratch: Path, out: Path, log) -> dict:
         passed = sum(row.get("status") == "passed" for row in rows)
         record["detail"] = f"{passed} of {len(rows)} capture checks passed ({record['detail']})"
     elif step.name == "check":
-        from flash_recipe.tools.gpu_check import summary
-
         record["data"] = document
-        record["detail"] = f"{summary(document)} ({record['detail']})"
+        record["detail"] = f"{gpu_check.summary(document)} ({record['detail']})"
         if record["status"] == "passed" and not document.get("passed"):
             record["status"] = "failed"
     elif step.name == "warmup":
@@ -250,8 +248,6 @@ def _copy_tune_files(scratch: Path, out: Path) -> list:
 
 def make_plots(rows: list, out: Path) -> dict:
     """``bench-fwd.png`` and ``bench-bwd.png`` from the bench rows; per file, None or why not."""
-    from flash_recipe.tools import bench
-
     problems: dict[str, Optional[str]] = {}
     for mode in ("fwd", "bwd"):
         name = f"bench-{mode}.png"

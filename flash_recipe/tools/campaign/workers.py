@@ -9,8 +9,11 @@ import json
 import os
 from typing import Optional
 
+import flash_recipe
 from flash_recipe.files import write_json
+from flash_recipe.tools import bench
 from flash_recipe.tools.campaign.plan import HOST_CASES, MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shapes
+from flash_recipe.tools.verify import versions
 
 # ----------------------------------------------------------------------------- the workers
 
@@ -20,10 +23,6 @@ def env_probe() -> dict:
     import platform
 
     import torch
-
-    import flash_recipe
-    from flash_recipe.tools import bench
-    from flash_recipe.tools.verify import versions
 
     info = {"cuda": torch.cuda.is_available(), "versions": versions(), "platform": platform.platform()}
     info["variables"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FLASH_RECIPE_", "TRITON_"))}
@@ -50,8 +49,6 @@ def memory_rows(seqlens, peers, result: Optional[str] = None, progress=print) ->
     """Peak memory (``bench.peak_memory``) of each peer, forward and forward + backward, at each
     sequence length, causal and not; rows written to ``result`` after each one."""
     import torch
-
-    from flash_recipe.tools import bench
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     available = bench.peers(device.type)
@@ -84,7 +81,7 @@ def host_rows(cases=HOST_CASES, progress=print) -> dict:
     back (what a decoding loop's host spends per call); torch SDPA's beside each."""
     import torch
 
-    from flash_recipe.tools import host_cost
+    from flash_recipe.tools import host_cost  # imports torch: importing the campaign loads none
 
     device = torch.device("cuda")
     rows = []

@@ -27,7 +27,7 @@ def candidates(kernel: str, table: Config, grid: Optional[dict] = None) -> list[
 
 def _compile_one(job: tuple) -> list[dict]:
     """Compile one candidate in one form for a target; one row per compiled launch of the kernel."""
-    from flash_recipe.tools import compile_check
+    from flash_recipe.tools import compile_check  # imports Triton: importing tune loads none
 
     kernel, head_dim, dtype, config, target, form = job
     row = {"kernel": kernel, "config": list(config), "form": form, "target": target}

@@ -11,6 +11,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from flash_recipe.ops import configs, limits
 from flash_recipe.ops.configs import Config
+from flash_recipe.ops.options import ScoreOptions
+from flash_recipe.reference import attention_reference, compute_dtype
 from flash_recipe.testing import FACTORS, accuracy_bound, max_error
 
 KERNELS = configs.KERNELS
@@ -122,7 +124,7 @@ def nan_outputs():
     candidate leaves unwritten shows instead of reusing a previous launch's memory."""
     import torch
 
-    from flash_recipe.ops import tiles
+    from flash_recipe.ops import tiles  # imports Triton: importing tune loads none
 
     allocate = tiles.output_buffer
 
@@ -144,8 +146,7 @@ class Problem:
     def __init__(self, kernel: str, dtype: str, shape: Shape, device, seed: int = 0):
         import torch
 
-        from flash_recipe.ops import forward, kvcache
-        from flash_recipe.ops.options import ScoreOptions
+        from flash_recipe.ops import forward, kvcache  # imports Triton: importing tune loads none
 
         self.kernel, self.dtype, self.shape = kernel, dtype, shape
         gen = torch.Generator().manual_seed(seed)
@@ -186,7 +187,7 @@ class Problem:
             self.out, self.lse = forward.attention_forward(self.q, self.k, self.v, self.options)
 
     def launch(self, num_splits: Optional[int] = None) -> tuple:
-        from flash_recipe.ops import backward_launch, forward, kvcache
+        from flash_recipe.ops import backward_launch, forward, kvcache  # imports Triton: importing tune loads none
 
         if self.kernel in ("fwd", "fwd_general"):
             return (forward.attention_forward(self.q, self.k, self.v, self.options)[0],)
@@ -208,8 +209,6 @@ class Problem:
 
     def reference(self, upcast: bool) -> tuple:
         import torch
-
-        from flash_recipe.reference import attention_reference, compute_dtype
 
         if self.kernel == "decode":
             rows = [

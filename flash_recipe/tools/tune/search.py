@@ -55,7 +55,7 @@ def timing_shapes(kernel: str, head_dim: int, seqlens, causal, tokens: int, nhea
 def _programs_per_batch(timing, shape) -> int:
     """Programs per batch entry of a decoding step, as ``kvcache.auto_splits`` counts them (a GQA
     group packed into one program per kv head: ``kvcache.program_heads``)."""
-    from flash_recipe.ops import kvcache
+    from flash_recipe.ops import kvcache  # imports Triton: importing tune loads none
 
     heads, rows = kvcache.program_heads(timing.q, shape.nheads_k)
     return heads * -(-rows // 16)
