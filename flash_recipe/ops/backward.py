@@ -284,12 +284,14 @@ def attn_bwd_dkdv_kernel(
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1)
     i_b = tl.program_id(2)
-    bos_q, seqlen_q, bos_k, seqlen_k, diag_offset, lo_offset, hi_offset = sequences(
-        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, window_left, window_right, IS_VARLEN)
+    bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(
+        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN)
     k_start = i_n * BLOCK_N
     if IS_VARLEN:
         if k_start >= seqlen_k:
             return
+    lo_offset = diag_offset - window_left
+    hi_offset = diag_offset + window_right
     i_b = i_b.to(tl.int64)
     o_n = k_start + tl.arange(0, BLOCK_N)  # key rows [BLOCK_N]
     o_c = tl.arange(0, BLOCK_N)
@@ -412,12 +414,14 @@ def attn_bwd_dq_kernel(
     its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
     """
     i_m, _, i_h, i_b = launch_order(1, head_section, SECTIONS)
-    bos_q, seqlen_q, bos_k, seqlen_k, diag_offset, lo_offset, hi_offset = sequences(
-        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, window_left, window_right, IS_VARLEN)
+    bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(
+        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN)
     q_start = i_m * BLOCK_M
     if IS_VARLEN:
         if q_start >= seqlen_q:
             return
+    lo_offset = diag_offset - window_left
+    hi_offset = diag_offset + window_right
     i_b = i_b.to(tl.int64)
     i_hk = i_h // group_size
     o_m = q_start + tl.arange(0, BLOCK_M)  # query rows [BLOCK_M]

@@ -347,17 +347,16 @@ def sequence(CU_SEQLENS, i_b, seqlen, total, IS_VARLEN: tl.constexpr, ENDS=None)
 
 
 @triton.jit
-def sequences(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, window_left, window_right,
-              IS_VARLEN: tl.constexpr):
+def sequences(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN: tl.constexpr):
     """The prologue of a program of batch entry ``i_b`` over queries and keys: ``(bos_q, seqlen_q,
-    bos_k, seqlen_k, diag_offset, lo_offset, hi_offset)``, each side's first row and length
-    (``sequence``), the diagonal's offset (a varlen sequence aligns bottom-right: ``seqlen_k -
-    seqlen_q`` of its own lengths) and the window's edges around it."""
+    bos_k, seqlen_k, diag_offset)``, each side's first row and length (``sequence``) and the
+    diagonal's offset (a varlen sequence aligns bottom-right: ``seqlen_k - seqlen_q`` of its own
+    lengths). The window's edges are ``diag_offset - window_left`` and ``diag_offset + window_right``."""
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, total_k, IS_VARLEN)
     if IS_VARLEN:
         diag_offset = seqlen_k - seqlen_q
-    return bos_q, seqlen_q, bos_k, seqlen_k, diag_offset, diag_offset - window_left, diag_offset + window_right
+    return bos_q, seqlen_q, bos_k, seqlen_k, diag_offset
 
 
 @triton.jit
