@@ -65,59 +65,30 @@ class Config(NamedTuple):
 KERNELS = ("fwd", "fwd_general", "bwd_dkdv", "bwd_dq", "bwd_onepass", "decode")
 ARCHS = ("sm80", "sm86", "sm90", "sm100", "sm120", "amd", "interpreter")
 
-# (arch, kernel) -> rows of (max head-dim bucket, max element size, Config); the first row that
-# covers the call wins. Where a block says "as X", its rows repeat X's (tests/test_compile.py checks).
-_TABLE: dict[tuple[str, str], tuple[tuple[int, int, Config], ...]] = {
-    # -- sm80 (A100, 163 KiB, mma.sync) -----------------------------------------------------------
-    ("sm80", "fwd"): (
-        (32, 2, Config(128, 64, 8, 2)),  # 4 warps spill 16 B at head dim 32, 3 stages 8 B
-        (64, 2, Config(128, 64, 4, 3)),
-        (128, 2, Config(128, 64, 8, 3)),
-        (256, 2, Config(64, 64, 4, 2)),
-        (64, 4, Config(64, 64, 4, 2)),
-        (128, 4, Config(64, 32, 4, 2)),
-        (256, 4, Config(32, 32, 4, 1)),
-    ),
-    ("sm80", "fwd_general"): (  # as sm80 fwd: its tiles hold the general forward's registers
-        (32, 2, Config(128, 64, 8, 2)),
-        (64, 2, Config(128, 64, 4, 3)),
-        (128, 2, Config(128, 64, 8, 3)),
-        (256, 2, Config(64, 64, 4, 2)),
-        (64, 4, Config(64, 64, 4, 2)),
-        (128, 4, Config(64, 32, 4, 2)),
-        (256, 4, Config(32, 32, 4, 1)),
-    ),
-    ("sm80", "bwd_dkdv"): (
-        (64, 2, Config(64, 128, 8, 2)),
-        (128, 2, Config(64, 64, 8, 2)),
-        (256, 2, Config(32, 64, 8, 1)),
-        (128, 4, Config(32, 64, 4, 1)),
-        (256, 4, Config(16, 32, 4, 1)),
-    ),
-    ("sm80", "bwd_dq"): (
-        (64, 2, Config(128, 64, 8, 2)),
-        (128, 2, Config(128, 32, 8, 2)),
-        (256, 2, Config(64, 32, 4, 1)),
-        (128, 4, Config(64, 32, 4, 1)),
-        (256, 4, Config(32, 16, 4, 1)),
-    ),
-    ("sm80", "bwd_onepass"): (  # as sm80 bwd_dkdv, where those tiles hold the dQ tile too
-        (64, 2, Config(32, 128, 8, 2)),  # dK/dV's 64x128 spills 8 B beside the dQ tile
-        (128, 2, Config(64, 64, 8, 2)),  # 2 stages: 1 spilled 16 B with packed sequences
-        (256, 2, Config(32, 64, 8, 1)),
-        (128, 4, Config(32, 64, 4, 1)),
-        (256, 4, Config(16, 32, 4, 1)),
-    ),
-    ("sm80", "decode"): (  # 16 query rows (the smallest mma tile), long key blocks: decoding streams the cache
-        (64, 2, Config(16, 128, 4, 3)),
-        (128, 2, Config(16, 64, 4, 3)),
-        (256, 2, Config(16, 64, 4, 2)),
-        (64, 4, Config(16, 64, 4, 2)),
-        (128, 4, Config(16, 32, 4, 2)),
-        (256, 4, Config(16, 32, 4, 1)),
-    ),
-    # -- sm86 (sm86/sm89, 99 KiB, mma.sync) -------------------------------------------------------
-    ("sm86", "fwd"): (
+Rows = tuple[tuple[int, int, Config], ...]  # (max head-dim bucket, max element size, Config)
+
+# Blocks of rows that more than one family or kernel takes, named once. The first row that covers a
+# call wins.
+_SM80_FWD: Rows = (  # sm80's forward, the general forward's too: its tiles hold the extra registers
+    (32, 2, Config(128, 64, 8, 2)),  # 4 warps spill 16 B at head dim 32, 3 stages 8 B
+    (64, 2, Config(128, 64, 4, 3)),
+    (128, 2, Config(128, 64, 8, 3)),
+    (256, 2, Config(64, 64, 4, 2)),
+    (64, 4, Config(64, 64, 4, 2)),
+    (128, 4, Config(64, 32, 4, 2)),
+    (256, 4, Config(32, 32, 4, 1)),
+)
+_DECODE: Rows = (  # sm80, sm90, sm100: 16 query rows (the smallest mma tile), long key blocks
+    (64, 2, Config(16, 128, 4, 3)),
+    (128, 2, Config(16, 64, 4, 3)),
+    (256, 2, Config(16, 64, 4, 2)),
+    (64, 4, Config(16, 64, 4, 2)),
+    (128, 4, Config(16, 32, 4, 2)),
+    (256, 4, Config(16, 32, 4, 1)),
+)
+# sm86/sm89 and sm120/sm121: 99 KiB, mma.sync, no wgmma (the compile check proves each target itself).
+_SM86: dict[str, Rows] = {
+    "fwd": (
         (64, 2, Config(128, 64, 8, 2)),
         (128, 2, Config(64, 64, 4, 2)),
         (256, 2, Config(64, 32, 4, 1)),
@@ -125,22 +96,22 @@ _TABLE: dict[tuple[str, str], tuple[tuple[int, int, Config], ...]] = {
         (128, 4, Config(32, 32, 4, 2)),
         (256, 4, Config(32, 16, 4, 1)),
     ),
-    ("sm86", "fwd_general"): (  # as sm86 fwd but at head dim 128
+    "fwd_general": (  # as fwd but at head dim 128
         (64, 2, Config(128, 64, 8, 2)),
-        (128, 2, Config(32, 64, 4, 2)),  # 64x64 spills 56-224 B with packed sequences, pages or score options
+        (128, 2, Config(32, 64, 4, 2)),  # 64x64 spills 56-224 B (sm120 72-224) with varlen, pages or options
         (256, 2, Config(64, 32, 4, 1)),
         (64, 4, Config(64, 32, 4, 2)),
         (128, 4, Config(32, 32, 4, 2)),
         (256, 4, Config(32, 16, 4, 1)),
     ),
-    ("sm86", "bwd_dkdv"): (
+    "bwd_dkdv": (
         (64, 2, Config(32, 64, 4, 2)),
         (128, 2, Config(32, 64, 4, 1)),
         (256, 2, Config(16, 32, 4, 1)),
         (64, 4, Config(32, 32, 4, 1)),
         (256, 4, Config(16, 16, 4, 1)),
     ),
-    ("sm86", "bwd_dq"): (
+    "bwd_dq": (
         (32, 2, Config(64, 32, 4, 1)),  # 64-key blocks spill 8 B at head dim 16, 2 stages at 32
         (64, 2, Config(64, 64, 4, 2)),
         (128, 2, Config(64, 32, 4, 1)),
@@ -148,14 +119,14 @@ _TABLE: dict[tuple[str, str], tuple[tuple[int, int, Config], ...]] = {
         (64, 4, Config(32, 32, 4, 1)),
         (256, 4, Config(16, 16, 4, 1)),
     ),
-    ("sm86", "bwd_onepass"): (  # as sm86 bwd_dkdv but at head dim 128
+    "bwd_onepass": (  # as bwd_dkdv but at head dim 128
         (64, 2, Config(32, 64, 4, 2)),
-        (128, 2, Config(32, 32, 4, 2)),  # dK/dV's 32x64 spills 16 B beside the dQ tile
+        (128, 2, Config(32, 32, 4, 2)),  # dK/dV's 32x64 spills 16 B (sm120 40 B) beside the dQ tile
         (256, 2, Config(16, 32, 4, 1)),
         (64, 4, Config(32, 32, 4, 1)),
         (256, 4, Config(16, 16, 4, 1)),
     ),
-    ("sm86", "decode"): (
+    "decode": (
         (16, 2, Config(16, 64, 4, 2)),  # 128-key blocks spill 8 B at head dim 16 (paged)
         (64, 2, Config(16, 128, 4, 2)),
         (128, 2, Config(16, 64, 4, 2)),
@@ -164,56 +135,10 @@ _TABLE: dict[tuple[str, str], tuple[tuple[int, int, Config], ...]] = {
         (128, 4, Config(16, 32, 4, 2)),
         (256, 4, Config(16, 16, 4, 2)),
     ),
-    # -- sm120 (sm120/sm121): as sm86 throughout: 99 KiB, mma.sync, no wgmma ---------------------
-    ("sm120", "fwd"): (  # as sm86
-        (64, 2, Config(128, 64, 8, 2)),
-        (128, 2, Config(64, 64, 4, 2)),
-        (256, 2, Config(64, 32, 4, 1)),
-        (64, 4, Config(64, 32, 4, 2)),
-        (128, 4, Config(32, 32, 4, 2)),
-        (256, 4, Config(32, 16, 4, 1)),
-    ),
-    ("sm120", "fwd_general"): (  # as sm86
-        (64, 2, Config(128, 64, 8, 2)),
-        (128, 2, Config(32, 64, 4, 2)),  # 64x64 spills 72-224 B with packed sequences, pages or score options
-        (256, 2, Config(64, 32, 4, 1)),
-        (64, 4, Config(64, 32, 4, 2)),
-        (128, 4, Config(32, 32, 4, 2)),
-        (256, 4, Config(32, 16, 4, 1)),
-    ),
-    ("sm120", "bwd_dkdv"): (  # as sm86
-        (64, 2, Config(32, 64, 4, 2)),
-        (128, 2, Config(32, 64, 4, 1)),
-        (256, 2, Config(16, 32, 4, 1)),
-        (64, 4, Config(32, 32, 4, 1)),
-        (256, 4, Config(16, 16, 4, 1)),
-    ),
-    ("sm120", "bwd_dq"): (  # as sm86
-        (32, 2, Config(64, 32, 4, 1)),
-        (64, 2, Config(64, 64, 4, 2)),
-        (128, 2, Config(64, 32, 4, 1)),
-        (256, 2, Config(32, 32, 4, 1)),
-        (64, 4, Config(32, 32, 4, 1)),
-        (256, 4, Config(16, 16, 4, 1)),
-    ),
-    ("sm120", "bwd_onepass"): (  # as sm86
-        (64, 2, Config(32, 64, 4, 2)),
-        (128, 2, Config(32, 32, 4, 2)),  # dK/dV's 32x64 spills 40 B beside the dQ tile
-        (256, 2, Config(16, 32, 4, 1)),
-        (64, 4, Config(32, 32, 4, 1)),
-        (256, 4, Config(16, 16, 4, 1)),
-    ),
-    ("sm120", "decode"): (  # as sm86
-        (16, 2, Config(16, 64, 4, 2)),
-        (64, 2, Config(16, 128, 4, 2)),
-        (128, 2, Config(16, 64, 4, 2)),
-        (256, 2, Config(16, 32, 4, 2)),
-        (64, 4, Config(16, 64, 4, 2)),
-        (128, 4, Config(16, 32, 4, 2)),
-        (256, 4, Config(16, 16, 4, 2)),
-    ),
-    # -- sm90 (Hopper, 227 KiB, wgmma) ------------------------------------------------------------
-    ("sm90", "fwd"): (
+}
+# Hopper: 227 KiB, wgmma.
+_SM90: dict[str, Rows] = {
+    "fwd": (
         (64, 2, Config(128, 64, 4, 3)),
         (128, 2, Config(128, 128, 8, 3)),  # wgmma m64n128 per warp group; K/V through TMA (ops.features)
         (256, 2, Config(64, 64, 4, 2)),
@@ -221,7 +146,7 @@ _TABLE: dict[tuple[str, str], tuple[tuple[int, int, Config], ...]] = {
         (128, 4, Config(64, 32, 4, 2)),
         (256, 4, Config(32, 32, 4, 1)),
     ),
-    ("sm90", "fwd_general"): (  # as sm90 fwd but at head dims 64 and 128
+    "fwd_general": (  # as fwd but at head dims 64 and 128
         (64, 2, Config(128, 64, 8, 3)),  # 4 warps spill 40 B with packed sequences
         (128, 2, Config(128, 64, 8, 3)),  # the former dense tile: 128x128 is proven for plain scores only
         (256, 2, Config(64, 64, 4, 2)),
@@ -229,128 +154,126 @@ _TABLE: dict[tuple[str, str], tuple[tuple[int, int, Config], ...]] = {
         (128, 4, Config(64, 32, 4, 2)),
         (256, 4, Config(32, 32, 4, 1)),
     ),
-    ("sm90", "bwd_dkdv"): (
+    "bwd_dkdv": (
         (64, 2, Config(64, 128, 8, 2)),
         (128, 2, Config(32, 128, 8, 2)),
         (256, 2, Config(32, 64, 8, 1)),
         (128, 4, Config(32, 64, 4, 1)),
         (256, 4, Config(16, 32, 4, 1)),
     ),
-    ("sm90", "bwd_dq"): (
+    "bwd_dq": (
         (64, 2, Config(128, 64, 8, 2)),
         (128, 2, Config(128, 64, 8, 2)),
         (256, 2, Config(64, 32, 4, 1)),
         (128, 4, Config(64, 32, 4, 1)),
         (256, 4, Config(32, 16, 4, 1)),
     ),
-    ("sm90", "bwd_onepass"): (  # as sm90 bwd_dkdv but at head dim 128
+    "bwd_onepass": (  # as bwd_dkdv but at head dim 128
         (64, 2, Config(64, 128, 8, 2)),
         (128, 2, Config(32, 128, 8, 1)),  # 1 stage: 2 spilled 8 B with sinks; Triton >= 3.4 only
         (256, 2, Config(32, 64, 8, 1)),
         (128, 4, Config(32, 64, 4, 1)),
         (256, 4, Config(16, 32, 4, 1)),
     ),
-    ("sm90", "decode"): (  # as sm80 decode
-        (64, 2, Config(16, 128, 4, 3)),
-        (128, 2, Config(16, 64, 4, 3)),
-        (256, 2, Config(16, 64, 4, 2)),
-        (64, 4, Config(16, 64, 4, 2)),
-        (128, 4, Config(16, 32, 4, 2)),
-        (256, 4, Config(16, 32, 4, 1)),
-    ),
-    # -- sm100 (B200, 227 KiB, tcgen05): Hopper's tiles except where they spill or trap ----------
-    ("sm100", "fwd"): (  # as sm90
-        (64, 2, Config(128, 64, 4, 3)),
-        (128, 2, Config(128, 128, 8, 3)),
-        (256, 2, Config(64, 64, 4, 2)),
-        (64, 4, Config(64, 64, 4, 2)),
-        (128, 4, Config(64, 32, 4, 2)),
-        (256, 4, Config(32, 32, 4, 1)),
-    ),
-    ("sm100", "fwd_general"): (  # as sm90
-        (64, 2, Config(128, 64, 8, 3)),
-        (128, 2, Config(128, 64, 8, 3)),
-        (256, 2, Config(64, 64, 4, 2)),
-        (64, 4, Config(64, 64, 4, 2)),
-        (128, 4, Config(64, 32, 4, 2)),
-        (256, 4, Config(32, 32, 4, 1)),
-    ),
-    ("sm100", "bwd_dkdv"): (  # as sm90 but at head dims 128 and 256
-        (64, 2, Config(64, 128, 8, 2)),
-        (128, 2, Config(64, 128, 8, 1)),  # Hopper's 32x128 spills 8 B; 64 rows do not, and issue less per element
-        (256, 2, Config(32, 32, 4, 1)),  # 64-key blocks compile to a trap (Triton 3.9)
-        (128, 4, Config(32, 64, 4, 1)),
-        (256, 4, Config(16, 32, 4, 1)),
-    ),
-    ("sm100", "bwd_dq"): (  # as sm90
-        (64, 2, Config(128, 64, 8, 2)),
-        (128, 2, Config(128, 64, 8, 2)),
-        (256, 2, Config(64, 32, 4, 1)),
-        (128, 4, Config(64, 32, 4, 1)),
-        (256, 4, Config(32, 16, 4, 1)),
-    ),
-    ("sm100", "bwd_onepass"): (  # as sm90 but at head dim 256
-        (64, 2, Config(64, 128, 8, 2)),
-        (128, 2, Config(32, 128, 8, 1)),  # Hopper's one-pass tile, and its Triton >= 3.4 rule
-        (256, 2, Config(32, 32, 4, 1)),  # the same trap as sm100 bwd_dkdv
-        (128, 4, Config(32, 64, 4, 1)),
-        (256, 4, Config(16, 32, 4, 1)),
-    ),
-    ("sm100", "decode"): (  # as sm90
-        (64, 2, Config(16, 128, 4, 3)),
-        (128, 2, Config(16, 64, 4, 3)),
-        (256, 2, Config(16, 64, 4, 2)),
-        (64, 4, Config(16, 64, 4, 2)),
-        (128, 4, Config(16, 32, 4, 2)),
-        (256, 4, Config(16, 32, 4, 1)),
-    ),
-    # -- amd (CDNA: 64-wide wavefronts, 64 KiB LDS, one stage: no software pipelining needed) ------
-    ("amd", "fwd"): (
-        (128, 2, Config(64, 64, 4, 1)),
-        (256, 2, Config(64, 32, 4, 1)),
-        (64, 4, Config(64, 32, 4, 1)),
-        (256, 4, Config(32, 16, 4, 1)),
-    ),
-    ("amd", "fwd_general"): (  # as amd fwd
-        (128, 2, Config(64, 64, 4, 1)),
-        (256, 2, Config(64, 32, 4, 1)),
-        (64, 4, Config(64, 32, 4, 1)),
-        (256, 4, Config(32, 16, 4, 1)),
-    ),
-    ("amd", "bwd_dkdv"): (
-        (64, 2, Config(32, 64, 4, 1)),
-        (128, 2, Config(32, 32, 4, 1)),
-        (256, 2, Config(16, 32, 4, 1)),
-        (64, 4, Config(32, 32, 4, 1)),
-        (256, 4, Config(16, 16, 4, 1)),
-    ),
-    ("amd", "bwd_dq"): (
-        (64, 2, Config(64, 32, 4, 1)),
-        (128, 2, Config(32, 32, 4, 1)),
-        (256, 2, Config(32, 16, 4, 1)),
-        (64, 4, Config(32, 32, 4, 1)),
-        (256, 4, Config(16, 16, 4, 1)),
-    ),
-    ("amd", "bwd_onepass"): (  # as amd bwd_dkdv
-        (64, 2, Config(32, 64, 4, 1)),
-        (128, 2, Config(32, 32, 4, 1)),
-        (256, 2, Config(16, 32, 4, 1)),
-        (64, 4, Config(32, 32, 4, 1)),
-        (256, 4, Config(16, 16, 4, 1)),
-    ),
-    ("amd", "decode"): (
-        (128, 2, Config(16, 64, 4, 1)),
-        (256, 2, Config(16, 32, 4, 1)),
-        (64, 4, Config(16, 64, 4, 1)),
-        (256, 4, Config(16, 16, 4, 1)),
-    ),
-    # -- the interpreter: one row per kernel; large blocks keep the (slow, Python-level) programs few
-    ("interpreter", "fwd"): ((256, 4, Config(32, 32, 1, 1)),),
-    ("interpreter", "fwd_general"): ((256, 4, Config(32, 32, 1, 1)),),
-    ("interpreter", "bwd_dkdv"): ((256, 4, Config(32, 32, 1, 1)),),
-    ("interpreter", "bwd_dq"): ((256, 4, Config(32, 32, 1, 1)),),
-    ("interpreter", "bwd_onepass"): ((256, 4, Config(32, 32, 1, 1)),),
-    ("interpreter", "decode"): ((256, 4, Config(16, 32, 1, 1)),),
+    "decode": _DECODE,
+}
+_AMD_FWD: Rows = (
+    (128, 2, Config(64, 64, 4, 1)),
+    (256, 2, Config(64, 32, 4, 1)),
+    (64, 4, Config(64, 32, 4, 1)),
+    (256, 4, Config(32, 16, 4, 1)),
+)
+_AMD_BWD_DKDV: Rows = (
+    (64, 2, Config(32, 64, 4, 1)),
+    (128, 2, Config(32, 32, 4, 1)),
+    (256, 2, Config(16, 32, 4, 1)),
+    (64, 4, Config(32, 32, 4, 1)),
+    (256, 4, Config(16, 16, 4, 1)),
+)
+_INTERPRETER: Rows = ((256, 4, Config(32, 32, 1, 1)),)  # large blocks keep the (slow, Python-level) programs few
+
+# family -> kernel -> rows.
+_FAMILY_ROWS: dict[str, dict[str, Rows]] = {
+    # sm80 (A100, 163 KiB, mma.sync)
+    "sm80": {
+        "fwd": _SM80_FWD,
+        "fwd_general": _SM80_FWD,
+        "bwd_dkdv": (
+            (64, 2, Config(64, 128, 8, 2)),
+            (128, 2, Config(64, 64, 8, 2)),
+            (256, 2, Config(32, 64, 8, 1)),
+            (128, 4, Config(32, 64, 4, 1)),
+            (256, 4, Config(16, 32, 4, 1)),
+        ),
+        "bwd_dq": (
+            (64, 2, Config(128, 64, 8, 2)),
+            (128, 2, Config(128, 32, 8, 2)),
+            (256, 2, Config(64, 32, 4, 1)),
+            (128, 4, Config(64, 32, 4, 1)),
+            (256, 4, Config(32, 16, 4, 1)),
+        ),
+        "bwd_onepass": (  # as bwd_dkdv, where those tiles hold the dQ tile too
+            (64, 2, Config(32, 128, 8, 2)),  # dK/dV's 64x128 spills 8 B beside the dQ tile
+            (128, 2, Config(64, 64, 8, 2)),  # 2 stages: 1 spilled 16 B with packed sequences
+            (256, 2, Config(32, 64, 8, 1)),
+            (128, 4, Config(32, 64, 4, 1)),
+            (256, 4, Config(16, 32, 4, 1)),
+        ),
+        "decode": _DECODE,
+    },
+    "sm86": _SM86,
+    "sm120": _SM86,
+    "sm90": _SM90,
+    # sm100 (B200, 227 KiB, tcgen05): Hopper's tiles except where they spill or trap
+    "sm100": {
+        **_SM90,
+        "bwd_dkdv": (
+            (64, 2, Config(64, 128, 8, 2)),
+            (128, 2, Config(64, 128, 8, 1)),  # Hopper's 32x128 spills 8 B; 64 rows do not, and issue less per element
+            (256, 2, Config(32, 32, 4, 1)),  # 64-key blocks compile to a trap (Triton 3.9)
+            (128, 4, Config(32, 64, 4, 1)),
+            (256, 4, Config(16, 32, 4, 1)),
+        ),
+        "bwd_onepass": (
+            (64, 2, Config(64, 128, 8, 2)),
+            (128, 2, Config(32, 128, 8, 1)),  # Hopper's one-pass tile, and its Triton >= 3.4 rule
+            (256, 2, Config(32, 32, 4, 1)),  # the same trap as bwd_dkdv
+            (128, 4, Config(32, 64, 4, 1)),
+            (256, 4, Config(16, 32, 4, 1)),
+        ),
+    },
+    # amd (CDNA: 64-wide wavefronts, 64 KiB LDS, one stage: no software pipelining needed)
+    "amd": {
+        "fwd": _AMD_FWD,
+        "fwd_general": _AMD_FWD,
+        "bwd_dkdv": _AMD_BWD_DKDV,
+        "bwd_dq": (
+            (64, 2, Config(64, 32, 4, 1)),
+            (128, 2, Config(32, 32, 4, 1)),
+            (256, 2, Config(32, 16, 4, 1)),
+            (64, 4, Config(32, 32, 4, 1)),
+            (256, 4, Config(16, 16, 4, 1)),
+        ),
+        "bwd_onepass": _AMD_BWD_DKDV,
+        "decode": (
+            (128, 2, Config(16, 64, 4, 1)),
+            (256, 2, Config(16, 32, 4, 1)),
+            (64, 4, Config(16, 64, 4, 1)),
+            (256, 4, Config(16, 16, 4, 1)),
+        ),
+    },
+    "interpreter": {
+        "fwd": _INTERPRETER,
+        "fwd_general": _INTERPRETER,
+        "bwd_dkdv": _INTERPRETER,
+        "bwd_dq": _INTERPRETER,
+        "bwd_onepass": _INTERPRETER,
+        "decode": ((256, 4, Config(16, 32, 1, 1)),),
+    },
+}
+# (family, kernel) -> rows: the lookup's view of the blocks above.
+_TABLE: dict[tuple[str, str], Rows] = {
+    (family, kernel): rows for family, kernels in _FAMILY_ROWS.items() for kernel, rows in kernels.items()
 }
 
 # The one-pass backward's tile at these (family, head-dim bucket) compiles without spills only from
