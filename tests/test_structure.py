@@ -321,3 +321,25 @@ def test_the_private_name_check_finds_both_forms():
         "flash_recipe.stand_in -> flash_recipe.api._build",
         "flash_recipe.stand_in -> flash_recipe.env.wheels._release",
     ]
+
+
+def script_entries(source: str) -> list[int]:
+    """The lines of ``if __name__ == "__main__":`` blocks in ``source``."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test)
+    ]
+
+
+def test_the_kernels_package_holds_no_script():
+    """``flash_recipe.ops`` holds kernels, their launchers and what a launch needs: a report or a
+    model with a command of its own lives in ``flash_recipe.tools`` (the import-linter contract keeps
+    ``ops`` from importing ``tools``)."""
+    found = {path.name: script_entries(path.read_text()) for path in sorted((PACKAGE / "ops").glob("*.py"))}
+    assert not {name: lines for name, lines in found.items() if lines}
+
+
+def test_the_script_check_finds_a_main_block():
+    assert script_entries('def f():\n    pass\n\n\nif __name__ == "__main__":\n    f()\n') == [5]
+    assert script_entries("def f():\n    return __name__\n") == []
