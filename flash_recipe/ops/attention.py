@@ -129,11 +129,15 @@ def _save(ctx, q, k, v, output, options: ScoreOptions, varlen: Optional[Varlen],
     ctx.mark_non_differentiable(lse)
 
 
-def _gradients(ctx, dout) -> tuple:
-    """``dq, dk, dv`` and the sinks' gradient (None without sinks) of a call ``_save`` kept."""
+def _gradients(ctx, dout, eager: bool) -> tuple:
+    """``dq, dk, dv`` and the sinks' gradient (None without sinks) of a call ``_save`` kept: through
+    the ``attn_bwd`` op (flattened) for the op's own autograd, which torch.compile traces; straight
+    through the launcher for an eager call's ``_EagerAttention``."""
     q, k, v, out, lse, cu_q, cu_k, slopes, seed, sinks = ctx.saved_tensors
     options = ctx.options._replace(alibi_slopes=slopes, seed=seed, sinks=sinks)
     varlen = Varlen(cu_q, cu_k, *ctx.max_seqlens) if ctx.max_seqlens is not None else None
+    if eager and not torch.compiler.is_compiling() and type(dout) is torch.Tensor:
+        return attention_backward(dout, q, k, v, out, lse, options, varlen, True, ctx.deterministic)
     dq, dk, dv, dsink = attn_bwd(dout, q, k, v, out, lse, *flatten(options, varlen), True, ctx.deterministic)
     return dq, dk, dv, dsink if sinks is not None else None
 
@@ -145,7 +149,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse):
-    dq, dk, dv, dsink = _gradients(ctx, dout)
+    dq, dk, dv, dsink = _gradients(ctx, dout, eager=False)
     # One gradient per op argument: q, k, v, the options (only the sinks have one), deterministic.
     return (dq, dk, dv, *(dsink if name == "sinks" else None for name in _NAMES), None)
 
@@ -155,10 +159,11 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     """``attn_fwd`` with its registered autograd, for eager calls: the same launcher, ``_save`` and
-    ``_gradients``, without the custom op's dispatch and flattening (which torch.compile needs and
-    an eager call would pay for on every step). ``sinks`` is ``options.sinks``, an argument of its
-    own so that autograd tracks it. A ``forward(ctx, ...)`` Function, for which torch binds no
-    signature per call (``torch.func`` transforms take neither it nor the custom op's autograd)."""
+    ``_gradients``, without the custom ops' dispatch and flattening, forward and backward (which
+    torch.compile needs and an eager call would pay for on every step). ``sinks`` is
+    ``options.sinks``, an argument of its own so that autograd tracks it. A ``forward(ctx, ...)``
+    Function, for which torch binds no signature per call (``torch.func`` transforms take neither it
+    nor the custom op's autograd)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, options, varlen, deterministic):
@@ -168,7 +173,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv, dsink = _gradients(ctx, dout)
+        dq, dk, dv, dsink = _gradients(ctx, dout, eager=True)
         return dq, dk, dv, dsink, None, None, None
 
 
