@@ -42,23 +42,24 @@ OPTION_PARAMS: tuple[tuple[str, str], ...] = (
     ("seed", "Tensor?"),
     ("sinks", "Tensor?"),
 )
-_NAMES = tuple(name for name, _ in OPTION_PARAMS)
-_NO_VARLEN = {"cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": 0, "max_seqlen_k": 0}
+_NO_VARLEN = (None, None, 0, 0)
+_VARLEN_COUNT = len(Varlen._fields)
 
 
 def flatten(options: ScoreOptions, varlen: Optional[Varlen]) -> tuple:
-    """``options`` and ``varlen`` as the ops' flat parameters, in ``OPTION_PARAMS`` order."""
-    values = {**(varlen._asdict() if varlen is not None else _NO_VARLEN), **options._asdict()}
-    return tuple(values[name] for name in _NAMES)
+    """``options`` and ``varlen`` as the ops' flat parameters, in ``OPTION_PARAMS`` order.
+
+    Both are named tuples whose fields are ``OPTION_PARAMS``'s names in order (a test checks), so
+    their items are the parameters; plain iteration is what Dynamo traces on every supported torch
+    (2.6's cannot trace ``_asdict``).
+    """
+    return (*(varlen if varlen is not None else _NO_VARLEN), *options)
 
 
 def unflatten(flat) -> tuple[ScoreOptions, Optional[Varlen]]:
     """The ``ScoreOptions`` and ``Varlen`` (None without packed sequences) of the ops' flat parameters."""
-    values = dict(zip(_NAMES, flat))
-    options = ScoreOptions(**{name: values[name] for name in ScoreOptions._fields})
-    varlen = None
-    if values["cu_seqlens_q"] is not None:
-        varlen = Varlen(**{name: values[name] for name in Varlen._fields})
+    options = ScoreOptions(*flat[_VARLEN_COUNT:])
+    varlen = Varlen(*flat[:_VARLEN_COUNT]) if flat[0] is not None else None
     return options, varlen
 
 
@@ -151,7 +152,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     dq, dk, dv, dsink = _gradients(ctx, dout, eager=False)
     # One gradient per op argument: q, k, v, the options (only the sinks have one), deterministic.
-    return (dq, dk, dv, *(dsink if name == "sinks" else None for name in _NAMES), None)
+    return (dq, dk, dv, *(dsink if name == "sinks" else None for name, _ in OPTION_PARAMS), None)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
