@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flash_recipe
-from flash_recipe.ops import backward
+from flash_recipe.ops import backward, choose
 
 # Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
 pytestmark = pytest.mark.usefixtures("bounds_checked")
@@ -58,6 +58,8 @@ def test_each_path_launches_its_kernels(dtype, deterministic, expected, launches
     q, dout = (_rand(2, 40, 4, 32, dtype=dtype, device=device, seed=s) for s in (1, 2))
     k, v = (_rand(2, 50, 2, 32, dtype=dtype, device=device, seed=s) for s in (3, 4))
     _grads(q, k, v, dout, causal=True, deterministic=deterministic)
+    if expected == ["dkdv+dq"] and choose.backward_path(q.device, 32, 2) != "one_pass":
+        expected = ["dq", "dkdv"]  # a GPU whose family (or tuned file) runs the three kernels there
     assert launches == expected
 
 
@@ -110,7 +112,8 @@ def test_stand_in_backward_takes_the_deterministic_flag(launches, device):
             fai._flash_attn_backward(
                 dout, q, k, v, out, lse, dq, dk, dv, 0.0, 0.25, True, -1, -1, 0.0, None, deterministic, rng_state
             )
-            assert launches == (["dq", "dkdv"] if deterministic else ["dkdv+dq"])
+            one_pass = not deterministic and choose.backward_path(q.device, 16, 2) == "one_pass"
+            assert launches == (["dkdv+dq"] if one_pass else ["dq", "dkdv"])
 
 
 @pytest.mark.parametrize(
@@ -127,7 +130,7 @@ def test_stand_in_backward_takes_the_deterministic_flag(launches, device):
     ],
 )
 def test_one_pass_where_the_installed_triton_fits_its_tile(monkeypatch, target, head_dim, release, expected):
-    from flash_recipe.ops import choose, targets
+    from flash_recipe.ops import targets
 
     monkeypatch.setattr(targets, "triton_release", lambda: release)
     monkeypatch.setattr(targets, "target_of", lambda device: target)
@@ -135,10 +138,44 @@ def test_one_pass_where_the_installed_triton_fits_its_tile(monkeypatch, target, 
 
 
 def test_the_three_kernels_run_where_the_one_pass_tile_does_not_fit(monkeypatch, launches, device):
-    from flash_recipe.ops import choose
-
     monkeypatch.setattr(choose, "one_pass_fits", lambda device, head_dim: False)
     q, dout = (_rand(1, 40, 4, 32, device=device, seed=s) for s in (1, 2))
     k, v = (_rand(1, 50, 2, 32, device=device, seed=s) for s in (3, 4))
     _grads(q, k, v, dout, causal=True)
     assert launches == ["dq", "dkdv"]
+
+
+@pytest.mark.parametrize("head_dim, transposed", [(32, False), (40, True)])
+def test_dq_is_transposed_where_the_query_tile_has_fewer_rows_than_the_fast_unit_takes(
+    head_dim, transposed, monkeypatch, device
+):
+    """The one-pass dQ product is ``K^T dS^T`` (its M the head dim) where the query tile has fewer
+    rows than the family's fast matrix instruction takes (``configs.MMA_MIN_ROWS``: 64 on Hopper
+    and Blackwell, and under the interpreter, whose tile has 32) and the head dim's bucket has as
+    many; the direct ``dS K`` below. Both agree with the deterministic path (the test above, at
+    head dim 40, runs the transposed product; test_kernels.py's cases run both)."""
+    flags = []
+    original = backward.attn_bwd_dkdv_kernel.fn.run
+
+    def run(*args, **kwargs):
+        flags.append(kwargs["DQ_TRANSPOSED"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backward.attn_bwd_dkdv_kernel.fn, "run", run)
+    from flash_recipe.ops import configs, targets
+
+    q, dout = (_rand(1, 40, 2, head_dim, device=device, seed=s) for s in (1, 2))
+    k, v = (_rand(1, 50, 2, head_dim, device=device, seed=s) for s in (3, 4))
+    tile = choose.launch_config(q.device, "bwd_onepass", head_dim, q.element_size())
+    least = configs.MMA_MIN_ROWS.get(configs.arch_family(targets.target_of(q.device)), 1)
+    expected = tile.block_m < least <= configs.head_dim_bucket(head_dim)
+    if q.device.type == "cpu":
+        assert expected is transposed  # the interpreter covers both products
+    with choose.taking_path("one_pass"):
+        one_pass = _grads(q, k, v, dout, causal=True)
+    assert flags == [expected]
+    three = _grads(q, k, v, dout, causal=True, deterministic=True)
+    assert flags == [expected, False]  # the deterministic dK/dV kernel adds no dQ
+    assert torch.equal(one_pass[1], three[1]) and torch.equal(one_pass[2], three[2])
+    scale = three[0].abs().max().item()
+    assert (one_pass[0].float() - three[0].float()).abs().max().item() <= 2e-3 * scale

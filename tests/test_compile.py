@@ -234,33 +234,74 @@ def test_matrix_work_of_the_main_loop_counts_each_instruction_shape():
     assert compiled_code.loop_matrix_macs("/*0000*/ MOV R1, R2 ;", num_warps=4) is None
 
 
+def test_each_dot_is_counted_on_the_unit_its_layout_names():
+    """A TTGIR's dots by unit: Hopper's warp_group_dot, Blackwell's tc_gen5_mma, a tt.dot with an
+    nvidia_mma layout of version 2 (mma.sync) or 3, with a #blocked one (FMA) or an AMD one; in
+    Triton 3.9's dialect names and 3.2's; the waits and loads beside them are not dots."""
+    ttgir = """
+#blocked = #ttg.blocked<{sizePerThread = [1, 8], threadsPerWarp = [4, 8], warpsPerCTA = [8, 1], order = [1, 0]}>
+#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1], instrShape = [16, 128, 16]}>
+#mma1 = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 8], instrShape = [16, 8]}>
+#mma2 = #triton_gpu.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 8]}>
+#mma3 = #ttg.amd_mfma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [32, 32]}>
+    %a = ttng.warp_group_dot %x, %y, %c {isAsync = true} : !ttg.memdesc<128x128xbf16> -> tensor<128x32xf32, #mma>
+    %b:3 = ttng.warp_group_dot_wait %a, %x, %y {pendings = 0 : i32} : tensor<128x32xf32, #mma> loc(#loc1)
+    ttng.tc_gen5_mma %x, %y, %t, %false, %true, %bar[%true] {is_async} : !ttg.memdesc<128x128xbf16> loc(#loc2)
+    %d = tt.dot %p, %q, %c : tensor<32x128xbf16, #ttg.dot_op<{opIdx = 0, parent = #mma1}>> -> tensor<32x128xf32, #mma1>
+    %e = tt.dot %p, %q, %c : tensor<16x16xbf16, #triton_gpu.dot_op<{opIdx = 0}>> -> tensor<16x16xf32, #mma2> loc(#loc4)
+    %f = tt.dot %p, %q, %c, inputPrecision = ieee : tensor<32x32xf32> -> tensor<32x32xf32, #blocked> loc(#loc5)
+    %g = tt.dot %p, %q, %c : tensor<32x32xf16> * tensor<32x32xf16> -> tensor<32x32xf32, #mma3> loc(#loc6)
+    %h = ttg.local_load %k : !ttg.memdesc<128x128xbf16> -> tensor<128x128xbf16, #ttg.dot_op<{parent = #mma1}>>
+"""
+    assert compiled_code.dot_units(ttgir) == {"wgmma": 1, "tcgen05": 1, "mma.sync": 2, "fma": 1, "mfma": 1}
+    assert compiled_code.dot_units("") == {}
+
+
 @pytest.mark.slow
 def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two():
     """The one-pass backward's main loop issues 5 block-pair products (S, dP, dV, dK and dQ); the
     deterministic path's dQ kernel 3 and dK/dV kernel 4, as before; on sm80 (HMMA) and sm90 (HGMMA),
-    with MHA and with GQA (its own specialisation, a row of its own), none spilling. A one-pass
-    kernel issuing the dQ kernel's recomputation too (7) fails the check."""
+    with MHA and with GQA (its own specialisation, a row of its own), none spilling. On sm90 and
+    sm100 every dot is on the fast unit (wgmma, tcgen05): dQ is computed transposed, its M the head
+    dim. Planted: a one-pass kernel issuing the dQ kernel's recomputation too (7) fails the check, and
+    so does dQ as the direct product of the 32-row query tile, which those units cannot take and
+    which compiles to mma.sync."""
     rows = compile_in_subprocess("""
         import json
+        from flash_recipe.ops import backward
         from flash_recipe.tools import compile_check
         case = compile_check.Case("bwd", "bfloat16", 128, "aligned")
-        for target in ("sm80", "sm90"):
+        for target in ("sm80", "sm90", "sm100"):
             for row in compile_check.check_case(case, target):
                 print(json.dumps(row))
+        backward.attn_bwd_dkdv_kernel.values["DQ_TRANSPOSED"] = lambda args: False
+        for target in ("sm90", "sm100"):
+            for row in compile_check.check_case(case, target):
+                print(json.dumps({**row, "planted": True}))
     """)
     found = {
-        (row["target"], row["kernel"], row["case"].endswith("-gqa")): row
+        (row["target"], row["kernel"], row["case"].endswith("-gqa"), row.get("planted", False)): row
         for row in rows
         if row["kernel"] != "bwd_preprocess"
     }
-    for target in ("sm80", "sm90"):
+    expected = {"bwd_onepass": 5, "bwd_dq": 3, "bwd_dkdv": 4}
+    for target in ("sm80", "sm90", "sm100"):
         for grouped in (False, True):
-            expected = {"bwd_onepass": 5, "bwd_dq": 3, "bwd_dkdv": 4}
-            chosen = {kernel: found[(target, kernel, grouped)] for kernel in expected}
-            assert {kernel: row["loop_products"] for kernel, row in chosen.items()} == expected
+            chosen = {kernel: found[(target, kernel, grouped, False)] for kernel in expected}
+            if target in compile_check.PRODUCT_TARGETS:
+                assert {kernel: row["loop_products"] for kernel, row in chosen.items()} == expected
             assert all(row["ok"] and not row["spill_bytes"] for row in chosen.values()), chosen
-    planted = compile_check._verdict({**found[("sm90", "bwd_onepass", False)], "loop_products": 7.0})
+            if target in compile_check.FAST_MMA_TARGETS:
+                assert all(compile_check.needs_fast_matrix_unit(row) for row in chosen.values())
+                assert all(row["sync_dots"] == 0 and row["loop_hmma"] == 0 for row in chosen.values()), chosen
+    planted = compile_check._verdict({**found[("sm90", "bwd_onepass", False, False)], "loop_products": 7.0})
     assert not planted["ok"] and "7.0 matrix products per block pair, expected 5" in planted["problems"][0]
+    for target in ("sm90", "sm100"):
+        for grouped in (False, True):
+            slow = found[(target, "bwd_onepass", grouped, True)]
+            assert slow["sync_dots"] == 3 and slow["loop_hmma"] > 0, slow  # dS K in each of the 3 stages
+            assert not slow["ok"] and any("on mma.sync" in problem for problem in slow["problems"]), slow
+            assert all(found[(target, kernel, grouped, True)]["ok"] for kernel in ("bwd_dq", "bwd_dkdv"))
 
 
 @pytest.mark.slow

@@ -674,3 +674,90 @@ def test_a_device_that_is_not_a_visible_gpu_is_refused_by_name(device, fake_gpu,
     assert cli.main(["tune", "--device", device]) == 2
     err = capsys.readouterr().err
     assert "--device must be a GPU, cuda or cuda:N with N < 2" in err and repr(device) in err
+
+
+# -- the backward's path ----------------------------------------------------------------------
+
+
+def test_the_backward_path_section_round_trips_and_refuses_a_path_it_does_not_know():
+    key = tuned.make_key(H100, "sm90")
+    path = tuned.save(key, [], [], paths=[tuned.path_entry(128, 2, "three_kernels", speedup=1.1)])
+    assert tuned.read(path).paths == {(128, 2): "three_kernels"}
+    tuned.save(key, [], [], paths=[tuned.path_entry(64, 2, "one_pass")])  # merged with the first
+    assert tuned.read(path).paths == {(128, 2): "three_kernels", (64, 2): "one_pass"}
+    for entry, words in (
+        (tuned.path_entry(128, 2, "two_pass"), "path is one of one_pass, three_kernels"),
+        (tuned.path_entry(96, 2, "one_pass"), "head_dim must be one of"),
+    ):
+        with pytest.raises(tuned.BadCacheFile, match=words):
+            tuned.parse(_document(backward=[entry]))
+    with pytest.raises(tuned.BadCacheFile, match="a second entry for head dim 128"):
+        tuned.parse(_document(backward=[tuned.path_entry(128, 2, "one_pass")] * 2))
+    assert tuned.parse(_document()).paths == {}  # the section is optional: older files stay valid
+
+
+def test_the_backward_path_is_the_blocks_then_the_tuned_then_the_familys(fake_gpu, monkeypatch):
+    """``choose.backward_path``: a ``taking_path`` block, else a tuned entry for this GPU model,
+    else ``configs.BACKWARD_PATHS``, whose one pass needs a Triton that compiles its tile cleanly."""
+    default = configs.backward_path("sm90", 64)
+    other = next(p for p in ("one_pass", "three_kernels") if p != default)
+    assert choose.backward_path(CUDA0, 64, 2) == default
+    _write(_document(backward=[tuned.path_entry(64, 2, other)]))
+    tuned.forget()
+    assert choose.backward_path(CUDA0, 64, 2) == other  # the GPU's measurement wins
+    assert choose.backward_path(CUDA0, 64, 4) == default  # for its element size only
+    with choose.taking_path(default):
+        assert choose.backward_path(CUDA0, 64, 2) == default
+        assert choose.plan_state() is None  # plans are not memoized inside the block
+    with pytest.raises(ValueError, match="path must be one of"), choose.taking_path("fast"):
+        pass
+    monkeypatch.setitem(configs.BACKWARD_PATHS, "sm80", {**configs.BACKWARD_PATHS["sm80"], 128: "one_pass"})
+    monkeypatch.setattr(choose, "one_pass_fits", lambda device, head_dim: False)
+    assert choose.backward_path(torch.device("cuda", 1), 128, 2) == "three_kernels"  # A100: no tuned file
+
+
+def test_the_tuner_keeps_the_faster_backward_path_and_launches_then_take_it(fake_gpu, monkeypatch):
+    """Both paths are checked, then timed as the whole backward; the other path replaces the
+    family's default when it is at least ``min_gain`` faster."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    default = configs.backward_path("interpreter", 32)
+    other = next(p for p in ("one_pass", "three_kernels") if p != default)
+    from flash_recipe.ops import backward
+
+    ran = []
+    original = backward.attn_bwd_dkdv_kernel.fn.run
+
+    def run(*args, **kwargs):
+        ran.append("one_pass" if kwargs.get("ATOMIC_DQ") else "three_kernels")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backward.attn_bwd_dkdv_kernel.fn, "run", run)
+
+    def timer(fn, trial):
+        before = len(ran)
+        fn()
+        if trial.path is None:  # the dQ kernel's own configuration, tuned first
+            return 1.0
+        assert ran[before:] == [trial.path]  # the timed launch ran the path it names
+        return 0.5 if trial.path == other else 1.0
+
+    report = tune.tune(
+        ["bwd_dq"],
+        [32],
+        ["float16"],
+        [32],
+        device="cpu",
+        timer=timer,
+        check=SMALL,
+        nheads=2,
+        tokens=32,
+        causal=(True,),
+        grid={"bwd_dq": []},
+        key=tuned.make_key(H100, "sm90"),
+    )
+    (entry,) = report["backward"]
+    assert (entry["head_dim"], entry["element_size"], entry["path"], entry["default"]) == (32, 2, other, default)
+    assert entry["speedup"] == pytest.approx(2.0)
+    assert tuned.read(report["path"]).paths == {(32, 2): other}
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert choose.backward_path(CUDA0, 32, 2) == other

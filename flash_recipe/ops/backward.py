@@ -110,6 +110,7 @@ def _dkdv_inner(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, RAGGED_N: tl.constexpr, SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr,
+    DQ_TRANSPOSED: tl.constexpr,
 ):
     """Accumulate the contribution of query rows ``[start, end)`` of each of the ``group_size`` query
     heads that share this kv head; tiles are ``[keys, queries]``.
@@ -203,7 +204,15 @@ def _dkdv_inner(
             b_dst = tl.where(o_n[:, None] < seqlen_k, b_dst, 0.0)
         b_dst = b_dst.to(b_q.dtype)
         b_dk = tl.dot(b_dst, b_q, b_dk, input_precision="ieee")
-        if ATOMIC_DQ:
+        if ATOMIC_DQ and DQ_TRANSPOSED:  # dQ^T = K^T dS^T: the head dim is the product's M
+            b_dqt = tl.dot(tl.trans(b_k), b_dst, input_precision="ieee")  # [BLOCK_D, BLOCK_M]
+            p_dqt = dq_base + g * stride_dqh + o_m[None, :].to(tl.int64) * stride_dqm + o_d[:, None]
+            if EVEN_M and not MASK_D:
+                tl.atomic_add(p_dqt, b_dqt * sm_scale, sem="relaxed")
+            else:
+                tl.atomic_add(p_dqt, b_dqt * sm_scale, mask=(o_m[None, :] < seqlen_q) & (o_d[:, None] < head_dim),
+                              sem="relaxed")
+        elif ATOMIC_DQ:
             b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision="ieee")  # [BLOCK_M, BLOCK_D]
             p_dq = dq_base + g * stride_dqh + o_m[:, None].to(tl.int64) * stride_dqm + o_d[None, :]
             if EVEN_M and not MASK_D:
@@ -269,7 +278,7 @@ def attn_bwd_dkdv_kernel(
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
     ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr,
+    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head.
     Key block 0, which a causal mask shows to every query block, launches first: heaviest first
@@ -278,7 +287,9 @@ def attn_bwd_dkdv_kernel(
     With ``RENORM`` it runs after ``attn_bwd_dq_kernel``, which stored in ``LSE_FIX`` (laid out as
     ``LSE``) the log of each row's recomputed probability sum, and takes ``P = exp((S - lse) - fix)``.
     With ``ATOMIC_DQ`` (the one-pass backward, no ``RENORM``) it also adds every query row's dQ share
-    from this key block into ``DQ_ACC``, fp32 laid out as ``Q`` (zeroed by the launcher).
+    from this key block into ``DQ_ACC``, fp32 laid out as ``Q`` (zeroed by the launcher); with
+    ``DQ_TRANSPOSED`` as ``dQ^T = K^T dS^T``, whose M is the head dim rather than the query tile
+    (the launcher's choice: ``configs.MMA_MIN_ROWS``).
     """
     tl.static_assert(not (ATOMIC_DQ and RENORM), "RENORM needs the dQ kernel's row sums first")
     i_n = tl.program_id(0)
@@ -342,7 +353,7 @@ def attn_bwd_dkdv_kernel(
             seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, lo, hi, seed,
             rng_base, rng_stride, dropout_p,
             stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, ONE_KEY,
-            SAME_ORDER, RENORM, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED,
+            SAME_ORDER, RENORM, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED, DQ_TRANSPOSED,
         )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh

@@ -68,9 +68,11 @@ def attention_backward(
         deterministic: the two-pass path (dQ kernel, then dK/dV), bit-identical from run to run.
             Otherwise, and always but for fp32 with its own lse (``RENORM`` needs dQ's row sums
             first), the dK/dV kernel also adds dQ to an fp32 workspace with atomic adds: 5 matrix
-            products per block pair instead of 7, with the last bits of dQ in the order the adds land.
-            Where the installed Triton spills the one-pass tile (``choose.one_pass_fits``: Hopper
-            at head dim 128 before Triton 3.4) the three kernels run instead.
+            products per block pair instead of 7, with the last bits of dQ in the order the adds land,
+            where the device's path is one pass (``choose.backward_path``: the family's default per
+            head dim, ``configs.BACKWARD_PATHS``, or what ``flash-recipe tune`` measured); where
+            it is not, or the installed Triton spills the one-pass tile (``choose.one_pass_fits``:
+            Hopper at head dim 128 before Triton 3.4), the three kernels run.
 
     Returns:
         ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype, and with
@@ -134,7 +136,8 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
     renorm = own_lse and q.element_size() == 4  # fp32: dK/dV renormalise P by dQ's row sums
     lse_fix = delta if renorm else None
     own_lse = own_lse and sinks is None  # the one-key rules assume P sums to 1 (see ``backward``)
-    one_pass = not deterministic and not renorm and choose.one_pass_fits(q.device, dims.head_dim)
+    one_pass = (not deterministic and not renorm
+                and choose.backward_path(q.device, dims.head_dim, q.element_size()) == "one_pass")
     # The sinks' gradient weighs each row's sum of P dP, accumulated by the dK/dV kernel (``_sink_grad``).
     sink_delta = delta if sinks is not None else None
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device="meta") if one_pass else None
@@ -170,11 +173,16 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
     workspace = dims.stride_args(dq_acc, "dqa", "m") if dq_acc is not None else dict.fromkeys(
         ("stride_dqab", "stride_dqam", "stride_dqah"), 0)
     cfg = choose.launch_config(q.device, "bwd_onepass" if one_pass else "bwd_dkdv", dims.head_dim, q.element_size())
+    # dQ's product transposed where the query tile has fewer rows than the family's fast matrix
+    # instruction takes and the head dim has enough (Hopper's wgmma, Blackwell's tcgen05: 64).
+    least_rows = configs.MMA_MIN_ROWS.get(configs.arch_family(targets.target_of(q.device)), 1)
+    dq_transposed = one_pass and cfg.block_m < least_rows <= block_d
     dk = torch.empty(k.shape, dtype=k.dtype, device="meta")
     dv = torch.empty(v.shape, dtype=v.dtype, device="meta")
     dkdv = plan(attn_bwd_dkdv_kernel, (triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch), dict(
         DK=dk, DV=dv, DQ_ACC=dq_acc, SINK_DELTA=sink_delta, **dims.stride_args(dk, "dk", "n"),
         **dims.stride_args(dv, "dv", "n"), **workspace, **common,
+        DQ_TRANSPOSED=dq_transposed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ), q.device)
     taken = tuple(used[before:]) if used is not None else ()

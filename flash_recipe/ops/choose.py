@@ -12,7 +12,12 @@ tuned configuration fails.
 ``tuned_fallback`` wraps a launcher so that a tuned configuration that fails to compile or launch
 is dropped for the rest of the process and the launcher runs again on the table's. Launchers that
 memoize a launch plan key it by ``plan_state()`` and report the tuned entries a reused plan took
-with ``took_tuned``. ``one_pass_fits`` says whether the one-pass backward runs on a device.
+with ``took_tuned``.
+
+``backward_path(device, head_dim, element_size)`` answers which backward a launch runs unless it
+is deterministic, in the same order: a ``taking_path`` block's, the path ``flash-recipe tune``
+measured faster on this GPU model, the family's (``configs.BACKWARD_PATHS``, where the table's
+one-pass tile must also compile cleanly with the installed Triton: ``one_pass_fits``).
 """
 
 from __future__ import annotations
@@ -26,12 +31,16 @@ from typing import Callable, Optional, TypeVar
 
 from flash_recipe.ops import configs, targets, tuned
 from flash_recipe.ops.configs import KERNELS, Config, head_dim_bucket
+from flash_recipe.ops.limits import BACKWARD_PATH_NAMES
 
 T = TypeVar("T")
 
 # Launch configurations that replace the table's within a ``with overriding(...)`` block, by
 # ``(kernel, head-dim bucket, element size)``.
 _OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("flash_recipe_config_overrides", default={})
+
+# The backward path that replaces the family's and the tuned one within a ``taking_path`` block.
+_PATH: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("flash_recipe_backward_path", default=None)
 
 # The tuned entries the launches of the running ``tuned_fallback`` call took, as ``(target, kernel,
 # head-dim bucket, element size)`` (None outside one).
@@ -49,6 +58,20 @@ def overriding(kernel: str, head_dim: int, element_size: int, config: Config) ->
         yield
     finally:
         _OVERRIDES.reset(token)
+
+
+@contextlib.contextmanager
+def taking_path(path: str) -> Iterator[None]:
+    """Backward launches that are not deterministic take ``path`` (``"one_pass"`` or
+    ``"three_kernels"``) inside the block (this thread or asyncio task only): what ``flash-recipe
+    tune`` times, and tests use."""
+    if path not in BACKWARD_PATH_NAMES:
+        raise ValueError(f"path must be one of {BACKWARD_PATH_NAMES}, got {path!r}")
+    token = _PATH.set(path)
+    try:
+        yield
+    finally:
+        _PATH.reset(token)
 
 
 def tuned_taken() -> Optional[list]:
@@ -69,8 +92,8 @@ def plan_state() -> Optional[int]:
     """What memoized launch plans are keyed by beside their signature: a count that changes whenever
     ``launch_config`` may answer differently (``tuned.GENERATION``: tuned entries read, forgotten
     or rejected; 0 while nothing tuned was read), or None inside an ``overriding`` block (whose
-    configurations are not memoized)."""
-    if _OVERRIDES.get():
+    configurations are not memoized), or in a ``taking_path`` block."""
+    if _OVERRIDES.get() or _PATH.get() is not None:
         return None
     return tuned.GENERATION[0]
 
@@ -93,6 +116,25 @@ def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Conf
                 used.append((target, kernel, bucket, element_size))
             return Config(*found)
     return configs.get_config(target, kernel, head_dim, element_size)
+
+
+def backward_path(device, head_dim: int, element_size: int) -> str:
+    """The backward a launch on ``device`` runs unless it is deterministic: ``"one_pass"`` or
+    ``"three_kernels"``. A ``taking_path`` block's, else the one ``flash-recipe tune`` measured
+    faster on this GPU model (``tuned.path_for``: a GPU only), else the family's default at the
+    head dim's bucket (``configs.BACKWARD_PATHS``), which is one pass only where the installed
+    Triton compiles that tile without spilling (``one_pass_fits``)."""
+    taken = _PATH.get()
+    if taken is not None:
+        return taken
+    bucket = head_dim_bucket(head_dim)
+    target = targets.target_of(device)
+    if target != "interpreter" and device.type == "cuda":
+        found = tuned.path_for(device, target, bucket, element_size)
+        if found is not None:
+            return found
+    path = configs.backward_path(target, bucket)
+    return path if path != "one_pass" or one_pass_fits(device, head_dim) else "three_kernels"
 
 
 def one_pass_fits(device, head_dim: int) -> bool:

@@ -282,6 +282,34 @@ _TABLE: dict[tuple[str, str], Rows] = {
 # sm100 takes Hopper's tile and so its rule.
 ONE_PASS_SINCE_TRITON = {("sm90", 128): (3, 4), ("sm100", 128): (3, 4)}
 
+# The backward each family runs unless a call is deterministic (``choose.backward_path``), by
+# head-dim bucket: "one_pass" (the dK/dV kernel adds dQ with atomic adds: 5 products per block
+# pair) or "three_kernels" (a dQ kernel, then dK/dV: 7). Each is the path whose main loops issue
+# fewer warp-instructions per score element, averaged over MHA and GQA, in the compile check
+# (bf16, aligned, Triton 3.9; ``python -m flash_recipe.tools.backward_paths``, its table in
+# docs/performance.md, which a test pins to these), until a GPU measures otherwise (``flash-recipe
+# tune`` keeps the faster per GPU model). AMD's code objects give no instruction count; there the
+# one pass stays, as does the interpreter's (its tests cover both paths).
+_ONE_PASS = dict.fromkeys(HEAD_DIM_BUCKETS, "one_pass")
+BACKWARD_PATHS: dict[str, dict[int, str]] = {
+    "sm80": {**_ONE_PASS},
+    "sm86": {**_ONE_PASS},
+    "sm90": {**_ONE_PASS},
+    "sm100": {**_ONE_PASS},
+    "sm120": {**_ONE_PASS},
+    "amd": _ONE_PASS,
+    "interpreter": _ONE_PASS,
+}
+
+# The fewest rows (the product's M) the fast matrix instruction of a family takes: Hopper's wgmma
+# and Blackwell's tcgen05 take 64 (a warpgroup's), and below that Triton falls back to Ampere's
+# mma.sync, at a fraction of their rate. The one-pass backward computes dQ transposed (its M the
+# head dim) where its query tile has fewer rows (``backward_launch.plan_backward``). Other
+# families' instructions take 16 rows, and there the transposed product only cost registers
+# (sm86/sm120 spilled 64-168 B at head dim 128). The interpreter takes Hopper's rule, so that the
+# CPU tests run the transposed product at head dims of 64 and more, and the direct one below.
+MMA_MIN_ROWS = {"sm90": 64, "sm100": 64, "interpreter": 64}
+
 # Compile targets with a table of their own, and the table each uses.
 FAMILIES = {
     "sm80": "sm80", "sm86": "sm86", "sm89": "sm86", "sm90": "sm90", "sm100": "sm100",
@@ -326,6 +354,11 @@ def shared_memory_problem(target: str, available: int) -> Optional[str]:
         return None
     return (f"{target} offers {available} bytes of shared memory per block; flash_recipe's configurations for it "
             f"({family}) are sized for {needed}")
+
+
+def backward_path(target: str, head_dim: int) -> str:
+    """The backward ``target``'s family runs by default at ``head_dim``'s bucket (``BACKWARD_PATHS``)."""
+    return BACKWARD_PATHS[arch_family(target)][head_dim_bucket(head_dim)]
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -18,7 +18,8 @@ The format (``FORMAT`` 1)::
      "configs": [{"kernel": "fwd", "head_dim": 128, "element_size": 2,
                   "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, ...}],
      "num_splits": [{"head_dim": 128, "element_size": 2, "programs": 64, "cache_len": 8192,
-                     "num_splits": 8, ...}]}
+                     "num_splits": 8, ...}],
+     "backward": [{"head_dim": 128, "element_size": 2, "path": "three_kernels", ...}]}
 
 - ``key``: the file applies only to a GPU of that name and compile target, with that Triton and
   flash_recipe version; a file with another key is stale (a Triton upgrade changes the code a
@@ -29,6 +30,9 @@ The format (``FORMAT`` 1)::
   bucket, element size, ``programs`` (``batch * nheads * cdiv(seqlen_q, 16)``) and ``cache_len``
   (the cache's capacity in rows), the last two rounded up to a power of two; 0 means the
   heuristic was measured as fast as any count, and stays.
+- ``backward`` (optional): the backward's path (``"one_pass"`` or ``"three_kernels"``) per
+  head-dim bucket and element size, where the GPU measured it faster than the family's default
+  (``configs.BACKWARD_PATHS``, ``choose.backward_path``); ``deterministic=True`` ignores it.
 - any other field (timings, the shapes measured) is informational and not read.
 
 A file that cannot be read (whatever is wrong with it, nesting too deep for the parser included),
@@ -56,7 +60,7 @@ from typing import Any, NamedTuple, Optional
 
 from flash_recipe import __version__
 from flash_recipe.files import write_json
-from flash_recipe.ops.limits import HEAD_DIM_BUCKETS, MAX_SPLITS
+from flash_recipe.ops.limits import BACKWARD_PATH_NAMES, HEAD_DIM_BUCKETS, MAX_SPLITS
 
 FORMAT = 1
 ENV_VAR = "FLASH_RECIPE_TUNE_CACHE"
@@ -82,12 +86,14 @@ class Tuned(NamedTuple):
 
     ``configs``: ``(kernel, head-dim bucket, element size) -> (block_m, block_n, num_warps,
     num_stages)``; ``splits``: ``(head-dim bucket, element size, programs bucket, cache-length
-    bucket) -> num_splits``; ``document``: the file's JSON as read.
+    bucket) -> num_splits``; ``paths``: ``(head-dim bucket, element size) -> backward path``;
+    ``document``: the file's JSON as read.
     """
 
     key: dict
     configs: dict
     splits: dict
+    paths: dict
     document: dict
 
 
@@ -160,8 +166,8 @@ def parse(document: Any) -> Tuned:
     key = document.get("key")
     if not isinstance(key, dict) or any(not isinstance(key.get(name), str) for name in KEY_FIELDS):
         raise BadCacheFile(f"key must be an object with the strings {', '.join(KEY_FIELDS)}, got {key!r}")
-    found_configs, found_splits = {}, {}
-    for section in ("configs", "num_splits"):
+    found_configs, found_splits, found_paths = {}, {}, {}
+    for section in ("configs", "num_splits", "backward"):
         if not isinstance(document.get(section, []), list):
             raise BadCacheFile(f"{section} must be a list, got {type(document[section]).__name__}")
     for i, entry in enumerate(document.get("configs", [])):
@@ -187,7 +193,17 @@ def parse(document: Any) -> Tuned:
             raise BadCacheFile(f"{where}: a second entry for head dim {lookup[0]}, {lookup[1]}-byte elements, "
                                f"{lookup[2]} programs, cache length {lookup[3]}")
         found_splits[lookup] = _field(entry, "num_splits", where, low=0, high=MAX_SPLITS)
-    return Tuned(dict(key), found_configs, found_splits, document)
+    for i, entry in enumerate(document.get("backward", [])):
+        where = f"backward[{i}]"
+        if not isinstance(entry, dict) or entry.get("path") not in BACKWARD_PATH_NAMES:
+            raise BadCacheFile(f"{where}: must be an object whose path is one of {', '.join(BACKWARD_PATH_NAMES)}, "
+                               f"got {entry!r}")
+        lookup = (_field(entry, "head_dim", where, HEAD_DIM_BUCKETS),
+                  _field(entry, "element_size", where, ELEMENT_SIZES))
+        if lookup in found_paths:
+            raise BadCacheFile(f"{where}: a second entry for head dim {lookup[0]}, {lookup[1]}-byte elements")
+        found_paths[lookup] = entry["path"]
+    return Tuned(dict(key), found_configs, found_splits, found_paths, document)
 
 
 def read(path: os.PathLike) -> Tuned:
@@ -333,6 +349,15 @@ def splits_for(device, target: str, bucket: int, element_size: int, programs: in
     return found or None  # 0: measured, and the heuristic was as fast
 
 
+def path_for(device, target: str, bucket: int, element_size: int) -> Optional[str]:
+    """The backward path measured fastest on ``device`` at head-dim bucket ``bucket`` and
+    ``element_size`` (``"one_pass"`` or ``"three_kernels"``), or None (the family's default)."""
+    tuned = for_device(device, target)
+    if tuned is None:
+        return None
+    return tuned.paths.get((bucket, element_size))
+
+
 # Counts the changes to what this module answers (entries read, forgotten or rejected): memoized
 # launch plans are keyed by it (``choose.plan_state``).
 GENERATION = [0]
@@ -379,8 +404,15 @@ def splits_entry(head_dim: int, element_size: int, programs: int, cache_len: int
             "cache_len": power_of_two_at_least(cache_len), "num_splits": num_splits, **info}
 
 
-def save(key: dict, configs: list, splits: list, directory: Optional[os.PathLike] = None) -> Path:
-    """Write the entries to the cache file of ``key["gpu"]``; returns its path.
+def path_entry(head_dim: int, element_size: int, path: str, **info) -> dict:
+    """A ``backward`` entry: the path, ``"one_pass"`` or ``"three_kernels"``, the GPU runs at
+    ``head_dim``'s bucket and ``element_size``."""
+    return {"head_dim": head_dim, "element_size": element_size, "path": path, **info}
+
+
+def save(key: dict, configs: list, splits: list, directory: Optional[os.PathLike] = None, paths: list = ()) -> Path:
+    """Write the entries (``configs``, ``num_splits``, and ``paths``, the ``backward`` section) to the
+    cache file of ``key["gpu"]``; returns its path.
 
     Entries already in a usable file with the same key are kept unless an entry here has the same
     lookup key; a file that is unreadable or keyed otherwise is replaced. The file is written
@@ -390,7 +422,7 @@ def save(key: dict, configs: list, splits: list, directory: Optional[os.PathLike
     path = cache_path(key["gpu"], directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     with locked(path):
-        _merge_and_replace(path, key, configs, splits)
+        _merge_and_replace(path, key, configs, splits, list(paths))
     forget()
     return path
 
@@ -414,8 +446,8 @@ def locked(path: Path):
         os.close(handle)  # releases the lock
 
 
-def _merge_and_replace(path: Path, key: dict, configs: list, splits: list) -> None:
-    kept_configs, kept_splits = [], []
+def _merge_and_replace(path: Path, key: dict, configs: list, splits: list, paths: list) -> None:
+    kept_configs, kept_splits, kept_paths = [], [], []
     try:
         old = read(path)
     except (FileNotFoundError, BadCacheFile):
@@ -427,8 +459,11 @@ def _merge_and_replace(path: Path, key: dict, configs: list, splits: list) -> No
                         if (e["kernel"], e["head_dim"], e["element_size"]) not in new_configs]
         kept_splits = [e for e in old.document.get("num_splits", [])
                        if (e["head_dim"], e["element_size"], e["programs"], e["cache_len"]) not in new_splits]
+        new_paths = {(e["head_dim"], e["element_size"]) for e in paths}
+        kept_paths = [e for e in old.document.get("backward", [])
+                      if (e["head_dim"], e["element_size"]) not in new_paths]
     document = {"format": FORMAT, "key": dict(key), "configs": kept_configs + list(configs),
-                "num_splits": kept_splits + list(splits)}
+                "num_splits": kept_splits + list(splits), "backward": kept_paths + paths}
     parse(document)  # never write what the reader would refuse
     write_json(path, document)
 

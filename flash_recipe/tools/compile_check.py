@@ -126,6 +126,15 @@ LOOP_STEP = {
 # 7 per pair; the one-pass backward's dK/dV kernel with dQ added (5).
 PRODUCTS = {"fwd": 2, "bwd_dq": 3, "bwd_dkdv": 4, "bwd_onepass": 5}
 PRODUCT_TARGETS = ("sm80", "sm90")
+# Targets whose fast matrix instruction works on tiles of 64 rows or more (sm90's wgmma, sm100's
+# tcgen05) and still run Ampere's mma.sync, at a fraction of the rate, for a dot it cannot take:
+# there the backward's dots must all be on the fast unit (no ``mma.sync`` dot in the TTGIR, no
+# ``HMMA`` in the main loop's SASS), in fp16/bf16 at head dims 64 and 128, both forms. (sm100's
+# backward at head dim 256 has 32-key blocks, its 64-key ones compiling to a trap, and so runs
+# the key-side products on mma.sync: reported, not failed.)
+FAST_MMA_TARGETS = ("sm90", "sm100")
+FAST_MMA_KERNELS = ("bwd_onepass", "bwd_dkdv", "bwd_dq")
+FAST_MMA_HEAD_DIMS = (64, 128)
 # The speed proxy: SASS instructions per key in the forward's main loop (``loop_per_row``), at most
 # those of Triton's own tutorial fused-attention forward (python/tutorials/06-fused-attention.py)
 # counted the same way (``compiled_code.main_loop``), for the aligned bf16/fp16 forward at head dim 128 on sm90.
@@ -189,6 +198,7 @@ def check_case(case: Case, target: str) -> list[dict]:
                     "loop_step": step,
                     "score_options": any(_constants(kernel).get(flag) for flag in SCORE_OPTIONS),
                     "loop_per_row": round(loop / step, 3) if loop and step else None,
+                    "loop_per_element": _per_element(kernel, loop),
                     "loop_products": _products(kernel, usage.get("loop_matrix_macs")),
                     "seconds": seconds,
                     "call": case.call,
@@ -197,6 +207,15 @@ def check_case(case: Case, target: str) -> list[dict]:
             )
         )
     return rows
+
+
+def _per_element(kernel, loop: Optional[int]) -> Optional[float]:
+    """Warp-instructions per score element of a tiled kernel's main loop: its instructions, issued
+    by every warp, over the ``BLOCK_M x BLOCK_N`` scores of the block pair one iteration covers."""
+    blocks = [_constants(kernel).get(name) for name in ("BLOCK_M", "BLOCK_N")]
+    if not loop or not all(blocks):
+        return None
+    return round(loop * kernel.metadata.num_warps / (blocks[0] * blocks[1]), 4)
 
 
 def _products(kernel, macs: Optional[int]) -> Optional[float]:
@@ -249,6 +268,17 @@ def proxy_applies(row: dict) -> bool:
     )
 
 
+def needs_fast_matrix_unit(row: dict) -> bool:
+    """Whether every dot of ``row``'s kernel must run on its target's fast matrix unit
+    (``FAST_MMA_TARGETS``)."""
+    return (
+        row["target"] in FAST_MMA_TARGETS
+        and row["kernel"] in FAST_MMA_KERNELS
+        and row["dtype"] in ("float16", "bfloat16")
+        and row["head_dim"] in FAST_MMA_HEAD_DIMS
+    )
+
+
 def decode_bound(row: dict) -> Optional[int]:
     """The instruction bound (``DECODE_BOUND``) that applies to ``row``, or None."""
     if (
@@ -296,6 +326,11 @@ def _verdict(row: dict) -> dict:
         problems.append(
             f"main loop issues {row.get('loop_products')} matrix products per block pair, expected {expected}"
         )
+    if needs_fast_matrix_unit(row) and (row.get("sync_dots") or row.get("loop_hmma")):
+        problems.append(
+            f"{row.get('sync_dots')} dots on mma.sync ({row.get('loop_hmma')} HMMA in the main loop), not on "
+            f"{row['target']}'s fast matrix unit"
+        )
     bound = decode_bound(row)
     if bound is not None and not (row["per_key_per_kv_head"] or float("inf")) <= bound:
         problems.append(
@@ -306,7 +341,8 @@ def _verdict(row: dict) -> dict:
     return {**row, "problems": problems, "ok": not problems}
 
 
-def _check(job: tuple[Case, str]) -> list[dict]:
+def check_job(job: tuple[Case, str]) -> list[dict]:
+    """``check_case`` for one ``(case, target)``; a failure to compile is a failing row of its own."""
     case, target = job
     try:
         return check_case(case, target)
@@ -382,7 +418,7 @@ def main(argv: Optional[list] = None) -> int:
     jobs = select_jobs(args.preset, args.target, args.call, args.dtype, args.head_dim, args.form)
     rows, started = [], time.perf_counter()
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
-    results = pool.map(_check, jobs) if pool else map(_check, jobs)
+    results = pool.map(check_job, jobs) if pool else map(check_job, jobs)
     try:
         for result in results:
             for row in result:

@@ -28,14 +28,18 @@ def nvidia_usage(kernel) -> dict:
     if found is None:
         raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK line: {usage.stdout[:200]!r}")
     ptx = kernel.asm["ptx"]
+    units = dot_units(kernel.asm["ttgir"])
+    body = main_loop_body(sass.stdout)
     return {
         "registers": int(found.group(1)),
         "spill_bytes": int(found.group(2)),
-        "fma_dots": fma_dots(kernel),
+        "fma_dots": units.get("fma", 0),
+        "sync_dots": units.get("mma.sync", 0),
         "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
         "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
         "loop_instructions": main_loop(sass.stdout),
         "loop_matrix_macs": loop_matrix_macs(sass.stdout, kernel.metadata.num_warps),
+        "loop_hmma": sum(1 for text in body if _HMMA_ANY.search(text)) if body is not None else None,
     }
 
 
@@ -97,13 +101,40 @@ def main_loop_body(sass: str) -> Optional[list]:
     return min(sizes, key=len, default=None)
 
 
-def fma_dots(kernel) -> int:
-    """Dots that Triton lowered to FMA instructions: in the TTGIR, a ``tt.dot`` whose operands keep a
-    ``#blocked`` layout (matrix-unit dots get an ``#mma`` parent, or become ``warp_group_dot`` on
-    Hopper and ``tc_gen5_mma`` on Blackwell)."""
-    return sum(
-        1 for line in kernel.asm["ttgir"].splitlines() if re.search(r"= tt\.dot ", line) and "parent = #blocked" in line
-    )
+# A layout's alias in the TTGIR: ``#mma1 = #ttg.nvidia_mma<{versionMajor = 2, ...}>`` (Triton 3.2
+# spells the dialect ``triton_gpu``), ``#blocked = #ttg.blocked<{...}>``, ``#mma = #ttg.amd_mfma<...``.
+_LAYOUT = re.compile(r"^#(\w+) = #\w+\.(\w+)<\{([^\n]*)", re.MULTILINE)
+_DOT_RESULT = re.compile(r"= tt\.dot .*->\s*tensor<[^>]*?,\s*#(\w+)>")
+_HMMA_ANY = re.compile(r"\bHMMA\b")
+
+
+def dot_units(ttgir: str) -> dict:
+    """How many of a kernel's dots each unit runs, from its TTGIR: ``"wgmma"`` (Hopper's
+    ``warp_group_dot``), ``"tcgen05"`` (Blackwell's ``tc_gen5_mma``), ``"mma.sync"`` (a ``tt.dot``
+    whose result has an ``nvidia_mma`` layout of version 2: Ampere's warp-level instruction, the
+    slow path on Hopper and Blackwell), ``"mfma"`` (AMD's matrix cores) and ``"fma"`` (a ``tt.dot``
+    left in a ``#blocked`` layout: no matrix unit at all)."""
+    kinds = {}
+    for name, kind, params in _LAYOUT.findall(ttgir):
+        if kind == "nvidia_mma":
+            major = re.search(r"versionMajor = (\d+)", params)
+            kinds[name] = "mma.sync" if major is not None and int(major.group(1)) < 3 else "wgmma"
+        elif kind == "blocked":
+            kinds[name] = "fma"
+        elif kind.startswith("amd_"):
+            kinds[name] = "mfma"
+    counts: dict = {}
+    for line in ttgir.splitlines():
+        if re.search(r"= \w+\.warp_group_dot ", line):
+            unit = "wgmma"
+        elif re.search(r"\b\w+\.tc_gen5_mma(?:_scaled)? ", line):
+            unit = "tcgen05"
+        elif (found := _DOT_RESULT.search(line)) is not None:
+            unit = kinds.get(found.group(1), found.group(1))
+        else:
+            continue
+        counts[unit] = counts.get(unit, 0) + 1
+    return counts
 
 
 def amd_usage(kernel) -> dict:
@@ -121,7 +152,7 @@ def amd_usage(kernel) -> dict:
     return {
         "registers": field("vgpr_count"),
         "spill_bytes": field("private_segment_fixed_size"),
-        "fma_dots": fma_dots(kernel),
+        "fma_dots": dot_units(kernel.asm["ttgir"]).get("fma", 0),
         "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
         "matrix_unit": "mfma" if "mfma" in asm else None,
     }

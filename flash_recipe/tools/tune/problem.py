@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 from typing import Any, Callable, NamedTuple, Optional
 
-from flash_recipe.ops import configs, limits
+from flash_recipe.ops import choose, configs, limits
 from flash_recipe.ops.configs import Config
 from flash_recipe.ops.options import ScoreOptions
 from flash_recipe.reference import attention_reference, compute_dtype
@@ -74,13 +74,14 @@ class Shape(NamedTuple):
 
 class Trial(NamedTuple):
     """What a timer is asked to time: ``kernel`` in ``dtype`` on ``shape`` with ``config`` (and,
-    for decoding, ``num_splits``)."""
+    for decoding, ``num_splits``; for the backward's path, ``path``, whose main kernel ``kernel`` is)."""
 
     kernel: str
     dtype: str
     shape: Shape
     config: Config
     num_splits: Optional[int] = None
+    path: Optional[str] = None
 
 
 # A timer maps (a function that launches once, what it launches) to milliseconds per launch.
@@ -141,14 +142,16 @@ def nan_outputs():
 class Problem:
     """Inputs for one kernel in one dtype on one shape, drawn from ``seed``; ``launch()`` runs the
     launcher and returns the outputs the kernel decides (fwd, decode: ``out``; the backward kernels:
-    ``dq, dk, dv``), and ``reference(upcast)`` the same from ``flash_recipe.reference``."""
+    ``dq, dk, dv``), and ``reference(upcast)`` the same from ``flash_recipe.reference``. A backward
+    kernel's problem runs the path of that kernel, or ``path`` when given (``"one_pass"``,
+    ``"three_kernels"``: the whole backward, timed to choose between them)."""
 
-    def __init__(self, kernel: str, dtype: str, shape: Shape, device, seed: int = 0):
+    def __init__(self, kernel: str, dtype: str, shape: Shape, device, seed: int = 0, path: Optional[str] = None):
         import torch
 
         from flash_recipe.ops import forward, kvcache  # imports Triton: importing tune loads none
 
-        self.kernel, self.dtype, self.shape = kernel, dtype, shape
+        self.kernel, self.dtype, self.shape, self.path = kernel, dtype, shape, path
         gen = torch.Generator().manual_seed(seed)
         dt = getattr(torch, dtype)
 
@@ -196,16 +199,11 @@ class Problem:
             return (
                 kvcache.attention_kvcache(self.q, None, None, self.cache, None, self.options, num_splits=splits)[0],
             )
-        return backward_launch.attention_backward(
-            self.dout,
-            self.q,
-            self.k,
-            self.v,
-            self.out,
-            self.lse,
-            self.options,
-            deterministic=self.kernel != "bwd_onepass",  # the path whose kernel this tunes
-        )[:3]
+        path = self.path or ("one_pass" if self.kernel == "bwd_onepass" else "three_kernels")
+        with choose.taking_path(path):  # the path timed, else the one whose kernel this tunes
+            return backward_launch.attention_backward(
+                self.dout, self.q, self.k, self.v, self.out, self.lse, self.options
+            )[:3]
 
     def reference(self, upcast: bool) -> tuple:
         import torch

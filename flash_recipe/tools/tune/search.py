@@ -13,6 +13,7 @@ from flash_recipe.ops import choose, configs, limits, targets, tuned
 from flash_recipe.ops.configs import Config
 from flash_recipe.tools.tune.candidates import candidates, prune
 from flash_recipe.tools.tune.problem import (
+    BACKWARD,
     DTYPES,
     ELEMENT_SIZE,
     HEAD_DIMS,
@@ -211,6 +212,54 @@ class Tuner:
         )
         return outcome
 
+    def best_path(self, head_dim: int, element_size: int, dtypes: list) -> Optional[dict]:
+        """Check, then time, the whole backward on each path with the configurations it launches
+        now; one ``tuned.path_entry``: the other path where it beats the family's
+        (``configs.BACKWARD_PATHS``) by ``min_gain``, else the family's; None when either fails."""
+        label = f"backward path d{head_dim} {'/'.join(dtypes)}"
+        default = configs.backward_path(self.target, configs.head_dim_bucket(head_dim))
+        shapes = timing_shapes("bwd_onepass", head_dim, self.seqlens, self.causal, self.tokens, self.nheads, ())
+        results = {}
+        for path in limits.BACKWARD_PATH_NAMES:
+            kernel = "bwd_onepass" if path == "one_pass" else "bwd_dkdv"
+            config = choose.launch_config(self.device, kernel, head_dim, element_size)
+            checks = [
+                Check(Problem(kernel, dtype, shape, self.device, seed=i, path=path))
+                for dtype in dtypes
+                for i, shape in enumerate(self.check.shapes(kernel, head_dim, self.causal))
+            ]
+            try:
+                problem = _first_failure(checks)
+                ms = {}
+                if problem is None:
+                    for i, shape in enumerate(shapes):
+                        for dtype in dtypes:
+                            timed = Problem(kernel, dtype, shape, self.device, seed=100 + i, path=path)
+                            trial = Trial(kernel, dtype, shape, config, path=path)
+                            ms[f"{dtype} {shape.id}"] = float(self.timer(timed.launch, trial))
+            except Exception as exc:
+                problem = _failure(exc)
+            if problem is not None:
+                self.say(f"{label}: {path} failed ({problem}); the family's path ({default}) stays")
+                return None
+            results[path] = ms
+        ratios = {path: _geomean(ms[name] / results[default][name] for name in ms) for path, ms in results.items()}
+        best = min(ratios, key=ratios.__getitem__)
+        if ratios[best] > 1.0 - self.min_gain:
+            best = default
+        self.say(
+            f"{label}: {best}{' (the family default)' if best == default else ''}, "
+            f"{1.0 / ratios[best]:.3f}x the default's speed"
+        )
+        return tuned.path_entry(
+            head_dim,
+            element_size,
+            best,
+            default=default,
+            speedup=round(1.0 / ratios[best], 4),
+            ms={path: {k: round(v, 5) for k, v in ms.items()} for path, ms in results.items()},
+        )
+
     def split_counts(self, head_dim: int, element_size: int, dtypes: list, decode_config: Config) -> list[dict]:
         """Check every split count with ``decode_config``, then time the useful ones per batch size
         and cache length; returns one ``tuned.splits_entry`` per bucket of programs and cache length
@@ -301,7 +350,8 @@ def tune(
     """Tune the launch configurations (and decoding's split-KV count) on ``device``; write the winners.
 
     Args:
-        kernels: of ``KERNELS``; ``"decode"`` also tunes ``num_splits`` (over ``splits``).
+        kernels: of ``KERNELS``; ``"decode"`` also tunes ``num_splits`` (over ``splits``), and any
+            backward kernel the backward's path (``Tuner.best_path``), after the kernels.
         head_dims: head-dim buckets (powers of two, 16 to 256).
         dtypes: of ``DTYPES``; fp16 and bf16 share their entries (element size 2).
         seqlens: sequence lengths of the fwd/bwd timing shapes, cache lengths of the decode ones.
@@ -321,7 +371,8 @@ def tune(
 
     Returns:
         ``{"key", "path" (None unless saved), "configs" (the ``tuned.config_entry`` rows written),
-        "num_splits" (the ``tuned.splits_entry`` rows), "trials" (one row per candidate: kernel,
+        "num_splits" (the ``tuned.splits_entry`` rows), "backward" (the ``tuned.path_entry`` rows),
+        "trials" (one row per candidate: kernel,
         head_dim, element_size, config, status ok/pruned/wrong/error, detail, ms per timing
         shape), "pruned" (the compile rows)}``.
 
@@ -375,7 +426,15 @@ def tune(
     groups: dict = {}  # element size -> dtypes
     for dtype in dtypes:
         groups.setdefault(ELEMENT_SIZE[dtype], []).append(dtype)
-    report: dict[str, Any] = {"key": key, "path": None, "configs": [], "num_splits": [], "trials": [], "pruned": []}
+    report: dict[str, Any] = {
+        "key": key,
+        "path": None,
+        "configs": [],
+        "num_splits": [],
+        "backward": [],
+        "trials": [],
+        "pruned": [],
+    }
     # The GPU timed is the current device (``do_bench`` records its events there): ``device``'s.
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     for kernel, head_dim, (element_size, names) in itertools.product(kernels, head_dims, groups.items()):
@@ -401,8 +460,27 @@ def tune(
             decode_config = outcome["winner"] or choose.launch_config(device, "decode", head_dim, element_size)
             with on_device:
                 report["num_splits"] += run.split_counts(head_dim, element_size, names, decode_config)
-    if save and (report["configs"] or report["num_splits"]):
-        report["path"] = str(tuned.save(key, report["configs"], report["num_splits"], directory))
+    if any(kernel in BACKWARD for kernel in kernels):
+        for head_dim, (element_size, names) in itertools.product(head_dims, groups.items()):
+            # The paths run what this run found fastest for their kernels.
+            winners = [
+                (entry["kernel"], entry)
+                for entry in report["configs"]
+                if entry["head_dim"] == head_dim
+                and entry["element_size"] == element_size
+                and entry["kernel"] in BACKWARD
+            ]
+            with on_device, contextlib.ExitStack() as stack:
+                for kernel, entry in winners:
+                    config = Config(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"])
+                    stack.enter_context(choose.overriding(kernel, head_dim, element_size, config))
+                found = run.best_path(head_dim, element_size, names)
+            if found is not None:
+                report["backward"].append(found)
+    if save and (report["configs"] or report["num_splits"] or report["backward"]):
+        report["path"] = str(
+            tuned.save(key, report["configs"], report["num_splits"], directory, paths=report["backward"])
+        )
         run.say(f"written: {report['path']}")
     return report
 
