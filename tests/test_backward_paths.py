@@ -7,11 +7,14 @@ path beside the deterministic one); here which kernels each call launches, and t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import flash_recipe
-from flash_recipe.ops import backward, choose
+from flash_recipe.ops import backward, choose, configs, limits
+from flash_recipe.tools import backward_paths
 
 # Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
 pytestmark = pytest.mark.usefixtures("bounds_checked")
@@ -179,3 +182,22 @@ def test_dq_is_transposed_where_the_query_tile_has_fewer_rows_than_the_fast_unit
     assert torch.equal(one_pass[1], three[1]) and torch.equal(one_pass[2], three[2])
     scale = three[0].abs().max().item()
     assert (one_pass[0].float() - three[0].float()).abs().max().item() <= 2e-3 * scale
+
+
+def test_each_familys_default_backward_is_the_documented_path_with_fewer_instructions():
+    """docs/performance.md's table ("The backward path per family", printed by
+    ``flash_recipe.tools.backward_paths``) covers every NVIDIA family and head-dim bucket, each
+    row's ``fewer`` is the path with fewer warp-instructions per element (MHA and GQA summed), and
+    ``configs.BACKWARD_PATHS`` runs it (tests/test_compile.py checks rows of it against a compile)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    table = backward_paths.read_markdown(text)
+    assert [(row["target"], row["head_dim"]) for row in table] == [
+        (target, bucket) for target in backward_paths.TARGETS for bucket in limits.HEAD_DIM_BUCKETS
+    ]
+    assert backward_paths.markdown(table) in text  # the table reads back as it was printed
+    for row in table:
+        sums = {path: sum(row[path]) for path in limits.BACKWARD_PATH_NAMES}
+        assert row["fewer"] == min(sums, key=sums.__getitem__), row
+        assert row["default"] == row["fewer"] == configs.backward_path(row["target"], row["head_dim"]), row
+    for target, family in (("sm89", "sm86"), ("sm121", "sm120"), ("gfx942", "amd")):
+        assert configs.BACKWARD_PATHS[configs.arch_family(target)] is configs.BACKWARD_PATHS[family]

@@ -17,7 +17,9 @@ import pytest
 from offline import compile_in_subprocess
 
 from flash_recipe.ops import choose, configs, targets
-from flash_recipe.tools import compile_check, compiled_code
+from flash_recipe.tools import backward_paths, compile_check, compiled_code
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_target_has_a_limit_and_a_family():
@@ -264,17 +266,17 @@ def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two(
     with MHA and with GQA (its own specialisation, a row of its own), none spilling. On sm90 and
     sm100 every dot is on the fast unit (wgmma, tcgen05): dQ is computed transposed, its M the head
     dim. Planted: a one-pass kernel issuing the dQ kernel's recomputation too (7) fails the check, and
-    so does dQ as the direct product of the 32-row query tile, which those units cannot take and
-    which compiles to mma.sync."""
+    so does dQ as the direct product of the 32-row query tile (``configs.MMA_MIN_ROWS`` emptied),
+    which those units cannot take and which compiles to mma.sync."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.ops import backward
+        from flash_recipe.ops import configs
         from flash_recipe.tools import compile_check
         case = compile_check.Case("bwd", "bfloat16", 128, "aligned")
         for target in ("sm80", "sm90", "sm100"):
             for row in compile_check.check_case(case, target):
                 print(json.dumps(row))
-        backward.attn_bwd_dkdv_kernel.values["DQ_TRANSPOSED"] = lambda args: False
+        configs.MMA_MIN_ROWS.clear()  # as on a family whose matrix unit takes 16 rows: dS K direct
         for target in ("sm90", "sm100"):
             for row in compile_check.check_case(case, target):
                 print(json.dumps({**row, "planted": True}))
@@ -285,7 +287,8 @@ def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two(
         if row["kernel"] != "bwd_preprocess"
     }
     expected = {"bwd_onepass": 5, "bwd_dq": 3, "bwd_dkdv": 4}
-    for target in ("sm80", "sm90", "sm100"):
+    targets_run = ("sm80", "sm90", "sm100")
+    for target in targets_run:
         for grouped in (False, True):
             chosen = {kernel: found[(target, kernel, grouped, False)] for kernel in expected}
             if target in compile_check.PRODUCT_TARGETS:
@@ -294,12 +297,16 @@ def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two(
             if target in compile_check.FAST_MMA_TARGETS:
                 assert all(compile_check.needs_fast_matrix_unit(row) for row in chosen.values())
                 assert all(row["sync_dots"] == 0 and row["loop_hmma"] == 0 for row in chosen.values()), chosen
+    if targets.triton_release()[:2] == (3, 9):  # the Triton the documented figures were compiled with
+        documented = backward_paths.read_markdown((ROOT / "docs" / "performance.md").read_text())
+        compiled = backward_paths.path_rows([row for row in rows if not row.get("planted")])
+        assert compiled == [row for row in documented if row["head_dim"] == 128 and row["target"] in targets_run]
     planted = compile_check._verdict({**found[("sm90", "bwd_onepass", False, False)], "loop_products": 7.0})
     assert not planted["ok"] and "7.0 matrix products per block pair, expected 5" in planted["problems"][0]
     for target in ("sm90", "sm100"):
         for grouped in (False, True):
             slow = found[(target, "bwd_onepass", grouped, True)]
-            assert slow["sync_dots"] == 3 and slow["loop_hmma"] > 0, slow  # dS K in each of the 3 stages
+            assert slow["sync_dots"] >= 1 and slow["loop_hmma"] > 0, slow  # dS K, in each stage's loop
             assert not slow["ok"] and any("on mma.sync" in problem for problem in slow["problems"]), slow
             assert all(found[(target, kernel, grouped, True)]["ok"] for kernel in ("bwd_dq", "bwd_dkdv"))
 

@@ -174,9 +174,10 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
         ("stride_dqab", "stride_dqam", "stride_dqah"), 0)
     cfg = choose.launch_config(q.device, "bwd_onepass" if one_pass else "bwd_dkdv", dims.head_dim, q.element_size())
     # dQ's product transposed where the query tile has fewer rows than the family's fast matrix
-    # instruction takes and the head dim has enough (Hopper's wgmma, Blackwell's tcgen05: 64).
+    # instruction takes and the head dim has enough (Hopper's wgmma, Blackwell's tcgen05: 64), up
+    # to head dim 128 (at 256, sm100's 32x32 tile spilled 256-280 B transposed, 48-56 B direct).
     least_rows = configs.MMA_MIN_ROWS.get(configs.arch_family(targets.target_of(q.device)), 1)
-    dq_transposed = one_pass and cfg.block_m < least_rows <= block_d
+    dq_transposed = one_pass and cfg.block_m < least_rows <= block_d <= 128
     dk = torch.empty(k.shape, dtype=k.dtype, device="meta")
     dv = torch.empty(v.shape, dtype=v.dtype, device="meta")
     dkdv = plan(attn_bwd_dkdv_kernel, (triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch), dict(

@@ -291,12 +291,16 @@ ONE_PASS_SINCE_TRITON = {("sm90", 128): (3, 4), ("sm100", 128): (3, 4)}
 # tune`` keeps the faster per GPU model). AMD's code objects give no instruction count; there the
 # one pass stays, as does the interpreter's (its tests cover both paths).
 _ONE_PASS = dict.fromkeys(HEAD_DIM_BUCKETS, "one_pass")
+_THREE = "three_kernels"
 BACKWARD_PATHS: dict[str, dict[int, str]] = {
-    "sm80": {**_ONE_PASS},
-    "sm86": {**_ONE_PASS},
-    "sm90": {**_ONE_PASS},
-    "sm100": {**_ONE_PASS},
-    "sm120": {**_ONE_PASS},
+    # mma.sync families at head dims of 64 and more: the one-pass tiles, which hold the dQ tile's
+    # registers too, are smaller, and issue more per element than the two kernels' 7 products
+    "sm80": {**_ONE_PASS, 64: _THREE, 128: _THREE, 256: _THREE},
+    "sm86": {**_ONE_PASS, 64: _THREE, 128: _THREE, 256: _THREE},
+    "sm90": {**_ONE_PASS, 256: _THREE},
+    # sm100's dK/dV tile at head dim 128 has 64 rows; the one-pass one, 32 (64 spilled 136-176 B)
+    "sm100": {**_ONE_PASS, 128: _THREE, 256: _THREE},
+    "sm120": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "amd": _ONE_PASS,
     "interpreter": _ONE_PASS,
 }

@@ -74,6 +74,31 @@ def markdown(table: list) -> str:
     return "\n".join(lines)
 
 
+# The comment that precedes the table in docs/performance.md.
+DOCS_MARKER = "<!-- backward-paths -->"
+
+
+def read_markdown(text: str) -> list[dict]:
+    """The rows of the table that follows ``DOCS_MARKER`` in ``text`` (a page of the docs), as
+    ``path_rows`` gives them."""
+    lines = text.split(DOCS_MARKER + "\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    table = []
+    for line in lines:
+        target, head_dim, one, three, fewer, default = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        counts = [tuple(None if c == "-" else float(c) for c in cell.split(" / ")) for cell in (one, three)]
+        table.append(
+            {
+                "target": target,
+                "head_dim": int(head_dim),
+                "one_pass": counts[0],
+                "three_kernels": counts[1],
+                "fewer": None if fewer == "-" else fewer,
+                "default": default,
+            }
+        )
+    return table
+
+
 def compile_rows(targets: list, head_dims: list, jobs: int = 1) -> list:
     """The compile check's rows of the aligned bf16 ``bwd`` call for ``targets`` and ``head_dims``."""
     chosen = compile_check.select_jobs(None, targets, ["bwd"], ["bfloat16"], head_dims, ["aligned"])

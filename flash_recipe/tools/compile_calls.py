@@ -91,7 +91,7 @@ def run_call(case: Case) -> dict[str, str]:
     import torch
 
     # imports Triton: importing compile_calls loads none
-    from flash_recipe.ops import backward_launch, forward, kvcache, options
+    from flash_recipe.ops import backward_launch, choose, forward, kvcache, options
 
     ragged = case.form == "ragged"
     nheads, nheads_k = (6, 2) if ragged else (4, 4)
@@ -125,15 +125,15 @@ def run_call(case: Case) -> dict[str, str]:
             var = _variant(dataclasses.replace(case, form="ragged"), nheads, seqlen_k - seqlen_q, scale)
             forward.attention_forward(q, k, v, var)
             return {"attn_fwd_kernel": "fwd"}
-        # The one-pass backward (the default) and the three kernels; fp32 (its own lse) runs only these.
-        # Aligned: MHA, then GQA (8 query heads on 2 kv heads), which Triton compiles apart.
+        # Both paths, whichever the family runs by default (``configs.BACKWARD_PATHS``; a tuned file
+        # may choose the other): the one pass and the three kernels; fp32 (its own lse) runs only
+        # these. Aligned: MHA, then GQA (8 query heads on 2 kv heads), which Triton compiles apart.
         for heads in ((nheads, nheads_k),) if ragged else ((nheads, nheads_k), (8, 2)):
             q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, *heads)
             out, lse = torch.randn_like(q), torch.randn(2, heads[0], seqlen_q, dtype=torch.float32)
-            for deterministic in (True,) if case.dtype == "float32" else (False, True):
-                backward_launch.attention_backward(
-                    torch.randn_like(q), q, k, v, out, lse, var, deterministic=deterministic
-                )
+            for path in ("three_kernels",) if case.dtype == "float32" else ("one_pass", "three_kernels"):
+                with choose.taking_path(path):
+                    backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
         return {
             "attn_bwd_preprocess_kernel": "bwd_preprocess",
             "attn_bwd_dkdv_kernel": "bwd_dkdv",
