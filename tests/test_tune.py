@@ -655,6 +655,7 @@ def test_show_and_clear_work_without_a_gpu(capsys):
         tuned.make_key(H100, "sm90"),
         [tuned.config_entry("fwd", 128, 2, (128, 64, 8, 3))],
         [tuned.splits_entry(128, 2, 32, 8192, 4)],
+        paths=[tuned.path_entry(64, 2, "three_kernels")],
     )
     _write("not json", gpu="Other GPU")
     assert cli.main(["tune", "--show"]) == 0
@@ -662,6 +663,7 @@ def test_show_and_clear_work_without_a_gpu(capsys):
     assert str(tuned.cache_dir()) in out and tuned.ENV_VAR in out
     assert f"{H100} (sm90)" in out and "fwd      d128 2-byte  128x64 w8 s3" in out
     assert "32 programs, cache 8192: 4" in out and "Other-GPU.tune.json: ignored, is not valid JSON" in out
+    assert "backward d64  2-byte  three_kernels" in out
     assert cli.main(["tune", "--clear"]) == 0
     assert out.count("deleted") == 0 and capsys.readouterr().out.count("deleted") == 2
     assert tuned.cache_files() == []

@@ -16,9 +16,11 @@ from run to run:
    ``dV += P^T dO`` and ``dK += dS^T Q``.
 
 That is 7 matrix products per (query block, key block) pair: ``Q K^T`` and ``dO V^T`` in both
-kernels, then ``dS K``, ``P^T dO`` and ``dS^T Q``. The one-pass path (the default) skips kernel 2:
-kernel 3 (``ATOMIC_DQ``) also computes ``dS K`` for its pair and adds it to an fp32 workspace with
-atomic adds, 5 products per pair, and the workspace becomes dQ in q's dtype. The order in which the
+kernels, then ``dS K``, ``P^T dO`` and ``dS^T Q``. The one-pass path skips kernel 2: kernel 3
+(``ATOMIC_DQ``) also computes ``dS K`` for its pair (as ``(K^T dS^T)^T`` with ``DQ_TRANSPOSED``)
+and adds it to an fp32 workspace with atomic adds, 5 products per pair, and the workspace becomes
+dQ in q's dtype. Which path a call takes is its family's default per head dim
+(``configs.BACKWARD_PATHS``) or what ``flash-recipe tune`` measured (``choose.backward_path``). The order in which the
 adds land varies, so dQ's last bits vary from run to run (``deterministic=True`` takes the
 three-kernel path, as flash-attn's own flag does); fp32 with its own lse keeps the three kernels
 (``RENORM`` below needs dQ's row sums before dK/dV).

@@ -56,7 +56,7 @@ def attention_backward(
     own_lse: bool = True,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Launch the backward: one pass (the default), or the three kernels of the deterministic path.
+    """Launch the backward: one pass, or the three kernels of the deterministic path.
 
     Args:
         dout, q, out: ``(B, Sq, H, D)`` (varlen: ``(total_q, H, D)``); k, v: ``(B, Sk, Hk, D)``

@@ -161,6 +161,8 @@ def show(directory=None, out=print) -> int:
             out(f"  {kernel:<8} d{head_dim:<3} {size}-byte  {describe(config)}")
         for (head_dim, size, programs, cache_len), splits in sorted(found.splits.items()):
             out(f"  num_splits d{head_dim:<3} {size}-byte  {programs} programs, cache {cache_len}: {splits}")
+        for (head_dim, size), path_name in sorted(found.paths.items()):
+            out(f"  backward d{head_dim:<3} {size}-byte  {path_name}")
     return 0
 
 
@@ -234,7 +236,7 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=list)
-    kept = len(report["configs"]) + len(report["num_splits"])
+    kept = len(report["configs"]) + len(report["num_splits"]) + len(report["backward"])
     print(
         f"{kept} entries {'written to ' + report['path'] if report['path'] else 'measured (not saved)'} in "
         f"{time.perf_counter() - begin:.0f} s"
