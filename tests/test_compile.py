@@ -419,8 +419,9 @@ def test_a_decode_step_over_a_dense_cache_compiles():
 
 
 def test_the_presets_select_what_ci_and_compat_compile():
-    """``--preset ci``: 5 calls x 3 head dims, every target aligned in bf16 and fp32; on one target
-    per family the small head dims (16, 32) aligned and the large ones ragged, in bf16: every head-dim
+    """``--preset ci``: 5 calls x 3 head dims, every target aligned in bf16, one target per family
+    in fp32; on one target per family the small head dims (16, 32) aligned and the large ones
+    ragged, in bf16: every head-dim
     bucket is compiled. ``--preset compat``: 4 calls at head dim 128 in bf16, both forms, sm80 and
     sm90. Packed sequences and paged caches (``varlen``, ``paged``): every head dim aligned in bf16
     on sm80 and sm90. Attention sinks (``sinks``): head dim 128 on every target, 64 on one per family,
@@ -441,7 +442,10 @@ def test_the_presets_select_what_ci_and_compat_compile():
     aligned = [(c, t) for c, t in ci if c.form == "aligned" and c.head_dim not in (16, 32)]
     ragged = [(c, t) for c, t in ci if c.form == "ragged"]
     families = {"sm80", "sm86", "sm90", "sm100", "sm120", "gfx942"}
-    assert len(aligned) == 5 * 3 * 2 * len(compile_check.TARGETS) and len(ragged) == 5 * 3 * 6
+    assert len(aligned) == 5 * 3 * (len(compile_check.TARGETS) + len(compile_check.FAMILY_TARGETS))
+    assert {t for c, t in aligned if c.dtype == "bfloat16"} == set(compile_check.TARGETS)
+    assert {t for c, t in aligned if c.dtype == "float32"} == set(compile_check.FAMILY_TARGETS)
+    assert len(ragged) == 5 * 3 * 6
     assert len(small) == 5 * 2 * 6 and {(c.form, c.dtype) for c, _ in small} == {("aligned", "bfloat16")}
     assert {c.call for c, _ in ci} == {"fwd", "options", "bwd", "decode", "decode_paged"}
     assert {c.head_dim for c, _ in ci} == set(compile_check.HEAD_DIM_BUCKETS)
