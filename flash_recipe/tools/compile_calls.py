@@ -126,12 +126,14 @@ def run_call(case: Case) -> dict[str, str]:
             forward.attention_forward(q, k, v, var)
             return {"attn_fwd_kernel": "fwd"}
         # Both paths, whichever the family runs by default (``configs.BACKWARD_PATHS``; a tuned file
-        # may choose the other): the one pass and the three kernels; fp32 (its own lse) runs only
-        # these. Aligned: MHA, then GQA (8 query heads on 2 kv heads), which Triton compiles apart.
+        # may choose the other): the one pass, where the installed Triton compiles its tile cleanly
+        # (``choose.one_pass_fits``), and the three kernels; fp32 (its own lse) runs only these.
+        # Aligned: MHA, then GQA (8 query heads on 2 kv heads), which Triton compiles apart.
+        one_pass = case.dtype != "float32" and choose.one_pass_fits(torch.device("cpu"), case.head_dim)
         for heads in ((nheads, nheads_k),) if ragged else ((nheads, nheads_k), (8, 2)):
             q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, *heads)
             out, lse = torch.randn_like(q), torch.randn(2, heads[0], seqlen_q, dtype=torch.float32)
-            for path in ("three_kernels",) if case.dtype == "float32" else ("one_pass", "three_kernels"):
+            for path in ("one_pass", "three_kernels") if one_pass else ("three_kernels",):
                 with choose.taking_path(path):
                     backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
         return {
