@@ -296,10 +296,10 @@ BACKWARD_PATHS: dict[str, dict[int, str]] = {
     # mma.sync families at head dims of 64 and more: the one-pass tiles, which hold the dQ tile's
     # registers too, are smaller, and issue more per element than the two kernels' 7 products
     "sm80": {**_ONE_PASS, 64: _THREE, 128: _THREE, 256: _THREE},
-    "sm86": {**_ONE_PASS, 64: _THREE, 128: _THREE, 256: _THREE},
+    # but where the three kernels spill with packed sequences (``backward_paths.SPILLING``)
+    "sm86": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "sm90": {**_ONE_PASS, 256: _THREE},
-    # sm100's dK/dV tile at head dim 128 has 64 rows; the one-pass one, 32 (64 spilled 136-176 B)
-    "sm100": {**_ONE_PASS, 128: _THREE, 256: _THREE},
+    "sm100": {**_ONE_PASS, 256: _THREE},
     "sm120": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "amd": _ONE_PASS,
     "interpreter": _ONE_PASS,
