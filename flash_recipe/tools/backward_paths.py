@@ -19,7 +19,6 @@ objects, and their default stays one pass.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import sys
 from pathlib import Path
@@ -109,12 +108,7 @@ def read_markdown(text: str) -> list[dict]:
 def compile_rows(targets: list, head_dims: list, jobs: int = 1) -> list:
     """The compile check's rows of the aligned bf16 ``bwd`` call for ``targets`` and ``head_dims``."""
     chosen = compile_check.select_jobs(None, targets, ["bwd"], ["bfloat16"], head_dims, ["aligned"])
-    if jobs > 1:
-        with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
-            results = list(pool.map(compile_check.check_job, chosen))
-    else:
-        results = [compile_check.check_job(job) for job in chosen]
-    return [row for result in results for row in result]
+    return list(compile_check.run_jobs(chosen, jobs))
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -393,6 +393,18 @@ def select_jobs(preset=None, targets=None, calls=None, dtypes=None, head_dims=No
     return jobs
 
 
+def run_jobs(jobs: list, processes: int = 1) -> Iterator[dict]:
+    """The report rows of ``jobs`` (``select_jobs``), in their order, compiled in ``processes``
+    processes (1: in this one)."""
+    pool = concurrent.futures.ProcessPoolExecutor(processes) if processes > 1 else None
+    try:
+        for result in pool.map(check_job, jobs) if pool else map(check_job, jobs):
+            yield from result
+    finally:
+        if pool:
+            pool.shutdown()
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flash_recipe.tools.compile_check", description=__doc__.split("\n\n")[0]
@@ -421,16 +433,9 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     jobs = select_jobs(args.preset, args.target, args.call, args.dtype, args.head_dim, args.form)
     rows, started = [], time.perf_counter()
-    pool = concurrent.futures.ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
-    results = pool.map(check_job, jobs) if pool else map(check_job, jobs)
-    try:
-        for result in results:
-            for row in result:
-                rows.append(row)
-                print(json.dumps(row) if args.json else _line(row), flush=True)
-    finally:
-        if pool:
-            pool.shutdown()
+    for row in run_jobs(jobs, args.jobs):
+        rows.append(row)
+        print(json.dumps(row) if args.json else _line(row), flush=True)
     failures = sum(not row["ok"] for row in rows)
     minutes = (time.perf_counter() - started) / 60
     print(

@@ -37,7 +37,7 @@ def nvidia_usage(kernel) -> dict:
         "sync_dots": units.get("mma.sync", 0),
         "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
         "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
-        "loop_instructions": main_loop(sass.stdout),
+        "loop_instructions": len(body) if body is not None else None,  # ``main_loop``, parsed once
         "loop_matrix_macs": loop_matrix_macs(sass.stdout, kernel.metadata.num_warps),
         "loop_hmma": sum(1 for text in body if _HMMA_ANY.search(text)) if body is not None else None,
     }
