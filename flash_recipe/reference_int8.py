@@ -194,7 +194,7 @@ def attention_from_quantized(
     heads, heads_k = x.q8.shape[-2], x.k8.shape[-2]
     group = heads // heads_k
     wide = torch.float64 if compute == torch.float64 else torch.float32
-    out = torch.zeros(x.q8.shape, dtype=torch.float32, device=x.q8.device)
+    out = torch.zeros(x.q8.shape[:-1] + (x.v.shape[-1],), dtype=torch.float32, device=x.q8.device)
     batch = cu_seqlens_q.numel() - 1 if packed else x.q8.shape[0]
     q_segs = _segments(batch, cu_seqlens_q, 0 if packed else x.q8.shape[1])
     k_segs = _segments(batch, cu_seqlens_k, 0 if packed else x.k8.shape[1])

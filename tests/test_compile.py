@@ -432,7 +432,11 @@ def test_the_presets_select_what_ci_and_compat_compile():
         (64, t) for t in compile_check.FAMILY_TARGETS
     }
     assert {(c.form, c.dtype) for c, _ in sinks} == {("aligned", "bfloat16")}
-    ci = [(c, t) for c, t in ci if c.call != "sinks"]
+    int8 = [(c, t) for c, t in ci if c.call == "int8"]
+    assert {(c.head_dim, c.form, t) for c, t in int8} == {
+        (d, "aligned", t) for d in (64, 128, 256) for t in compile_check.TARGETS
+    } | {(d, "ragged", t) for d in (64, 128) for t in compile_check.FAMILY_TARGETS}
+    ci = [(c, t) for c, t in ci if c.call not in ("sinks", "int8")]
     packed = [(c, t) for c, t in ci if c.call in ("varlen", "paged")]
     assert len(packed) == 2 * 5 * len(compile_check.FAMILY_TARGETS)
     assert {t for _, t in packed} == set(compile_check.FAMILY_TARGETS)
@@ -508,3 +512,64 @@ def test_constexpr_arguments_are_read_in_both_of_tritons_forms():
     by_name = SimpleNamespace(src=SimpleNamespace(fn=fn, constants={"BLOCK_N": 64, "PACK_GQA": True}))
     by_index = SimpleNamespace(src=SimpleNamespace(fn=fn, constants={(1,): 64, (2,): True}))
     assert compile_check._constants(by_name) == compile_check._constants(by_index) == {"BLOCK_N": 64, "PACK_GQA": True}
+
+
+def _int8_row(**changes) -> dict:
+    row = dict(
+        case="int8-bfloat16-d128-aligned",
+        kernel="int8",
+        target="sm90",
+        dtype="bfloat16",
+        head_dim=128,
+        form="ragged",
+        stores=True,
+        shared_bytes=1,
+        shared_limit=2,
+        spill_bytes=0,
+        fma_dots=0,
+        sync_dots=0,
+        matrix_unit="wgmma",
+        loop_integer_mma=4,
+        loop_fp8_mma=0,
+        loop_hmma=0,
+        loop_per_row=5.0,
+        per_key_per_kv_head=None,
+        call="int8",
+    )
+    return compile_check._verdict({**row, **changes})
+
+
+@pytest.mark.parametrize(
+    "changes,words",
+    [
+        (dict(loop_integer_mma=0), "integer tensor cores"),
+        (dict(kernel="int8_fp8"), "FP8 tensor cores"),
+        (dict(spill_bytes=8), "spills 8 B"),
+        (dict(sync_dots=1, loop_hmma=2), "mma.sync"),
+    ],
+    ids=["no-imma", "fp8-without-qmma", "ragged-spill", "mma-sync-on-sm90"],
+)
+def test_int8_rules_fail_what_they_forbid(changes, words):
+    """8-bit attention's rows fail without integer (or, for FP8 P.V, FP8) matrix instructions in the
+    loop, with any spill in either form, or with a dot on mma.sync on sm90/sm100."""
+    assert _int8_row()["ok"]
+    row = _int8_row(**changes)
+    assert not row["ok"] and any(words in p for p in row["problems"]), row["problems"]
+
+
+@pytest.mark.slow
+def test_int8_kernels_compile_on_integer_and_fp8_tensor_cores():
+    """sm90 at head dim 128: the quantizer, then the kernel with fp16 P.V (IGMMA, then HGMMA) and
+    FP8 P.V (IGMMA, then QGMMA), 0 spills, 2 products per block pair."""
+    rows = compile_in_subprocess("""
+        import json
+        from flash_recipe.tools import compile_check
+        for row in compile_check.check_case(compile_check.Case("int8", "bfloat16", 128, "aligned"), "sm90"):
+            print(json.dumps(row))
+    """)
+    kernels = {row["kernel"]: row for row in rows}
+    assert set(kernels) == {"quantize", "int8", "int8_fp8"}, [row["problems"] for row in rows]
+    assert all(row["ok"] for row in rows), [row["problems"] for row in rows]
+    assert kernels["int8"]["loop_integer_mma"] and not kernels["int8"]["loop_fp8_mma"]
+    assert kernels["int8_fp8"]["loop_integer_mma"] and kernels["int8_fp8"]["loop_fp8_mma"]
+    assert kernels["int8"]["loop_products"] == kernels["int8_fp8"]["loop_products"] == 2

@@ -61,7 +61,7 @@ def test_quantize_kernel_equals_the_definition(case, dtype, device):
     mean = reference_int8.key_means(x, cu) if smooth else None
     got = quantize.quantize_blocks(x, block, 0.3, mean, cu, seqlen)
     want = reference_int8.quantize_blocks(x, block, 0.3, mean, cu, seqlen)
-    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[0][..., :dim], want[0]) and not got[0][..., dim:].any()  # padded with zeros
     if lengths is None:
         assert torch.equal(got[1], want[1])
     else:  # blocks past a sequence's end are never read
@@ -264,3 +264,37 @@ def test_training_float32_and_fp8_on_the_cpu_are_refused():
             getattr(sage, name)(q, q, q)
     with pytest.raises(ValueError, match="cu_seqlens_k must have as many entries"):
         flash_recipe.sageattn_varlen(q[0], q[0], q[0], _cu([2], "cpu"), _cu([1, 1], "cpu"), 2, 1)
+
+
+def _fp8_gpu_problem():
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return "no NVIDIA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    return int8_attention.fp8_problem(f"sm{major}{minor}")
+
+
+FP8_GPU = _fp8_gpu_problem()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(FP8_GPU), reason="needs an NVIDIA GPU with FP8 tensor cores (sm89 or newer)")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_fp8_pv_by_both_checks_on_a_gpu(case, dtype):
+    """FP8 P.V (which the interpreter cannot run): check (a), PyTorch's version rounding P * 448 and
+    V / v_scale to float8 as the kernel does, and check (b) through the public API."""
+    q, k, v, causal, varlen = _inputs(case, dtype, torch.device("cuda"))
+    scale = q.shape[-1] ** -0.5
+    plan = int8_attention.plan_int8(q.device, q.shape[-1], fp8=True)
+    x = int8_attention.quantize_inputs(q, k, v, scale, True, plan, *varlen)
+    out, _ = int8_attention.attention_quantized(x, plan, causal, q.dtype, *varlen)
+    cu = varlen[:2] if varlen else (None, None)
+    blocks = (plan.config.block_m, plan.config.block_n)
+    truth, _ = reference_int8.attention_from_quantized(x, *blocks, causal, True, torch.float64, *cu)
+    same, _ = reference_int8.attention_from_quantized(x, *blocks, causal, True, torch.float16, *cu)
+    assert_accurate("out", out, truth, same.to(dtype), FORWARD_FACTOR)
+    if not varlen:
+        got = flash_recipe.sageattn(q, k, v, "NHD", causal, pv_dtype="fp8")
+        truth = unquantized(q, k, v, causal, scale)
+        seen = truth.isfinite().all(-1)
+        assert_method_accurate(_case_id(case), got[seen].cpu(), truth[seen].cpu())

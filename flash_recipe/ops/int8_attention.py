@@ -51,7 +51,7 @@ def _int8_inner(
     """Key blocks ``[start, end)``: ``MASKED`` applies the sequence end and the causal diagonal."""
     for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BN, BD] int8
+        b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, False)  # [BN, BD] int8
         k_scale = tl.load(ks_base + start_n // BLOCK_N)
         b_s = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32)  # [BLOCK_M, BLOCK_N], exact
         b_s = b_s.to(tl.float32) * (q_scale * k_scale)  # base-2 logits
@@ -66,7 +66,7 @@ def _int8_inner(
         b_p = tl.math.exp2(b_s - b_m_use[:, None])  # [BLOCK_M, BLOCK_N], in [0, 1]
         b_alpha = tl.math.exp2(b_m - b_m_use)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BN, BD]
+        b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, False)  # [BN, BD]
         if PV_FP8:
             b_p = (b_p * 448.0).to(tl.float8e4nv)  # P's full e4m3 range; the output divides it out
         else:
@@ -98,11 +98,13 @@ def attn_int8_kernel(
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``; causal launches take the last (heaviest) query
     blocks first.
 
-    ``Q``/``K`` int8 and ``V`` (fp16 or float8_e4m3fn) dense or, with ``IS_VARLEN``, packed with
+    ``Q``/``K`` int8 and ``V`` (fp16 or float8_e4m3fn) with ``BLOCK_D`` columns (the head dim
+    padded with zeros: the loop loads whole rows), dense or, with ``IS_VARLEN``, packed with
     sequence ``b`` in rows ``CU_Q[b]:CU_Q[b+1]`` and ``CU_K[b]:CU_K[b+1]`` (batch strides 0).
     ``Q_SCALE[b, h, i]`` scales query block ``i`` (``BLOCK_M`` rows) into base-2 logits and
     ``K_SCALE[b, hk, j]`` key block ``j`` (``BLOCK_N`` rows); ``V_SCALE[b, hk, d]`` (with
-    ``V_SCALED``) multiplies output channel ``d``. ``O`` is q's layout in the input dtype;
+    ``V_SCALED``) multiplies output channel ``d``. ``O`` is q's layout in the input dtype, its
+    ``head_dim`` columns stored (``MASK_D`` where that is fewer than ``BLOCK_D``);
     ``LSE[b * stride_lb + h * stride_lh + first row + i]`` the natural log-sum-exp of the smoothed
     scores (the launcher adds the smoothing back).
     """
@@ -129,7 +131,7 @@ def attn_int8_kernel(
     k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
     v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
     ks_base = K_SCALE + i_b * stride_ksb + i_hk.to(tl.int64) * stride_ksh
-    b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BM, BD] int8
+    b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, False)  # [BM, BD] int8
     q_scale = tl.load(Q_SCALE + i_b * stride_qsb + i_h.to(tl.int64) * stride_qsh + i_m)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -168,17 +170,20 @@ def attn_int8_kernel(
 # blocks are also the quantization blocks of Q and K. Every entry is compiled for its targets by
 # the compile check (``--call int8``), with 0 spills.
 _INT8_TILES: dict[str, dict[int, configs.Config]] = {
-    "sm80": {64: configs.Config(128, 64, 4, 3), 128: configs.Config(128, 64, 8, 3),
-             256: configs.Config(64, 64, 4, 2)},
+    "sm80": {32: configs.Config(128, 64, 4, 2),  # 3 stages spill 8 B
+             64: configs.Config(128, 64, 4, 3), 128: configs.Config(128, 64, 8, 3),
+             256: configs.Config(64, 32, 8, 2)},  # 64x64 spills 56 B; 4 warps 8-16 B (ragged)
     "sm86": {64: configs.Config(128, 64, 4, 2), 128: configs.Config(128, 64, 8, 2),
              256: configs.Config(64, 32, 4, 1)},
     "sm90": {64: configs.Config(128, 128, 8, 3), 128: configs.Config(128, 128, 8, 2),
-             256: configs.Config(64, 64, 4, 2)},
-    "sm100": {64: configs.Config(128, 128, 8, 3), 128: configs.Config(128, 128, 8, 2),
-              256: configs.Config(64, 64, 4, 2)},
-    "sm120": {64: configs.Config(128, 64, 4, 2), 128: configs.Config(128, 64, 8, 2),
-              256: configs.Config(64, 32, 4, 1)},
-    "amd": {64: configs.Config(64, 64, 4, 1), 128: configs.Config(64, 64, 4, 1), 256: configs.Config(64, 32, 4, 1)},
+             256: configs.Config(64, 64, 8, 2)},  # 4 warps spill 24-32 B (ragged)
+    "sm100": {64: configs.Config(128, 128, 8, 3),
+              128: configs.Config(128, 128, 8, 1),  # 2 stages spill 56 B (ragged)
+              256: configs.Config(64, 32, 4, 2)},  # 64x64 spills 40 B
+    "sm120": {32: configs.Config(64, 64, 4, 2),  # 128x64 spills 8-32 B with FP8 P.V
+              64: configs.Config(128, 64, 4, 2), 128: configs.Config(128, 64, 8, 2),
+              256: configs.Config(32, 32, 4, 1)},  # 64x32 spills 8-24 B
+    "amd": {64: configs.Config(64, 64, 4, 1), 128: configs.Config(64, 64, 4, 1), 256: configs.Config(32, 32, 4, 1)},
     "interpreter": {256: configs.Config(32, 32, 1, 1)},
 }
 
@@ -236,10 +241,11 @@ def attention_quantized(
     smoothing correction (``reference_int8.attention_from_quantized`` is its definition)."""
     q8, k8 = x.q8, x.k8
     packed = cu_seqlens_q is not None
-    # Triton's interpreter (CPU tensors) rounds fp32 to bfloat16 wrongly (a rounding carry out of the
-    # mantissa is lost: 1.999 becomes 1.0), so there the kernel stores fp32 and torch rounds.
-    interpreted_bf16 = q8.device.type == "cpu" and out_dtype == torch.bfloat16
-    out = tiles.output_buffer(q8.shape, torch.float32 if interpreted_bf16 else out_dtype, q8.device)
+    # Triton's interpreter rounds fp32 to bfloat16 wrongly (a rounding carry out of the mantissa is
+    # lost: 1.999 becomes 1.0), so there the kernel stores fp32 and torch rounds.
+    interpreted_bf16 = targets.target_of(q8.device) == "interpreter" and out_dtype == torch.bfloat16
+    out_shape = q8.shape[:-1] + (x.v.shape[-1],)
+    out = tiles.output_buffer(out_shape, torch.float32 if interpreted_bf16 else out_dtype, q8.device)
     if packed:
         batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, int(max_seqlen_q), int(max_seqlen_k)
         lse = tiles.output_buffer((q8.shape[1], q8.shape[0]), torch.float32, q8.device)
@@ -257,19 +263,24 @@ def attention_quantized(
 
     cfg = plan.config
     heads, heads_k = q8.shape[-2], k8.shape[-2]
+    head_dim, block_d = x.v.shape[-1], q8.shape[-1]  # q8 and k8 come padded (ops.quantize)
     grid = (triton.cdiv(seqlen_q, cfg.block_m), heads, batch)
     vs = x.v_scale
+    v = x.v
+    if head_dim != block_d:  # V padded with zero columns like q8 and k8 (a copy, for odd head dims only)
+        v = torch.zeros(x.v.shape[:-1] + (block_d,), dtype=x.v.dtype, device=x.v.device)
+        v[..., :head_dim] = x.v
     attn_int8_kernel[grid](
-        Q=q8, K=k8, V=x.v, O=out, LSE=lse, Q_SCALE=x.q_scale, K_SCALE=x.k_scale, V_SCALE=vs,
+        Q=q8, K=k8, V=v, O=out, LSE=lse, Q_SCALE=x.q_scale, K_SCALE=x.k_scale, V_SCALE=vs,
         CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k,
-        **strides(q8, "q", "m"), **strides(k8, "k", "n"), **strides(x.v, "v", "n"), **strides(out, "o", "m"),
+        **strides(q8, "q", "m"), **strides(k8, "k", "n"), **strides(v, "v", "n"), **strides(out, "o", "m"),
         stride_lb=stride_lb, stride_lh=stride_lh,
         stride_qsb=x.q_scale.stride(0), stride_qsh=x.q_scale.stride(1),
         stride_ksb=x.k_scale.stride(0), stride_ksh=x.k_scale.stride(1),
         stride_vsb=vs.stride(0) if vs is not None else 0, stride_vsh=vs.stride(1) if vs is not None else 0,
         group_size=heads // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        total_q=q8.shape[0] if packed else 0, total_k=k8.shape[0] if packed else 0, head_dim=q8.shape[-1],
-        IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d_of(q8.shape[-1]),
+        total_q=q8.shape[0] if packed else 0, total_k=k8.shape[0] if packed else 0, head_dim=head_dim,
+        IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out.to(out_dtype), lse

@@ -3,7 +3,10 @@
 
 Shapes (legend: B batch, S length, H heads, D head dim, nb = cdiv(S, BLOCK) blocks)::
 
-    x (B, S, H, D) or packed (total, H, D)   ->   x8 like x (int8), scales (B, H, nb) float32
+    x (B, S, H, D) or packed (total, H, D)   ->   x8 (..., BD) int8, scales (B, H, nb) float32
+
+``x8``'s last dim is ``BD``, the head dim padded to the kernels' tile (``block_d_of``), its padding
+stored as 0: the attention kernel then loads whole rows, with no column mask in its loop.
 
 Each program owns ``BLOCK`` rows of one head of one sequence: it subtracts ``MEAN[b, h]``
 (smoothing, K only), multiplies by ``multiplier`` (Q: ``softmax_scale * log2(e)``), takes the
@@ -68,10 +71,10 @@ def quantize_kernel(
     b_y = b_y + tl.where(b_y >= 0.0, 0.5, -0.5)
     b_q = b_y.to(tl.int8)  # truncation toward zero: with the half added, round half away from zero
     p_y = X8 + i_b * stride_yb + i_h * stride_yh + (bos + o_r.to(tl.int64))[:, None] * stride_ys + o_d[None, :]
-    if EVEN and not MASK_D:
+    if EVEN:  # the padded columns get their zeros too
         tl.store(p_y, b_q)
     else:
-        tl.store(p_y, b_q, mask=m_x)
+        tl.store(p_y, b_q, mask=(o_r < seqlen)[:, None])
     tl.store(SCALE + i_b * stride_cb + i_h * stride_ch + i_blk, scale)
 
 
@@ -113,10 +116,11 @@ def quantize_blocks(
     x: torch.Tensor, block: int, multiplier: float = 1.0, mean: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference_int8.quantize_blocks`` on the kernel: ``(x8 like x, scales (B, H, nb))``."""
+    """``reference_int8.quantize_blocks`` on the kernel: ``(x8 (..., BD), scales (B, H, nb))``, x8's
+    columns past the head dim 0."""
     length = int(max_seqlen) if cu_seqlens is not None else x.shape[1]
     batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else x.shape[0]
-    x8 = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    x8 = torch.zeros(x.shape[:-1] + (block_d_of(x.shape[-1]),), dtype=torch.int8, device=x.device)
     scales = torch.ones((batch, x.shape[-2], max(triton.cdiv(length, block), 1)), dtype=torch.float32,
                         device=x.device)
     if x.numel() == 0 or length == 0:

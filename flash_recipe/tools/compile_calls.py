@@ -141,6 +141,15 @@ def run_call(case: Case) -> dict[str, str]:
             "attn_bwd_dkdv_kernel": "bwd_dkdv",
             "attn_bwd_dq_kernel": "bwd_dq",
         }
+    if case.call == "int8":  # 8-bit attention: the quantizer and the kernel, fp16 P.V and, where the target has it, FP8
+        from flash_recipe.ops import int8_attention, targets
+
+        seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
+        q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
+        fp8 = (False,) if int8_attention.fp8_problem(targets.target_of(q.device)) else (False, True)
+        for use_fp8 in fp8:
+            int8_attention.int8_attention(q, k, v, scale, causal=True, fp8=use_fp8)
+        return {"quantize_kernel": "quantize", "attn_int8_kernel": "int8"}
     if case.call == "varlen":
         lengths = [113, 0, 257] if ragged else [512, 1024, 256]
         cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)

@@ -65,8 +65,10 @@ HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # (rotary/append, the forward with decode tiles and the group packed into one query tile, split-KV
 # merge); "decode_paged" the same over a paged cache; "paged" the forward over a paged cache with
 # more query rows than a decode step; "sinks" the forward and backward
-# with attention sinks (aligned: the "bwd" call's causal tensors; ragged: every score option).
-CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks")
+# with attention sinks (aligned: the "bwd" call's causal tensors; ragged: every score option);
+# "int8" 8-bit attention (the quantizer, then the kernel with fp16 P.V and, on targets with FP8
+# tensor cores, FP8 P.V: ``ops.int8_attention``), causal.
+CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
@@ -102,11 +104,14 @@ PRESETS = {
         # dim <= 128: the sinks only set each row's starting max and sum).
         (("sinks",), ("bfloat16",), (128,), ("aligned",), TARGETS),
         (("sinks",), ("bfloat16",), (64,), ("aligned",), FAMILY_TARGETS),
+        # 8-bit attention on every target (its rules: ``int8_problems``), ragged on one per family.
+        (("int8",), ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), TARGETS),
+        (("int8",), ("bfloat16",), (64, 128), ("ragged",), FAMILY_TARGETS),
     ],
     "compat": [(("fwd", "bwd", "decode", "decode_paged"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90"))],
 }
 # Kernels launched with a fixed configuration and no dots (no matrix units to check).
-ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine")
+ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine", "quantize")
 # The forward's compile-time flags that make a launch take the ``"fwd_general"`` configuration
 # (``forward.attention_forward``: key ranges, score options, masked head-dim columns).
 SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
@@ -122,13 +127,15 @@ LOOP_STEP = {
     "bwd_dq": "BLOCK_N",
     "bwd_dkdv": "BLOCK_M",
     "bwd_onepass": "BLOCK_M",
+    "int8": "BLOCK_N",
+    "int8_fp8": "BLOCK_N",
 }
 # Matrix products per (query block, key block) pair in a kernel's main loop (the multiply-adds of
 # its matrix instructions, ``compiled_code.loop_matrix_macs``, over BLOCK_M * BLOCK_N * D), for the
 # aligned fp16/bf16 kernels at head dim 128 on PRODUCT_TARGETS: the forward's S = QK^T and PV; the
 # deterministic backward's dQ kernel (S, dP = dO V^T, dS K) and dK/dV kernel (S, dP, P^T dO, dS^T Q),
 # 7 per pair; the one-pass backward's dK/dV kernel with dQ added (5).
-PRODUCTS = {"fwd": 2, "bwd_dq": 3, "bwd_dkdv": 4, "bwd_onepass": 5}
+PRODUCTS = {"fwd": 2, "bwd_dq": 3, "bwd_dkdv": 4, "bwd_onepass": 5, "int8": 2, "int8_fp8": 2}
 PRODUCT_TARGETS = ("sm80", "sm90")
 # Targets whose fast matrix instruction works on tiles of 64 rows or more (sm90's wgmma, sm100's
 # tcgen05) and still run Ampere's mma.sync, at a fraction of the rate, for a dot it cannot take:
@@ -176,6 +183,8 @@ def check_case(case: Case, target: str) -> list[dict]:
         grouped = name in GROUPED_KERNELS and _constants(kernel).get("group_size") != 1
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
+        if label == "int8" and _constants(kernel).get("PV_FP8"):
+            label = "int8_fp8"  # P.V in FP8 (ops.int8_attention)
         if label == "bwd_dkdv" and _constants(kernel).get("ATOMIC_DQ"):
             label = "bwd_onepass"  # the dK/dV kernel adding dQ too (backward_launch.attention_backward)
         usage = compiled_code.amd_usage(kernel) if target.startswith("gfx") else compiled_code.nvidia_usage(kernel)
@@ -283,6 +292,26 @@ def needs_fast_matrix_unit(row: dict) -> bool:
     )
 
 
+# 8-bit attention's kernels: Q.K^T on the integer tensor cores (IMMA, sm90's IGMMA, sm100's
+# UTCIMMA, AMD's v_mfma_i32_*_i8) and, with FP8 P.V, P.V on the FP8 ones (QMMA, QGMMA, UTCQMMA),
+# with no spill in any form at any head dim, and on sm90/sm100 nothing on mma.sync.
+INT8_KERNELS = ("int8", "int8_fp8")
+
+
+def int8_problems(row: dict) -> list:
+    """What ``row``, a kernel of 8-bit attention, breaks of the rules above (empty: none)."""
+    problems = []
+    if not row.get("loop_integer_mma"):
+        problems.append("Q.K^T is not on the integer tensor cores (no IMMA/IGMMA/UTCIMMA/v_mfma_i32 in the loop)")
+    if row["kernel"] == "int8_fp8" and not row.get("loop_fp8_mma"):
+        problems.append("P.V is not on the FP8 tensor cores (no QMMA/QGMMA/UTCQMMA in the loop)")
+    if row["spill_bytes"] > SPILL_BUDGET:
+        problems.append(f"spills {row['spill_bytes']} B per thread (8-bit attention's budget: {SPILL_BUDGET} B)")
+    if row["target"] in FAST_MMA_TARGETS and (row.get("sync_dots") or row.get("loop_hmma")):
+        problems.append(f"{row.get('sync_dots')} dots on mma.sync, not on {row['target']}'s fast matrix unit")
+    return problems
+
+
 def decode_bound(row: dict) -> Optional[int]:
     """The instruction bound (``DECODE_BOUND``) that applies to ``row``, or None."""
     if (
@@ -335,6 +364,8 @@ def _verdict(row: dict) -> dict:
             f"{row.get('sync_dots')} dots on mma.sync ({row.get('loop_hmma')} HMMA in the main loop), not on "
             f"{row['target']}'s fast matrix unit"
         )
+    if row["kernel"] in INT8_KERNELS:
+        problems += int8_problems(row)
     bound = decode_bound(row)
     if bound is not None and not (row["per_key_per_kv_head"] or float("inf")) <= bound:
         problems.append(

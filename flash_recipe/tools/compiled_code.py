@@ -40,10 +40,17 @@ def nvidia_usage(kernel) -> dict:
         "loop_instructions": len(body) if body is not None else None,  # ``main_loop``, parsed once
         "loop_matrix_macs": loop_matrix_macs(sass.stdout, kernel.metadata.num_warps),
         "loop_hmma": sum(1 for text in body if _HMMA_ANY.search(text)) if body is not None else None,
+        "loop_integer_mma": sum(1 for text in body if INTEGER_SASS.search(text)) if body is not None else None,
+        "loop_fp8_mma": sum(1 for text in body if FP8_SASS.search(text)) if body is not None else None,
     }
 
 
-_MATRIX_SASS = re.compile(r"\b(HGMMA|HMMA|UTC\w*MMA)\b")
+# The matrix instructions: fp16/bf16 (``HMMA``, ``HGMMA``, ``UTCHMMA``), int8 (``IMMA``, ``IGMMA``,
+# ``UTCIMMA``) and FP8 (``QMMA``, ``QGMMA``, ``UTCQMMA``), per warp, per warpgroup (sm90) and
+# through the tensor memory (sm100).
+_MATRIX_SASS = re.compile(r"\b(UTC\w*MMA|[HIQ]GMMA|[HIQ]MMA)\b")
+INTEGER_SASS = re.compile(r"\b(IMMA|IGMMA|UTCIMMA)\b")
+FP8_SASS = re.compile(r"\b(QMMA|QGMMA|UTCQMMA)\b")
 # A branch and its target address: ``@!P0 BRA 0x1370``, ``BRA.U !UP0, 0x17a0``, ``BRA `(.L_x_3) 0x90``.
 _BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+\s*,\s*)?(?:`?\(?\.L_x_\d+\)?\s*)?0x([0-9a-f]+)")
 
@@ -55,10 +62,11 @@ def main_loop(sass: str) -> Optional[int]:
     return len(body) if body is not None else None
 
 
-# Matrix instructions and their shapes: ``HMMA.16816.F32.BF16`` (one warp: m16 n8 k16),
-# ``HGMMA.64x128x16.F32.BF16`` (one warpgroup of 4 warps: m64 n128 k16).
-_HMMA = re.compile(r"\bHMMA\.(16)(8)(8|16)\b")
-_HGMMA = re.compile(r"\bHGMMA\.(\d+)x(\d+)x(\d+)\b")
+# Matrix instructions and their shapes: ``HMMA.16816.F32.BF16`` (one warp: m16 n8 k16; int8's
+# ``IMMA.16832`` and FP8's ``QMMA.16832``: k32), ``HGMMA.64x128x16.F32.BF16`` (one warpgroup of 4
+# warps: m64 n128 k16; ``IGMMA``/``QGMMA`` alike).
+_HMMA = re.compile(r"\b[HIQ]MMA\.(16)(8)(8|16|32)\b")
+_HGMMA = re.compile(r"\b[HIQ]GMMA\.(\d+)x(\d+)x(\d+)\b")
 
 
 def loop_matrix_macs(sass: str, num_warps: int) -> Optional[int]:
@@ -155,4 +163,5 @@ def amd_usage(kernel) -> dict:
         "fma_dots": dot_units(kernel.asm["ttgir"]).get("fma", 0),
         "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
         "matrix_unit": "mfma" if "mfma" in asm else None,
+        "loop_integer_mma": len(re.findall(r"\bv_mfma_i32_\w+", asm)),  # int8 products (whole kernel)
     }
