@@ -5,8 +5,9 @@
   environment against loopback servers only; ``install_matrix_report`` follows automatically;
 - ``ring_flash_attn``: ring-flash-attn from PyPI, unchanged, on flash_recipe (``install_as_flash_attn``);
 - ``yunchang``: yunchang (USP) from PyPI, unchanged, on flash_recipe;
-- ``diffusers``: a diffusers transformer on its ``flash`` and ``flash_varlen`` backends, and its
-  context parallelism, on flash_recipe;
+- ``diffusers``: diffusers transformers on its ``flash`` and ``flash_varlen`` backends and its
+  context parallelism, and on its ``sage`` and ``sage_varlen`` backends (8-bit attention), on
+  flash_recipe;
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``torch_compat``: each supported torch release with the Triton its wheel pins (verify, core tests,
@@ -144,22 +145,28 @@ def yunchang(session: nox.Session) -> None:
     )
 
 
-# The diffusers release the attention-backend test runs.
+# The diffusers release the attention-backend tests run.
 DIFFUSERS = ("diffusers==0.42.1",)
 
 
 @nox.session(default=False)
 def diffusers(session: nox.Session) -> None:
-    """A small diffusers Flux transformer (random weights from a config, nothing from a hub) on the
-    ``flash`` and ``flash_varlen`` attention backends, served by flash_recipe's stand-in, forward
-    and backward in fp16 and bf16 against ``native`` and float64, and diffusers' own context
-    parallelism (ring and Ulysses, 2 gloo processes) on ``flash``: ``tests/test_diffusers.py``.
-    Extra arguments go to pytest."""
+    """Small diffusers transformers (random weights from configs, nothing from a hub) on
+    flash_recipe's stand-ins.
+
+    ``tests/test_diffusers.py``: Flux on the ``flash`` and ``flash_varlen`` attention backends
+    (stand-in for flash-attn), forward and backward in fp16 and bf16 against ``native`` and
+    float64, and diffusers' own context parallelism (ring and Ulysses, 2 gloo processes) on
+    ``flash``. ``tests/test_diffusers_sage.py``: Flux, Wan and HunyuanVideo on the ``sage`` and
+    ``sage_varlen`` backends (stand-in for SageAttention, 8-bit attention), forward in fp16 and
+    bf16, each attention call and the output against ``native`` in float32 by the 8-bit method's
+    bounds, and the 8-bit kernel launched once per call. Extra arguments go to pytest."""
     install_built_wheel(session, pins=DIFFUSERS)
     session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
     run_pytest(
         session,
         str(ROOT / "tests" / "test_diffusers.py"),
+        str(ROOT / "tests" / "test_diffusers_sage.py"),
         *session.posargs,
         env={"FLASH_RECIPE_REQUIRE_DIFFUSERS": "1"},
     )

@@ -8,6 +8,8 @@ Public names::
     scaled_dot_product_attention                                          # torch SDPA layout
     use_backend, explain, available_backends, BackendUnavailableError     # backend selection
     install_as_flash_attn                                                 # `import flash_attn` gives flash_recipe
+    sageattn, sageattn_varlen                                             # 8-bit attention (inference)
+    install_as_sageattention                                              # `import sageattention`: 8-bit attention
 
 Importing this package selects, compiles and probes nothing, and does not even import torch:
 each public name loads its module on first use (PEP 562), so ``flash-recipe doctor`` runs in an
@@ -41,12 +43,15 @@ _EXPORTS = {
     "use_backend": "flash_recipe.dispatch",
     "BackendUnavailableError": "flash_recipe.dispatch",
     "install_as_flash_attn": "flash_recipe.alias",
+    "sageattn": "flash_recipe.sage",
+    "sageattn_varlen": "flash_recipe.sage",
+    "install_as_sageattention": "flash_recipe.alias",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
-    from flash_recipe.alias import install_as_flash_attn
+    from flash_recipe.alias import install_as_flash_attn, install_as_sageattention
     from flash_recipe.api import (
         explain,
         flash_attn_func,
@@ -60,6 +65,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from flash_recipe.decoding import flash_attn_with_kvcache
     from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
     from flash_recipe.padding import pad_input, unpad_input
+    from flash_recipe.sage import sageattn, sageattn_varlen
 
 
 def __getattr__(name: str) -> Any:

@@ -1,88 +1,236 @@
-"""``install_as_flash_attn()``: let code that imports ``flash_attn`` run on flash_recipe.
+"""Stand-ins: let code that imports ``flash_attn`` or ``sageattention`` run on flash_recipe.
 
-Many libraries import flash-attn by name (ring-flash-attn, yunchang, ColossalAI, Unsloth, ...).
-After ``install_as_flash_attn()`` these imports resolve to ``flash_recipe.flash_attn``, the way
-``pymysql.install_as_MySQLdb()`` stands in for MySQLdb::
+Many libraries import flash-attn by name (ring-flash-attn, yunchang, ColossalAI, Unsloth, ...), and
+diffusion code imports SageAttention by name (diffusers' ``sage`` backends, ComfyUI's
+``--use-sage-attention``). After ``install_as_flash_attn()`` or ``install_as_sageattention()``
+these imports resolve to flash_recipe's stand-in packages, the way ``pymysql.install_as_MySQLdb()``
+stands in for MySQLdb::
 
     flash_attn                       -> flash_recipe.flash_attn (``__version__`` "2.8.3")
     flash_attn.flash_attn_interface  -> public and internal functions (``_flash_attn_forward``, ...)
     flash_attn.bert_padding          -> unpad_input, pad_input, index_first_axis, index_put_first_axis
     flash_attn.layers.rotary         -> apply_rotary_emb
+    sageattention                    -> flash_recipe.sageattention (``__version__`` "2.2.0"):
+                                        sageattn, sageattn_varlen, sageattn_qk_int8_pv_* (8-bit)
 
-Any other ``flash_attn`` module or name raises ImportError (AttributeError for an attribute)
-naming what is missing and what is provided. While it is installed, ``importlib.metadata`` answers
-for flash-attn in this process (``flash_recipe.flash_attn.distribution``; nothing on disk), so
-libraries that check the version at import time (diffusers, transformers) see it: install the
-stand-in before importing them. A working upstream flash-attn is never shadowed
-unless ``force=True``.
+One mechanism serves both (``StandIn`` below describes each). Any other module or name of the
+package raises ImportError (AttributeError for an attribute) naming what is missing and what is
+provided. While a stand-in is installed, ``importlib.metadata`` answers for its distribution in
+this process (``StandInDistribution``; nothing is written to disk), so libraries that check the
+version at import time (diffusers, transformers, ComfyUI nodes) see it: install the stand-in before
+importing them. A working upstream package is never shadowed unless ``force=True``; one that is
+installed but fails to import is replaced, with a warning.
+
+This module imports nothing of flash_recipe except by name, when a stand-in is installed.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import importlib.util
+import re
 import sys
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
-PACKAGE = "flash_attn"  # the name code imports
-STAND_IN = "flash_recipe.flash_attn"
-# The modules the stand-in provides, by the names code imports.
-PROVIDED = (
-    "flash_attn",
-    "flash_attn.flash_attn_interface",
-    "flash_attn.bert_padding",
-    "flash_attn.layers",
-    "flash_attn.layers.rotary",
+
+@dataclass(frozen=True)
+class StandIn:
+    """One upstream package that flash_recipe stands in for."""
+
+    package: str  # the top-level module code imports: "flash_attn"
+    module: str  # flash_recipe's package that stands in for it: "flash_recipe.flash_attn"
+    provided: tuple[str, ...]  # the modules provided, by the names code imports
+    distribution: str  # the distribution's name on PyPI (normalized): "flash-attn"
+    probe: str  # the module whose import tells a working upstream install from a broken one
+    installer: str  # the function that installs it, for messages
+
+
+FLASH_ATTN = StandIn(
+    package="flash_attn",
+    module="flash_recipe.flash_attn",
+    provided=(
+        "flash_attn",
+        "flash_attn.flash_attn_interface",
+        "flash_attn.bert_padding",
+        "flash_attn.layers",
+        "flash_attn.layers.rotary",
+    ),
+    distribution="flash-attn",
+    probe="flash_attn.flash_attn_interface",
+    installer="install_as_flash_attn",
 )
+SAGEATTENTION = StandIn(
+    package="sageattention",
+    module="flash_recipe.sageattention",
+    provided=("sageattention",),
+    distribution="sageattention",
+    probe="sageattention",  # upstream's package imports its kernels' modules at import
+    installer="install_as_sageattention",
+)
+STAND_INS = {stand_in.package: stand_in for stand_in in (FLASH_ATTN, SAGEATTENTION)}
+
+# The INSTALLER text of the in-memory metadata: ``is_stand_in(dist)`` and the doctor
+# (``flash_recipe.env.distinfo``) tell the stand-ins from real installs by it.
+INSTALLER = "flash-recipe-stand-in"
+
+
+def _stand_in(package: str) -> StandIn:
+    stand_in = STAND_INS.get(package)
+    if stand_in is None:
+        raise ValueError(f"package must be one of {', '.join(sorted(STAND_INS))}, got {package!r}")
+    return stand_in
 
 
 def missing(module: str, name: str, provided) -> AttributeError:
-    """The error for a name the stand-in's ``module`` does not have (``from module import name``
-    turns it into an ImportError naming ``name``)."""
+    """The error for a name the stand-in's ``module`` (``flash_attn.bert_padding``,
+    ``sageattention``, ...) does not have (``from module import name`` turns it into an
+    ImportError naming ``name``)."""
     if name.startswith("__") and name.endswith("__"):  # Python's own probes (__path__, __file__, ...)
         return AttributeError(f"module {module!r} has no attribute {name!r}")
+    stand_in = _stand_in(module.partition(".")[0])
     return AttributeError(
-        f"flash_recipe's stand-in for flash-attn does not provide {module}.{name}; {module} provides: "
-        f"{', '.join(sorted(provided))} (install the flash-attn package for the rest)"
+        f"flash_recipe's stand-in for {stand_in.distribution} does not provide {module}.{name}; {module} provides: "
+        f"{', '.join(sorted(provided))} (install the {stand_in.distribution} package for the rest)"
     )
 
 
+def is_installed(package: str = "flash_attn") -> bool:
+    """Whether ``import <package>`` (``flash_attn`` unless given; or ``sageattention``) gives
+    flash_recipe's stand-in in this process."""
+    return getattr(sys.modules.get(_stand_in(package).package), "__flash_recipe__", False)
+
+
 class _MissingModules(importlib.abc.MetaPathFinder):
-    """Raises a clear ImportError for a ``flash_attn.*`` module the stand-in does not provide."""
+    """Raises a clear ImportError for a submodule that an installed stand-in does not provide."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.startswith(PACKAGE + ".") and is_installed():
+        package = fullname.partition(".")[0]
+        stand_in = STAND_INS.get(package)
+        if stand_in is not None and fullname != package and is_installed(package):
             raise ModuleNotFoundError(
-                f"flash_recipe's stand-in for flash-attn does not provide the module {fullname}; "
-                f"it provides {', '.join(PROVIDED)} (install the flash-attn package for the rest)",
+                f"flash_recipe's stand-in for {stand_in.distribution} does not provide the module {fullname}; it "
+                f"provides {', '.join(stand_in.provided)} (install the {stand_in.distribution} package for the rest)",
                 name=fullname,
             )
         return None
 
 
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+class StandInDistribution(importlib.metadata.Distribution):
+    """An installed stand-in's distribution metadata, answered from memory: ``Name`` is the
+    upstream distribution's, ``Version`` the stand-in's ``__version__``."""
+
+    def __init__(self, stand_in: StandIn):
+        self.stand_in = stand_in
+
+    def read_text(self, filename):
+        module = sys.modules.get(self.stand_in.package)
+        files = {
+            "METADATA": (
+                f"Metadata-Version: 2.1\nName: {self.stand_in.distribution}\n"
+                f"Version: {getattr(module, '__version__', '')}\n"
+                f"Summary: flash_recipe's in-process stand-in for {self.stand_in.distribution} "
+                f"({self.stand_in.installer})\n"
+            ),
+            "INSTALLER": INSTALLER + "\n",
+            "top_level.txt": self.stand_in.package + "\n",
+        }
+        return files.get(str(filename))
+
+    def locate_file(self, path):
+        return Path(__file__).parent / path
+
+
+def is_stand_in(dist: importlib.metadata.Distribution) -> bool:
+    """Whether ``dist`` is a stand-in's in-memory metadata (not an install on disk)."""
+    return (dist.read_text("INSTALLER") or "").strip() == INSTALLER
+
+
+class _Metadata(importlib.metadata.DistributionFinder):
+    """Answers ``importlib.metadata`` for each installed stand-in (any spelling of its name:
+    ``flash_attn``, ``Flash-Attn``); finds no modules."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return None
+
+    def find_distributions(self, context=None):
+        context = context if context is not None else importlib.metadata.DistributionFinder.Context()
+        wanted = None if context.name is None else _normalized(context.name)
+        return iter(
+            StandInDistribution(stand_in)
+            for stand_in in STAND_INS.values()
+            if is_installed(stand_in.package) and wanted in (None, stand_in.distribution)
+        )
+
+
 _FINDER = _MissingModules()
+METADATA_FINDER = _Metadata()
 
 
-def is_installed() -> bool:
-    """Whether ``import flash_attn`` gives flash_recipe's stand-in in this process."""
-    return getattr(sys.modules.get(PACKAGE), "__flash_recipe__", False)
-
-
-def _upstream_problem() -> tuple:
-    """``(found, error)``: whether a flash_attn other than the stand-in is installed, and why it
-    fails to import (None if it imports)."""
-    if importlib.util.find_spec(PACKAGE) is None:
+def _upstream_problem(stand_in: StandIn) -> tuple:
+    """``(found, error)``: whether the upstream package is installed, and why it fails to import
+    (None if it imports)."""
+    if importlib.util.find_spec(stand_in.package) is None:
         return False, None
     try:
-        importlib.import_module("flash_attn.flash_attn_interface")
+        importlib.import_module(stand_in.probe)
     except Exception as exc:  # a broken build raises anything from ImportError to OSError
         return True, f"{type(exc).__name__}: {exc}"
     return True, None
 
 
+def _upstream_version(stand_in: StandIn) -> str:
+    version = getattr(sys.modules.get(stand_in.package), "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version(stand_in.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            version = "?"
+    return str(version)
+
+
+def install(stand_in: StandIn, force: bool = False) -> bool:
+    """Make ``import <stand_in.package>`` and the modules in ``stand_in.provided`` resolve to
+    flash_recipe, and ``importlib.metadata`` answer for its distribution; the two public
+    functions below call it. Returns and warns as they document."""
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be a bool, got {type(force).__name__}")
+    if is_installed(stand_in.package):
+        return True
+    if not force:
+        found, error = _upstream_problem(stand_in)
+        if found and error is None:
+            warnings.warn(
+                f"{stand_in.distribution} {_upstream_version(stand_in)} is installed and imports; "
+                f"{stand_in.installer}() leaves it in place (force=True replaces it in this process)",
+                stacklevel=3,
+            )
+            return False
+        if found:
+            warnings.warn(
+                f"{stand_in.distribution} is installed but fails to import ({error}); flash_recipe stands in for it",
+                stacklevel=3,
+            )
+    prefix = stand_in.package + "."
+    for name in [n for n in sys.modules if n == stand_in.package or n.startswith(prefix)]:
+        del sys.modules[name]
+    for name in stand_in.provided:
+        sys.modules[name] = importlib.import_module(stand_in.module + name[len(stand_in.package) :])
+    for finder in (_FINDER, METADATA_FINDER):
+        if finder not in sys.meta_path:
+            sys.meta_path.insert(0, finder)
+    return True
+
+
 def install_as_flash_attn(force: bool = False) -> bool:
-    """Make ``import flash_attn`` and the modules in ``PROVIDED`` resolve to flash_recipe.
+    """Make ``import flash_attn`` and the modules in ``FLASH_ATTN.provided`` resolve to flash_recipe.
 
     Arguments:
         force: install even when an upstream flash-attn imports and works; modules of it already
@@ -91,35 +239,31 @@ def install_as_flash_attn(force: bool = False) -> bool:
 
     Returns:
         True when the stand-in is installed (now or before); False when a working upstream
-        flash-attn was found and left in place (a warning says so).
+        flash-attn was found and left in place (a warning says so). An upstream flash-attn that
+        fails to import is replaced, with a warning.
 
     Call it before the imports of the library that needs flash-attn. It affects this process only.
     """
-    if not isinstance(force, bool):
-        raise TypeError(f"force must be a bool, got {type(force).__name__}")
-    if is_installed():
-        return True
-    if not force:
-        found, error = _upstream_problem()
-        if found and error is None:
-            version = getattr(sys.modules.get(PACKAGE), "__version__", "?")
-            warnings.warn(
-                f"flash-attn {version} is installed and imports; install_as_flash_attn() leaves it in place "
-                "(force=True replaces it in this process)",
-                stacklevel=2,
-            )
-            return False
-        if found:
-            warnings.warn(
-                f"flash-attn is installed but fails to import ({error}); flash_recipe stands in for it", stacklevel=2
-            )
-    for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
-        del sys.modules[name]
-    for name in PROVIDED:
-        sys.modules[name] = importlib.import_module(STAND_IN + name[len(PACKAGE) :])
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
-    metadata = importlib.import_module(STAND_IN + ".distribution").FINDER  # the stand-in's metadata finder
-    if metadata not in sys.meta_path:
-        sys.meta_path.insert(0, metadata)
-    return True
+    return install(FLASH_ATTN, force)
+
+
+def install_as_sageattention(force: bool = False) -> bool:
+    """Make ``import sageattention`` resolve to flash_recipe's 8-bit attention (SageAttention 2.2.0's
+    functions: ``sageattn``, ``sageattn_varlen``, ``sageattn_qk_int8_pv_fp16_triton``, ...), and
+    ``importlib.metadata.version("sageattention")`` answer ``2.2.0`` in this process.
+
+    Arguments:
+        force: install even when an upstream SageAttention imports and works; modules of it
+            already imported in this process are replaced for later imports (objects taken from
+            them before stay what they are).
+
+    Returns:
+        True when the stand-in is installed (now or before); False when a working upstream
+        SageAttention was found and left in place (a warning says so). An upstream SageAttention
+        that fails to import is replaced, with a warning.
+
+    Call it before the imports of the code that uses SageAttention (diffusers decides at import
+    whether its ``sage`` backends are usable; ComfyUI imports ``sageattention`` when its attention
+    module loads). It affects this process only.
+    """
+    return install(SAGEATTENTION, force)

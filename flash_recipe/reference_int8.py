@@ -103,9 +103,12 @@ def quantize_blocks(
     ``x ~ x8 * scale``.
     """
     packed = cu_seqlens is not None
-    batch = cu_seqlens.numel() - 1 if packed else x.shape[0]
-    length = max_seqlen if packed else x.shape[1]
-    nblocks = max(-(-int(length) // block), 1)
+    if cu_seqlens is not None:
+        batch = cu_seqlens.numel() - 1
+        length = int(max_seqlen) if max_seqlen is not None else int(cu_seqlens.diff().max())
+    else:
+        batch, length = x.shape[0], x.shape[1]
+    nblocks = max(-(-length // block), 1)
     heads = x.shape[-2]
     x8 = torch.zeros(x.shape, dtype=torch.int8, device=x.device)
     scales = torch.ones((batch, heads, nblocks), dtype=torch.float32, device=x.device)
@@ -195,7 +198,7 @@ def attention_from_quantized(
     group = heads // heads_k
     wide = torch.float64 if compute == torch.float64 else torch.float32
     out = torch.zeros(x.q8.shape[:-1] + (x.v.shape[-1],), dtype=torch.float32, device=x.q8.device)
-    batch = cu_seqlens_q.numel() - 1 if packed else x.q8.shape[0]
+    batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else x.q8.shape[0]
     q_segs = _segments(batch, cu_seqlens_q, 0 if packed else x.q8.shape[1])
     k_segs = _segments(batch, cu_seqlens_k, 0 if packed else x.k8.shape[1])
     lse = torch.empty(

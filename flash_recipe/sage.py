@@ -51,6 +51,8 @@ _ACCEPTED = {
     "pv_accum_dtype": ("fp32",),  # P.V accumulates in fp32 on every path
     "smooth_v": (False,),  # V is not smoothed (its per-channel scale keeps FP8 in range)
     "quantization_backend": ("triton",),  # Q and K are quantized by a Triton kernel
+    "attn_mask": (None,),  # no mask (ComfyUI passes attn_mask=None on every call)
+    "dropout_p": (0.0,),  # no dropout: inference
 }
 _REFUSED = {
     "qk_quant_gran": "flash_recipe quantizes Q and K with one scale per block of rows (its tiles), not per warp or "
@@ -66,12 +68,17 @@ def _check_kwargs(name: str, kwargs: dict) -> bool:
         if key in _REFUSED:
             raise NotImplementedError(f"{name}: {key}={value!r} is not implemented: {_REFUSED[key]}; omit {key}")
         allowed = _ACCEPTED.get(key)
+        if key == "attn_mask" and value is not None:
+            raise NotImplementedError(
+                f"{name}: attn_mask must be None: 8-bit attention takes no mask (is_causal "
+                f"masks causally); for a mask use flash_recipe.scaled_dot_product_attention"
+            )
         if allowed is None:
             raise TypeError(
                 f"{name} got an unexpected keyword argument {key!r}; it takes smooth_k and "
                 f"{', '.join(sorted(_ACCEPTED))} (flash_recipe implements no other)"
             )
-        if value not in allowed:
+        if value is not None and value not in allowed or value is None and None not in allowed:
             raise NotImplementedError(
                 f"{name}: {key} must be {' or '.join(map(repr, allowed))} in flash_recipe, got {value!r}; omit {key}"
             )
@@ -122,7 +129,7 @@ def _pv_fp8(q: torch.Tensor, pv_dtype: Optional[str], name: str) -> bool:
             )
         return False
     from flash_recipe.ops.int8_attention import fp8_problem  # imports Triton: on a GPU call only
-    from flash_recipe.ops.targets import target_of
+    from flash_recipe.ops.targets import target_of  # beside it: the ops package loads on first use
 
     problem = fp8_problem(target_of(q.device))
     if pv_dtype == "fp8" and problem is not None:
@@ -135,7 +142,8 @@ def _run(q, k, v, scale: float, causal: bool, smooth_k: bool, fp8: bool, need_ls
     if triton_problem(q) is None:
         from flash_recipe.ops.int8_attention import int8_attention  # imports Triton: on the first call only
 
-        return int8_attention(q, k, v, scale, causal, smooth_k, fp8, *varlen, need_lse=need_lse)
+        packed = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), varlen))
+        return int8_attention(q, k, v, scale, causal, smooth_k, fp8, need_lse=need_lse, **packed)
     out, lse = reference_int8.sage_attention(q, k, v, scale, causal, smooth_k, fp8, 64, 64, *varlen)
     return out, lse if need_lse else None
 

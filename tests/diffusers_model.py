@@ -1,8 +1,11 @@
-"""The small diffusers Flux transformer that ``test_diffusers.py`` and its context-parallel ranks
-(``ring_worker.diffusers_client``) run: random weights from a config, nothing from a hub.
+"""The small diffusers transformers the diffusers tests run: random weights from a config, nothing
+from a hub. Flux (``test_diffusers.py`` and its context-parallel ranks, ``ring_worker.diffusers_client``:
+forward and backward) and, for 8-bit attention (``test_diffusers_sage.py``: forward only), Flux,
+Wan and HunyuanVideo.
 
-Import it only after ``flash_recipe.install_as_flash_attn()``: diffusers decides at import time
-whether flash-attn is usable.
+diffusers decides at import time whether flash-attn and SageAttention are usable, so importing
+this module installs both stand-ins (``install_as_flash_attn()``, ``install_as_sageattention()``)
+before it imports diffusers: import it before anything imports diffusers.
 """
 
 from __future__ import annotations
@@ -10,9 +13,17 @@ from __future__ import annotations
 import copy
 
 import torch
-from diffusers import FluxTransformer2DModel
 
-from flash_recipe.testing.accuracy import FACTORS, accuracy_bound, max_error
+import flash_recipe
+
+for _install in (flash_recipe.install_as_flash_attn, flash_recipe.install_as_sageattention):
+    if not _install():
+        raise RuntimeError(f"{_install.__name__}() left an upstream package in place; these tests need the stand-in")
+
+from diffusers import FluxTransformer2DModel, HunyuanVideoTransformer3DModel, WanTransformer3DModel  # noqa: E402
+from diffusers.models import attention_dispatch  # noqa: E402, F401  (the tests reach diffusers' registry here)
+
+from flash_recipe.testing.accuracy import FACTORS, accuracy_bound, max_error  # noqa: E402
 
 # Image rows (a 3 x 4 grid of patches) and text rows; both even, so context parallelism over two
 # ranks splits each sequence into equal halves, as diffusers requires.
@@ -86,3 +97,88 @@ def errors_and_bounds(got: dict, truth: dict, same: dict) -> dict:
             "bound": accuracy_bound(max_error(same[name], truth[name]), factor),
         }
     return report
+
+
+def wan_model() -> WanTransformer3DModel:
+    """One Wan block (self-attention over the video patches, cross-attention to the text), 2 heads
+    of 16, in float32."""
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=1,
+        rope_max_seq_len=32,
+    ).eval()
+
+
+def wan_inputs(dtype: torch.dtype) -> dict:
+    """A latent video (1, 4, 2, 8, 10): 2 frames of 4 x 5 patches, 40 rows; 7 text rows of 32."""
+    gen = torch.Generator().manual_seed(1)
+    return dict(
+        hidden_states=torch.randn(1, 4, 2, 8, 10, generator=gen).to(dtype),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 7, 32, generator=gen).to(dtype),
+    )
+
+
+def hunyuan_model() -> HunyuanVideoTransformer3DModel:
+    """One double-stream and one single-stream HunyuanVideo block and one text-refiner block, 2 heads
+    of 16, in float32."""
+    torch.manual_seed(0)
+    return HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=32,
+        pooled_projection_dim=16,
+        rope_axes_dim=(4, 4, 8),
+        guidance_embeds=False,
+    ).eval()
+
+
+def hunyuan_inputs(dtype: torch.dtype) -> dict:
+    """Two latent videos (2, 4, 2, 4, 5), 40 rows each, and 7 text rows of 32 whose mask pads the
+    second prompt to 4 tokens: the joint attention then sees 47 and 44 keys (the model passes that
+    key mask to every attention call)."""
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    return dict(
+        hidden_states=torch.randn(2, 4, 2, 4, 5, generator=gen).to(dtype),
+        timestep=torch.tensor([500, 500]),
+        encoder_hidden_states=torch.randn(2, 7, 32, generator=gen).to(dtype),
+        encoder_attention_mask=mask,
+        pooled_projections=torch.randn(2, 16, generator=gen).to(dtype),
+    )
+
+
+# name -> (model, inputs): the models the 8-bit attention test runs.
+MODELS = {
+    "flux": (flux_model, flux_inputs),
+    "wan": (wan_model, wan_inputs),
+    "hunyuan": (hunyuan_model, hunyuan_inputs),
+}
+
+
+def run_forward(model, inputs, backend: str, dtype: torch.dtype) -> torch.Tensor:
+    """The output of a copy of ``model`` in ``dtype`` on the attention ``backend``, forward only
+    (under ``torch.no_grad()``), on ``inputs(dtype)``; on the GPU where there is one (the 8-bit
+    kernel runs on CPU tensors only through the interpreter)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = copy.deepcopy(model).to(device, dtype)
+    model.set_attention_backend(backend)
+    with torch.no_grad():
+        return model(**{k: v.to(device) for k, v in inputs(dtype).items()}, return_dict=False)[0]

@@ -12,7 +12,7 @@ import pytest
 CHECK = """
 import importlib.metadata as md, json, sys
 import flash_recipe
-from flash_recipe.flash_attn.distribution import is_stand_in
+from flash_recipe.alias import is_stand_in
 before = [d.metadata["Name"] for d in md.distributions() if d.metadata["Name"] == "flash-attn"]
 assert flash_recipe.install_as_flash_attn()
 dist = md.distribution("flash_attn")
@@ -56,7 +56,7 @@ def test_pip_sees_no_flash_attn():
 def test_a_real_distribution_is_not_the_stand_in():
     import importlib.metadata as md
 
-    from flash_recipe.flash_attn.distribution import is_stand_in
+    from flash_recipe.alias import is_stand_in
 
     assert not is_stand_in(md.distribution("torch"))
 
@@ -64,10 +64,10 @@ def test_a_real_distribution_is_not_the_stand_in():
 def test_the_doctor_tells_the_stand_in_from_an_install():
     """In a process that installed the stand-in, ``importlib.metadata`` answers for flash-attn,
     but the doctor's distribution probe reports no installed flash-attn, and says it is the stand-in."""
+    from flash_recipe import alias
     from flash_recipe.env import distinfo
-    from flash_recipe.flash_attn import distribution
 
-    assert distinfo.STAND_IN_INSTALLER == distribution.INSTALLER
+    assert distinfo.STAND_IN_INSTALLER == alias.INSTALLER
     code = (
         "import importlib.metadata, json, flash_recipe\n"
         "flash_recipe.install_as_flash_attn()\n"

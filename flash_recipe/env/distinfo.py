@@ -10,9 +10,11 @@ import json
 from importlib import metadata
 from typing import Any
 
-# The INSTALLER text of the metadata that ``install_as_flash_attn()`` answers in its own process
-# (``flash_recipe.flash_attn.distribution.INSTALLER``; not imported here: that package imports torch).
-STAND_IN_INSTALLER = "flash-recipe-stand-in"
+from flash_recipe.alias import INSTALLER
+
+# The INSTALLER text of the metadata that a stand-in (``install_as_flash_attn()``,
+# ``install_as_sageattention()``) answers in its own process.
+STAND_IN_INSTALLER = INSTALLER
 
 
 def distribution_info(name: str) -> dict[str, Any]:

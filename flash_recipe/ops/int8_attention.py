@@ -246,7 +246,7 @@ def attention_quantized(
     interpreted_bf16 = targets.target_of(q8.device) == "interpreter" and out_dtype == torch.bfloat16
     out_shape = q8.shape[:-1] + (x.v.shape[-1],)
     out = tiles.output_buffer(out_shape, torch.float32 if interpreted_bf16 else out_dtype, q8.device)
-    if packed:
+    if cu_seqlens_q is not None and max_seqlen_q is not None and max_seqlen_k is not None:
         batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, int(max_seqlen_q), int(max_seqlen_k)
         lse = tiles.output_buffer((q8.shape[1], q8.shape[0]), torch.float32, q8.device)
         stride_lb, stride_lh = 0, lse.stride(0)

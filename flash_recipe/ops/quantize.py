@@ -93,7 +93,7 @@ def quantize_args(
 ) -> tuple[tuple, dict]:
     """The grid and keyword arguments of ``quantize_kernel`` for ``x`` into ``x8`` and ``scales``."""
     packed = cu_seqlens is not None
-    batch = cu_seqlens.numel() - 1 if packed else x.shape[0]
+    batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else x.shape[0]
 
     def strides(t):
         return (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
@@ -118,7 +118,9 @@ def quantize_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference_int8.quantize_blocks`` on the kernel: ``(x8 (..., BD), scales (B, H, nb))``, x8's
     columns past the head dim 0."""
-    length = int(max_seqlen) if cu_seqlens is not None else x.shape[1]
+    if cu_seqlens is not None and max_seqlen is None:
+        raise ValueError("quantize_blocks: packed sequences (cu_seqlens) need max_seqlen")
+    length = int(max_seqlen) if cu_seqlens is not None and max_seqlen is not None else x.shape[1]
     batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else x.shape[0]
     x8 = torch.zeros(x.shape[:-1] + (block_d_of(x.shape[-1]),), dtype=torch.int8, device=x.device)
     scales = torch.ones((batch, x.shape[-2], max(triton.cdiv(length, block), 1)), dtype=torch.float32,

@@ -142,7 +142,7 @@ def run_call(case: Case) -> dict[str, str]:
             "attn_bwd_dq_kernel": "bwd_dq",
         }
     if case.call == "int8":  # 8-bit attention: the quantizer and the kernel, fp16 P.V and, where the target has it, FP8
-        from flash_recipe.ops import int8_attention, targets
+        from flash_recipe.ops import int8_attention, targets  # imports Triton: importing compile_calls loads none
 
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
