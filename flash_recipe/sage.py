@@ -202,64 +202,44 @@ def sageattn(
     return _sage("sageattn", q, k, v, tensor_layout, is_causal, sm_scale, return_lse, pv_dtype, kwargs)
 
 
-def sageattn_qk_int8_pv_fp16_triton(
-    q,
-    k,
-    v,
-    tensor_layout: str = "HND",
-    is_causal: bool = False,
-    sm_scale: Optional[float] = None,
-    return_lse: bool = False,
-    **kwargs,
-) -> Any:
-    """``sageattn`` with P.V in fp16 on every GPU."""
-    name = "sageattn_qk_int8_pv_fp16_triton"
-    return _sage(name, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, "fp16", kwargs)
+def _fixed_pv(name: str, pv_dtype: str, doc: str) -> Any:
+    """``sageattn`` under one of SageAttention's path names, its P.V format fixed to ``pv_dtype``."""
+
+    def path(
+        q,
+        k,
+        v,
+        tensor_layout: str = "HND",
+        is_causal: bool = False,
+        sm_scale: Optional[float] = None,
+        return_lse: bool = False,
+        **kwargs,
+    ) -> Any:
+        return _sage(name, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, pv_dtype, kwargs)
+
+    path.__name__ = path.__qualname__ = name
+    path.__doc__ = doc
+    return path
 
 
-def sageattn_qk_int8_pv_fp16_cuda(
-    q,
-    k,
-    v,
-    tensor_layout: str = "HND",
-    is_causal: bool = False,
-    sm_scale: Optional[float] = None,
-    return_lse: bool = False,
-    **kwargs,
-) -> Any:
-    """``sageattn`` with P.V in fp16: SageAttention's CUDA path of that name, here on the Triton kernels."""
-    name = "sageattn_qk_int8_pv_fp16_cuda"
-    return _sage(name, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, "fp16", kwargs)
-
-
-def sageattn_qk_int8_pv_fp8_cuda(
-    q,
-    k,
-    v,
-    tensor_layout: str = "HND",
-    is_causal: bool = False,
-    sm_scale: Optional[float] = None,
-    return_lse: bool = False,
-    **kwargs,
-) -> Any:
-    """``sageattn`` with P.V in FP8 e4m3: NVIDIA sm89 and newer; elsewhere refused with the fix."""
-    name = "sageattn_qk_int8_pv_fp8_cuda"
-    return _sage(name, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, "fp8", kwargs)
-
-
-def sageattn_qk_int8_pv_fp8_cuda_sm90(
-    q,
-    k,
-    v,
-    tensor_layout: str = "HND",
-    is_causal: bool = False,
-    sm_scale: Optional[float] = None,
-    return_lse: bool = False,
-    **kwargs,
-) -> Any:
-    """``sageattn_qk_int8_pv_fp8_cuda`` (SageAttention's Hopper build of it; one kernel serves here)."""
-    name = "sageattn_qk_int8_pv_fp8_cuda_sm90"
-    return _sage(name, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, "fp8", kwargs)
+sageattn_qk_int8_pv_fp16_triton = _fixed_pv(
+    "sageattn_qk_int8_pv_fp16_triton", "fp16", "``sageattn`` with P.V in fp16 on every GPU."
+)
+sageattn_qk_int8_pv_fp16_cuda = _fixed_pv(
+    "sageattn_qk_int8_pv_fp16_cuda",
+    "fp16",
+    "``sageattn`` with P.V in fp16: SageAttention's CUDA path of that name, here on the Triton kernels.",
+)
+sageattn_qk_int8_pv_fp8_cuda = _fixed_pv(
+    "sageattn_qk_int8_pv_fp8_cuda",
+    "fp8",
+    "``sageattn`` with P.V in FP8 e4m3: NVIDIA sm89 and newer; elsewhere refused with the fix.",
+)
+sageattn_qk_int8_pv_fp8_cuda_sm90 = _fixed_pv(
+    "sageattn_qk_int8_pv_fp8_cuda_sm90",
+    "fp8",
+    "``sageattn_qk_int8_pv_fp8_cuda`` (SageAttention's Hopper build of it; one kernel serves here).",
+)
 
 
 def sageattn_varlen(
