@@ -217,7 +217,7 @@ def attention_from_quantized(
                 rows, cols = torch.arange(nq, device=s.device), torch.arange(nk, device=s.device)
                 visible = cols[None, :] <= rows[:, None] + (nk - nq)
                 s = s.masked_fill(~visible, float("-inf"))
-            m = s.amax(1, keepdim=True)
+            m = s.amax(1, keepdim=True) if nk else s.new_zeros((nq, 1))  # a sequence without keys: rows of 0
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             p = torch.exp2(s - m)
             denom = p.sum(1)

@@ -2,7 +2,8 @@
 
 Each oracle restates flash-attn 2.8's documented semantics for one entry point and reduces it to
 ``flash_recipe.reference.attention_reference`` (the project's definition of one dense call) on
-slices and gathered rows. Nothing here calls flash_recipe's backends or its KV-cache torch path.
+slices and gathered rows; 8-bit attention (``sage``) reduces to ``flash_recipe.reference_int8``,
+the method's torch definition. Nothing here calls flash_recipe's backends or its KV-cache torch path.
 
 Every function computes in the dtype of the tensors it is given (``attention_reference`` with
 ``upcast=False``): give it tensors converted to fp32 / fp64 for the accuracy rule's truth, or the
@@ -18,6 +19,7 @@ import dataclasses
 
 import torch
 
+from flash_recipe import reference_int8
 from flash_recipe.reference import attention_reference
 from flash_recipe.testing import rotary as rotate
 
@@ -184,3 +186,33 @@ def kvcache(
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses), k_new, v_new
+
+
+def sage(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    smooth_k: bool,
+    fp8: bool,
+    blocks: tuple,
+    compute: torch.dtype,
+    varlen: tuple = (),
+) -> tuple:
+    """``sageattn`` / ``sageattn_varlen`` on 16-bit inputs, q ``(B, Sq, H, D)`` (NHD) or packed
+    ``(Tq, H, D)`` with ``varlen = (cu_q, cu_k, max_q, max_k)`` (offsets as int32 tensors).
+
+    Q, K and V are quantized by the method's torch definition with ``blocks = (block_m, block_n)``
+    (the kernel's tile: the quantization blocks are its rows), then attended in ``compute``:
+    float64 is the truth of accuracy check (a) (the quantized values exact), float16 rounds P as the
+    tensor cores read it. The lse gets the smoothing correction back, in ``compute``'s width.
+    Returns out float32 ``(B, Sq, H, D)`` / ``(Tq, H, D)`` and lse ``(B, H, Sq)`` / ``(H, Tq)``.
+    """
+    x = reference_int8.quantize(q, k, v, scale, smooth_k, fp8, *blocks, *varlen)
+    cu = varlen[:2] if varlen else (None, None)
+    out, lse = reference_int8.attention_from_quantized(x, *blocks, causal, fp8, compute, *cu)
+    if x.mean is not None:
+        wide = torch.float64 if compute == torch.float64 else torch.float32
+        lse = (lse.to(wide) + reference_int8.lse_correction(q, x.mean.to(wide), scale, cu[0])).float()
+    return out, lse

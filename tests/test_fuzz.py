@@ -1,17 +1,21 @@
 """Differential fuzz test: random calls of every entry point against the plain-torch oracles.
 
 Each case draws an entry point (``flash_attn_func``, the packed forms, ``flash_attn_varlen_func``
-with and without ``block_table``, ``flash_attn_with_kvcache``, ``scaled_dot_product_attention``)
-and its arguments (lengths including 0 and 1, odd head dims, GQA/MQA, windows in every accepted
-form, softcap, ALiBi, scale, strided views of q/k/v and of the metadata, rotary, left padding,
-split-KV) from ``random.Random(f"{seed}-{index}")`` alone, and compares the result with
-``tests/fuzz_oracle.py`` by the accuracy rule: max abs error at most 2x (forward, log-sum-exp) or
-3x (gradients) that of plain torch computing the same attention in the input dtype, plus 1e-5,
-the truth computed in fp32 (fp64 for fp32 inputs). Inputs must come back unchanged (the unused
-elements of strided views, NaN, included), a KV cache changed exactly where the new keys go,
-forward-only paths (paged keys, KV cache) must run on inputs that require grad and refuse
-``.backward()`` with ``NotImplementedError``, and under the interpreter every kernel load and store
-must stay inside the launch's tensors (``bounds_checked``).
+with and without ``block_table``, ``flash_attn_with_kvcache``, ``scaled_dot_product_attention``,
+the 8-bit ``sageattn`` under its names and ``sageattn_varlen``) and its arguments (lengths
+including 0 and 1, odd head dims, GQA/MQA, windows in every accepted form, softcap, ALiBi, scale,
+strided views of q/k/v and of the metadata, rotary, left padding, split-KV) from
+``random.Random(f"{seed}-{index}")`` alone, and compares the result with ``tests/fuzz_oracle.py``
+by the accuracy rule: max abs error at most 2x (forward, log-sum-exp) or 3x (gradients) that of
+plain torch computing the same attention in the input dtype, plus 1e-5, the truth computed in fp32
+(fp64 for fp32 inputs). 8-bit attention is held to its check (a) of docs/int8-attention.md: the
+same rule against fp64 attention of the same quantized inputs (the method's torch definition, with
+the kernel's blocks), and refuses what it must (training inputs, FP8 where the GPU lacks it) with
+``NotImplementedError``. Inputs must come back unchanged (the unused elements of strided views,
+NaN, included), a KV cache changed exactly where the new keys go, forward-only paths (paged keys,
+KV cache) must run on inputs that require grad and refuse ``.backward()`` with
+``NotImplementedError``, and under the interpreter every kernel load and store must stay inside the
+launch's tensors (``bounds_checked``).
 
     pytest tests/test_fuzz.py                                   # the bounded default count, seed 0
     pytest tests/test_fuzz.py --fuzz-cases 2000 --fuzz-seed 5   # more cases, another seed
@@ -35,6 +39,7 @@ import pytest
 import torch
 
 import flash_recipe
+import flash_recipe.sage
 from flash_recipe.reference import compute_dtype
 from flash_recipe.testing import FLOOR, accuracy_bound, max_error
 
@@ -52,9 +57,22 @@ KINDS = {
     "paged": 13,
     "kvcache": 28,
     "sdpa": 14,
+    "sage": 9,
+    "sage_varlen": 5,
 }
 # The interpreter computes bf16 dot products wrongly: bf16 runs on a GPU only.
 DTYPES = ("float16", "float32", "bfloat16") if HAS_CUDA else ("float16", "float32")
+# 8-bit attention takes 16-bit inputs; its only 16-bit products take fp16 operands, so bf16 runs
+# under the interpreter too.
+SAGE_DTYPES = ("float16", "bfloat16")
+SAGE_NAMES = (  # sageattn, drawn most, and its path names (the P.V format fixed)
+    "sageattn",
+    "sageattn",
+    "sageattn",
+    "sageattn_qk_int8_pv_fp16_triton",
+    "sageattn_qk_int8_pv_fp16_cuda",
+    "sageattn_qk_int8_pv_fp8_cuda",
+)
 HEAD_DIMS = (1, 2, 3, 7, 8, 16, 24, 32, 40, 48, 59, 64)
 RARE_HEAD_DIMS = (80, 96, 128)
 SOFTCAPS = (0.3, 0.7, 1.0, 5.0, 50.0, 500.0)
@@ -107,6 +125,14 @@ class Case:
             parts.append("stridedmeta")
         if any(v != "contig" for k, v in p.items() if k.startswith("layout_")):
             parts.append("views")
+        if p.get("api", "sageattn") != "sageattn" and self.kind == "sage":
+            parts.append(p["api"].removeprefix("sageattn_"))
+        if p.get("pv_dtype", "omit") != "omit":
+            parts.append(f"pv{p['pv_dtype']}")
+        if p.get("smooth_k") is False:
+            parts.append("nosmooth")
+        if p.get("k_offset"):
+            parts.append(f"koffset{p['k_offset']:g}")
         for key in ("leftpad", "batch_idx", "lse", "backward", "grad"):
             if p.get(key):
                 parts.append(key.replace("_", ""))
@@ -305,11 +331,52 @@ def _draw_sdpa(rng: random.Random, p: dict) -> None:
     p["backward"] = rng.random() < 0.6
 
 
+def _draw_sage(rng: random.Random, p: dict, kind: str) -> None:
+    """8-bit attention: ``sageattn`` (a name of it, a layout) or ``sageattn_varlen``; lengths long
+    enough to cross the quantization blocks, K sometimes with a large common offset per channel
+    (what smoothing removes)."""
+    if kind == "sage":
+        p["api"] = rng.choice(SAGE_NAMES)
+        p["tensor_layout"] = rng.choice(("HND", "NHD"))
+        p["batch"] = rng.randint(1, 3)
+        p["seqlen_q"] = _length(rng, 1, 80)
+        p["seqlen_k"] = p["seqlen_q"] if rng.random() < 0.3 else _length(rng, 1, 80)
+        _heads(rng, p)
+        p["shape"] = (
+            f"{p['tensor_layout']}-B{p['batch']}-Sq{p['seqlen_q']}-Sk{p['seqlen_k']}"
+            f"-H{p['nheads']}-Hk{p['nheads_k']}-D{p['head_dim']}"
+        )
+        p["lse"] = rng.random() < 0.4
+    else:
+        p["api"] = "sageattn_varlen"
+        batch = rng.randint(1, 4)
+        p["lengths_q"] = _seq_lengths(rng, batch, 70)
+        p["lengths_k"] = list(p["lengths_q"]) if rng.random() < 0.3 else _seq_lengths(rng, batch, 70)
+        p["max_extra"] = (0, 0) if rng.random() < 0.7 else (rng.randint(0, 7), rng.randint(0, 7))
+        _heads(rng, p)
+        p["shape"] = (
+            f"B{batch}-Tq{sum(p['lengths_q'])}-Tk{sum(p['lengths_k'])}"
+            f"-H{p['nheads']}-Hk{p['nheads_k']}-D{p['head_dim']}"
+        )
+        p["strided_meta"] = rng.random() < 0.35
+    for name in ("q", "k", "v"):
+        p[f"layout_{name}"] = _layout(rng)
+    p["causal"] = rng.random() < 0.4
+    p["scale"] = None if rng.random() < 0.6 else round(rng.uniform(0.05, 1.2), 4)
+    p["magnitude"] = rng.choice((1.0, 1.0, 1.0, 3.0))
+    p["k_offset"] = rng.choice((0.0, 0.0, 4.0, 16.0))
+    p["smooth_k"] = rng.choice(("omit", "omit", True, False))
+    p["pv_dtype"] = "omit"
+    if p["api"] in ("sageattn", "sageattn_varlen") and rng.random() < 0.4:
+        p["pv_dtype"] = rng.choice(("fp16", "fp8"))
+    p["grad"] = rng.random() < 0.08
+
+
 def draw_case(seed: int, index: int) -> Case:
     """Case ``index`` of ``seed``: a function of the two alone."""
     rng = random.Random(f"{seed}-{index}")
     kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
-    dtype = rng.choice(DTYPES)
+    dtype = rng.choice(SAGE_DTYPES if kind.startswith("sage") else DTYPES)
     p = {"torch_seed": rng.getrandbits(62)}
     if kind in ("dense", "qkvpacked", "kvpacked"):
         _draw_dense(rng, p, kind)
@@ -319,6 +386,9 @@ def draw_case(seed: int, index: int) -> Case:
         _draw_paged(rng, p)
     elif kind == "kvcache":
         _draw_kvcache(rng, p)
+    elif kind.startswith("sage"):
+        _draw_sage(rng, p, kind)
+        return Case(seed, index, kind, dtype, None, p)  # one path: the kernels (or their torch fallback)
     else:
         _draw_sdpa(rng, p)
     # Mostly the Triton kernels; sometimes the torch backends, where they can run the call.
@@ -357,12 +427,16 @@ class Inputs:
         """Remember a tensor made elsewhere (its own storage)."""
         return self._keep(name, t, t)
 
-    def tensor(self, name: str, shape: tuple, layout: str) -> torch.Tensor:
+    def tensor(self, name: str, shape: tuple, layout: str, offset: float = 0.0) -> torch.Tensor:
         """Random values ``shape`` in a container given by ``layout``, whose other elements are NaN:
         ``contig``; ``heads`` a slice of dim -2; ``pad`` the first entries of a longer last dim; ``swap``
         dims -3 and -2 transposed in memory; ``step`` every other index of dim -3; ``offset`` dim 0 after
-        an extra leading entry; ``lastdim`` the last two dims transposed in memory (last dim strided)."""
-        values = (torch.randn(shape, generator=self.gen) * self.magnitude).to(self.dtype).to(self.device)
+        an extra leading entry; ``lastdim`` the last two dims transposed in memory (last dim strided).
+        ``offset``: plus a common value per channel (last dim), drawn with that standard deviation."""
+        values = torch.randn(shape, generator=self.gen) * self.magnitude
+        if offset:
+            values = values + torch.randn(shape[-1], generator=self.gen) * offset
+        values = values.to(self.dtype).to(self.device)
         big = list(shape)
         if layout == "contig":
             base = values.clone()
@@ -886,6 +960,88 @@ def _check_cache(report: Report, inputs: Inputs, p: dict, table_rows: list, trut
             report.check(err <= bound, f"{name}: new rotated rows, max error {err:.3g} vs bound {bound:.3g}")
 
 
+def _run_sage(case: Case, inputs: Inputs, report: Report) -> None:
+    """8-bit attention: check (a) against ``oracle.sage``, or the refusal the case must get."""
+    from flash_recipe.ops import int8_attention, targets  # imports Triton: on a drawn 8-bit case only
+
+    p = case.params
+    h, hk, d = p["nheads"], p["nheads_k"], p["head_dim"]
+    varlen = case.kind == "sage_varlen"
+    kwargs = {"is_causal": p["causal"]}
+    if p["scale"] is not None:
+        kwargs["sm_scale"] = p["scale"]
+    if p["smooth_k"] != "omit":
+        kwargs["smooth_k"] = p["smooth_k"]
+    if p["pv_dtype"] != "omit":
+        kwargs["pv_dtype"] = p["pv_dtype"]
+    if varlen:
+        lq, lk = p["lengths_q"], p["lengths_k"]
+        cu_q, cu_k = _offsets(lq), _offsets(lk)
+        shapes = {"q": (cu_q[-1], h, d), "k": (cu_k[-1], hk, d), "v": (cu_k[-1], hk, d)}
+        max_q, max_k = max(lq) + p["max_extra"][0], max(lk) + p["max_extra"][1]
+        cu_q_t = inputs.index("cu_seqlens_q", cu_q, p["strided_meta"], cu_q[-1])
+        cu_k_t = inputs.index("cu_seqlens_k", cu_k, p["strided_meta"], cu_k[-1])
+        offsets = (torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32))
+        # The kernels clamp max_seqlen to the packed totals (validate.check_varlen); so does the oracle.
+        oracle_varlen = (*(t.to(inputs.device) for t in offsets), min(max_q, cu_q[-1]), min(max_k, cu_k[-1]))
+    else:
+        b, sq, sk = p["batch"], p["seqlen_q"], p["seqlen_k"]
+        hnd = p["tensor_layout"] == "HND"
+        shapes = {
+            "q": (b, h, sq, d) if hnd else (b, sq, h, d),
+            "k": (b, hk, sk, d) if hnd else (b, sk, hk, d),
+            "v": (b, hk, sk, d) if hnd else (b, sk, hk, d),
+        }
+        kwargs.update(tensor_layout=p["tensor_layout"], return_lse=p["lse"])
+    offset = {"k": p["k_offset"]}
+    tensors = {n: inputs.tensor(n, shape, p[f"layout_{n}"], offset.get(n, 0.0)) for n, shape in shapes.items()}
+    fn = getattr(flash_recipe.sage, p["api"])  # sageattn, sageattn_varlen and the path names
+
+    def call():
+        if varlen:
+            return fn(tensors["q"], tensors["k"], tensors["v"], cu_q_t, cu_k_t, max_q, max_k, **kwargs)
+        return fn(tensors["q"], tensors["k"], tensors["v"], **kwargs)
+
+    # FP8 P.V runs on NVIDIA GPUs that have it; the CPU (the interpreter) always refuses it.
+    on_gpu = inputs.device.type == "cuda"
+    fp8_problem = int8_attention.fp8_problem(targets.target_of(inputs.device)) if on_gpu else "the CPU"
+    wants_fp8 = p["pv_dtype"] == "fp8" or p["api"].startswith("sageattn_qk_int8_pv_fp8")
+    refusal = ""
+    if p["grad"]:
+        for t in tensors.values():
+            t.requires_grad_(True)
+        refusal = "flash_attn_func"  # training goes to the differentiable kernels
+    elif wants_fp8 and fp8_problem is not None:
+        refusal = "pv_dtype='fp16'"  # the fix: 16-bit P.V
+    if refusal:
+        try:
+            call()
+        except NotImplementedError as exc:
+            report.check(refusal in str(exc), f"refused with NotImplementedError naming {refusal}: {exc}")
+        else:
+            report.fail(f"ran, expected NotImplementedError naming {refusal}")
+        return
+    result = call()
+    out, lse = result if p.get("lse") else (result, None)
+    report.check(out.dtype == inputs.dtype, f"out dtype {out.dtype}")
+    fp8 = wants_fp8 or p["pv_dtype"] == "omit" and p["api"] in ("sageattn", "sageattn_varlen") and fp8_problem is None
+    config = int8_attention.plan_int8(inputs.device, d, fp8).config
+    blocks = (config.block_m, config.block_n)
+    q, k, v = (t.detach() for t in tensors.values())
+    if not varlen and p["tensor_layout"] == "HND":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    smooth = p["smooth_k"] is not False
+    scale = d**-0.5 if p["scale"] is None else p["scale"]
+    extra = oracle_varlen if varlen else ()
+    truth, truth_lse = oracle.sage(q, k, v, scale, p["causal"], smooth, fp8, blocks, torch.float64, extra)
+    same, same_lse = oracle.sage(q, k, v, scale, p["causal"], smooth, fp8, blocks, torch.float16, extra)
+    if not varlen and p["tensor_layout"] == "HND":
+        truth, same = truth.transpose(1, 2), same.transpose(1, 2)
+    report.rule("out", out, truth, same.to(inputs.dtype), 2)
+    if lse is not None:
+        report.rule("lse", lse, truth_lse, same_lse, 2)
+
+
 RUNNERS = {
     "dense": _run_dense,
     "qkvpacked": _run_dense,
@@ -896,6 +1052,8 @@ RUNNERS = {
     "paged": _run_paged,
     "kvcache": _run_kvcache,
     "sdpa": _run_sdpa,
+    "sage": _run_sage,
+    "sage_varlen": _run_sage,
 }
 
 

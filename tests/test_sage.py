@@ -220,7 +220,12 @@ def test_kernels_run_and_fallback_agrees(device, monkeypatch):
     assert len(launches) == 1
 
 
-def test_empty_and_keyless_inputs(device):
+@pytest.mark.parametrize("path", ["kernels", "fallback"])
+def test_empty_and_keyless_inputs(path, device, monkeypatch):
+    """No queries, no keys, and a packed sequence without keys: rows of 0 with lse = +inf, on the
+    kernels and on the torch fallback alike."""
+    if path == "fallback":
+        monkeypatch.setattr(sage, "triton_problem", lambda q: "no Triton here")
     q = torch.randn(1, 0, 2, 64, dtype=torch.float16, device=device)
     k = torch.randn(1, 5, 2, 64, dtype=torch.float16, device=device)
     assert flash_recipe.sageattn(q, k, k, "NHD").shape == (1, 0, 2, 64)
@@ -228,6 +233,9 @@ def test_empty_and_keyless_inputs(device):
     none = k[:, :0]
     out, lse = flash_recipe.sageattn(q, none, none, "NHD", return_lse=True)
     assert (out == 0).all() and torch.isinf(lse).all()
+    q, k = torch.randn(7, 2, 64, dtype=torch.float16, device=device), k[0]
+    out = flash_recipe.sageattn_varlen(q, k, k, _cu([3, 4], device), _cu([5, 0], device), 4, 5)
+    assert out.shape == q.shape and (out[3:] == 0).all() and (out[:3] != 0).any()
 
 
 REFUSALS = [  # (kwargs changes, error type, words in the message)
