@@ -120,8 +120,9 @@ def test_unknown_names_and_modules_are_refused_by_name():
         import flash_recipe
         assert flash_recipe.install_as_sageattention()
         import sageattention
-        for statement in ("import sageattention.core", "from sageattention import sageattn3_blackwell",
-                          "sageattention.sageattn_qk_int8_pv_fp8_cuda_sm100"):
+        for statement in ("import sageattention.quant", "from sageattention import sageattn3_blackwell",
+                          "sageattention.sageattn_qk_int8_pv_fp8_cuda_sm100",
+                          "from sageattention.core import per_block_int8_triton"):
             try:
                 exec(statement)
             except (ImportError, AttributeError) as exc:
@@ -133,11 +134,64 @@ def test_unknown_names_and_modules_are_refused_by_name():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("ModuleNotFoundError | ")
-    assert "does not provide the module sageattention.core; it provides sageattention" in lines[0]
+    assert (
+        "does not provide the module sageattention.quant; it provides sageattention, sageattention.core" in (lines[0])
+    )
     assert lines[1].startswith("ImportError | cannot import name 'sageattn3_blackwell'")  # Python's words
     assert lines[2].startswith("AttributeError | ")
     assert "does not provide sageattention.sageattn_qk_int8_pv_fp8_cuda_sm100" in lines[2]
     assert "sageattn_varlen" in lines[2] and "install the sageattention package for the rest" in lines[2]
+    assert lines[3].startswith("ImportError | cannot import name 'per_block_int8_triton'")  # Python's words
+
+
+@NO_UPSTREAM
+def test_sageattention_core_gives_the_functions_and_the_probes():
+    """``from sageattention.core import ...`` as scripts and ComfyUI nodes write it: the package's
+    functions, and probes that report no GPU on this machine."""
+    answer = _json(
+        _python(
+            """
+            import json
+            import flash_recipe
+            assert flash_recipe.install_as_sageattention()
+            import sageattention, sageattention.core
+            from sageattention.core import sageattn, sageattn_qk_int8_pv_fp16_cuda, get_cuda_arch_versions
+            from sageattention.core import SM80_ENABLED, SM89_ENABLED, SM90_ENABLED
+            print(json.dumps({
+                "same": [getattr(sageattention.core, n) is getattr(sageattention, n) for n in sageattention.__all__
+                         if n != "__version__"],
+                "functions": [sageattn.__module__, sageattn_qk_int8_pv_fp16_cuda.__name__],
+                "probes": [get_cuda_arch_versions(), SM80_ENABLED, SM89_ENABLED, SM90_ENABLED],
+            }))
+            """
+        )
+    )
+    assert answer["same"] and all(answer["same"])
+    assert answer["functions"] == ["flash_recipe.sage", "sageattn_qk_int8_pv_fp16_cuda"]
+    assert answer["probes"] == [[], False, False, False]
+
+
+@pytest.mark.parametrize(
+    "gpus,archs,probes",
+    [
+        ([(8, 6)], ["sm86"], (True, False, False)),
+        ([(7, 5), (8, 9)], ["sm75", "sm89"], (True, True, True)),
+        ([(7, 5)], ["sm75"], (False, False, False)),
+        ([(9, 0), (12, 0)], ["sm90", "sm120"], (True, True, True)),
+    ],
+)
+def test_core_probes_follow_the_visible_gpus(gpus, archs, probes, monkeypatch):
+    """The probes as the GPUs would answer them. This machine has no GPU: torch.cuda's device
+    queries are replaced by the listed compute capabilities (a mock of the driver only)."""
+    from flash_recipe.sageattention import core
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: gpus[index])
+    assert core.get_cuda_arch_versions() == archs
+    found = (core.SM80_ENABLED, core.SM89_ENABLED, core.SM90_ENABLED)
+    assert found == probes
 
 
 @NO_UPSTREAM
@@ -226,7 +280,7 @@ def test_arguments_are_checked():
 def test_exported_lazily():
     assert "install_as_sageattention" in flash_recipe.__all__
     assert flash_recipe.install_as_sageattention is alias.install_as_sageattention
-    assert alias.SAGEATTENTION.provided == ("sageattention",)
+    assert alias.SAGEATTENTION.provided == ("sageattention", "sageattention.core")
 
 
 def test_a_call_as_comfyui_makes_it():

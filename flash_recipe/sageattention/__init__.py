@@ -3,8 +3,10 @@
 After ``install_as_sageattention()``, ``import sageattention`` gives this module: SageAttention
 2.2.0's public functions (``flash_recipe.sage.SAGE_NAMES``), by the same names and arguments,
 computed by flash_recipe's 8-bit Triton kernels (``flash_recipe.sage`` documents them). Importing
-it installs nothing. SageAttention's other modules (``sageattention.core``, its compiled
-extensions) are not provided: importing them raises ImportError naming what is.
+it installs nothing. ``sageattention.core`` gives the same functions and SageAttention's probes of
+the GPU (``get_cuda_arch_versions``, ``SM89_ENABLED``, ...). Its other modules (the compiled
+extensions, the quantization helpers) are not provided: importing them raises ImportError naming
+what is.
 """
 
 from __future__ import annotations
