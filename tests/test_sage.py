@@ -7,7 +7,7 @@ docs/int8-attention.md, the API's layouts and refusals, and the torch fallback.
 
 On the CPU every case runs the Triton kernels through the interpreter (fp16 and bf16: the kernels'
 only 16-bit products take fp16 operands); FP8 P.V runs on a GPU only (the interpreter rounds to
-float8 wrongly), where ``test_gpu.py`` covers it.
+float8 wrongly), where the campaign's tests step runs this file.
 """
 
 from __future__ import annotations
