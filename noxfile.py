@@ -8,6 +8,8 @@
 - ``diffusers``: diffusers transformers on its ``flash`` and ``flash_varlen`` backends and its
   context parallelism, and on its ``sage`` and ``sage_varlen`` backends (8-bit attention), on
   flash_recipe;
+- ``hub_kernel``: flash_recipe as a Hugging Face Hub kernel, loaded by ``kernels`` from a local
+  build, beside the pip package, and from transformers (``attn_implementation="org/repo"``);
 - ``fuzz``: random calls of every entry point against plain-torch oracles (``-- --cases N --seed S``);
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``torch_compat``: each supported torch release with the Triton its wheel pins (verify, core tests,
@@ -169,6 +171,28 @@ def diffusers(session: nox.Session) -> None:
         str(ROOT / "tests" / "test_diffusers_sage.py"),
         *session.posargs,
         env={"FLASH_RECIPE_REQUIRE_DIFFUSERS": "1"},
+    )
+
+
+# The Hub-kernel loader and a transformers release of its window (transformers' own bounds: 5.20.2
+# to 5.22.x take kernels 0.17.2 or newer, below 0.18; the package index here has kernels 0.17.2).
+HUB_KERNEL = ("kernels==0.17.2", "transformers>=5.20.2,<5.23")
+
+
+@nox.session(default=False)
+def hub_kernel(session: nox.Session) -> None:
+    """flash_recipe as a Hugging Face Hub kernel (``flash-recipe hub-build``), loaded offline by
+    ``kernels`` from a local build: ``kernels info``, ``get_local_kernel`` in a process where
+    ``import flash_recipe`` fails, the pip package and the Hub copy in one process, and a tiny
+    random Llama with ``attn_implementation="flash-recipe/flash-recipe"`` through ``LOCAL_KERNELS``
+    against sdpa: ``tests/test_hub_kernel.py``. Extra arguments go to pytest."""
+    install_built_wheel(session, pins=HUB_KERNEL)
+    session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
+    run_pytest(
+        session,
+        str(ROOT / "tests" / "test_hub_kernel.py"),
+        *session.posargs,
+        env={"FLASH_RECIPE_REQUIRE_HUB": "1", "HF_HUB_OFFLINE": "1"},
     )
 
 

@@ -22,37 +22,48 @@ import importlib
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-try:  # pyproject.toml states the version; the installed metadata carries it here
-    __version__ = metadata.version("flash-recipe")
-except metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
-    __version__ = "0+unknown"
+
+def _version() -> str:
+    """The release: a Hub copy records the one it was built from (``_hub.py``, written by
+    ``flash-recipe hub-build``); the wheel's comes from its installed metadata (pyproject.toml)."""
+    try:
+        return str(importlib.import_module("._hub", __name__).__version__)
+    except ModuleNotFoundError:
+        pass
+    try:
+        return metadata.version("flash-recipe")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 _EXPORTS = {
-    "flash_attn_func": "flash_recipe.api",
-    "flash_attn_kvpacked_func": "flash_recipe.api",
-    "flash_attn_qkvpacked_func": "flash_recipe.api",
-    "flash_attn_varlen_func": "flash_recipe.api",
-    "flash_attn_varlen_kvpacked_func": "flash_recipe.api",
-    "flash_attn_varlen_qkvpacked_func": "flash_recipe.api",
-    "flash_attn_with_kvcache": "flash_recipe.decoding",
-    "pad_input": "flash_recipe.padding",
-    "unpad_input": "flash_recipe.padding",
-    "scaled_dot_product_attention": "flash_recipe.api",
-    "explain": "flash_recipe.api",
-    "available_backends": "flash_recipe.dispatch",
-    "use_backend": "flash_recipe.dispatch",
-    "BackendUnavailableError": "flash_recipe.dispatch",
-    "install_as_flash_attn": "flash_recipe.alias",
-    "sageattn": "flash_recipe.sage",
-    "sageattn_varlen": "flash_recipe.sage",
-    "install_as_sageattention": "flash_recipe.alias",
+    "flash_attn_func": ".api",
+    "flash_attn_kvpacked_func": ".api",
+    "flash_attn_qkvpacked_func": ".api",
+    "flash_attn_varlen_func": ".api",
+    "flash_attn_varlen_kvpacked_func": ".api",
+    "flash_attn_varlen_qkvpacked_func": ".api",
+    "flash_attn_with_kvcache": ".decoding",
+    "pad_input": ".padding",
+    "unpad_input": ".padding",
+    "scaled_dot_product_attention": ".api",
+    "explain": ".api",
+    "available_backends": ".dispatch",
+    "use_backend": ".dispatch",
+    "BackendUnavailableError": ".dispatch",
+    "install_as_flash_attn": ".alias",
+    "sageattn": ".sage",
+    "sageattn_varlen": ".sage",
+    "install_as_sageattention": ".alias",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
-    from flash_recipe.alias import install_as_flash_attn, install_as_sageattention
-    from flash_recipe.api import (
+    from .alias import install_as_flash_attn, install_as_sageattention
+    from .api import (
         explain,
         flash_attn_func,
         flash_attn_kvpacked_func,
@@ -62,17 +73,27 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         flash_attn_varlen_qkvpacked_func,
         scaled_dot_product_attention,
     )
-    from flash_recipe.decoding import flash_attn_with_kvcache
-    from flash_recipe.dispatch import BackendUnavailableError, available_backends, use_backend
-    from flash_recipe.padding import pad_input, unpad_input
-    from flash_recipe.sage import sageattn, sageattn_varlen
+    from .decoding import flash_attn_with_kvcache
+    from .dispatch import BackendUnavailableError, available_backends, use_backend
+    from .padding import pad_input, unpad_input
+    from .sage import sageattn, sageattn_varlen
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'flash_recipe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        source = importlib.import_module(module, __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name != __name__ + module:
+            raise
+        # The Hub kernel copy leaves the stand-ins and tools out (flash_recipe.tools.hub_build).
+        raise AttributeError(
+            f"{name} is not part of this copy of flash_recipe ({__name__}, a Hugging Face Hub kernel); "
+            f"it comes with the pip package: pip install flash-recipe"
+        ) from exc
+    value = getattr(source, name)
     globals()[name] = value
     return value
 

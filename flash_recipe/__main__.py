@@ -2,6 +2,6 @@
 
 import sys
 
-from flash_recipe.tools.cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -42,7 +42,7 @@ class StandIn:
     """One upstream package that flash_recipe stands in for."""
 
     package: str  # the top-level module code imports: "flash_attn"
-    module: str  # flash_recipe's package that stands in for it: "flash_recipe.flash_attn"
+    module: str  # flash_recipe's package that stands in for it, relative to flash_recipe: ".flash_attn"
     provided: tuple[str, ...]  # the modules provided, by the names code imports
     distribution: str  # the distribution's name on PyPI (normalized): "flash-attn"
     probe: str  # the module whose import tells a working upstream install from a broken one
@@ -51,7 +51,7 @@ class StandIn:
 
 FLASH_ATTN = StandIn(
     package="flash_attn",
-    module="flash_recipe.flash_attn",
+    module=".flash_attn",
     provided=(
         "flash_attn",
         "flash_attn.flash_attn_interface",
@@ -65,7 +65,7 @@ FLASH_ATTN = StandIn(
 )
 SAGEATTENTION = StandIn(
     package="sageattention",
-    module="flash_recipe.sageattention",
+    module=".sageattention",
     provided=("sageattention", "sageattention.core"),
     distribution="sageattention",
     probe="sageattention",  # upstream's package imports its kernels' modules at import
@@ -222,7 +222,7 @@ def install(stand_in: StandIn, force: bool = False) -> bool:
     for name in [n for n in sys.modules if n == stand_in.package or n.startswith(prefix)]:
         del sys.modules[name]
     for name in stand_in.provided:
-        sys.modules[name] = importlib.import_module(stand_in.module + name[len(stand_in.package) :])
+        sys.modules[name] = importlib.import_module(stand_in.module + name[len(stand_in.package) :], __package__)
     for finder in (_FINDER, METADATA_FINDER):
         if finder not in sys.meta_path:
             sys.meta_path.insert(0, finder)

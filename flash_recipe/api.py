@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
-from flash_recipe import dispatch, validate
-from flash_recipe.decoding import paged_varlen
-from flash_recipe.dispatch import AttentionCall
-from flash_recipe.flash_call import FlashOptions, build_flash_call
+from . import dispatch, validate
+from .decoding import paged_varlen
+from .dispatch import AttentionCall
+from .flash_call import FlashOptions, build_flash_call
 
 
 def _finish(result, return_attn_probs):

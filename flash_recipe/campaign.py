@@ -9,6 +9,6 @@ from __future__ import annotations
 if __name__ == "__main__":
     import sys
 
-    from flash_recipe.tools.campaign.cli import main
+    from .tools.campaign.cli import main
 
     sys.exit(main())

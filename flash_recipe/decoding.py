@@ -18,10 +18,10 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from flash_recipe import dispatch, validate
-from flash_recipe.dispatch import AttentionCall, CacheCall, PagedCall
-from flash_recipe.ops.limits import MAX_SPLITS
-from flash_recipe.signatures import Memo, signature
+from . import dispatch, validate
+from .dispatch import AttentionCall, CacheCall, PagedCall
+from .ops.limits import MAX_SPLITS
+from .signatures import Memo, signature
 
 
 def _check_cache_tensors(q, k_cache, v_cache, k, v) -> tuple:

@@ -37,10 +37,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from flash_recipe import dispatch, validate
-from flash_recipe.api import flash_attn_func
-from flash_recipe.flash_call import FlashOptions, build_flash_call
-from flash_recipe.ulysses import all_to_all_attention
+from . import dispatch, validate
+from .api import flash_attn_func
+from .flash_call import FlashOptions, build_flash_call
+from .ulysses import all_to_all_attention
 
 LAYOUTS = ("zigzag", "contiguous")
 

@@ -13,9 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-from flash_recipe import validate
-from flash_recipe.dispatch import AttentionCall
-from flash_recipe.signatures import Memo, signature
+from . import validate
+from .dispatch import AttentionCall
+from .signatures import Memo, signature
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,8 +32,8 @@ from typing import Any, Optional
 
 import torch
 
-from flash_recipe import reference_int8, validate
-from flash_recipe.dispatch import capabilities
+from . import reference_int8, validate
+from .dispatch import capabilities
 
 # The names ``import sageattention`` gives (diffusers 0.42 imports all of them).
 SAGE_NAMES = (
@@ -128,8 +128,8 @@ def _pv_fp8(q: torch.Tensor, pv_dtype: Optional[str], name: str) -> bool:
                 f"use pv_dtype='fp16' (sageattn_qk_int8_pv_fp16_triton)"
             )
         return False
-    from flash_recipe.ops.int8_attention import fp8_problem  # imports Triton: on a GPU call only
-    from flash_recipe.ops.targets import target_of  # beside it: the ops package loads on first use
+    from .ops.int8_attention import fp8_problem  # imports Triton: on a GPU call only
+    from .ops.targets import target_of  # beside it: the ops package loads on first use
 
     problem = fp8_problem(target_of(q.device))
     if pv_dtype == "fp8" and problem is not None:
@@ -140,7 +140,7 @@ def _pv_fp8(q: torch.Tensor, pv_dtype: Optional[str], name: str) -> bool:
 def _run(q, k, v, scale: float, causal: bool, smooth_k: bool, fp8: bool, need_lse: bool, varlen: tuple = ()):
     """The kernels, or the torch definition where Triton cannot run; ``(out, lse or None)``."""
     if triton_problem(q) is None:
-        from flash_recipe.ops.int8_attention import int8_attention  # imports Triton: on the first call only
+        from .ops.int8_attention import int8_attention  # imports Triton: on the first call only
 
         packed = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), varlen))
         return int8_attention(q, k, v, scale, causal, smooth_k, fp8, need_lse=need_lse, **packed)

@@ -906,3 +906,61 @@ def test_guessed_263_wheel_name_in_log_is_resolved_with_its_own_cuda_label():
     log = f"Guessing wheel URL:  {url}\nPrecompiled wheel not found. Building from source...\n"
     found = rules_fired(Context(facts=gpu_facts(), log=log))
     assert "wheel-download-blocked" in found and "no-prebuilt-wheel" not in found
+
+
+# -- transformers and kernels ---------------------------------------------------------------------
+
+
+def _fake_distributions(tmp_path: Path, monkeypatch, **versions) -> None:
+    """dist-info metadata of each ``name=version`` on a tmp sys.path entry, found before any real one."""
+    site = tmp_path / "site"
+    for name, version in versions.items():
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(site))
+
+
+@pytest.mark.parametrize(
+    "transformers, kernels, fires",
+    [
+        ("5.22.2", "0.18.3", "kernels>=0.17.2,<0.18.0"),
+        ("5.20.2", "0.17.1", "kernels>=0.17.2,<0.18.0"),
+        ("5.23.0", "0.17.2", "kernels>=0.18.2,<0.19.0"),
+        ("5.18.0", "0.17.0", None),
+        ("5.22.2", "0.17.2", None),
+        ("5.24.0", "0.18.2", None),
+        ("4.57.1", "0.18.3", None),  # below the table: transformers loads no Hub kernel this way
+    ],
+)
+def test_transformers_kernels_pair_from_installed_metadata(tmp_path, monkeypatch, transformers, kernels, fires):
+    """The real probe reads the two distributions' metadata (fake dist-infos on sys.path)."""
+    _fake_distributions(tmp_path, monkeypatch, transformers=transformers, kernels=kernels)
+    facts = {"libraries": probes.probe_libraries()}
+    assert facts["libraries"] == {"transformers": transformers, "kernels": kernels}
+    found = rules_fired(Context(facts=facts)).get("transformers-kernels-pair")
+    if fires is None:
+        assert found is None
+        return
+    assert found.severity == "error" and found.recipe == ""
+    assert found.command == f'python -m pip install --upgrade "{fires}"'
+    assert f"kernels {kernels} is installed" in found.evidence[0]
+
+
+def test_transformers_kernels_pair_quiet_without_kernels(tmp_path, monkeypatch):
+    _fake_distributions(tmp_path, monkeypatch, transformers="5.22.2")
+    facts = {"libraries": {"transformers": "5.22.2", "kernels": None}}
+    assert "transformers-kernels-pair" not in rules_fired(Context(facts=facts))
+
+
+@pytest.mark.parametrize(
+    "installer, project, command",
+    [
+        ("uv", {"pyproject": "/p/pyproject.toml"}, 'uv add "kernels>=0.17.2,<0.18.0"'),
+        ("poetry", {"pyproject": "/p/pyproject.toml"}, 'poetry add "kernels>=0.17.2,<0.18.0"'),
+    ],
+)
+def test_transformers_kernels_pair_command_per_installer(installer, project, command):
+    facts = {"libraries": {"transformers": "5.21.0", "kernels": "0.18.2"}}
+    found = rules_fired(Context(facts=facts, installer=installer, project=project))["transformers-kernels-pair"]
+    assert found.command == command

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-import flash_recipe
+from flash_recipe import api, decoding
 from flash_recipe.ops.configs import head_dim_bucket
 from flash_recipe.testing import max_error
 from flash_recipe.tools import gpu_check, gpu_check_cases, warmup, warmup_calls
@@ -117,7 +117,7 @@ def test_a_planted_1_percent_error_fails_the_step(where, dtype, monkeypatch, dev
     table = gpu_check.TINY_TABLE
     cases = [table[0], next(c for c in table if c.kind == "varlen"), next(c for c in table if c.kind == "dropout")]
     for name in ("flash_attn_func", "flash_attn_varlen_func"):
-        monkeypatch.setattr(flash_recipe, name, _planted(getattr(flash_recipe, name), where))
+        monkeypatch.setattr(api, name, _planted(getattr(api, name), where))
     lines = []
     doc = gpu_check.run(tuple(cases), [dtype], device, 300, fuzz=False, progress=lines.append)
     assert not doc["passed"] and len(doc["rows"]) == len(cases)
@@ -132,8 +132,8 @@ def test_a_planted_error_in_the_kv_cache_call_fails_its_row(monkeypatch, device)
     if device.type != "cpu":
         pytest.skip("the interpreter's table")
     case = next(c for c in gpu_check.TINY_TABLE if c.kind == "kvcache")
-    real = flash_recipe.flash_attn_with_kvcache
-    monkeypatch.setattr(flash_recipe, "flash_attn_with_kvcache", lambda *a, **k: real(*a, **k) * 1.01)
+    real = decoding.flash_attn_with_kvcache
+    monkeypatch.setattr(decoding, "flash_attn_with_kvcache", lambda *a, **k: real(*a, **k) * 1.01)
     row = gpu_check.safe_check(case, torch.float16, device)
     assert not row["passed"] and row["errors"]["out"] > row["bounds"]["out"]
     assert row["errors"]["k_cache"] == row["errors"]["cache_rest"] == 0.0
@@ -143,7 +143,7 @@ def test_a_check_that_raises_is_a_failed_row(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image\nmore lines")
 
-    monkeypatch.setattr(flash_recipe, "flash_attn_func", broken)
+    monkeypatch.setattr(api, "flash_attn_func", broken)
     row = gpu_check.safe_check(gpu_check.TINY_TABLE[0], torch.float16, CPU)
     assert row["passed"] is False and row["error"] == "RuntimeError: no kernel image"
     assert "FAIL" in gpu_check._line(row)

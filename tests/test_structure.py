@@ -1,7 +1,7 @@
-"""The package's shape: no import cycle, imports of the package at the top of their files unless a
-comment says why not, kernels launched by keyword, backends named for branching only inside
-``flash_recipe.dispatch`` (all four read from the source), and kernel flags that are only valid
-together guarded in the kernel.
+"""The package's shape: no import cycle, every import of the package relative, imports of the package
+at the top of their files unless a comment says why not, kernels launched by keyword, backends
+named for branching only inside ``flash_recipe.dispatch`` (all four read from the source), and
+kernel flags that are only valid together guarded in the kernel.
 
 Each checker is also run on a small snippet that breaks its rule, so a checker that stopped
 seeing anything would fail here rather than pass in silence.
@@ -47,21 +47,32 @@ def _run_time_nodes(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
+def _package_of(name: str, modules: dict) -> str:
+    """The package a module's relative imports start from: itself for a package, else its parent."""
+    return name if any(other.startswith(name + ".") for other in modules) else name.rpartition(".")[0]
+
+
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module of ``from <module> import ...``; a relative one starts from ``package``,
+    one level up per extra dot."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    parts = package.split(".")
+    return ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+
+
 def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
     """Module -> the flash_recipe modules it imports, at module level or inside a function."""
     graph = {name: set() for name in modules}
-    packages = {name for name in modules if any(other.startswith(name + ".") for other in modules)}
     for name, tree in modules.items():
-        package = name if name in packages else name.rpartition(".")[0]
+        package = _package_of(name, modules)
         for node in _run_time_nodes(tree):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: from the package, one level up per extra dot
-                    parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                base = _from_module(node, package)
                 for alias in node.names:
                     submodule = f"{base}.{alias.name}"
                     targets.append(submodule if submodule in modules else base)
@@ -284,14 +295,16 @@ def private_crossings(modules: dict[str, ast.Module]) -> list[str]:
 
     for name, tree in modules.items():
         imported = {}  # local name -> module, for modules bound by an import
+        package = _package_of(name, modules)
         for node in _run_time_nodes(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flash_recipe"):
+            source = _from_module(node, package) if isinstance(node, ast.ImportFrom) else ""
+            if source.startswith("flash_recipe"):
                 for alias in node.names:
-                    target = f"{node.module}.{alias.name}"
+                    target = f"{source}.{alias.name}"
                     if target in modules:
                         imported[alias.asname or alias.name] = target
-                    elif private(alias.name) and _layer(node.module) != _layer(name):
-                        found.append(f"{name} -> {node.module}.{alias.name}")
+                    elif private(alias.name) and _layer(source) != _layer(name):
+                        found.append(f"{name} -> {source}.{alias.name}")
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.startswith("flash_recipe") and alias.asname:
@@ -312,15 +325,51 @@ def test_the_private_name_check_finds_both_forms():
     modules = {
         "flash_recipe.api": ast.parse("def _build(): pass\n"),
         "flash_recipe.env.wheels": ast.parse("def _release(): pass\n"),
-        "flash_recipe.env.doctor": ast.parse("from flash_recipe.env import wheels\nwheels._release()\n"),
+        "flash_recipe.env.doctor": ast.parse("from . import wheels\nwheels._release()\n"),
         "flash_recipe.stand_in": ast.parse(
             "from flash_recipe.api import _build, __doc__\nfrom flash_recipe.env import wheels\nwheels._release()\n"
         ),
+        "flash_recipe.env.probe": ast.parse("from ..api import _build\n"),
     }
     assert private_crossings(modules) == [
+        "flash_recipe.env.probe -> flash_recipe.api._build",
         "flash_recipe.stand_in -> flash_recipe.api._build",
         "flash_recipe.stand_in -> flash_recipe.env.wheels._release",
     ]
+
+
+def absolute_imports(modules: dict[str, ast.Module]) -> list[str]:
+    """``module:line`` of each import of the package by its own name (``import flash_recipe...``,
+    ``from flash_recipe... import``, ``import_module("flash_recipe...")``). The Hub copy is imported
+    under another name (docs/hub-kernel.md), so every import inside the package is relative."""
+    found = []
+    for name, tree in modules.items():
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args:
+                first = node.args[0]
+                names = [first.value] if isinstance(first, ast.Constant) and isinstance(first.value, str) else []
+            if any(n == "flash_recipe" or n.startswith("flash_recipe.") for n in names):
+                found.append(f"{name}:{node.lineno}")
+    return sorted(found)
+
+
+def test_every_import_inside_the_package_is_relative():
+    assert absolute_imports(_modules()) == []
+
+
+def test_the_absolute_import_check_finds_every_form():
+    modules = {
+        "flash_recipe.a": ast.parse("import flash_recipe\nfrom . import b\n"),
+        "flash_recipe.b": ast.parse("def f():\n    from flash_recipe.ops import tiles\n"),
+        "flash_recipe.c": ast.parse("import importlib\nimportlib.import_module('flash_recipe.api')\n"),
+        "flash_recipe.d": ast.parse("import flash_recipe_extra\nfrom .ops import tiles\n"),
+    }
+    assert absolute_imports(modules) == ["flash_recipe.a:1", "flash_recipe.b:2", "flash_recipe.c:2"]
 
 
 def script_entries(source: str) -> list[int]:

@@ -116,9 +116,7 @@ def test_offline_targets_are_those_with_a_known_multiprocessor_count():
 
 def test_without_a_test_tree_tests_says_why(tmp_path, monkeypatch):
     """An installed wheel has no tests/ folder next to the package."""
-    import flash_recipe
-
-    monkeypatch.setattr(flash_recipe, "__file__", str(tmp_path / "flash_recipe" / "__init__.py"))
+    monkeypatch.setattr(warmup_calls, "__file__", str(tmp_path / "flash_recipe" / "tools" / "warmup_calls.py"))
     with pytest.raises(FileNotFoundError, match="checkout's tests/ folder.*name the folder with --tests"):
         warmup_calls.step_calls("tests")
     with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no test_gpu.py"):

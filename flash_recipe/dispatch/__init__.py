@@ -21,16 +21,16 @@ from typing import Callable, Optional
 
 import torch
 
-from flash_recipe import alias
-from flash_recipe.dispatch.base import Backend, BackendUnavailableError
-from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
-from flash_recipe.dispatch.capabilities import TURING_ISSUES, pre_ampere_reason
-from flash_recipe.dispatch.flash_attn_backend import FlashAttnBackend
-from flash_recipe.dispatch.reference_backend import ReferenceBackend
-from flash_recipe.dispatch.sdpa_backend import SdpaBackend
-from flash_recipe.dispatch.triton_backend import TritonBackend
-from flash_recipe.ops import targets
-from flash_recipe.signatures import Memo, signature
+from .. import alias
+from ..ops import targets
+from ..signatures import Memo, signature
+from .base import Backend, BackendUnavailableError
+from .call import AttentionCall, CacheCall, PagedCall
+from .capabilities import TURING_ISSUES, pre_ampere_reason
+from .flash_attn_backend import FlashAttnBackend
+from .reference_backend import ReferenceBackend
+from .sdpa_backend import SdpaBackend
+from .triton_backend import TritonBackend
 
 __all__ = [
     "AttentionCall",

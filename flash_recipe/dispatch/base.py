@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.dispatch import torch_cache
-from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
-from flash_recipe.reference import attention_reference_backward
+from ..reference import attention_reference_backward
+from . import torch_cache
+from .call import AttentionCall, CacheCall, PagedCall
 
 
 class BackendUnavailableError(NotImplementedError):

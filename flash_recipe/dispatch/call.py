@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.reference import attention_reference, effective_window
+from ..reference import attention_reference, effective_window
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.env import versions
-from flash_recipe.ops import configs, targets
+from ..env import versions
+from ..ops import configs, targets
 
 # Turing (sm75: T4, RTX 20xx) and older. The doctor's gpu-too-old finding says the same.
 TURING_ISSUES = "#330, #542, #720, #887"

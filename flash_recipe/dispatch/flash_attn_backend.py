@@ -8,10 +8,10 @@ from typing import Optional
 
 import torch
 
-from flash_recipe import alias
-from flash_recipe.dispatch import capabilities
-from flash_recipe.dispatch.base import Backend
-from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
+from .. import alias
+from . import capabilities
+from .base import Backend
+from .call import AttentionCall, CacheCall, PagedCall
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Whether ``import flash_attn`` gives flash_recipe's stand-in, which must never serve as this backend.

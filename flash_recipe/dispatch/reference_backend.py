@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from flash_recipe.dispatch.base import Backend
-from flash_recipe.dispatch.call import AttentionCall
-from flash_recipe.reference import attention_reference
+from ..reference import attention_reference
+from .base import Backend
+from .call import AttentionCall
 
 
 class ReferenceBackend(Backend):

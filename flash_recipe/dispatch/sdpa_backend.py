@@ -6,10 +6,10 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.dispatch import capabilities
-from flash_recipe.dispatch.base import Backend
-from flash_recipe.dispatch.call import AttentionCall
-from flash_recipe.reference import alibi_bias, visible_keys
+from ..reference import alibi_bias, visible_keys
+from . import capabilities
+from .base import Backend
+from .call import AttentionCall
 
 
 class SdpaBackend(Backend):

@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from flash_recipe.dispatch.call import CacheCall, PagedCall
-from flash_recipe.reference import rotary_reference
+from ..reference import rotary_reference
+from .call import CacheCall, PagedCall
 
 
 def slots(pages: torch.Tensor, table_row: list, start: int, end: int) -> tuple:

@@ -6,10 +6,10 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.dispatch import capabilities
-from flash_recipe.dispatch.base import Backend
-from flash_recipe.dispatch.call import AttentionCall, CacheCall, PagedCall
-from flash_recipe.ops.options import KeyRanges, ScoreOptions, Varlen
+from ..ops.options import KeyRanges, ScoreOptions, Varlen
+from . import capabilities
+from .base import Backend
+from .call import AttentionCall, CacheCall, PagedCall
 
 
 def score_options(call: AttentionCall, key_ranges: bool = False) -> ScoreOptions:
@@ -89,7 +89,7 @@ class TritonBackend(Backend):
         return capabilities.last_dim_strided(call)
 
     def run(self, call: AttentionCall):
-        from flash_recipe.ops.attention import attention, new_seed  # imports Triton: on the first run only
+        from ..ops.attention import attention, new_seed  # imports Triton: on the first run only
 
         options = score_options(call)
         if options.dropout_p > 0.0 and options.seed is None:
@@ -101,7 +101,7 @@ class TritonBackend(Backend):
         return out, lse, s_dmask
 
     def grad(self, call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple:
-        from flash_recipe.ops.attention import attn_bwd, flatten  # imports Triton: on the first run only
+        from ..ops.attention import attn_bwd, flatten  # imports Triton: on the first run only
 
         if call.dropout_p > 0.0 and call.seed is None:
             raise ValueError("a backward with dropout needs the forward's seed (call.seed)")
@@ -113,7 +113,7 @@ class TritonBackend(Backend):
     @staticmethod
     def _dropped_probs(call: AttentionCall, seed) -> torch.Tensor:
         """The probabilities ``(B, H, Sq, Sk)`` the kernel used, negated where dropout dropped them."""
-        from flash_recipe.ops.dropout import dropout_mask  # imports Triton: on the first run only
+        from ..ops.dropout import dropout_mask  # imports Triton: on the first run only
 
         batch, seqlen_q, nheads, _ = call.q.shape
         keep = dropout_mask(seed, batch, nheads, seqlen_q, call.k.shape[1], call.dropout_p)
@@ -121,7 +121,7 @@ class TritonBackend(Backend):
         return torch.where(keep, probs, -probs).to(call.q.dtype)
 
     def run_cache(self, call: CacheCall) -> tuple:
-        from flash_recipe.ops.kvcache import Cache, Rotary, attention_kvcache  # imports Triton: first run only
+        from ..ops.kvcache import Cache, Rotary, attention_kvcache  # imports Triton: first run only
 
         cache = Cache(call.k_cache, call.v_cache, call.table, call.seqlens, call.leftpad)
         rotary = Rotary(*call.rotary) if call.rotary is not None else None
@@ -129,7 +129,7 @@ class TritonBackend(Backend):
         return attention_kvcache(call.q, call.k, call.v, cache, rotary, options, call.num_splits)
 
     def run_paged(self, call: PagedCall) -> tuple:
-        from flash_recipe.ops.forward import attention_forward  # imports Triton: on the first run only
+        from ..ops.forward import attention_forward  # imports Triton: on the first run only
 
         att = call.attention
         lengths_k = call.lengths_k

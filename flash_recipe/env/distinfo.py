@@ -10,7 +10,7 @@ import json
 from importlib import metadata
 from typing import Any
 
-from flash_recipe.alias import INSTALLER
+from ..alias import INSTALLER
 
 # The INSTALLER text of the metadata that a stand-in (``install_as_flash_attn()``,
 # ``install_as_sageattention()``) answers in its own process.

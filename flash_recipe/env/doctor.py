@@ -12,12 +12,12 @@ import json
 import sys
 from typing import Any, Optional
 
-from flash_recipe.env import probes, release
-from flash_recipe.env.facts import Facts
-from flash_recipe.env.project import probe_project
-from flash_recipe.env.published import LATEST
-from flash_recipe.env.rules import Context, Finding, evaluate
-from flash_recipe.env.wheels import inspect_wheel_file, release_tuple
+from . import probes, release
+from .facts import Facts
+from .project import probe_project
+from .published import LATEST
+from .rules import Context, Finding, evaluate
+from .wheels import inspect_wheel_file, release_tuple
 
 FLEX_FACTS = (
     "FlexAttention has no ahead-of-time build step and no build_flex_attention_kernels() function: "
@@ -155,7 +155,7 @@ def _fmt_finding(f: dict[str, Any]) -> list[str]:
     if f.get("note"):
         out.append(f"      note: {f['note']}")
     if f.get("command"):
-        out.append(f"      fix (recipes/{f['recipe']}):")
+        out.append(f"      fix (recipes/{f['recipe']}):" if f["recipe"] else "      fix:")
         out += [f"        {line}" for line in f["command"].splitlines()]
     return out
 

@@ -219,6 +219,14 @@ class FlexFacts(_Flex, total=False):
     device_error: str
 
 
+class LibrariesFacts(TypedDict):
+    """:func:`~flash_recipe.env.probes.probe_libraries`: the installed version of each library that
+    loads attention kernels from the Hugging Face Hub, None when it is not installed."""
+
+    transformers: Optional[str]
+    kernels: Optional[str]
+
+
 class BackendsFacts(TypedDict):
     """:func:`~flash_recipe.env.probes.probe_backends`: backend name -> None (can run) or why not."""
 
@@ -320,6 +328,7 @@ class Facts(TypedDict, total=False):
     flex: Union[FlexFacts, ProbeError]
     sdpa: Union[SdpaFacts, ProbeError]
     backends: Union[BackendsFacts, ProbeError]
+    libraries: Union[LibrariesFacts, ProbeError]
     project: Union[ProjectFacts, ProbeError]
     network: Union[NetworkFacts, ProbeError]
     release: Union[ReleaseFacts, ProbeError]

@@ -16,8 +16,8 @@ import functools
 import re
 from typing import Any, Callable, Optional
 
-from flash_recipe.env import commands
-from flash_recipe.env.facts import (
+from . import commands
+from .facts import (
     BackendsFacts,
     BuildToolsFacts,
     EnvVarFacts,
@@ -25,6 +25,7 @@ from flash_recipe.env.facts import (
     FlashAttnFacts,
     FlexFacts,
     GpusFacts,
+    LibrariesFacts,
     NetworkFacts,
     NvccFacts,
     PlatformFacts,
@@ -35,8 +36,8 @@ from flash_recipe.env.facts import (
     TritonFacts,
     WheelFileFacts,
 )
-from flash_recipe.env.published import LATEST
-from flash_recipe.env.wheels import resolve
+from .published import LATEST
+from .wheels import resolve
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -49,7 +50,7 @@ class Finding:
     title: str
     severity: str
     evidence: list[str]
-    recipe: str
+    recipe: str  # the folder under recipes/ that documents the cure; "" where the command is all of it
     command: str
     failure: Optional[int] = None
     note: Optional[str] = None
@@ -127,6 +128,10 @@ class Context:
     @property
     def backends(self) -> BackendsFacts:
         return self._probe("backends")
+
+    @property
+    def libraries(self) -> LibrariesFacts:
+        return self._probe("libraries")
 
     @property
     def network(self) -> NetworkFacts:

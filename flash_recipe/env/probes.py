@@ -20,8 +20,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, TypeVar, Union, cast
 
-from flash_recipe.env.distinfo import distribution_info
-from flash_recipe.env.facts import (
+from .distinfo import distribution_info
+from .facts import (
     BackendsFacts,
     BuildToolsFacts,
     CompileCheck,
@@ -31,6 +31,7 @@ from flash_recipe.env.facts import (
     FlexFacts,
     GpuDevice,
     GpusFacts,
+    LibrariesFacts,
     NetworkFacts,
     NvccFacts,
     PlatformFacts,
@@ -41,7 +42,7 @@ from flash_recipe.env.facts import (
     TorchFacts,
     TritonFacts,
 )
-from flash_recipe.env.wheels import parse_wheel_filename
+from .wheels import parse_wheel_filename
 
 # Environment variables that change how flash-attn's setup.py or torch's extension builder behave.
 BUILD_ENV_VARS = (
@@ -254,7 +255,7 @@ def triton_compile_check(arch: str) -> CompileCheck:
     limit, and the time taken. Needs no GPU: Triton compiles for a named target anywhere."""
     try:
         # Imported here, as torch is in every probe: a broken install still gets its report.
-        from flash_recipe.ops import configs, targets
+        from ..ops import configs, targets
     except Exception as exc:
         return {"arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     if arch not in configs.SHARED_MEMORY_LIMIT:
@@ -291,8 +292,8 @@ def _compile_forward(arch: str) -> CompileCheck:
     dim 64) on CPU tensors, compiled for ``arch`` through Triton's launch path (``ops.offline``)."""
     import torch  # as in every probe: importing the doctor imports no torch
 
-    from flash_recipe.ops import configs, forward, offline  # imports torch and Triton: the doctor starts without them
-    from flash_recipe.ops.options import ScoreOptions  # imports torch: the doctor starts without it
+    from ..ops import configs, forward, offline  # imports torch and Triton: the doctor starts without them
+    from ..ops.options import ScoreOptions  # imports torch: the doctor starts without it
 
     q, k, v = (torch.randn(2, 1024, 4, 64, dtype=torch.float16) for _ in range(3))
     causal = ScoreOptions(
@@ -432,6 +433,11 @@ def _import_check() -> FlashAttnFacts:
     }
 
 
+def probe_libraries() -> LibrariesFacts:
+    """transformers and kernels (Hub kernels, ``attn_implementation="org/repo"``), from metadata only."""
+    return {"transformers": distribution_info("transformers").get("version"), "kernels": distribution_info("kernels").get("version")}
+
+
 def probe_flex() -> FlexFacts:
     """What FlexAttention needs: torch >= 2.5 (the module), a CUDA device; it has no build step."""
     out: FlexFacts = {"module": False, "torch_ok": False, "device": False}
@@ -459,7 +465,7 @@ def probe_flex() -> FlexFacts:
 
 def probe_backends() -> BackendsFacts:
     """Which flash_recipe backends can run here, and why not, for a small fp16 causal call."""
-    from flash_recipe.dispatch import BACKENDS  # imports torch: the doctor starts without it
+    from ..dispatch import BACKENDS  # imports torch: the doctor starts without it
 
     availability = {}
     for backend in BACKENDS:
@@ -469,7 +475,7 @@ def probe_backends() -> BackendsFacts:
             availability[backend.name] = f"is_available() raised {type(exc).__name__}: {exc}"
     import torch
 
-    from flash_recipe import explain  # imports torch: the doctor starts without it
+    from .. import explain  # imports torch: the doctor starts without it
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.zeros(1, 16, 2, 64, dtype=torch.float16, device=device)
@@ -572,6 +578,7 @@ PROBES: dict[str, Probe] = {
     "flex": probe_flex,
     "sdpa": probe_sdpa,
     "backends": probe_backends,
+    "libraries": probe_libraries,
 }
 
 

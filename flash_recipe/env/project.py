@@ -8,7 +8,7 @@ import os
 import re
 from typing import Optional
 
-from flash_recipe.env.facts import ProjectFacts, TorchIndex
+from .facts import ProjectFacts, TorchIndex
 
 
 def probe_project(directory: Optional[str] = None) -> ProjectFacts:

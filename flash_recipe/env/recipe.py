@@ -14,8 +14,8 @@ import json
 import sys
 from typing import Any, Optional
 
-from flash_recipe.env import commands, probes, release
-from flash_recipe.env.project import probe_project
+from . import commands, probes, release
+from .project import probe_project
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

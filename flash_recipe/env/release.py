@@ -15,7 +15,7 @@ import sys
 from importlib import metadata
 from typing import Optional
 
-from flash_recipe.env.facts import ReleaseFacts
+from .facts import ReleaseFacts
 
 DISTRIBUTION = "flash-recipe"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

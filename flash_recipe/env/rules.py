@@ -7,9 +7,9 @@ the tests import :class:`Context`, :class:`Finding` and :func:`evaluate` from he
 
 from __future__ import annotations
 
-from flash_recipe.env import commands, rules_build, rules_runtime
-from flash_recipe.env.findings import RULES, SEVERITIES, Context, Finding, evaluate, rule
-from flash_recipe.env.rules_runtime import TURING_ISSUES
+from . import commands, rules_build, rules_runtime
+from .findings import RULES, SEVERITIES, Context, Finding, evaluate, rule
+from .rules_runtime import TURING_ISSUES
 
 # The modules whose import registers the rules, in the order they run.
 RULE_MODULES = (rules_build, rules_runtime)

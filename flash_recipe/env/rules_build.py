@@ -15,9 +15,9 @@ import re
 import shlex
 from typing import Any, Optional
 
-from flash_recipe.env import commands
-from flash_recipe.env.findings import Build, Context, Finding, rule
-from flash_recipe.env.wheels import parse_wheel_filename, resolve
+from . import commands
+from .findings import Build, Context, Finding, rule
+from .wheels import parse_wheel_filename, resolve
 
 _BUILD_MARKERS = (
     r"(Getting requirements to build|Preparing metadata|setup\.py|build_meta|pip-build-env|Building wheel"

@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from flash_recipe.env import commands, versions
-from flash_recipe.env.facts import GpuDevice
-from flash_recipe.env.findings import Build, Context, Finding, rule
-from flash_recipe.env.probes import NO_KERNEL
+from . import commands, versions
+from .facts import GpuDevice
+from .findings import Build, Context, Finding, rule
+from .probes import NO_KERNEL
 
 # -- 12. GPU older than sm80 ---------------------------------------------------------------------
 # The same facts as flash_recipe.dispatch.pre_ampere_reason (a test keeps the two in step).
@@ -364,4 +364,53 @@ def _no_backend(ctx: Context, finding: Build) -> Optional[Finding]:
         [f"{name}: {reason}" for name, reason in explain.items()],
         f"torch-index-{ctx.installer}",
         commands.install_torch(ctx.facts, ctx.installer),
+    )
+
+
+# -- transformers and kernels: Hub kernels (attn_implementation="org/repo") -------------------------
+# The kernels releases each transformers release accepts, by transformers' own bounds:
+# (first transformers, last transformers) -> (lowest kernels, the first kernels release refused).
+TRANSFORMERS_KERNELS = {
+    ((5, 18, 0), (5, 19, 0)): ((0, 17, 0), (0, 18, 0)),
+    ((5, 20, 2), (5, 22, 2)): ((0, 17, 2), (0, 18, 0)),
+    ((5, 23, 0), (5, 24, 0)): ((0, 18, 2), (0, 19, 0)),
+}
+
+
+def _version3(version: Optional[str]) -> Optional[tuple[int, int, int]]:
+    """(major, minor, patch) of a release such as ``5.22.2`` or ``0.17.2.dev0``; None if unreadable."""
+    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", version or "")
+    return (int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)) if match else None
+
+
+@rule("transformers-kernels-pair")
+def _transformers_kernels(ctx: Context, finding: Build) -> Optional[Finding]:
+    libraries = ctx.libraries
+    transformers, kernels = _version3(libraries.get("transformers")), _version3(libraries.get("kernels"))
+    if transformers is None or kernels is None:
+        return None
+    for (first, last), (low, refused) in TRANSFORMERS_KERNELS.items():
+        if first <= transformers <= last:
+            break
+    else:
+        return None  # a transformers release outside the known table: nothing to say
+    if low <= kernels < refused:
+        return None
+    spec = f"kernels>={_dotted(low)},<{_dotted(refused)}"
+    return finding(
+        f"transformers {libraries['transformers']} cannot load Hub kernels with kernels {libraries['kernels']}",
+        "error",
+        [
+            f"transformers {_dotted(first)} to {_dotted(last)} accept {spec}; kernels {libraries['kernels']} "
+            f"is installed",
+            'attn_implementation="<org>/<repo>" (a Hub kernel, flash-recipe\'s among them) fails to load',
+        ],
+        "",  # no recipe folder: one install command is the whole fix
+        commands.install_package(ctx.facts, ctx.installer, spec, ctx.project),
+        note=(
+            "Or move transformers to the kernels you have: transformers 5.18-5.19 take kernels 0.17.x, "
+            "5.20.2-5.22.2 take 0.17.2 or newer below 0.18, 5.23-5.24 take 0.18.2 or newer below 0.19. "
+            "flash-recipe from pip needs neither: attn_implementation=\"recipe_attention\" "
+            "(flash_recipe.integrations.transformers.register())."
+        ),
     )

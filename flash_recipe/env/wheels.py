@@ -18,7 +18,7 @@ import itertools
 import re
 from typing import Any, Optional
 
-from flash_recipe.env.published import LATEST, RELEASES
+from .published import LATEST, RELEASES
 
 BASE_URL = "https://github.com/Dao-AILab/flash-attention/releases/download/v{version}/{filename}"
 

@@ -8,7 +8,7 @@ computed by flash_recipe's backends. Importing it installs nothing.
 
 from __future__ import annotations
 
-from flash_recipe.flash_attn.flash_attn_interface import (
+from .flash_attn_interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -37,6 +37,6 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
+    from ..alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn", name, __all__)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_recipe.padding import index_put_first_axis, pad_input, unpad_input
+from ..padding import index_put_first_axis, pad_input, unpad_input
 
 __all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
 
@@ -19,6 +19,6 @@ def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
+    from ..alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn.bert_padding", name, __all__)

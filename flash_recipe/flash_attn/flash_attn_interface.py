@@ -36,10 +36,10 @@ from typing import Optional
 
 import torch
 
-from flash_recipe import api, decoding, dispatch, validate
-from flash_recipe.decoding import paged_varlen
-from flash_recipe.dispatch import AttentionCall
-from flash_recipe.flash_call import FlashOptions, build_flash_call
+from .. import api, decoding, dispatch, validate
+from ..decoding import paged_varlen
+from ..dispatch import AttentionCall
+from ..flash_call import FlashOptions, build_flash_call
 
 __all__ = [
     "_flash_attn_backward",
@@ -150,7 +150,7 @@ def _forward(call: AttentionCall, block_table=None) -> tuple:
             backend = dispatch.select(call, _replays_dropout(call))
             if call.dropout_p > 0.0:
                 # imports Triton, which importing the stand-in does not: dropout calls only
-                from flash_recipe.ops.attention import new_seed
+                from ..ops.attention import new_seed
 
                 call = dataclasses.replace(call, seed=new_seed(q.device))
                 rng_state[:1] = call.seed
@@ -384,6 +384,6 @@ _wrapped_flash_attn_varlen_backward = _flash_attn_varlen_backward
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
+    from ..alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn.flash_attn_interface", name, __all__)

@@ -80,8 +80,8 @@ from typing import Optional
 
 import torch
 
-from flash_recipe import validate
-from flash_recipe.dispatch import AttentionCall, PagedCall, TritonBackend
+from .. import validate
+from ..dispatch import AttentionCall, PagedCall, TritonBackend
 
 NAME = "flash_recipe"
 FIRST_TORCH = "2.10"  # the first torch release with torch.nn.attention's flash-attention registry
@@ -211,7 +211,7 @@ def _forward(what, call):
     rng_state = torch.zeros(2, dtype=torch.uint64, device=call.q.device)
     if call.dropout_p > 0.0:
         # imports Triton, which importing this module does not: dropout calls only
-        from flash_recipe.ops.attention import new_seed
+        from ..ops.attention import new_seed
 
         call = dataclasses.replace(call, seed=new_seed(call.q.device))
         rng_state.view(torch.int64)[:1] = call.seed

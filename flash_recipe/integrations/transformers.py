@@ -71,8 +71,8 @@ from typing import Optional
 
 import torch
 
-from flash_recipe import api, dispatch, validate
-from flash_recipe.padding import pad_input, unpad_input
+from .. import api, dispatch, validate
+from ..padding import pad_input, unpad_input
 
 ATTN_IMPLEMENTATION = "recipe_attention"
 # Substrings by which transformers routes an implementation name to its own machinery.

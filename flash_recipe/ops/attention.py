@@ -1,12 +1,13 @@
 """The Triton kernels as torch custom ops with autograd, so torch.compile traces them whole.
 
-``flash_recipe::attn_fwd`` and ``flash_recipe::attn_bwd`` wrap the launchers in ``forward`` and
-``backward``; their fake implementations give torch.compile the output shapes without running
-anything. ``attention(q, k, v, options, varlen)`` is the differentiable entry point the dispatcher
-uses: an eager call runs the launchers on its ``ScoreOptions`` directly, and only a call that goes
-through the ops (under torch.compile, or with tensor subclasses) is flattened into the ops' flat
-parameters (``flatten``) and back (``unflatten``). Both ops' schemas and both directions of the
-flattening come from one list, ``OPTION_PARAMS``.
+``flash_recipe::attn_fwd`` and ``flash_recipe::attn_bwd`` (the namespace is the package's name,
+``_ops.add_op_namespace_prefix``) wrap the launchers in ``forward`` and ``backward``; their fake
+implementations give torch.compile the output shapes without running anything. ``attention(q, k, v,
+options, varlen)`` is the differentiable entry point the dispatcher uses: an eager call runs the
+launchers on its ``ScoreOptions`` directly, and only a call that goes through the ops (under
+torch.compile, or with tensor subclasses) is flattened into the ops' flat parameters (``flatten``)
+and back (``unflatten``). Both ops' schemas and both directions of the flattening come from one
+list, ``OPTION_PARAMS``.
 
 Masking follows flash-attn: query ``i`` sees keys ``[i + diag_offset - window_left, i + diag_offset
 + window_right]``, ``-1`` meaning unbounded on that side (causal is ``window_right = 0``). With
@@ -21,9 +22,10 @@ from typing import Optional
 
 import torch
 
-from flash_recipe.ops.backward_launch import attention_backward
-from flash_recipe.ops.forward import attention_forward
-from flash_recipe.ops.options import ScoreOptions, Varlen
+from .._ops import add_op_namespace_prefix
+from .backward_launch import attention_backward
+from .forward import attention_forward
+from .options import ScoreOptions, Varlen
 
 # The ops' parameters that carry a call's options, in order, with their schema types: the fields of
 # ``Varlen`` (None and 0 without packed sequences), then those of ``ScoreOptions``, by name.
@@ -80,7 +82,7 @@ def _attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest) -> tuple
 
 
 attn_fwd = torch.library.custom_op(
-    "flash_recipe::attn_fwd", _attn_fwd, mutates_args=(),
+    add_op_namespace_prefix("attn_fwd"), _attn_fwd, mutates_args=(),
     schema=op_schema("Tensor q, Tensor k, Tensor v", "bool deterministic", "(Tensor, Tensor)"),
 )
 
@@ -104,7 +106,7 @@ def _attn_bwd(dout, q, k, v, out, lse, *rest) -> tuple[torch.Tensor, torch.Tenso
 
 
 attn_bwd = torch.library.custom_op(
-    "flash_recipe::attn_bwd", _attn_bwd, mutates_args=(),
+    add_op_namespace_prefix("attn_bwd"), _attn_bwd, mutates_args=(),
     schema=op_schema("Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse",
                      "bool own_lse, bool deterministic", "(Tensor, Tensor, Tensor, Tensor)"),
 )

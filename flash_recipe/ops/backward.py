@@ -47,8 +47,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flash_recipe.ops.schedule import launch_order
-from flash_recipe.ops.tiles import (
+from .schedule import launch_order
+from .tiles import (
     LOG2E,
     dropout_keep,
     key_blocks,

@@ -19,12 +19,12 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-from flash_recipe.ops import choose, configs, targets, tiles
-from flash_recipe.ops.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
-from flash_recipe.ops.launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
-from flash_recipe.ops.options import ScoreOptions, Varlen
-from flash_recipe.ops.schedule import launch_section
-from flash_recipe.signatures import Memo, signature
+from ..signatures import Memo, signature
+from . import choose, configs, targets, tiles
+from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from .launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
+from .options import ScoreOptions, Varlen
+from .schedule import launch_section
 
 
 class BackwardPlan(NamedTuple):

@@ -29,9 +29,9 @@ import warnings
 from collections.abc import Iterator
 from typing import Callable, Optional, TypeVar
 
-from flash_recipe.ops import configs, targets, tuned
-from flash_recipe.ops.configs import KERNELS, Config, head_dim_bucket
-from flash_recipe.ops.limits import BACKWARD_PATH_NAMES
+from . import configs, targets, tuned
+from .configs import KERNELS, Config, head_dim_bucket
+from .limits import BACKWARD_PATH_NAMES
 
 T = TypeVar("T")
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from flash_recipe.ops.limits import HEAD_DIM_BUCKETS
+from .limits import HEAD_DIM_BUCKETS
 
 # Shared memory one block may use (the opt-in maximum), in bytes, per compile target. Sources:
 # CUDA C++ Programming Guide, "Technical Specifications per Compute Capability" (sm80 163 KiB,

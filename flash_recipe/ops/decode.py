@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops.launch import Layout, Plan, launch, plan
-from flash_recipe.ops.tiles import load_tile, loop_bound, sequence, store_tile
+from .launch import Layout, Plan, launch, plan
+from .tiles import load_tile, loop_bound, sequence, store_tile
 
 
 @triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})

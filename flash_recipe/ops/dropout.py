@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops.tiles import dropout_keep
+from .tiles import dropout_keep
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import os
 from collections.abc import Iterator
 from typing import Optional
 
-from flash_recipe.ops import configs, targets
+from . import configs, targets
 
 # The module of host-side tensor descriptors, which Triton ships from 3.4 on.
 DESCRIPTOR_MODULE = "triton.tools.tensor_descriptor"

@@ -34,12 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import choose, configs, features, limits, targets, tiles
-from flash_recipe.ops.decode import launch_split_merge, plan_split_merge
-from flash_recipe.ops.launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
-from flash_recipe.ops.options import KeyRanges, ScoreOptions, Varlen
-from flash_recipe.ops.schedule import launch_order, launch_section
-from flash_recipe.ops.tiles import (
+from ..signatures import Memo, signature
+from . import choose, configs, features, limits, targets, tiles
+from .decode import launch_split_merge, plan_split_merge
+from .launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
+from .options import KeyRanges, ScoreOptions, Varlen
+from .schedule import launch_order, launch_section
+from .tiles import (
     LN2,
     LOG2E,
     dropout_keep,
@@ -55,7 +56,6 @@ from flash_recipe.ops.tiles import (
     tanh,
     visible,
 )
-from flash_recipe.signatures import Memo, signature
 
 
 @triton.jit

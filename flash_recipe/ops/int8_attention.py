@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe import reference_int8
-from flash_recipe.ops import configs, targets, tiles
-from flash_recipe.ops.quantize import block_d_of, quantize_blocks
-from flash_recipe.ops.tiles import (
+from .. import reference_int8
+from . import configs, targets, tiles
+from .quantize import block_d_of, quantize_blocks
+from .tiles import (
     LN2,
     key_blocks,
     load_tile,

@@ -26,15 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import choose, configs, splits, targets, tiles, tuned
-from flash_recipe.ops.forward import PACK_MAX_ROWS, ForwardPlan, gqa_packing, plan_forward, run_forward
-from flash_recipe.ops.launch import Plan, launch, plan
-from flash_recipe.ops.options import KeyRanges, ScoreOptions
+from ..signatures import Memo, signature
+from . import choose, configs, splits, targets, tiles, tuned
+from .forward import PACK_MAX_ROWS, ForwardPlan, gqa_packing, plan_forward, run_forward
+from .launch import Plan, launch, plan
+from .options import KeyRanges, ScoreOptions
 
 # Helpers the kernels call by name: torch.compile regenerates a kernel with the jit functions it
 # names, not the modules they are reached through.
-from flash_recipe.ops.tiles import load_tile, store_tile
-from flash_recipe.signatures import Memo, signature
+from .tiles import load_tile, store_tile
 
 
 @triton.heuristics(

@@ -19,8 +19,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from flash_recipe.ops import tiles
-from flash_recipe.ops.options import KeyRanges, ScoreOptions, Varlen
+from . import tiles
+from .options import KeyRanges, ScoreOptions, Varlen
 
 
 class Layout(NamedTuple):

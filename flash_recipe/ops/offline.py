@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-from flash_recipe.ops import backward, decode, forward, int8_attention, kvcache, quantize, targets
+from . import backward, decode, forward, int8_attention, kvcache, quantize, targets
 
 
 def gpu_target(target: str) -> GPUTarget:

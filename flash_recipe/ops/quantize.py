@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops.tiles import sequence
+from .tiles import sequence
 
 
 @triton.heuristics(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flash_recipe.ops.limits import MAX_SPLITS
+from .limits import MAX_SPLITS
 
 # Programs per multiprocessor that one wave holds. A decoding program streams keys with a single
 # 16-row query tile: too little arithmetic to hide its own load latency, so it needs company on its

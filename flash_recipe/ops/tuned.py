@@ -58,9 +58,9 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-from flash_recipe import __version__
-from flash_recipe.files import write_json
-from flash_recipe.ops.limits import BACKWARD_PATH_NAMES, HEAD_DIM_BUCKETS, MAX_SPLITS
+from .. import __version__
+from ..files import write_json
+from .limits import BACKWARD_PATH_NAMES, HEAD_DIM_BUCKETS, MAX_SPLITS
 
 FORMAT = 1
 ENV_VAR = "FLASH_RECIPE_TUNE_CACHE"

@@ -11,7 +11,7 @@ what is.
 
 from __future__ import annotations
 
-from flash_recipe.sage import (
+from ..sage import (
     sageattn,
     sageattn_qk_int8_pv_fp8_cuda,
     sageattn_qk_int8_pv_fp8_cuda_sm90,
@@ -38,6 +38,6 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
+    from ..alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("sageattention", name, __all__)

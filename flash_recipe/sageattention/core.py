@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_recipe.sage import (
+from ..sage import (
     sageattn,
     sageattn_qk_int8_pv_fp8_cuda,
     sageattn_qk_int8_pv_fp8_cuda_sm90,
@@ -59,6 +59,6 @@ def get_cuda_arch_versions() -> list[str]:
 def __getattr__(name: str):
     if name in _PROBES:
         return any(capability >= _PROBES[name] for capability in _capabilities())
-    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
+    from ..alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("sageattention.core", name, __all__)

@@ -10,7 +10,7 @@ It imports only torch and ``flash_recipe.reference``, so every layer may use it.
 
 from __future__ import annotations
 
-from flash_recipe.testing.accuracy import (
+from .accuracy import (
     FACTORS,
     FLOOR,
     FORWARD_FACTOR,
@@ -19,7 +19,7 @@ from flash_recipe.testing.accuracy import (
     assert_accurate,
     max_error,
 )
-from flash_recipe.testing.oracles import attention, compute_dtype, rotary
+from .oracles import attention, compute_dtype, rotary
 
 __all__ = [
     "FACTORS",

@@ -11,8 +11,8 @@ cannot drift apart.
 
 from __future__ import annotations
 
-from flash_recipe.reference import attention_reference as attention
-from flash_recipe.reference import compute_dtype
-from flash_recipe.reference import rotate as rotary
+from ..reference import attention_reference as attention
+from ..reference import compute_dtype
+from ..reference import rotate as rotary
 
 __all__ = ["attention", "compute_dtype", "rotary"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from flash_recipe.reference import attention_reference
+from ..reference import attention_reference
 
 # (b)'s bounds (``method_metrics``' keys): the smallest cosine and the largest rel_l1 and rmse.
 METRIC_BOUNDS = {"cosine": 0.9996, "rel_l1": 0.04, "rmse": 0.006}
@@ -104,7 +104,7 @@ def unquantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 def _table() -> None:  # pragma: no cover - prints the measurements behind METRIC_BOUNDS
-    from flash_recipe import reference_int8  # the table's only user: importing testing loads no method
+    from .. import reference_int8  # the table's only user: importing testing loads no method
 
     rows = [("shape", "causal", "smooth", "cosine", "rel_l1", "rmse")]
     for batch, sq, sk, h, hk, d in ((1, 1024, 1024, 2, 2, 64), (1, 1024, 1024, 2, 1, 128), (1, 256, 4096, 1, 1, 128)):

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from flash_recipe.ops import configs, limits
-from flash_recipe.tools import compile_check
+from ..ops import configs, limits
+from . import compile_check
 
 # One target per NVIDIA family: the families' own compile targets.
 TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120")

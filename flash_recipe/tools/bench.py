@@ -41,11 +41,10 @@ import sys
 import time
 from typing import Callable, Optional
 
-import flash_recipe
-from flash_recipe import files
-from flash_recipe.ops import features
-from flash_recipe.tools.bench_timing import UNFUSED_PEERS, Timer, Timing, dynamo_counters, fresh_dynamo, grown, judge
-from flash_recipe.tools.verify import versions
+from .. import __version__, files
+from ..ops import features
+from .bench_timing import UNFUSED_PEERS, Timer, Timing, dynamo_counters, fresh_dynamo, grown, judge
+from .verify import versions
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
@@ -97,10 +96,13 @@ def _flash_recipe(backend_name: Optional[str], descriptors: Optional[bool] = Non
     kernels' pointer loads where they would use TMA tensor descriptors (``ops.features``)."""
     import contextlib
 
+    from ..api import flash_attn_func  # imports torch: importing bench loads none
+    from ..dispatch import use_backend  # imports torch: importing bench loads none
+
     def run(q, k, v, causal):
         forced = features.using_descriptors(descriptors) if descriptors is not None else contextlib.nullcontext()
-        with flash_recipe.use_backend(backend_name), forced:
-            return flash_recipe.flash_attn_func(q, k, v, causal=causal)
+        with use_backend(backend_name), forced:
+            return flash_attn_func(q, k, v, causal=causal)
 
     return run
 
@@ -143,7 +145,7 @@ def peers(device_type: str) -> dict[str, Callable]:
     """The peers that can run on this machine, by name (availability only; shapes may still fail)."""
     import importlib.util
 
-    from flash_recipe import dispatch  # imports torch: importing bench loads none
+    from .. import dispatch  # imports torch: importing bench loads none
 
     if device_type != "cuda":
         return {"flash_recipe": _flash_recipe(None), "sdpa": _sdpa(None)}
@@ -426,7 +428,7 @@ def context_line() -> str:
         else f"cpu ({platform.processor() or platform.machine()})"
     )
     return (
-        f"device {device}, {time.strftime('%Y-%m-%d')}, flash_recipe {flash_recipe.__version__}, "
+        f"device {device}, {time.strftime('%Y-%m-%d')}, flash_recipe {__version__}, "
         f"torch {v['torch']}, triton {v['triton']}, command: flash-recipe bench {' '.join(sys.argv[2:])}".rstrip()
     )
 
@@ -484,7 +486,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.host is not None:
-        from flash_recipe.tools import host_cost  # imports torch: importing bench loads none
+        from . import host_cost  # imports torch: importing bench loads none
 
         return host_cost.main(args.host, prog="flash-recipe bench --host")
     bad = [m for m in args.mode if m not in MODES] or [

@@ -27,8 +27,6 @@ import json
 import sys
 from typing import Any, Callable, Optional
 
-import flash_recipe
-
 # Peak HBM bandwidth in bytes/s by GPU model name (vendor figures).
 PEAK_BANDWIDTH = {
     "H100 80GB HBM3": 3.35e12,
@@ -64,14 +62,16 @@ def _step(peer: str, q, k_cache, v_cache, seqlens) -> Callable[[], Any]:
 
 
 def _flash_recipe(q, k_cache, v_cache, seqlens):
-    return lambda: flash_recipe.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    from ..decoding import flash_attn_with_kvcache  # imports torch: importing bench_decode loads none
+
+    return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
 
 
 def _flash_recipe_unpacked(q, k_cache, v_cache, seqlens):
     import torch
 
-    from flash_recipe.ops.kvcache import Cache, attention_kvcache  # imports Triton: importing bench_decode loads none
-    from flash_recipe.ops.options import ScoreOptions  # imports torch: importing bench_decode loads none
+    from ..ops.kvcache import Cache, attention_kvcache  # imports Triton: importing bench_decode loads none
+    from ..ops.options import ScoreOptions  # imports torch: importing bench_decode loads none
 
     table = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)[:, None]
     cache = Cache(k_cache, v_cache, table, seqlens, None)

@@ -27,8 +27,7 @@ import argparse
 import sys
 from typing import Callable, Optional
 
-import flash_recipe
-from flash_recipe import files
+from .. import files
 
 CHECKS = ("kvcache", "kvcache_paged", "varlen", "fwd", "fwd_bwd", "compile")
 # Llama-3-8B's attention shape at a small batch and cache: what a captured decoding step looks like.
@@ -72,6 +71,8 @@ def _decode_case(paged: bool):
     attention over the cache; the outputs include the cache rows it writes."""
     import torch
 
+    from ..decoding import flash_attn_with_kvcache  # imports torch: importing capture_check loads none
+
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -104,7 +105,7 @@ def _decode_case(paged: bool):
 
     def step(s):
         extra = dict(block_table=s["table"]) if paged else dict(cache_batch_idx=s["batch_idx"])
-        out, lse = flash_recipe.flash_attn_with_kvcache(
+        out, lse = flash_attn_with_kvcache(
             s["q"], s["k_cache"], s["v_cache"], s["k"], s["v"], rotary_cos=s["cos"], rotary_sin=s["sin"],
             cache_seqlens=s["seqlens"], cache_leftpad=s["leftpad"], causal=True, return_softmax_lse=True, **extra,
         )  # fmt: skip
@@ -144,6 +145,8 @@ def check_decode(paged: bool) -> dict:
 def check_varlen() -> dict:
     import torch
 
+    from ..api import flash_attn_varlen_func  # imports torch: importing capture_check loads none
+
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(1)
     lengths = [37, 1, 130, 64]
@@ -153,7 +156,7 @@ def check_varlen() -> dict:
                for h in (NHEADS, NHEADS_K, NHEADS_K))  # fmt: skip
 
     def step():
-        return flash_recipe.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+        return flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
 
     want = step()
     graph, out = _captured(step)
@@ -165,6 +168,8 @@ def check_varlen() -> dict:
 def check_dense(backward: bool) -> dict:
     import torch
 
+    from ..api import flash_attn_func  # imports torch: importing capture_check loads none
+
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(2)
     q, k, v = (torch.randn(2, 512, h, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
@@ -175,7 +180,7 @@ def check_dense(backward: bool) -> dict:
             t.requires_grad_(True)
 
     def step():
-        out = flash_recipe.flash_attn_func(q, k, v, causal=True)
+        out = flash_attn_func(q, k, v, causal=True)
         if not backward:
             return (out,)
         # ``out`` detached: an output that kept its graph alive would keep q, k and v's gradient
@@ -223,10 +228,12 @@ def run(checks=CHECKS, report=print) -> list:
     failed or error)."""
     import torch
 
+    from ..dispatch import use_backend  # imports torch: importing capture_check loads none
+
     rows = []
     for name in checks:
         try:
-            with flash_recipe.use_backend("triton"):
+            with use_backend("triton"):
                 row = {"check": name, **RUNS[name]()}
         except Exception as exc:  # a capture that failed: reported, and the other checks go on
             row = {"check": name, "status": "error", "detail": f"{type(exc).__name__}: {exc}"[:400]}

@@ -1,4 +1,4 @@
-"""The ``flash-recipe`` command line: ``verify | doctor | recipe | bench | warmup | tune``.
+"""The ``flash-recipe`` command line: ``verify | doctor | recipe | bench | warmup | tune | hub-build``.
 
 Each subcommand lives in its own module, which exposes two functions:
 
@@ -16,16 +16,17 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-import flash_recipe
+from .. import __version__
 
-# subcommand -> (module, one-line help)
+# subcommand -> (module relative to this package, one-line help)
 SUBCOMMANDS = {
-    "verify": ("flash_recipe.tools.verify", "check every backend against the fp32 reference and print a fingerprint"),
-    "doctor": ("flash_recipe.env.doctor", "diagnose this environment's FlashAttention install and print the fix"),
-    "recipe": ("flash_recipe.env.recipe", "print the recommended install recipe for this environment"),
-    "bench": ("flash_recipe.tools.bench", "measure attention throughput against torch SDPA and other peers"),
-    "warmup": ("flash_recipe.tools.warmup", "compile the Triton kernels for the local GPU ahead of time"),
-    "tune": ("flash_recipe.tools.tune", "time launch configurations on the local GPU and keep the fastest for it"),
+    "verify": (".verify", "check every backend against the fp32 reference and print a fingerprint"),
+    "doctor": ("..env.doctor", "diagnose this environment's FlashAttention install and print the fix"),
+    "recipe": ("..env.recipe", "print the recommended install recipe for this environment"),
+    "bench": (".bench", "measure attention throughput against torch SDPA and other peers"),
+    "warmup": (".warmup", "compile the Triton kernels for the local GPU ahead of time"),
+    "tune": (".tune", "time launch configurations on the local GPU and keep the fastest for it"),
+    "hub-build": (".hub_build", "write the package as a Hugging Face Hub kernel (build/torch-<backend>/)"),
 }
 
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flash-recipe",
         description="FlashAttention in Triton: verify, diagnose, install, benchmark.",
     )
-    parser.add_argument("--version", action="version", version=f"flash-recipe {flash_recipe.__version__}")
+    parser.add_argument("--version", action="version", version=f"flash-recipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     module_name, help_text = SUBCOMMANDS[name]
     # Every subcommand ships with the package: an import error is a broken install or a bug, and
     # its traceback says which.
-    module = importlib.import_module(module_name)
+    module = importlib.import_module(module_name, __package__)
     sub_parser = argparse.ArgumentParser(prog=f"flash-recipe {name}", description=help_text)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])

@@ -63,7 +63,7 @@ def _variant(case: Case, nheads: int, diag_offset: int, scale: float):
     one-key rules; ``varlen`` compiles the backward with sinks)."""
     import torch
 
-    from flash_recipe.ops.options import ScoreOptions  # imports torch: importing compile_calls loads none
+    from ..ops.options import ScoreOptions  # imports torch: importing compile_calls loads none
 
     if case.form == "aligned":
         return ScoreOptions(
@@ -91,7 +91,7 @@ def run_call(case: Case) -> dict[str, str]:
     import torch
 
     # imports Triton: importing compile_calls loads none
-    from flash_recipe.ops import backward_launch, choose, forward, kvcache, options
+    from ..ops import backward_launch, choose, forward, kvcache, options
 
     ragged = case.form == "ragged"
     nheads, nheads_k = (6, 2) if ragged else (4, 4)
@@ -142,7 +142,7 @@ def run_call(case: Case) -> dict[str, str]:
             "attn_bwd_dq_kernel": "bwd_dq",
         }
     if case.call == "int8":  # 8-bit attention: the quantizer and the kernel, fp16 P.V and, where the target has it, FP8
-        from flash_recipe.ops import int8_attention, targets  # imports Triton: importing compile_calls loads none
+        from ..ops import int8_attention, targets  # imports Triton: importing compile_calls loads none
 
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)

@@ -51,10 +51,10 @@ import time
 from collections.abc import Iterator
 from typing import Optional
 
-from flash_recipe.ops import configs, limits, targets
-from flash_recipe.ops.offline import offline_launches
-from flash_recipe.tools import compiled_code
-from flash_recipe.tools.compile_calls import DECODE_GROUPS, Case, run_call
+from ..ops import configs, limits, targets
+from ..ops.offline import offline_launches
+from . import compiled_code
+from .compile_calls import DECODE_GROUPS, Case, run_call
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS

@@ -28,11 +28,11 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from flash_recipe.files import write_json
-from flash_recipe.ops import targets
-from flash_recipe.ops.configs import head_dim_bucket
-from flash_recipe.tools import warmup
-from flash_recipe.tools.gpu_check_cases import (
+from ..files import write_json
+from ..ops import targets
+from ..ops.configs import head_dim_bucket
+from . import warmup
+from .gpu_check_cases import (
     GPU_DTYPES,
     GPU_TABLE,
     INTERPRETER_DTYPES,

@@ -42,8 +42,7 @@ import time
 from collections.abc import Iterator
 from typing import Callable, Optional
 
-import flash_recipe
-from flash_recipe import files, signatures, validate
+from .. import __version__, files, signatures, validate
 
 CASES = ("fwd", "fwd_autograd", "kvcache")
 # Shapes: (batch, nheads, nheads_k, head_dim); the cache rows differ on a GPU and on the CPU.
@@ -113,6 +112,9 @@ def make_case(name: str, device, dtype, cache: int, shape: tuple = SHAPE) -> tup
     """``(flash_recipe call, torch SDPA call)`` of case ``name`` on new tensors."""
     import torch
 
+    from ..api import flash_attn_func  # loads the dispatch: importing host_cost does not
+    from ..decoding import flash_attn_with_kvcache  # loads the dispatch: importing host_cost does not
+
     if name not in CASES:
         raise ValueError(f"case must be one of {CASES}, got {name!r}")
     batch, nheads, nheads_k, head_dim = shape
@@ -129,9 +131,7 @@ def make_case(name: str, device, dtype, cache: int, shape: tuple = SHAPE) -> tup
         lengths = torch.full((batch,), cache // 2, dtype=torch.int32, device=device)
 
         def ours():
-            return flash_recipe.flash_attn_with_kvcache(
-                q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True
-            )
+            return flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True)
 
         sdpa_k, sdpa_v = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     else:
@@ -140,7 +140,7 @@ def make_case(name: str, device, dtype, cache: int, shape: tuple = SHAPE) -> tup
             q.requires_grad_(True)
 
         def ours():
-            return flash_recipe.flash_attn_func(q, k, v, causal=True)
+            return flash_attn_func(q, k, v, causal=True)
 
         sdpa_k, sdpa_v = k.transpose(1, 2), v.transpose(1, 2)
 
@@ -171,11 +171,13 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
     triton backend, launches stubbed with ``stub``), and torch SDPA's microseconds beside it."""
     import torch
 
+    from ..dispatch import use_backend  # loads the dispatch: importing host_cost does not
+
     rows = []
     for name in cases:
         ours, sdpa = make_case(name, device, dtype, cache)
         stubbed: contextlib.AbstractContextManager = stubbed_launches() if stub else contextlib.nullcontext([])
-        with flash_recipe.use_backend("triton"), device_metadata(device), stubbed as launches:
+        with use_backend("triton"), device_metadata(device), stubbed as launches:
             ours()  # the first call of the signature: checks, choices, plans
             before = len(launches)
             calls = count_calls(ours)
@@ -250,7 +252,7 @@ def run(args, command: str = "python -m flash_recipe.tools.host_cost") -> int:
     cache = args.cache or (CACHE_GPU if device.type == "cuda" else CACHE_CPU)
     batch, nheads, nheads_k, head_dim = SHAPE
     context = (
-        f"host cost per call: device {device}, {time.strftime('%Y-%m-%d')}, flash_recipe {flash_recipe.__version__}, "
+        f"host cost per call: device {device}, {time.strftime('%Y-%m-%d')}, flash_recipe {__version__}, "
         f"torch {torch.__version__}, B{batch} H{nheads} Hk{nheads_k} D{head_dim}, {cache} key rows, {dtype_name}, "
         f"launches {args.launch}; command: {command}".rstrip()
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 
-from flash_recipe.ops.schedule import launch_sequence, section_heads
+from ..ops.schedule import launch_sequence, section_heads
 
 # The model's launches: the campaign's causal bench shapes (16k tokens, 16 heads) and one with 8
 # heads; bf16 at head dim 128 in 128 x 128 blocks, one program per multiprocessor of an H100.

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from flash_recipe.ops import configs
-from flash_recipe.ops.splits import PROGRAMS_PER_SM, choose_splits, wave_efficiency
+from ..ops import configs
+from ..ops.splits import PROGRAMS_PER_SM, choose_splits, wave_efficiency
 
 # The campaign's decode grid (``flash_recipe.tools.campaign.plan``: DECODE_BATCHES, DECODE_CACHES;
 # tests/test_splits.py keeps them equal) and its shape, Llama-3-8B: 32 query heads over 8 kv heads

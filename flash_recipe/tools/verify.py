@@ -32,9 +32,9 @@ import sys
 from importlib import metadata
 from typing import Optional
 
-import flash_recipe
-from flash_recipe.env.distinfo import distribution_info
-from flash_recipe.tools.verify_kvcache import KV_FULL_GRID, KV_SMALL_GRID, check_kvcache_case
+from .. import __version__
+from ..env.distinfo import distribution_info
+from .verify_kvcache import KV_FULL_GRID, KV_SMALL_GRID, check_kvcache_case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +142,7 @@ def versions() -> dict:
             return None
 
     return {
-        "flash_recipe": flash_recipe.__version__,
+        "flash_recipe": __version__,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "torch_hip": getattr(torch.version, "hip", None),
@@ -194,9 +194,10 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     """Verify one backend on one case; returns the errors, bounds, verdict and fingerprint."""
     import torch
 
-    from flash_recipe import dispatch  # imports torch: importing verify loads none
-    from flash_recipe.reference import attention_reference, compute_dtype  # imports torch: importing verify loads none
-    from flash_recipe.testing import FACTORS, accuracy_bound, max_error  # imports torch: importing verify loads none
+    from .. import dispatch  # imports torch: importing verify loads none
+    from ..api import flash_attn_func  # imports torch: importing verify loads none
+    from ..reference import attention_reference, compute_dtype  # imports torch: importing verify loads none
+    from ..testing import FACTORS, accuracy_bound, max_error  # imports torch: importing verify loads none
 
     q, k, v, dout = _inputs(case, dtype, device, seed)
     options = case.options(device, dtype)
@@ -219,7 +220,7 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
         )[0]
 
     def run(deterministic):
-        return lambda q_, k_, v_, *s_: flash_recipe.flash_attn_func(
+        return lambda q_, k_, v_, *s_: flash_attn_func(
             q_, k_, v_, **options, learnable_sink=s_[0] if s_ else None, deterministic=deterministic
         )
 
@@ -230,7 +231,7 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     # The fingerprint is the deterministic backward's; the triton backend's default backward (dQ added
     # with atomics, its last bits in the order the adds land) is checked by the rule beside it.
     atomic = any(b.name == backend and b.atomic_backward for b in dispatch.BACKENDS)
-    with flash_recipe.use_backend(backend):
+    with dispatch.use_backend(backend):
         got = _forward_backward(run(True), q, k, v, dout, *more)
         fast = _forward_backward(run(False), q, k, v, dout, *more) if atomic else got
     names = ("out", "dq", "dk", "dv", "dsink")[: len(got)]
@@ -269,7 +270,8 @@ def verify(
     """
     import torch
 
-    from flash_recipe import dispatch  # imports torch: importing verify loads none
+    from .. import dispatch  # imports torch: importing verify loads none
+    from ..api import explain  # imports torch: importing verify loads none
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cases = {"small": SMALL_GRID, "full": FULL_GRID}.get(grid) or (FULL_GRID if dev.type == "cuda" else SMALL_GRID)
@@ -278,7 +280,7 @@ def verify(
     for index, case in enumerate(cases):
         for dtype in _dtypes(dev, dtypes):
             q, k, v, _ = _inputs(case, dtype, dev, seed + index)
-            reasons = flash_recipe.explain(q, k, v, **case.options(dev))
+            reasons = explain(q, k, v, **case.options(dev))
             for name in names:
                 if reasons[name] is not None:
                     skipped.setdefault(name, set()).add(reasons[name])
@@ -296,7 +298,7 @@ def verify(
                 for name in names:
                     try:
                         row = check_kvcache_case(case, dtype, dev, name, seed + index)
-                    except flash_recipe.BackendUnavailableError as exc:
+                    except dispatch.BackendUnavailableError as exc:
                         prefix = f"backend {name!r} cannot run this call: "
                         why = str(exc)
                         skipped.setdefault(name, set()).add(why[len(prefix) :] if why.startswith(prefix) else why)
@@ -355,7 +357,7 @@ def format_table(report: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from flash_recipe.dispatch import backend_names  # imports torch: importing verify loads none
+    from ..dispatch import backend_names  # imports torch: importing verify loads none
 
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.add_argument(

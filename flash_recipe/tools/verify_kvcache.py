@@ -8,8 +8,6 @@ import dataclasses
 import hashlib
 from typing import Optional
 
-import flash_recipe
-
 
 @dataclasses.dataclass(frozen=True)
 class KVCase:
@@ -208,7 +206,7 @@ def _kv_oracle(case: KVCase, q, k_cache, v_cache, k_new, v_new, kwargs: dict, up
     import torch
 
     # imports torch: importing verify_kvcache loads none
-    from flash_recipe.testing import attention, compute_dtype, rotary
+    from ..testing import attention, compute_dtype, rotary
 
     dtype, device = q.dtype, q.device
     high = compute_dtype(dtype, upcast)
@@ -264,13 +262,16 @@ def check_kvcache_case(case: KVCase, dtype, device, backend: str, seed: int) -> 
     """
     import torch
 
+    from ..decoding import flash_attn_with_kvcache  # imports torch: importing verify_kvcache loads none
+    from ..dispatch import use_backend  # imports torch: importing verify_kvcache loads none
+
     # imports torch: importing verify_kvcache loads none
-    from flash_recipe.testing import FORWARD_FACTOR, accuracy_bound, max_error
+    from ..testing import FORWARD_FACTOR, accuracy_bound, max_error
 
     q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case, dtype, device, seed)
     k_got, v_got = k_cache.clone(), v_cache.clone()
-    with flash_recipe.use_backend(backend):
-        out = flash_recipe.flash_attn_with_kvcache(q, k_got, v_got, k_new, v_new, **kwargs)
+    with use_backend(backend):
+        out = flash_attn_with_kvcache(q, k_got, v_got, k_new, v_new, **kwargs)
     truth = _kv_oracle(case, q, k_cache, v_cache, k_new, v_new, kwargs, upcast=True)
     same = _kv_oracle(case, q, k_cache, v_cache, k_new, v_new, kwargs, upcast=False)
     written = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)

@@ -68,9 +68,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
-import flash_recipe
-from flash_recipe.ops import targets
-from flash_recipe.tools.warmup_calls import (
+from ..ops import targets
+from .warmup_calls import (
     DTYPES,
     HEAD_DIMS,
     Call,
@@ -180,7 +179,7 @@ def family(kernel: str, constants: dict, seqlen_q: Optional[int]) -> str:
     """The report's family of a launch of ``kernel`` (a function name) with ``constants``: the
     forward is "decode" over a KV cache with at most 16 query rows (as ``kvcache`` launches it),
     "fwd_general" with any flag of ``compile_check.GENERAL_FLAGS``, else "fwd"."""
-    from flash_recipe.tools.compile_check import GENERAL_FLAGS  # imports Triton: importing warmup loads none
+    from .compile_check import GENERAL_FLAGS  # imports Triton: importing warmup loads none
 
     if kernel != "attn_fwd_kernel":
         return FAMILIES.get(kernel, kernel)
@@ -226,7 +225,7 @@ def to_variant(fn, args: tuple, kwargs: dict, call: str) -> Variant:
 def recorded_launches():
     """Inside the block no Triton kernel compiles or runs: each launch is recorded as ``(jit
     function, args, kwargs)`` in the list this yields (``host_cost.stubbed_launches``)."""
-    from flash_recipe.tools.host_cost import stubbed_launches  # imports torch: importing warmup loads none
+    from .host_cost import stubbed_launches  # imports torch: importing warmup loads none
 
     return stubbed_launches()
 
@@ -238,9 +237,9 @@ def offline_planning(target: str) -> Iterator[None]:
     for every call (on the CPU the dispatcher would take it only through the interpreter)."""
     import triton
 
-    from flash_recipe import dispatch  # imports torch: importing warmup loads none
-    from flash_recipe.ops import kvcache, splits  # imports Triton: importing warmup loads none
-    from flash_recipe.tools.splits_report import TABLE_GPUS  # on use: importing warmup loads no torch
+    from .. import dispatch  # imports torch: importing warmup loads none
+    from ..ops import kvcache, splits  # imports Triton: importing warmup loads none
+    from .splits_report import TABLE_GPUS  # on use: importing warmup loads no torch
 
     sms = dict((t, n) for n, t in TABLE_GPUS)[target]
     triton_backend = dispatch.TritonBackend()
@@ -262,6 +261,8 @@ def offline_planning(target: str) -> Iterator[None]:
 def variants(calls: list[Call], device, target: Optional[str] = None) -> tuple[list[Variant], dict]:
     """The distinct variants ``calls`` launch on ``device`` (offline for ``target`` if given), in
     the order first launched, and ``{call id: reason}`` for the calls the Triton backend refused."""
+    from ..dispatch import BackendUnavailableError  # imports torch: importing warmup loads none
+
     found: dict[tuple, Variant] = {}
     skipped = {}
     planning = offline_planning(target) if target else contextlib.nullcontext()
@@ -270,7 +271,7 @@ def variants(calls: list[Call], device, target: Optional[str] = None) -> tuple[l
             del launches[:]
             try:
                 call.make(device)
-            except flash_recipe.BackendUnavailableError as exc:
+            except BackendUnavailableError as exc:
                 skipped[call.id] = str(exc)
                 continue
             for fn, args, kwargs in launches:
@@ -292,7 +293,7 @@ def init_worker(target: Optional[str], device: str, cache: Optional[str] = None)
     import torch
 
     if target:
-        from flash_recipe.ops.offline import offline_launches  # on use: importing warmup loads no Triton
+        from ..ops.offline import offline_launches  # on use: importing warmup loads no Triton
 
         context = offline_launches(target)
         _WORKER.update(context=context, compiled=context.__enter__())  # compiled: (name, kernel) pairs

@@ -11,13 +11,12 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import flash_recipe
-from flash_recipe.ops import features
-from flash_recipe.ops.configs import head_dim_bucket
-from flash_recipe.tools import gpu_check_cases as gpu_check
-from flash_recipe.tools import verify
-from flash_recipe.tools.verify import Case
-from flash_recipe.tools.verify_kvcache import _kv_inputs
+from ..ops import features
+from ..ops.configs import head_dim_bucket
+from . import gpu_check_cases as gpu_check
+from . import verify
+from .verify import Case
+from .verify_kvcache import _kv_inputs
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -50,21 +49,24 @@ def _dense(
     def make(device) -> None:
         import torch
 
+        from ..api import flash_attn_func  # imports torch: importing warmup_calls loads none
+        from ..dispatch import use_backend  # imports torch: importing warmup_calls loads none
+
         sizes = [(case.seqlen_q, case.nheads), (case.seqlen_k, case.nheads_k), (case.seqlen_k, case.nheads_k)]
         q, k, v = (
             torch.empty(case.batch, *s, case.head_dim, dtype=getattr(torch, dtype), device=device) for s in sizes
         )
         options = case.options(device, getattr(torch, dtype))  # sinks, if any, in the input dtype
         forced = contextlib.nullcontext() if descriptors is None else features.using_descriptors(descriptors)
-        with flash_recipe.use_backend("triton"), forced:
+        with use_backend("triton"), forced:
             if no_grad_first:
                 with torch.no_grad():
-                    flash_recipe.flash_attn_func(q, k, v, **options)
+                    flash_attn_func(q, k, v, **options)
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
             if options.get("learnable_sink") is not None:  # a leaf too, as verify makes it (dsink)
                 options["learnable_sink"] = options["learnable_sink"].clone().requires_grad_(True)
             for deterministic in (True, False) if both else (False,):
-                out = flash_recipe.flash_attn_func(*leaves, **{**options, "deterministic": deterministic})
+                out = flash_attn_func(*leaves, **{**options, "deterministic": deterministic})
                 out.backward(torch.empty_like(q))
 
     suffix = "-pointers" if descriptors is False else ""
@@ -77,9 +79,12 @@ def _kv(step: str, case, dtype: str) -> Call:
     def make(device) -> None:
         import torch
 
+        from ..decoding import flash_attn_with_kvcache  # imports torch: importing warmup_calls loads none
+        from ..dispatch import use_backend  # imports torch: importing warmup_calls loads none
+
         q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case, getattr(torch, dtype), device, 0)
-        with flash_recipe.use_backend("triton"):
-            flash_recipe.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, **kwargs)
+        with use_backend("triton"):
+            flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, **kwargs)
 
     return Call(f"{step}:{case.id}:{dtype}", dtype, head_dim_bucket(case.head_dim), make)
 
@@ -88,7 +93,7 @@ def gpu_test_tables(tests: Optional[Path] = None) -> list[tuple]:
     """``(file, case, dtype)`` of the accuracy tables ``--for tests`` covers (see the module doc),
     read from the checkout's ``tests`` folder: by default next to the package (where the campaign
     finds it)."""
-    tests = Path(tests) if tests else Path(flash_recipe.__file__).resolve().parent.parent / "tests"
+    tests = Path(tests) if tests else Path(__file__).resolve().parents[2] / "tests"  # the package's parent
     if not (tests / "test_gpu.py").is_file():
         raise FileNotFoundError(
             f"--for tests reads the GPU tests' tables from the checkout's tests/ folder, and {tests} has no "
@@ -139,7 +144,7 @@ def step_calls(step: str, grid: str = "full", tests: Optional[Path] = None) -> l
     if step == "check":
         return _check_calls(grid)
     # a cycle: the campaign package imports gpu_check, which imports warmup and so this module
-    from flash_recipe.tools.campaign import plan
+    from .campaign import plan
 
     calls = []
     for shape in plan.bench_shapes():

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
+    from ...alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn.layers", name, ["rotary"])

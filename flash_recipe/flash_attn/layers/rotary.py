@@ -9,8 +9,8 @@ from typing import Optional, Union
 
 import torch
 
-from flash_recipe import validate
-from flash_recipe.reference import rotary_reference
+from ... import validate
+from ...reference import rotary_reference
 
 __all__ = ["apply_rotary_emb"]
 
@@ -89,6 +89,6 @@ def apply_rotary_emb(
 
 
 def __getattr__(name: str):
-    from flash_recipe.alias import missing  # not at the top, where `missing` would become a name of the stand-in
+    from ...alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn.layers.rotary", name, __all__)

@@ -94,13 +94,13 @@ results), ``workers`` (the steps run in-process), ``targets`` (the verdicts, pur
 
 from __future__ import annotations
 
-from flash_recipe.tools.campaign.cli import (
+from .cli import (
     build_parser,
     cuda_available,
     main,
     run_campaign,
 )
-from flash_recipe.tools.campaign.plan import (
+from .plan import (
     BENCH_MODES,
     BENCH_PEERS,
     BENCH_REPS,
@@ -136,21 +136,21 @@ from flash_recipe.tools.campaign.plan import (
     package_root,
     select,
 )
-from flash_recipe.tools.campaign.report import (
+from .report import (
     build_targets,
     new_report,
     render_markdown,
     timestamp,
     write_report,
 )
-from flash_recipe.tools.campaign.steps import (
+from .steps import (
     collect,
     make_plots,
     run_step,
     step_environment,
     without_unavailable_peers,
 )
-from flash_recipe.tools.campaign.targets import (
+from .targets import (
     decode_targets,
     memory_table,
     memory_targets,
@@ -159,7 +159,7 @@ from flash_recipe.tools.campaign.targets import (
     summarize_targets,
     summarize_verify,
 )
-from flash_recipe.tools.campaign.workers import (
+from .workers import (
     env_probe,
     memory_rows,
     run_worker,

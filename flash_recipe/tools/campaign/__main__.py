@@ -2,6 +2,6 @@
 
 import sys
 
-from flash_recipe.tools.campaign.cli import main
+from .cli import main
 
 sys.exit(main())

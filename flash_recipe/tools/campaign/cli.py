@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-from flash_recipe.tools.campaign.plan import (
+from .plan import (
     BUDGETS_S,
     DEFAULT_MINUTES,
     OUTPUT_FILES,
@@ -21,9 +21,9 @@ from flash_recipe.tools.campaign.plan import (
     format_plan,
     select,
 )
-from flash_recipe.tools.campaign.report import build_targets, new_report, render_markdown, timestamp, write_report
-from flash_recipe.tools.campaign.steps import collect, make_plots, run_step, step_environment, without_unavailable_peers
-from flash_recipe.tools.campaign.workers import run_worker
+from .report import build_targets, new_report, render_markdown, timestamp, write_report
+from .steps import collect, make_plots, run_step, step_environment, without_unavailable_peers
+from .workers import run_worker
 
 
 def run_campaign(

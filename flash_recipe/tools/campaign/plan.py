@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import flash_recipe
-from flash_recipe.tools import bench
-from flash_recipe.tools import gpu_check_cases as gpu_check
-from flash_recipe.tools.bench import Shape
+from .. import bench
+from .. import gpu_check_cases as gpu_check
+from ..bench import Shape
 
 # The whole plan, with every step, fits in TOTAL_BUDGET_S (warmup compiling for check, bench,
 # verify and the tests included); a run fits what it can in ``--minutes`` (DEFAULT_MINUTES unless
@@ -172,7 +171,7 @@ class Step:
 
 def package_root() -> Path:
     """The folder flash_recipe was imported from (its parent): a checkout or site-packages."""
-    return Path(flash_recipe.__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[3]  # flash_recipe/tools/campaign/plan.py
 
 
 def find_test_tree(root: Optional[Path] = None) -> Optional[Path]:

@@ -6,12 +6,12 @@ import datetime
 from pathlib import Path
 from typing import Optional
 
-import flash_recipe
-from flash_recipe.files import write_json
-from flash_recipe.tools.bench import to_markdown
-from flash_recipe.tools.bench_decode import markdown
-from flash_recipe.tools.campaign.plan import BENCH_MODES, REFERENCE, SUBJECT, TARGET, TOTAL_BUDGET_S, bench_shapes
-from flash_recipe.tools.campaign.targets import (
+from ... import __version__
+from ...files import write_json
+from ..bench import to_markdown
+from ..bench_decode import markdown
+from .plan import BENCH_MODES, REFERENCE, SUBJECT, TARGET, TOTAL_BUDGET_S, bench_shapes
+from .targets import (
     decode_targets,
     memory_table,
     memory_targets,
@@ -325,7 +325,7 @@ def new_report(plan: list, command: str, dry_run: bool, minutes: Optional[float]
         "dry_run": dry_run,
         "started": timestamp(),
         "finished": None,
-        "flash_recipe": flash_recipe.__version__,
+        "flash_recipe": __version__,
         "budget_s": {
             "steps": sum(step.budget_s for step in plan if not step.skip),
             "total": TOTAL_BUDGET_S if minutes is None else minutes * 60,

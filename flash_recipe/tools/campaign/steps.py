@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from flash_recipe.tools import bench, gpu_check
-from flash_recipe.tools.campaign.plan import STOP_GRACE_S, Step, package_root
-from flash_recipe.tools.campaign.targets import parse_junit, summarize_verify
-from flash_recipe.tools.verify import format_table
+from .. import bench, gpu_check
+from ..verify import format_table
+from .plan import STOP_GRACE_S, Step, package_root
+from .targets import parse_junit, summarize_verify
 
 # ----------------------------------------------------------------------------- running steps
 

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any, Optional
 
-from flash_recipe.tools.campaign.plan import (
+from .plan import (
     DECODE_EAGER_RATIO,
     DECODE_LONG,
     DECODE_REPLAY_OF_COPY,

@@ -9,11 +9,10 @@ import json
 import os
 from typing import Optional
 
-import flash_recipe
-from flash_recipe.files import write_json
-from flash_recipe.tools import bench
-from flash_recipe.tools.campaign.plan import HOST_CASES, MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shapes
-from flash_recipe.tools.verify import versions
+from ...files import write_json
+from .. import bench
+from ..verify import versions
+from .plan import HOST_CASES, MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shapes
 
 # ----------------------------------------------------------------------------- the workers
 
@@ -23,6 +22,8 @@ def env_probe() -> dict:
     import platform
 
     import torch
+
+    from ...api import explain  # imports torch: importing the campaign loads none
 
     info = {"cuda": torch.cuda.is_available(), "versions": versions(), "platform": platform.platform()}
     info["variables"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FLASH_RECIPE_", "TRITON_"))}
@@ -38,7 +39,7 @@ def env_probe() -> dict:
         q = torch.zeros(
             1, 128, TARGET["nheads"], TARGET["head_dim"], device="cuda", dtype=getattr(torch, TARGET["dtype"])
         )
-        reasons = flash_recipe.explain(q, q, q, causal=True)
+        reasons = explain(q, q, q, causal=True)
         info["backends_for_target"] = reasons
         info["chosen_backend"] = next((name for name, why in reasons.items() if why is None), None)
         info["bench_peers"] = list(bench.peers("cuda"))
@@ -81,7 +82,7 @@ def host_rows(cases=HOST_CASES, progress=print) -> dict:
     back (what a decoding loop's host spends per call); torch SDPA's beside each."""
     import torch
 
-    from flash_recipe.tools import host_cost  # imports torch: importing the campaign loads none
+    from .. import host_cost  # imports torch: importing the campaign loads none
 
     device = torch.device("cuda")
     rows = []

@@ -41,17 +41,17 @@ The package, one module per step:
 
 from __future__ import annotations
 
-from flash_recipe.tools.tune.candidates import (
+from .candidates import (
     candidates,
     prune,
 )
-from flash_recipe.tools.tune.cli import (
+from .cli import (
     add_arguments,
     clear,
     run,
     show,
 )
-from flash_recipe.tools.tune.problem import (
+from .problem import (
     COMPILE_CALL,
     DTYPES,
     EIGHT_WARPS_MIN_TILE,
@@ -71,7 +71,7 @@ from flash_recipe.tools.tune.problem import (
     describe,
     nan_outputs,
 )
-from flash_recipe.tools.tune.search import (
+from .search import (
     Tuner,
     gpu_timer,
     timing_shapes,

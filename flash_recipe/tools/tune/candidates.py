@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 from typing import Optional
 
-from flash_recipe.ops import choose, configs, targets
-from flash_recipe.ops.configs import Config
-from flash_recipe.tools.tune.problem import COMPILE_CALL, EIGHT_WARPS_MIN_TILE, ELEMENT_SIZE, GRID, TuneError
+from ...ops import choose, configs, targets
+from ...ops.configs import Config
+from .problem import COMPILE_CALL, EIGHT_WARPS_MIN_TILE, ELEMENT_SIZE, GRID, TuneError
 
 # -- candidates and pruning -------------------------------------------------------------------
 
@@ -27,7 +27,7 @@ def candidates(kernel: str, table: Config, grid: Optional[dict] = None) -> list[
 
 def _compile_one(job: tuple) -> list[dict]:
     """Compile one candidate in one form for a target; one row per compiled launch of the kernel."""
-    from flash_recipe.tools import compile_check  # imports Triton: importing tune loads none
+    from .. import compile_check  # imports Triton: importing tune loads none
 
     kernel, head_dim, dtype, config, target, form = job
     row = {"kernel": kernel, "config": list(config), "form": form, "target": target}

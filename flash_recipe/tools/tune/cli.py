@@ -9,9 +9,9 @@ import sys
 import time
 from typing import Callable, Optional
 
-from flash_recipe.ops import targets, tuned
-from flash_recipe.tools.tune.problem import DTYPES, HEAD_DIMS, KERNELS, SPLITS, TuneError, describe
-from flash_recipe.tools.tune.search import tune
+from ...ops import targets, tuned
+from .problem import DTYPES, HEAD_DIMS, KERNELS, SPLITS, TuneError, describe
+from .search import tune
 
 # -- the command line -------------------------------------------------------------------------
 

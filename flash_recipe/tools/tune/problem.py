@@ -9,11 +9,11 @@ import dataclasses
 import itertools
 from typing import Any, Callable, NamedTuple, Optional
 
-from flash_recipe.ops import choose, configs, limits
-from flash_recipe.ops.configs import Config
-from flash_recipe.ops.options import ScoreOptions
-from flash_recipe.reference import attention_reference, compute_dtype
-from flash_recipe.testing import FACTORS, accuracy_bound, max_error
+from ...ops import choose, configs, limits
+from ...ops.configs import Config
+from ...ops.options import ScoreOptions
+from ...reference import attention_reference, compute_dtype
+from ...testing import FACTORS, accuracy_bound, max_error
 
 KERNELS = configs.KERNELS
 HEAD_DIMS = limits.HEAD_DIM_BUCKETS
@@ -125,7 +125,7 @@ def nan_outputs():
     candidate leaves unwritten shows instead of reusing a previous launch's memory."""
     import torch
 
-    from flash_recipe.ops import tiles  # imports Triton: importing tune loads none
+    from ...ops import tiles  # imports Triton: importing tune loads none
 
     allocate = tiles.output_buffer
 
@@ -149,7 +149,7 @@ class Problem:
     def __init__(self, kernel: str, dtype: str, shape: Shape, device, seed: int = 0, path: Optional[str] = None):
         import torch
 
-        from flash_recipe.ops import forward, kvcache  # imports Triton: importing tune loads none
+        from ...ops import forward, kvcache  # imports Triton: importing tune loads none
 
         self.kernel, self.dtype, self.shape, self.path = kernel, dtype, shape, path
         gen = torch.Generator().manual_seed(seed)
@@ -190,7 +190,7 @@ class Problem:
             self.out, self.lse = forward.attention_forward(self.q, self.k, self.v, self.options)
 
     def launch(self, num_splits: Optional[int] = None) -> tuple:
-        from flash_recipe.ops import backward_launch, forward, kvcache  # imports Triton: importing tune loads none
+        from ...ops import backward_launch, forward, kvcache  # imports Triton: importing tune loads none
 
         if self.kernel in ("fwd", "fwd_general"):
             return (forward.attention_forward(self.q, self.k, self.v, self.options)[0],)

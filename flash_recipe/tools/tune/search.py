@@ -9,10 +9,10 @@ import itertools
 import math
 from typing import Any, Callable, Optional
 
-from flash_recipe.ops import choose, configs, limits, targets, tuned
-from flash_recipe.ops.configs import Config
-from flash_recipe.tools.tune.candidates import candidates, prune
-from flash_recipe.tools.tune.problem import (
+from ...ops import choose, configs, limits, targets, tuned
+from ...ops.configs import Config
+from .candidates import candidates, prune
+from .problem import (
     BACKWARD,
     DTYPES,
     ELEMENT_SIZE,
@@ -56,7 +56,7 @@ def timing_shapes(kernel: str, head_dim: int, seqlens, causal, tokens: int, nhea
 def _programs_per_batch(timing, shape) -> int:
     """Programs per batch entry of a decoding step, as ``kvcache.auto_splits`` counts them (a GQA
     group packed into one program per kv head: ``kvcache.program_heads``)."""
-    from flash_recipe.ops import kvcache  # imports Triton: importing tune loads none
+    from ...ops import kvcache  # imports Triton: importing tune loads none
 
     heads, rows = kvcache.program_heads(timing.q, shape.nheads_k)
     return heads * -(-rows // 16)
