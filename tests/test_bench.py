@@ -410,3 +410,15 @@ def test_flex_compiles_once_per_shape_and_a_peer_past_the_recompile_limit_fails(
     torch._dynamo.reset()
     assert "error" not in rows[0]
     assert rows[1]["error"].startswith("fell back to eager code under torch.compile (unsupported: ")
+
+
+def test_an_8_bit_peer_is_timed_forward_only(monkeypatch):
+    """``sage_fp16`` (the 8-bit kernel, here through the interpreter) gets a forward figure; its
+    backward modes are not timed, and the row says why."""
+    monkeypatch.setattr(bench, "peers", lambda device_type: {"sage_fp16": bench._sage("fp16")})
+    args = _bench_args("--dtype", "float16", "--head-dim", "64", "--mode", "fwd,bwd,fwd_bwd")
+    (row,) = bench.run_bench(args, progress=lambda text: None)
+    assert row["peer"] == "sage_fp16" and row["fwd_tflops"] > 0
+    assert "bwd_tflops" not in row and "fwd_bwd_tflops" not in row
+    assert row["error"] == "bwd, fwd_bwd: forward only (inference)"
+    assert "sage_fp16" in bench.FORWARD_ONLY_PEERS and "sage_fp8" in bench.FORWARD_ONLY_PEERS

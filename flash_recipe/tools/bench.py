@@ -23,8 +23,10 @@ Peers, each only where available: ``flash_recipe`` (the Triton kernels; on the C
 ``flash_attn_func`` on its automatic backend), ``flash_recipe_pointers`` (the Triton kernels with
 TMA tensor descriptors off, to measure what they bring), torch SDPA per backend (``sdpa_flash``,
 ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``; on the CPU plain ``sdpa``), ``flex``
-(FlexAttention compiled with static shapes) and ``flash_attn`` (upstream). The batch is chosen so
-that each shape holds about ``--tokens`` tokens.
+(FlexAttention compiled with static shapes), ``flash_attn`` (upstream), and flash_recipe's 8-bit
+attention for inference, forward only (``FORWARD_ONLY_PEERS``; its FLOPs counted as 16-bit ones):
+``sage_fp16`` (``sageattn``, P.V in fp16) and, on GPUs with FP8 tensor cores, ``sage_fp8``. The
+batch is chosen so that each shape holds about ``--tokens`` tokens.
 
 ``--json FILE`` writes the context line and every row, rewritten after each row, so an
 interrupted run keeps what it measured. ``peak_memory`` measures what one training step of a peer
@@ -135,6 +137,20 @@ def _flex():
     return run
 
 
+def _sage(pv_dtype: str):
+    """flash_recipe's 8-bit attention (``sageattn``, forward only) with P.V in ``pv_dtype``."""
+    from ..sage import sageattn  # imports torch: importing bench loads none
+
+    def run(q, k, v, causal):
+        return sageattn(q, k, v, "NHD", is_causal=causal, pv_dtype=pv_dtype)
+
+    return run
+
+
+# Peers that run no backward (8-bit attention is for inference): their bwd modes are not timed.
+FORWARD_ONLY_PEERS = frozenset({"sage_fp16", "sage_fp8"})
+
+
 def _upstream_flash_attn():
     import flash_attn
 
@@ -151,8 +167,15 @@ def peers(device_type: str) -> dict[str, Callable]:
         return {"flash_recipe": _flash_recipe(None), "sdpa": _sdpa(None)}
     found = {}
     if dispatch.TritonBackend().is_available() is None:
+        import torch
+
+        from ..ops import int8_attention, targets  # imports Triton: on a GPU machine only
+
         found["flash_recipe"] = _flash_recipe("triton")
         found["flash_recipe_pointers"] = _flash_recipe("triton", descriptors=False)  # the same without TMA
+        found["sage_fp16"] = _sage("fp16")
+        if int8_attention.fp8_problem(targets.target_of(torch.device("cuda"))) is None:
+            found["sage_fp8"] = _sage("fp8")
     for name, backend in (
         ("sdpa_flash", "FLASH_ATTENTION"),
         ("sdpa_efficient", "EFFICIENT_ATTENTION"),
@@ -167,8 +190,11 @@ def peers(device_type: str) -> dict[str, Callable]:
     return found
 
 
-def measure(peer: Callable, shape: Shape, device, modes, timer: Timer, unfused: bool = False) -> dict:
-    """Time one peer on one shape; returns ``judge``'s figures per mode and the first call's ms."""
+def measure(
+    peer: Callable, shape: Shape, device, modes, timer: Timer, unfused: bool = False, forward_only: bool = False
+) -> dict:
+    """Time one peer on one shape; returns ``judge``'s figures per mode and the first call's ms.
+    ``forward_only``: the backward modes are not timed, and the row's error says so."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -193,7 +219,8 @@ def measure(peer: Callable, shape: Shape, device, modes, timer: Timer, unfused: 
     if "fwd" in modes:
         with torch.no_grad():
             timings["fwd"] = timer(lambda: peer(q, k, v, shape.causal))
-    if "bwd" in modes or "fwd_bwd" in modes:
+    skipped = [mode for mode in modes if mode != "fwd"] if forward_only else []
+    if ("bwd" in modes or "fwd_bwd" in modes) and not forward_only:
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         dout = torch.randn_like(q)
         if "fwd_bwd" in modes:
@@ -207,7 +234,11 @@ def measure(peer: Callable, shape: Shape, device, modes, timer: Timer, unfused: 
                 holder["out"] = peer(*leaves, shape.causal)
 
             timings["bwd"] = timer(lambda: holder["out"].backward(dout), setup)
-    return {"first_call_ms": first_call_ms, **judge(shape, timings, grown(start, dynamo_counters()), unfused)}
+    result = {"first_call_ms": first_call_ms, **judge(shape, timings, grown(start, dynamo_counters()), unfused)}
+    if skipped:
+        note = f"{', '.join(skipped)}: forward only (inference)"
+        result["error"] = f"{result['error']}; {note}" if "error" in result else note
+    return result
 
 
 MEMORY_MODES = ("fwd", "fwd_bwd")
@@ -296,7 +327,12 @@ def run_bench(args, progress=print, on_row: Optional[Callable[[list], None]] = N
         for name in chosen:
             row = {"shape": shape.id, "peer": name, **dataclasses.asdict(shape)}
             try:
-                row.update(measure(available[name], shape, device, args.mode, timer, name in UNFUSED_PEERS))
+                row.update(
+                    measure(
+                        available[name], shape, device, args.mode, timer, name in UNFUSED_PEERS,
+                        name in FORWARD_ONLY_PEERS,
+                    )
+                )  # fmt: skip
             except Exception as exc:  # a peer that cannot run a shape is reported, not fatal
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             if device.type == "cuda":
