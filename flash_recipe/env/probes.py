@@ -435,7 +435,10 @@ def _import_check() -> FlashAttnFacts:
 
 def probe_libraries() -> LibrariesFacts:
     """transformers and kernels (Hub kernels, ``attn_implementation="org/repo"``), from metadata only."""
-    return {"transformers": distribution_info("transformers").get("version"), "kernels": distribution_info("kernels").get("version")}
+    return {
+        "transformers": distribution_info("transformers").get("version"),
+        "kernels": distribution_info("kernels").get("version"),
+    }
 
 
 def probe_flex() -> FlexFacts:

@@ -389,11 +389,11 @@ def _transformers_kernels(ctx: Context, finding: Build) -> Optional[Finding]:
     transformers, kernels = _version3(libraries.get("transformers")), _version3(libraries.get("kernels"))
     if transformers is None or kernels is None:
         return None
-    for (first, last), (low, refused) in TRANSFORMERS_KERNELS.items():
-        if first <= transformers <= last:
-            break
-    else:
+    rows = [(first, last, accepted) for (first, last), accepted in TRANSFORMERS_KERNELS.items()]
+    row = next(((first, last, accepted) for first, last, accepted in rows if first <= transformers <= last), None)
+    if row is None:
         return None  # a transformers release outside the known table: nothing to say
+    first, last, (low, refused) = row
     if low <= kernels < refused:
         return None
     spec = f"kernels>={_dotted(low)},<{_dotted(refused)}"
@@ -410,7 +410,7 @@ def _transformers_kernels(ctx: Context, finding: Build) -> Optional[Finding]:
         note=(
             "Or move transformers to the kernels you have: transformers 5.18-5.19 take kernels 0.17.x, "
             "5.20.2-5.22.2 take 0.17.2 or newer below 0.18, 5.23-5.24 take 0.18.2 or newer below 0.19. "
-            "flash-recipe from pip needs neither: attn_implementation=\"recipe_attention\" "
+            'flash-recipe from pip needs neither: attn_implementation="recipe_attention" '
             "(flash_recipe.integrations.transformers.register())."
         ),
     )
