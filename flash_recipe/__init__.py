@@ -83,17 +83,7 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        source = importlib.import_module(module, __name__)
-    except ModuleNotFoundError as exc:
-        if exc.name != __name__ + module:
-            raise
-        # The Hub kernel copy leaves the stand-ins and tools out (flash_recipe.tools.hub_build).
-        raise AttributeError(
-            f"{name} is not part of this copy of flash_recipe ({__name__}, a Hugging Face Hub kernel); "
-            f"it comes with the pip package: pip install flash-recipe"
-        ) from exc
-    value = getattr(source, name)
+    value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value
 
