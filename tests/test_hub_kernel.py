@@ -186,6 +186,7 @@ import torch
 from kernels import get_local_kernel
 
 hub = get_local_kernel(Path(sys.argv[1]))
+exports = {name: getattr(hub, name) for name in hub.__all__}  # every public name loads from the copy
 launches = []
 kernel = importlib.import_module(hub.__name__ + ".ops.forward").attn_fwd_kernel.fn
 run = kernel.run
@@ -202,6 +203,7 @@ torch.save({
     "tensors": [t.detach() for t in (q, k, v, dout, out, lse, *grads)],
     "ours": sorted(m for m in sys.modules if m.split(".")[0] == "flash_recipe" and sys.modules[m] is not None),
     "flash_attn": flash_attn.flash_attn_func.__module__,
+    "exports": sorted(name for name, value in exports.items() if not isinstance(value, str)),
 }, sys.argv[2])
 """
 
@@ -232,6 +234,7 @@ def test_the_variant_loads_without_the_pip_package(hub_repo, tmp_path):
     assert found["version"] == flash_recipe.__version__  # from _hub.py: no distribution metadata is read
     assert found["launches"] >= 1 and found["ours"] == []
     assert found["flash_attn"].startswith(found["name"] + ".")
+    assert found["exports"] == sorted(set(flash_recipe.__all__) - {"__version__"})
     q, k, v, dout, out, lse, *grads = found["tensors"]
     high = [t.double().requires_grad_() for t in (q, k, v)]
     same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
