@@ -218,8 +218,9 @@ def fuzz(session: nox.Session) -> None:
     """Run the differential fuzz test (``tests/test_fuzz.py``) against the built wheel.
 
     Random calls of every entry point, each compared with a plain-torch oracle by the accuracy
-    rule. Without arguments: 400 cases of seed 1 (about two minutes on a 2-core CPU through the
-    Triton interpreter), other cases than the test suite's own 150 of seed 0.
+    rule, and a quarter as many 8-bit attention calls (``test_fuzz_8bit``). Without arguments: 400
+    cases of seed 1 and 100 8-bit ones (about two minutes on a 2-core CPU through the Triton
+    interpreter), other cases than the test suite's own 150 of seed 0.
     ``nox -s fuzz -- --cases 2000 --seed 5`` draws other cases; ``--case I`` (repeatable) replays
     case I of the seed, as a failure message names it.
     """

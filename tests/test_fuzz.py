@@ -1,21 +1,21 @@
 """Differential fuzz test: random calls of every entry point against the plain-torch oracles.
 
 Each case draws an entry point (``flash_attn_func``, the packed forms, ``flash_attn_varlen_func``
-with and without ``block_table``, ``flash_attn_with_kvcache``, ``scaled_dot_product_attention``,
-the 8-bit ``sageattn`` under its names and ``sageattn_varlen``) and its arguments (lengths
-including 0 and 1, odd head dims, GQA/MQA, windows in every accepted form, softcap, ALiBi, scale,
-strided views of q/k/v and of the metadata, rotary, left padding, split-KV) from
-``random.Random(f"{seed}-{index}")`` alone, and compares the result with ``tests/fuzz_oracle.py``
-by the accuracy rule: max abs error at most 2x (forward, log-sum-exp) or 3x (gradients) that of
-plain torch computing the same attention in the input dtype, plus 1e-5, the truth computed in fp32
-(fp64 for fp32 inputs). 8-bit attention is held to its check (a) of docs/int8-attention.md: the
-same rule against fp64 attention of the same quantized inputs (the method's torch definition, with
-the kernel's blocks), and refuses what it must (training inputs, FP8 where the GPU lacks it) with
-``NotImplementedError``. Inputs must come back unchanged (the unused elements of strided views,
-NaN, included), a KV cache changed exactly where the new keys go, forward-only paths (paged keys,
-KV cache) must run on inputs that require grad and refuse ``.backward()`` with
-``NotImplementedError``, and under the interpreter every kernel load and store must stay inside the
-launch's tensors (``bounds_checked``).
+with and without ``block_table``, ``flash_attn_with_kvcache``, ``scaled_dot_product_attention``;
+``test_fuzz_8bit``: the 8-bit ``sageattn`` under its names and ``sageattn_varlen``) and its
+arguments (lengths including 0 and 1, odd head dims, GQA/MQA, windows in every accepted form,
+softcap, ALiBi, scale, strided views of q/k/v and of the metadata, rotary, left padding, split-KV)
+from ``random.Random(f"{seed}-{index}")`` (8-bit ones: ``random.Random(f"8bit-{seed}-{index}")``)
+alone, and compares the result with ``tests/fuzz_oracle.py`` by the accuracy rule: max abs error at
+most 2x (forward, log-sum-exp) or 3x (gradients) that of plain torch computing the same attention
+in the input dtype, plus 1e-5, the truth computed in fp32 (fp64 for fp32 inputs). 8-bit attention
+is held to its check (a) of docs/int8-attention.md: the same rule against fp64 attention of the
+same quantized inputs (the method's torch definition, with the kernel's blocks), and refuses what
+it must (training inputs, FP8 where the GPU lacks it) with ``NotImplementedError``. Inputs must
+come back unchanged (the unused elements of strided views, NaN, included), a KV cache changed
+exactly where the new keys go, forward-only paths (paged keys, KV cache) must run on inputs that
+require grad and refuse ``.backward()`` with ``NotImplementedError``, and under the interpreter
+every kernel load and store must stay inside the launch's tensors (``bounds_checked``).
 
     pytest tests/test_fuzz.py                                   # the bounded default count, seed 0
     pytest tests/test_fuzz.py --fuzz-cases 2000 --fuzz-seed 5   # more cases, another seed
@@ -57,9 +57,12 @@ KINDS = {
     "paged": 13,
     "kvcache": 28,
     "sdpa": 14,
-    "sage": 9,
-    "sage_varlen": 5,
 }
+# 8-bit attention, drawn by ``test_fuzz_8bit`` from a stream of its own (``draw_8bit_case``), so
+# that every (seed, index) of ``test_fuzz`` replays the case it always did: one 8-bit case for every
+# EIGHT_BIT_SHARE attention cases.
+EIGHT_BIT_KINDS = {"sage": 9, "sage_varlen": 5}
+EIGHT_BIT_SHARE = 4
 # The interpreter computes bf16 dot products wrongly: bf16 runs on a GPU only.
 DTYPES = ("float16", "float32", "bfloat16") if HAS_CUDA else ("float16", "float32")
 # 8-bit attention takes 16-bit inputs; its only 16-bit products take fp16 operands, so bf16 runs
@@ -100,7 +103,8 @@ class Case:
 
     @property
     def replay(self) -> str:
-        return f"python -m pytest tests/test_fuzz.py --fuzz-seed {self.seed} --fuzz-case {self.index}"
+        test = "::test_fuzz_8bit" if self.kind in EIGHT_BIT_KINDS else ""
+        return f"python -m pytest tests/test_fuzz.py{test} --fuzz-seed {self.seed} --fuzz-case {self.index}"
 
     @property
     def id(self) -> str:
@@ -372,11 +376,22 @@ def _draw_sage(rng: random.Random, p: dict, kind: str) -> None:
     p["grad"] = rng.random() < 0.08
 
 
+def draw_8bit_case(seed: int, index: int) -> Case:
+    """8-bit case ``index`` of ``seed``: a function of the two alone, from its own stream. One path:
+    the 8-bit kernels (or, where Triton cannot run, their torch fallback)."""
+    rng = random.Random(f"8bit-{seed}-{index}")
+    kind = rng.choices(list(EIGHT_BIT_KINDS), weights=list(EIGHT_BIT_KINDS.values()))[0]
+    dtype = rng.choice(SAGE_DTYPES)
+    p = {"torch_seed": rng.getrandbits(62)}
+    _draw_sage(rng, p, kind)
+    return Case(seed, index, kind, dtype, None, p)
+
+
 def draw_case(seed: int, index: int) -> Case:
     """Case ``index`` of ``seed``: a function of the two alone."""
     rng = random.Random(f"{seed}-{index}")
     kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
-    dtype = rng.choice(SAGE_DTYPES if kind.startswith("sage") else DTYPES)
+    dtype = rng.choice(DTYPES)
     p = {"torch_seed": rng.getrandbits(62)}
     if kind in ("dense", "qkvpacked", "kvpacked"):
         _draw_dense(rng, p, kind)
@@ -386,9 +401,6 @@ def draw_case(seed: int, index: int) -> Case:
         _draw_paged(rng, p)
     elif kind == "kvcache":
         _draw_kvcache(rng, p)
-    elif kind.startswith("sage"):
-        _draw_sage(rng, p, kind)
-        return Case(seed, index, kind, dtype, None, p)  # one path: the kernels (or their torch fallback)
     else:
         _draw_sdpa(rng, p)
     # Mostly the Triton kernels; sometimes the torch backends, where they can run the call.
@@ -1063,20 +1075,35 @@ RUNNERS = {
 
 
 def pytest_generate_tests(metafunc):
-    if "fuzz_case" not in metafunc.fixturenames:
+    """``--fuzz-cases N`` (default DEFAULT_CASES) attention cases and N / EIGHT_BIT_SHARE 8-bit ones,
+    of ``--fuzz-seed``; ``--fuzz-case I`` replays index I of each."""
+    names = {"fuzz_case": draw_case, "fuzz_8bit_case": draw_8bit_case}
+    name = next((n for n in names if n in metafunc.fixturenames), None)
+    if name is None:
         return
     config = metafunc.config
     seed = config.getoption("--fuzz-seed")
     count = config.getoption("--fuzz-cases")
-    indices = config.getoption("--fuzz-case") or range(DEFAULT_CASES if count is None else count)
-    cases = [draw_case(seed, i) for i in indices]
-    metafunc.parametrize("fuzz_case", cases, ids=[c.id for c in cases])
+    count = DEFAULT_CASES if count is None else count
+    if name == "fuzz_8bit_case":
+        count = -(-count // EIGHT_BIT_SHARE)
+    indices = config.getoption("--fuzz-case") or range(count)
+    cases = [names[name](seed, i) for i in indices]
+    metafunc.parametrize(name, cases, ids=[c.id for c in cases])
 
 
 def test_fuzz(fuzz_case: Case, device, nan_outputs, bounds_checked):
     """One drawn case (see the module docstring); under the interpreter, every kernel memory access is
     also checked to stay inside the launch's tensors (``bounds_checked``)."""
-    case = fuzz_case
+    _check(fuzz_case, device, bounds_checked)
+
+
+def test_fuzz_8bit(fuzz_8bit_case: Case, device, nan_outputs, bounds_checked):
+    """One drawn 8-bit case, checked as ``test_fuzz`` checks its cases."""
+    _check(fuzz_8bit_case, device, bounds_checked)
+
+
+def _check(case: Case, device, bounds_checked) -> None:
     inputs, report = Inputs(case, device), Report()
     crash = ""
     try:
