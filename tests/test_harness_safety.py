@@ -150,10 +150,14 @@ def test_the_index_refuses_anonymous_uploads_and_removals(tmp_path):
 
 # --- processes ---------------------------------------------------------------------------------
 
+# The harness as a terminal starts it: Python turns SIGINT into KeyboardInterrupt only where the
+# process did not inherit SIGINT ignored, as every command of a background job does (a CI runner's).
 _STAND_IN = """
+import signal
 import sys
 from pathlib import Path
 from recipes.harness import checks, workspace
+signal.signal(signal.SIGINT, signal.default_int_handler)
 tmp = Path(sys.argv[2])
 if sys.argv[1] == "step":
     workspace.run_step(["bash", str(tmp / "spawn.sh")], cwd=tmp, env={"PATH": "/usr/bin:/bin"}, log_file=tmp / "log")
