@@ -10,8 +10,8 @@ Writes a Hub kernel repository (docs/hub-kernel.md)::
         metadata.json                   name, id, version, license, python-depends, backend
 
 ``kernels`` imports a variant's ``__init__.py`` under the id ``_flash_recipe_<backend>_<uid>`` (uid:
-the source's git revision, 7 hex digits, with ``_dirty`` when the package's files differ from it;
-outside a git checkout, the first 7 hex digits of a hash of the files). Every import inside the
+the git revision of the checkout that tracks the package, 7 hex digits, with ``_dirty`` when the
+package's files differ from it; otherwise, the first 7 hex digits of a hash of the files). Every import inside the
 package is relative, so the copy never reaches for a pip-installed flash_recipe; its ops are
 ``<id>::attn_fwd`` and ``<id>::attn_bwd``, beside the wheel's ``flash_recipe::`` ones.
 
