@@ -24,12 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 
 def _version() -> str:
-    """The release: a Hub copy records the one it was built from (``_hub.py``, written by
-    ``flash-recipe hub-build``); the wheel's comes from its installed metadata (pyproject.toml)."""
-    try:
+    """The release: a Hub copy, imported under its build's id, records the one it was built from
+    (``_hub.py``, written by ``flash-recipe hub-build``); the wheel's comes from its installed
+    metadata (pyproject.toml)."""
+    if __name__ != "flash_recipe":
         return str(importlib.import_module("._hub", __name__).__version__)
-    except ModuleNotFoundError:
-        pass
     try:
         return metadata.version("flash-recipe")
     except metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed

@@ -101,7 +101,8 @@ def missing(module: str, name: str, provided) -> AttributeError:
 def is_installed(package: str = "flash_attn") -> bool:
     """Whether ``import <package>`` (``flash_attn`` unless given; or ``sageattention``) gives
     flash_recipe's stand-in in this process."""
-    return getattr(sys.modules.get(_stand_in(package).package), "__flash_recipe__", False)
+    stand_in = STAND_INS.get(package) or _stand_in(package)  # the dispatcher asks on every call: no call on a hit
+    return getattr(sys.modules.get(stand_in.package), "__flash_recipe__", False)
 
 
 class _MissingModules(importlib.abc.MetaPathFinder):

@@ -113,20 +113,27 @@ def _finite_lse_equal_inf(got, want):
     return got[~inf], want[~inf]
 
 
+def _kernel_and_references(q, k, v, causal, varlen, fp8: bool) -> tuple:
+    """The kernel on its own quantized inputs, and the fp64 truth and PyTorch's kernel-precision
+    version of the same quantized inputs: ``(out, lse), (truth, truth_lse), (same, same_lse)``."""
+    scale = q.shape[-1] ** -0.5
+    plan = int8_attention.plan_int8(q.device, q.shape[-1], fp8=fp8)
+    x = int8_attention.quantize_inputs(q, k, v, scale, True, plan, *varlen)
+    got = int8_attention.attention_quantized(x, plan, causal, q.dtype, *varlen)
+    cu = varlen[:2] if varlen else (None, None)
+    blocks = (plan.config.block_m, plan.config.block_n)
+    truth = reference_int8.attention_from_quantized(x, *blocks, causal, fp8, torch.float64, *cu)
+    same = reference_int8.attention_from_quantized(x, *blocks, causal, fp8, torch.float16, *cu)
+    return got, truth, same
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_kernel_equals_the_same_quantization_by_the_rule(case, dtype, device, nan_outputs):
     """Check (a): out and lse against the fp64 attention of the kernel's own quantized inputs,
     within 2x the error of PyTorch doing the same in the kernel's precision (P rounded to fp16)."""
     q, k, v, causal, varlen = _inputs(case, dtype, device)
-    scale = q.shape[-1] ** -0.5
-    plan = int8_attention.plan_int8(q.device, q.shape[-1], fp8=False)
-    x = int8_attention.quantize_inputs(q, k, v, scale, True, plan, *varlen)
-    out, lse = int8_attention.attention_quantized(x, plan, causal, q.dtype, *varlen)
-    cu = varlen[:2] if varlen else (None, None)
-    blocks = (plan.config.block_m, plan.config.block_n)
-    truth, truth_lse = reference_int8.attention_from_quantized(x, *blocks, causal, False, torch.float64, *cu)
-    same, same_lse = reference_int8.attention_from_quantized(x, *blocks, causal, False, torch.float16, *cu)
+    (out, lse), (truth, truth_lse), (same, same_lse) = _kernel_and_references(q, k, v, causal, varlen, fp8=False)
     assert out.dtype == dtype and not out.isnan().any()
     assert_accurate("out", out, truth, same.to(dtype), FORWARD_FACTOR)
     assert_accurate("lse", *_finite_lse_equal_inf(lse, truth_lse), same_lse[~torch.isinf(truth_lse)], FORWARD_FACTOR)
@@ -292,17 +299,10 @@ def test_fp8_pv_by_both_checks_on_a_gpu(case, dtype):
     """FP8 P.V (which the interpreter cannot run): check (a), PyTorch's version rounding P * 448 and
     V / v_scale to float8 as the kernel does, and check (b) through the public API."""
     q, k, v, causal, varlen = _inputs(case, dtype, torch.device("cuda"))
-    scale = q.shape[-1] ** -0.5
-    plan = int8_attention.plan_int8(q.device, q.shape[-1], fp8=True)
-    x = int8_attention.quantize_inputs(q, k, v, scale, True, plan, *varlen)
-    out, _ = int8_attention.attention_quantized(x, plan, causal, q.dtype, *varlen)
-    cu = varlen[:2] if varlen else (None, None)
-    blocks = (plan.config.block_m, plan.config.block_n)
-    truth, _ = reference_int8.attention_from_quantized(x, *blocks, causal, True, torch.float64, *cu)
-    same, _ = reference_int8.attention_from_quantized(x, *blocks, causal, True, torch.float16, *cu)
+    (out, _), (truth, _), (same, _) = _kernel_and_references(q, k, v, causal, varlen, fp8=True)
     assert_accurate("out", out, truth, same.to(dtype), FORWARD_FACTOR)
     if not varlen:
         got = flash_recipe.sageattn(q, k, v, "NHD", causal, pv_dtype="fp8")
-        truth = unquantized(q, k, v, causal, scale)
+        truth = unquantized(q, k, v, causal, q.shape[-1] ** -0.5)
         seen = truth.isfinite().all(-1)
         assert_method_accurate(_case_id(case), got[seen].cpu(), truth[seen].cpu())

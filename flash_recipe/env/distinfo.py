@@ -11,6 +11,7 @@ from importlib import metadata
 from typing import Any
 
 from ..alias import INSTALLER
+from .facts import LibrariesFacts
 
 # The INSTALLER text of the metadata that a stand-in (``install_as_flash_attn()``,
 # ``install_as_sageattention()``) answers in its own process.
@@ -50,4 +51,13 @@ def distribution_info(name: str) -> dict[str, Any]:
         "editable": bool(direct.get("dir_info", {}).get("editable", False)),
         "direct_url": direct.get("url"),
         "vcs": direct.get("vcs_info"),
+    }
+
+
+def probe_libraries() -> LibrariesFacts:
+    """The ``libraries`` probe: the installed transformers and kernels (Hub kernels,
+    ``attn_implementation="org/repo"``), from their metadata alone."""
+    return {
+        "transformers": distribution_info("transformers").get("version"),
+        "kernels": distribution_info("kernels").get("version"),
     }

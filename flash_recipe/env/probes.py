@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, TypeVar, Union, cast
 
-from .distinfo import distribution_info
+from .distinfo import distribution_info, probe_libraries
 from .facts import (
     BackendsFacts,
     BuildToolsFacts,
@@ -31,7 +31,6 @@ from .facts import (
     FlexFacts,
     GpuDevice,
     GpusFacts,
-    LibrariesFacts,
     NetworkFacts,
     NvccFacts,
     PlatformFacts,
@@ -430,14 +429,6 @@ def _import_check() -> FlashAttnFacts:
         "module_error": result.get("flash_attn_2_cuda"),
         "package_error": result.get("flash_attn"),
         "loads": result.get("flash_attn_2_cuda") is None,
-    }
-
-
-def probe_libraries() -> LibrariesFacts:
-    """transformers and kernels (Hub kernels, ``attn_implementation="org/repo"``), from metadata only."""
-    return {
-        "transformers": distribution_info("transformers").get("version"),
-        "kernels": distribution_info("kernels").get("version"),
     }
 
 
