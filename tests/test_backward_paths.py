@@ -186,7 +186,8 @@ def test_dq_is_transposed_where_the_query_tile_has_fewer_rows_than_the_fast_unit
 
 def test_each_familys_default_backward_is_the_documented_path_with_fewer_instructions():
     """docs/performance.md's table ("The backward path per family", printed by
-    ``flash_recipe.tools.backward_paths``) covers every NVIDIA family and head-dim bucket, each
+    ``flash_recipe.tools.backward_paths``) covers every NVIDIA family, every AMD target and every
+    head-dim bucket, each
     row's ``fewer`` is the path with fewer warp-instructions per element (MHA and GQA summed), and
     ``configs.BACKWARD_PATHS`` runs it, but where it spills (``backward_paths.SPILLING``: then the
     other); tests/test_compile.py checks rows of it against a compile."""
@@ -204,5 +205,6 @@ def test_each_familys_default_backward_is_the_documented_path_with_fewer_instruc
             assert row["default"] != row["fewer"], row
         else:
             assert row["default"] == row["fewer"], row
-    for target, family in (("sm89", "sm86"), ("sm121", "sm120"), ("gfx942", "amd")):
+    for target, family in (("sm89", "sm86"), ("sm121", "sm120"), ("gfx942", "amd"), ("gfx940", "amd")):
+        assert target not in configs.BACKWARD_PATHS  # the family's row
         assert configs.BACKWARD_PATHS[configs.arch_family(target)] is configs.BACKWARD_PATHS[family]

@@ -219,6 +219,43 @@ def test_main_loop_is_the_shortest_conditional_back_edge_over_matrix_instruction
     assert compiled_code.main_loop(uniform) == 6
 
 
+def test_amd_main_loop_is_the_shortest_back_branch_over_mfma():
+    """AMD's assembly, the same rule as SASS: a branch back to an earlier label before the last
+    ``s_endpgm``, over ``v_mfma`` instructions; labels, directives, comments and ``s_nop`` padding
+    are not counted."""
+    asm = "\n".join(
+        [
+            "attn_kernel:",
+            "\ts_load_dwordx2 s[0:1], s[4:5], 0x0",
+            "\tv_mfma_f32_32x32x8_bf16 v[0:15], v[16:17], v[18:19], 0",  # before any loop: not counted
+            ".LBB0_1:                                ; =>This Inner Loop Header: Depth=1",  # masked loop
+            "\t.loc\t1 153 34                        ; backward.py:153:34",
+            "\tv_max_f32_e32 v1, v2, v3",
+            "\tv_mfma_f32_32x32x8_bf16 v[0:15], v[16:17], v[18:19], v[0:15]",
+            "\tv_cmp_gt_i32_e32 vcc, s2, v7",
+            "\tv_cndmask_b32_e32 v4, v5, v6, vcc",
+            "\ts_cbranch_scc1 .LBB0_1",
+            ".LBB0_2:                                ; =>This Inner Loop Header: Depth=1",  # unmasked: 4
+            "\tv_fma_f32 v1, v2, v3, v4",
+            ".Ltmp7:",
+            "\tv_mfma_f32_32x32x8_bf16 v[0:15], v[16:17], v[18:19], v[0:15]",
+            "\ts_nop 7",
+            "\tv_exp_f32_e32 v1, v1",
+            "\ts_cbranch_scc0 .LBB0_2",
+            "; %bb.3:",
+            "\ts_endpgm",
+            ".LBB0_4:",  # after the end: a retry returning into the code
+            "\tv_mfma_f32_32x32x8_bf16 v[0:15], v[16:17], v[18:19], v[0:15]",
+            "\ts_branch .LBB0_4",
+        ]
+    )
+    assert len(compiled_code.amd_main_loop_body(asm)) == 4
+    unrolled = asm.replace("s_cbranch_scc0 .LBB0_2", "s_nop 0")
+    assert len(compiled_code.amd_main_loop_body(unrolled)) == 5  # the masked loop
+    assert compiled_code.amd_main_loop_body(asm.replace("v_mfma", "v_add")) is None  # no matrix loop
+    assert compiled_code.amd_main_loop_body("\ts_branch .LBB0_9\n.LBB0_9:\n\ts_endpgm") is None  # forward
+
+
 def test_matrix_work_of_the_main_loop_counts_each_instruction_shape():
     """HMMA m16n8k16 runs once per warp, HGMMA 64xNx16 once per warpgroup of 4; an instruction whose
     shape the mnemonic does not give (sm100's UTC*MMA) leaves the count unknown."""
@@ -273,7 +310,7 @@ def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two(
         from flash_recipe.ops import configs
         from flash_recipe.tools import compile_check
         case = compile_check.Case("bwd", "bfloat16", 128, "aligned")
-        for target in ("sm80", "sm90", "sm100"):
+        for target in ("sm80", "sm90", "sm100", "gfx90a", "gfx942"):
             for row in compile_check.check_case(case, target):
                 print(json.dumps(row))
         configs.MMA_MIN_ROWS.clear()  # as on a family whose matrix unit takes 16 rows: dS K direct
@@ -287,7 +324,7 @@ def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two(
         if row["kernel"] != "bwd_preprocess"
     }
     expected = {"bwd_onepass": 5, "bwd_dq": 3, "bwd_dkdv": 4}
-    targets_run = ("sm80", "sm90", "sm100")
+    targets_run = ("sm80", "sm90", "sm100", "gfx90a", "gfx942")  # AMD: the two that disagree at 128
     for target in targets_run:
         for grouped in (False, True):
             chosen = {kernel: found[(target, kernel, grouped, False)] for kernel in expected}

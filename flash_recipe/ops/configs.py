@@ -288,8 +288,10 @@ ONE_PASS_SINCE_TRITON = {("sm90", 128): (3, 4), ("sm100", 128): (3, 4)}
 # fewer warp-instructions per score element, averaged over MHA and GQA, in the compile check
 # (bf16, aligned, Triton 3.9; ``python -m flash_recipe.tools.backward_paths``, its table in
 # docs/performance.md, which a test pins to these), until a GPU measures otherwise (``flash-recipe
-# tune`` keeps the faster per GPU model). AMD's code objects give no instruction count; there the
-# one pass stays, as does the interpreter's (its tests cover both paths).
+# tune`` keeps the faster per GPU model). AMD's family shares its tiles across three generations
+# of matrix cores that do not agree (CDNA2's and CDNA4's three kernels issue fewer at head dims 128
+# and 256, CDNA3's one pass): each AMD target has its row, and one the tables do not know takes
+# gfx942's ("amd"). The interpreter runs the one pass (its tests cover both paths).
 _ONE_PASS = dict.fromkeys(HEAD_DIM_BUCKETS, "one_pass")
 _THREE = "three_kernels"
 BACKWARD_PATHS: dict[str, dict[int, str]] = {
@@ -301,7 +303,9 @@ BACKWARD_PATHS: dict[str, dict[int, str]] = {
     "sm90": {**_ONE_PASS, 256: _THREE},
     "sm100": {**_ONE_PASS, 256: _THREE},
     "sm120": {**_ONE_PASS, 128: _THREE, 256: _THREE},
-    "amd": _ONE_PASS,
+    "amd": _ONE_PASS,  # gfx942, and AMD targets the tables do not know
+    "gfx90a": {**_ONE_PASS, 128: _THREE, 256: _THREE},
+    "gfx950": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "interpreter": _ONE_PASS,
 }
 
@@ -361,8 +365,10 @@ def shared_memory_problem(target: str, available: int) -> Optional[str]:
 
 
 def backward_path(target: str, head_dim: int) -> str:
-    """The backward ``target``'s family runs by default at ``head_dim``'s bucket (``BACKWARD_PATHS``)."""
-    return BACKWARD_PATHS[arch_family(target)][head_dim_bucket(head_dim)]
+    """The backward ``target`` runs by default at ``head_dim``'s bucket (``BACKWARD_PATHS``: the
+    target's own row where it has one, else its family's)."""
+    paths = BACKWARD_PATHS.get(target) or BACKWARD_PATHS[arch_family(target)]
+    return paths[head_dim_bucket(head_dim)]
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -12,8 +12,9 @@ family") is this tool's output, and tests/test_backward_paths.py pins the defaul
     python -m flash_recipe.tools.backward_paths --jobs 2 [--target sm90] [--head-dim 128]
     python -m flash_recipe.tools.backward_paths --rows rows.jsonl   # compile check --json output
 
-AMD targets are not in it: the compile check counts no main-loop instructions in their code
-objects, and their default stays one pass.
+On AMD a wavefront issues each instruction once, as a warp does, so the counts read the same
+(``compiled_code.amd_main_loop_body``); each AMD target has its row, since the family's three
+generations of matrix cores do not agree (``configs.BACKWARD_PATHS``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import Optional
 from ..ops import configs, limits
 from . import compile_check
 
-# One target per NVIDIA family: the families' own compile targets.
-TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120")
+# One target per NVIDIA family (the families' own compile targets), and every AMD target: their
+# family ("amd") shares one table of tiles across three generations of matrix cores.
+TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950")
 PATH_KERNELS = {"one_pass": ("bwd_onepass",), "three_kernels": ("bwd_dq", "bwd_dkdv")}
 # Where the path with fewer instructions spills in a call the compile check budgets, the other is
 # the default: (target, head dim) -> why (``python -m flash_recipe.tools.compile_check --call varlen``).

@@ -146,9 +146,11 @@ def dot_units(ttgir: str) -> dict:
 
 
 def amd_usage(kernel) -> dict:
-    """VGPRs and scratch bytes per work-item from the AMD code object's metadata. Scratch
-    (``private_segment_fixed_size``) is where spilled VGPRs go; spilled SGPRs land in VGPR lanes
-    and cost no memory."""
+    """VGPRs and scratch bytes per work-item from the AMD code object's metadata, and the
+    instructions of its main loop (``amd_main_loop_body``). Scratch (``private_segment_fixed_size``)
+    is where spilled VGPRs go; spilled SGPRs land in VGPR lanes and cost no memory. A wavefront
+    issues each instruction once, as a warp does: ``loop_instructions x num_warps`` are the
+    wavefront-instructions of one iteration."""
     asm = kernel.asm.get("amdgcn", "")
 
     def field(name):
@@ -157,11 +159,54 @@ def amd_usage(kernel) -> dict:
             raise RuntimeError(f"the AMD code object's metadata has no .{name}")
         return int(found.group(1))
 
+    body = amd_main_loop_body(asm)
     return {
         "registers": field("vgpr_count"),
         "spill_bytes": field("private_segment_fixed_size"),
         "fma_dots": dot_units(kernel.asm["ttgir"]).get("fma", 0),
         "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
         "matrix_unit": "mfma" if "mfma" in asm else None,
-        "loop_integer_mma": len(re.findall(r"\bv_mfma_i32_\w+", asm)),  # int8 products (whole kernel)
+        "loop_instructions": len(body) if body is not None else None,
+        # int8 products: in the main loop, or the whole kernel's where no loop was found
+        "loop_integer_mma": sum(1 for text in (asm.splitlines() if body is None else body) if _MFMA_I8.search(text)),
     }
+
+
+_MFMA = re.compile(r"\bv_mfma_")
+_MFMA_I8 = re.compile(r"\bv_mfma_i32_\w+")
+# An instruction line of the AMD assembly (a tab, then the mnemonic); labels, directives (``.loc``)
+# and comments are not instructions.
+_AMD_INSTRUCTION = re.compile(r"^\t([a-z][a-z0-9_]*)\b")
+_AMD_LABEL = re.compile(r"^(\.LBB\d+_\d+):")
+_AMD_BRANCH = re.compile(r"^\ts_(?:cbranch_\w+|branch)\s+(\.LBB\d+_\d+)")
+
+
+def amd_main_loop_body(asm: str) -> Optional[list]:
+    """The instructions of one iteration of the main loop of an AMD kernel's assembly (LLVM's
+    ``amdgcn`` text), or None: the rule of ``main_loop_body`` on AMD's code. A loop is a branch
+    (``s_branch``, ``s_cbranch_*``) back to a label placed earlier, from before the kernel's last
+    ``s_endpgm``; its body is every instruction from the label to the branch, ``s_nop`` (hazard
+    padding) excepted. Of the loops that issue ``v_mfma`` instructions, the main loop is the
+    shortest."""
+    labels: dict[str, int] = {}
+    code: list[tuple[int, str]] = []  # (line, instruction)
+    branches: list[tuple[int, str]] = []  # (line, target label)
+    last_end = None
+    for number, line in enumerate(asm.splitlines()):
+        if (label := _AMD_LABEL.match(line)) is not None:
+            labels[label.group(1)] = number
+        elif (instruction := _AMD_INSTRUCTION.match(line)) is not None:
+            code.append((number, line.strip()))
+            if instruction.group(1) == "s_endpgm":
+                last_end = number
+            if (branch := _AMD_BRANCH.match(line)) is not None:
+                branches.append((number, branch.group(1)))
+    loops = []
+    for number, target in branches:
+        start = labels.get(target)
+        if start is None or start > number or (last_end is not None and number > last_end):
+            continue
+        body = [text for at, text in code if start < at <= number and not text.startswith("s_nop")]
+        if any(_MFMA.search(text) for text in body):
+            loops.append(body)
+    return min(loops, key=len, default=None)
