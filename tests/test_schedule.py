@@ -162,11 +162,16 @@ def test_the_model_finds_the_order_no_slower_than_the_plain_one():
     this order, and the plain order's tail is what the table says it is."""
     rows = schedule_report.model_rows()
     assert [r[:3] for r in rows] == list(schedule_report.MODEL_SHAPES)
-    for *_, plain, ordered in rows:
+    for *_, plain, ordered, persistent, balanced in rows:
         assert 1.0 <= ordered <= plain
-    assert max(r[-2] for r in rows) > 1.05  # the plain order's tail is worth reordering for
+        assert persistent > 1.1 * ordered  # a grid-stride loop strands the heavy blocks' stragglers
+        assert 1.0 <= balanced <= persistent  # dealt heaviest first: within a few percent of the dispatch
+    assert max(r[-4] for r in rows) > 1.05  # the plain order's tail is worth reordering for
     assert schedule_report.model_time([3.0, 1.0, 1.0, 1.0], 2) == 3.0
     assert schedule_report.model_time([1.0, 1.0, 1.0, 3.0], 2) == 4.0
+    assert schedule_report.persistent_time([3.0, 1.0, 1.0, 1.0], 2) == 4.0  # slot 0: units 0 and 2
+    assert schedule_report.persistent_time([2.0] * 6, 3) == schedule_report.model_time([2.0] * 6, 3) == 4.0
+    assert schedule_report.balanced_persistent_time([1.0, 4.0, 2.0, 3.0], 2) == 5.0  # 4 + 1 and 3 + 2
 
 
 def test_the_module_prints_the_model_table():
