@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from offline import compile_in_subprocess
 
-from flash_recipe.ops import choose, configs, targets
+from flash_recipe.ops import choose, configs, features, targets
 from flash_recipe.tools import backward_paths, compile_check, compiled_code
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,6 +411,43 @@ def test_a_kernel_compiled_to_a_trap_is_rejected():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not (features.descriptors_available() and features.warp_specialization_available()),
+    reason="this Triton has no tensor descriptors or no warp specialisation",
+)
+def test_the_warp_specialised_forward_splits_its_loops_and_the_check_sees_a_whole_one():
+    """Asked for, the sm100 forward's loops are split into partitions (loads, matrix products,
+    softmax) with no spill at head dims 64 and 128, causal and not; the plain forward elsewhere
+    (sm90). Planted: offered to sm90, whose partitioner leaves the 8-warp loop whole, the check
+    fails it."""
+    rows = compile_in_subprocess("""
+        import json
+        from flash_recipe import signatures
+        from flash_recipe.ops import features
+        from flash_recipe.tools import compile_check
+        for target in ("sm100", "sm90"):
+            for head_dim in (64, 128):
+                case = compile_check.Case("fwd_ws", "bfloat16", head_dim, "aligned")
+                for row in compile_check.check_case(case, target):
+                    print(json.dumps(row))
+        features.WARP_SPEC_FAMILIES = ("sm90",)
+        signatures.forget()  # the launch plans made above without it
+        for row in compile_check.check_case(compile_check.Case("fwd_ws", "bfloat16", 128, "aligned"), "sm90"):
+            print(json.dumps({**row, "planted": True}))
+    """)
+    blackwell = [row for row in rows if row["target"] == "sm100"]
+    assert len(blackwell) == 4 and all(row["kernel"] == "fwd_ws" for row in blackwell)  # causal and not, 2 dims
+    assert all(row["ok"] and row["spill_bytes"] == 0 and row["warp_partitions"] >= 2 for row in blackwell), blackwell
+    # the softmax partition's loop issues no matrix instruction, and the main loop's partition no exp2
+    assert all(row["softmax_loop_instructions"] and row["loop_instructions"] for row in blackwell)
+    hopper = [row for row in rows if row["target"] == "sm90" and not row.get("planted")]
+    assert len(hopper) == 4 and all(row["kernel"] == "fwd" and row["warp_partitions"] == 0 for row in hopper)
+    planted = [row for row in rows if row.get("planted")]
+    assert planted and all(row["kernel"] == "fwd_ws" and not row["ok"] for row in planted), planted
+    assert all("Triton left the loop whole" in row["problems"][-1] for row in planted)
+
+
+@pytest.mark.slow
 def test_launch_specialisation_is_applied():
     """Aligned pointers and strides divisible by 16 let Triton multi-buffer the loads: the sm90
     forward at head dim 128 needs far more shared memory than an unspecialised compile reports
@@ -473,7 +510,11 @@ def test_the_presets_select_what_ci_and_compat_compile():
     assert {(c.head_dim, c.form, t) for c, t in int8} == {
         (d, "aligned", t) for d in (64, 128, 256) for t in compile_check.TARGETS
     } | {(d, "ragged", t) for d in (64, 128) for t in compile_check.FAMILY_TARGETS}
-    ci = [(c, t) for c, t in ci if c.call not in ("sinks", "int8")]
+    warp_spec = [(c, t) for c, t in ci if c.call == "fwd_ws"]  # where it is offered (features.WARP_SPEC_FAMILIES)
+    assert {(c.head_dim, c.form, c.dtype, t) for c, t in warp_spec} == {
+        (d, "aligned", "bfloat16", "sm100") for d in (16, 32, 64, 128)
+    }
+    ci = [(c, t) for c, t in ci if c.call not in ("sinks", "int8", "fwd_ws")]
     packed = [(c, t) for c, t in ci if c.call in ("varlen", "paged")]
     assert len(packed) == 2 * 5 * len(compile_check.FAMILY_TARGETS)
     assert {t for _, t in packed} == set(compile_check.FAMILY_TARGETS)

@@ -1,4 +1,5 @@
-"""Where the kernels use tensor descriptors (TMA): decided in ``flash_recipe.ops.features``."""
+"""Compiler features the kernels use where Triton and the GPU have them, decided in
+``flash_recipe.ops.features``: tensor descriptors (TMA) and warp specialisation."""
 
 from __future__ import annotations
 
@@ -73,3 +74,76 @@ def test_tma_views_are_row_tiles_of_keys_and_values(monkeypatch):
     layout = [(list(t.shape), list(t.strides), list(t.block_shape)) for t in tiles]
     assert layout == [([160, 256], [256, 1], [32, 64])] * 2
     assert tiles[0].base is k and tiles[1].base is v
+
+
+TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx942", "interpreter")
+
+
+def test_warp_specialization_is_found_in_tl_range():
+    """Whether the installed Triton has it is read from ``tl.range``'s signature, not its version:
+    3.9's takes ``warp_specialize``, 3.2's (torch 2.6's pin, CI's oldest) does not."""
+    release = targets.triton_release()
+    if release >= (3, 9):
+        assert features.warp_specialization_available()
+    if release < (3, 3):
+        assert not features.warp_specialization_available()
+
+
+def test_warp_specialization_is_asked_for_and_offered_where_it_compiles(monkeypatch):
+    """Off unless asked for; asked for, only Blackwell (and the interpreter) at head dims up to 128
+    take it, and only for calls it serves (``plain``). The block's choice beats the environment's."""
+    monkeypatch.setattr(features, "warp_specialization_available", lambda: True)
+    monkeypatch.delenv(features.WARP_SPEC_ENV, raising=False)
+    assert not any(features.warp_specialization(t, 128, plain=True) for t in TARGETS)
+    with features.using_warp_specialization(True):
+        assert [t for t in TARGETS if features.warp_specialization(t, 128, plain=True)] == ["sm100", "interpreter"]
+        assert [d for d in (16, 32, 40, 64, 128, 256) if features.warp_specialization("sm100", d, plain=True)] == [
+            16,
+            32,
+            40,
+            64,
+            128,
+        ]
+        assert not features.warp_specialization("sm100", 128, plain=False)  # a window's left edge, sinks, ...
+    monkeypatch.setenv(features.WARP_SPEC_ENV, "1")
+    assert features.warp_specialization("sm100", 64, plain=True)
+    with features.using_warp_specialization(False):
+        assert not features.warp_specialization("sm100", 64, plain=True)
+    monkeypatch.setenv(features.WARP_SPEC_ENV, "0")
+    assert not features.warp_specialization("sm100", 64, plain=True)
+
+
+def test_warp_specialization_is_refused_where_triton_lacks_it(monkeypatch):
+    """As under Triton 3.2, whose ``tl.range`` takes no ``warp_specialize`` (the signature is the
+    one thing mocked): asking for it raises NotImplementedError naming the fix, in a block or
+    through the environment; a call it would not serve is not refused."""
+    monkeypatch.setattr(features, "warp_specialization_available", lambda: False)
+    with (
+        pytest.raises(NotImplementedError, match=r"using_warp_specialization\(True\).*tl.range takes no"),
+        features.using_warp_specialization(True),
+    ):
+        pass
+    monkeypatch.setenv(features.WARP_SPEC_ENV, "1")
+    with pytest.raises(NotImplementedError, match="FLASH_RECIPE_WARP_SPEC=1: the installed Triton"):
+        features.warp_specialization("sm100", 128, plain=True)
+    assert not features.warp_specialization("sm100", 128, plain=False)
+    assert not features.warp_specialization("sm100", 256, plain=True)
+
+
+@pytest.mark.skipif(not features.descriptors_available(), reason="this Triton has no tensor descriptors")
+def test_a_launch_asked_for_warp_specialization_without_it_is_refused_cleanly(monkeypatch):
+    """The refusal reaches the caller as NotImplementedError, not as a compiler error. (The
+    environment is read when a launch is planned: the memoized plans are forgotten first.)"""
+    import flash_recipe
+    from flash_recipe import signatures
+
+    signatures.forget()
+    monkeypatch.setattr(features, "warp_specialization_available", lambda: False)
+    monkeypatch.setenv(features.WARP_SPEC_ENV, "1")
+    q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16) for _ in range(3))
+    with (
+        flash_recipe.use_backend("triton"),
+        features.using_descriptors(True),
+        pytest.raises(NotImplementedError, match="warp_specialize"),
+    ):
+        flash_recipe.flash_attn_func(q, k, v)

@@ -277,6 +277,61 @@ def test_tensor_descriptors_on_packed_keys_with_gqa_and_batches(causal, device, 
     assert torch.equal(tma_out, pointer_out)  # the pointer path's accuracy is tested above
 
 
+@pytest.fixture
+def warp_spec_launches(monkeypatch) -> list:
+    """The ``WARP_SPEC`` flag of each forward launch, in order."""
+    from flash_recipe.ops import forward
+
+    found, original = [], forward.attn_fwd_kernel.fn.run
+
+    def run(*args, **kwargs):
+        found.append(kwargs.get("WARP_SPEC"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(forward.attn_fwd_kernel.fn, "run", run)
+    return found
+
+
+WARP_SPEC_CASES = [
+    # MHA (no GQA packing), plain scores, no left window; head dims 16 to 128 (features.WARP_SPEC_HEAD_DIMS)
+    Case(2, 96, 128, 2, 2, 64, False),  # every key block full, none masked: the plain kernel's order
+    Case(1, 40, 24, 2, 2, 16, False),  # a ragged last key block (masked, run first with WARP_SPEC)
+    Case(1, 65, 100, 2, 2, 128, True),  # causal, ragged: the diagonal blocks run before the full ones
+    Case(2, 70, 70, 3, 3, 32, True),
+]
+
+
+@pytest.mark.skipif(
+    not (features.descriptors_available() and features.warp_specialization_available()),
+    reason="this Triton has no tensor descriptors or no warp specialisation",
+)
+@pytest.mark.parametrize("case", WARP_SPEC_CASES, ids=lambda c: c.id)
+def test_warp_specialised_forward_passes_the_rule_and_keeps_the_plain_kernels_bits_in_its_order(
+    case, device, nan_outputs, warp_spec_launches
+):
+    """The warp-specialised forward (``features.warp_specialization``; the interpreter runs its
+    loops as plain ones) passes the accuracy rule. It runs the masked stages before the unmasked
+    one, so where no key block is masked it gives the plain kernel's bits, and elsewhere the same
+    sums in another order."""
+    from flash_recipe.ops import choose
+
+    if not features.takes_warp_specialization(targets.target_of(device)):
+        pytest.skip(f"{targets.target_of(device)} is not offered warp specialisation (features.WARP_SPEC_FAMILIES)")
+    with features.using_descriptors(True), features.using_warp_specialization(True):
+        row = check_case(case, torch.float16, device, "triton", seed=5)
+        ws_out = flash_recipe.flash_attn_func(*_case_inputs(case, device), **case.options(device))
+    assert warp_spec_launches and all(warp_spec_launches), warp_spec_launches
+    assert row["passed"], {n: (row["errors"][n], row["bounds"][n]) for n in row["errors"]}
+    warp_spec_launches.clear()
+    with features.using_descriptors(True):
+        plain_out = flash_recipe.flash_attn_func(*_case_inputs(case, device), **case.options(device))
+    assert warp_spec_launches == [False]  # not asked for: the plain kernel
+    if not case.causal and case.seqlen_k % choose.launch_config(device, "fwd", case.head_dim, 2).block_n == 0:
+        assert torch.equal(ws_out, plain_out)
+    else:
+        assert (ws_out.float() - plain_out.float()).abs().max().item() <= 2e-3
+
+
 ONE_KEY_CASES = [
     # (B, Sq, Sk, H, D, window, softcap, alibi): every row sees exactly one key, inputs scaled by 4
     pytest.param(3, 61, 1, 4, 128, (-1, -1), 0.0, True, id="Sk1-alibi"),

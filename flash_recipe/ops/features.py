@@ -13,6 +13,16 @@
 ``FLASH_RECIPE_TMA=0`` (or ``false``, ``no``, ``off``) turns descriptors off (the pointer path
 everywhere); ``using_descriptors`` forces the choice inside a block, which is how the tests run
 the descriptor path under the CPU interpreter and the benchmark compares the two.
+
+- Warp specialisation (``tl.range(..., warp_specialize=True)``): the dense forward's unmasked key
+  loop split into partitions of warps (TMA loads, matrix products, softmax) that run side by side,
+  on Blackwell (``WARP_SPEC_FAMILIES``) at ``WARP_SPEC_HEAD_DIMS``, for calls with tensor
+  descriptors, fp16/bf16 and plain scores (no left window, softcap, ALiBi, dropout, sinks or
+  packed GQA: ``warp_specialization``), where the installed Triton's ``tl.range`` takes
+  ``warp_specialize`` (found in its signature, not from the version number). Off unless asked for:
+  ``FLASH_RECIPE_WARP_SPEC=1``, or ``using_warp_specialization(True)`` inside a block. It has not
+  run on a GPU (docs/performance.md, "Warp specialisation"); ``flash-recipe bench`` compares it
+  (``flash_recipe_ws``). Asked for under a Triton without it, a launch raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import inspect
 import os
 from collections.abc import Iterator
 from typing import Optional
@@ -126,3 +137,85 @@ def descriptors(k, v, block_rows: int) -> tuple:
                              [block_rows, k.shape[3]]),
             TensorDescriptor(v, [v.shape[0] * v.shape[1], v.shape[2] * v.shape[3]], [v.stride(1), 1],
                              [block_rows, v.shape[3]]))
+
+
+# Where the forward's warp-specialised loops compile cleanly (Triton 3.9, ``python -m
+# flash_recipe.tools.compile_check --call fwd_ws``): sm100, causal or not, at head dims up to 128
+# (at 256 the partitions spilled 440-544 bytes per thread). Hopper's partitioner
+# takes 4 warps a loop and no second loop beside it, which the three-stage forward cannot offer
+# without masking every block (docs/performance.md, "Warp specialisation").
+WARP_SPEC_FAMILIES = ("sm100",)
+WARP_SPEC_HEAD_DIMS = (16, 32, 64, 128)
+# Pipeline stages of the specialised loops: with the table's 3 (sm100, 128x128 tiles at head dim
+# 128) their buffers take 262716 B of shared memory, over the 232448 B an sm100 block has.
+WARP_SPEC_STAGES = 2
+WARP_SPEC_ENV = "FLASH_RECIPE_WARP_SPEC"
+
+# ``using_warp_specialization``'s choice in this thread or task (None outside one); forward plans are
+# keyed by it (``forward._plan_key``). ``FLASH_RECIPE_WARP_SPEC`` is read when a launch is planned.
+FORCED_WARP_SPEC: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
+    "flash_recipe_warp_spec", default=None)
+
+
+@functools.cache
+def warp_specialization_available() -> bool:
+    """Whether the installed Triton's ``tl.range`` takes ``warp_specialize``."""
+    import triton.language as tl
+
+    try:
+        return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+    except (TypeError, ValueError):  # a signature Python cannot read
+        return False
+
+
+def _no_warp_specialization(asked_by: str) -> NotImplementedError:
+    release = ".".join(map(str, targets.triton_release()))
+    return NotImplementedError(
+        f"{asked_by}: the installed Triton ({release}) has no warp specialisation (tl.range takes no "
+        f"warp_specialize); install a Triton whose tl.range has it (3.9 does), or leave it off")
+
+
+@contextlib.contextmanager
+def using_warp_specialization(enabled: bool) -> Iterator[None]:
+    """Inside the block, warp specialisation is asked for (as ``FLASH_RECIPE_WARP_SPEC=1`` asks:
+    the forward uses it where ``warp_specialization`` allows) or not at all; this thread or asyncio
+    task only."""
+    if enabled and not warp_specialization_available():
+        raise _no_warp_specialization("using_warp_specialization(True)")
+    token = FORCED_WARP_SPEC.set(bool(enabled))
+    try:
+        yield
+    finally:
+        FORCED_WARP_SPEC.reset(token)
+
+
+def warp_specialization_requested() -> Optional[bool]:
+    """True or False inside ``using_warp_specialization``; else True where ``FLASH_RECIPE_WARP_SPEC``
+    is ``1`` (``true``, ``yes``, ``on``), else None (off)."""
+    forced = FORCED_WARP_SPEC.get()
+    if forced is not None:
+        return forced
+    if os.environ.get(WARP_SPEC_ENV, "0").lower() in ("1", "true", "yes", "on"):
+        return True
+    return None
+
+
+def warp_specialization(target: str, head_dim: int, plain: bool) -> bool:
+    """Whether a forward launch for ``target`` at ``head_dim`` warp-specialises its unmasked key
+    loop: asked for (``warp_specialization_requested``), a call that allows it (``plain``: tensor
+    descriptors, fp16/bf16, no left window, softcap, ALiBi, dropout, sinks or packed GQA), and a
+    target and head dim where it compiles cleanly (``WARP_SPEC_FAMILIES``, ``WARP_SPEC_HEAD_DIMS``;
+    the interpreter runs it too, for the tests). Raises NotImplementedError where it is asked for
+    and the installed Triton lacks it."""
+    asked = warp_specialization_requested()
+    if not asked or not plain or configs.head_dim_bucket(head_dim) not in WARP_SPEC_HEAD_DIMS:
+        return False
+    if not warp_specialization_available():
+        raise _no_warp_specialization(f"{WARP_SPEC_ENV}=1")
+    return takes_warp_specialization(target)
+
+
+def takes_warp_specialization(target: str) -> bool:
+    """Whether ``target``'s family is one the warp-specialised forward compiles cleanly for
+    (``WARP_SPEC_FAMILIES``); the interpreter runs it too, for the tests."""
+    return target == "interpreter" or configs.arch_family(target) in WARP_SPEC_FAMILIES

@@ -59,6 +59,64 @@ from .tiles import (
 
 
 @triton.jit
+def _fwd_step(
+    b_acc, b_m, b_l, b_bad, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
+    lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, start_n,
+    k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+    k_tiles, v_tiles, tile_row, tile_col, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
+    FOLD: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The key block at ``start_n`` of ``_fwd_inner``'s loop: the running ``(acc, m, l, bad)`` after it."""
+    start_n = tl.multiple_of(start_n, BLOCK_N)
+    o_k = start_n + o_n
+    if TMA and not MASKED:
+        b_k = k_tiles.load([tile_row + start_n, tile_col])
+    else:
+        b_k, m_bad = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, seqlen_k, head_dim,
+                               page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BN, BD]
+        if PAGED:
+            b_bad = b_bad | m_bad.to(tl.int32)  # [BLOCK_N]: rows whose page index was out of range
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:
+        b_s = tanh(b_s * tanh_scale)
+    if not FOLD:
+        b_s = b_s * nat_scale
+        if ALIBI:
+            b_s = b_s - slope * tl.abs((o_m[:, None] + diag_offset - o_k[None, :]).to(tl.float32))
+        b_s = b_s * LOG2E
+    if MASKED:
+        b_s = tl.where(visible(o_m[:, None], o_k[None, :], seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT),
+                       b_s, float("-inf"))
+    if FOLD:
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)  # [BLOCK_M], the running max
+    else:
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    b_m_use = b_m_new
+    if MASKED:
+        # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid inf - inf
+        # (only here: the running max itself stays -inf until the row sees a key).
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    if FOLD:
+        b_p = tl.math.exp2(b_s * qk_scale - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
+    else:
+        b_p = tl.math.exp2(b_s - b_m_use[:, None])
+    b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    if TMA and not MASKED:
+        b_v = v_tiles.load([tile_row + start_n, tile_col])
+    else:
+        b_v, _ = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, k_first, seqlen_k, head_dim,
+                           page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
+    if DROPOUT:
+        m_keep = dropout_keep(seed, rng_base, o_m[:, None], o_k[None, :], rng_stride, dropout_p)
+        b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
+    b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision="ieee")
+    b_m = b_m_new
+    return b_acc, b_m, b_l, b_bad
+
+
+@triton.jit
 def _fwd_inner(
     b_acc, b_m, b_l, b_bad, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, start, end,
@@ -66,6 +124,7 @@ def _fwd_inner(
     k_tiles, v_tiles, tile_row, tile_col, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
     FOLD: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
 
@@ -91,53 +150,29 @@ def _fwd_inner(
 
     With ``DROPOUT`` the normaliser ``l`` sums the kept and the dropped probabilities alike, and
     only the kept ones, scaled by ``1 / (1 - p)``, reach the accumulator.
+
+    With ``WARP_SPEC`` the loop is warp-specialised (``tl.range(..., warp_specialize=True)``):
+    Triton splits it into partitions of warps that load, multiply and take the softmax side by
+    side (``features.warp_specialization``). The loop's step is ``_fwd_step`` either way.
     """
-    for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        o_k = start_n + o_n
-        if TMA and not MASKED:
-            b_k = k_tiles.load([tile_row + start_n, tile_col])
-        else:
-            b_k, m_bad = load_keys(k_base, table, bos_k, start_n, stride_kp, stride_kn, k_first, seqlen_k, head_dim,
-                                   page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BN, BD]
-            if PAGED:
-                b_bad = b_bad | m_bad.to(tl.int32)  # [BLOCK_N]: rows whose page index was out of range
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-        if SOFTCAP:
-            b_s = tanh(b_s * tanh_scale)
-        if not FOLD:
-            b_s = b_s * nat_scale
-            if ALIBI:
-                b_s = b_s - slope * tl.abs((o_m[:, None] + diag_offset - o_k[None, :]).to(tl.float32))
-            b_s = b_s * LOG2E
-        if MASKED:
-            b_s = tl.where(visible(o_m[:, None], o_k[None, :], seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT),
-                           b_s, float("-inf"))
-        if FOLD:
-            b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)  # [BLOCK_M], the running max
-        else:
-            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_m_use = b_m_new
-        if MASKED:
-            # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid inf - inf
-            # (only here: the running max itself stays -inf until the row sees a key).
-            b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        if FOLD:
-            b_p = tl.math.exp2(b_s * qk_scale - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
-        else:
-            b_p = tl.math.exp2(b_s - b_m_use[:, None])
-        b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        if TMA and not MASKED:
-            b_v = v_tiles.load([tile_row + start_n, tile_col])
-        else:
-            b_v, _ = load_keys(v_base, table, bos_k, start_n, stride_vp, stride_vn, k_first, seqlen_k, head_dim,
-                               page_size, num_pages, o_n, o_d, MASKED, MASK_LEFT, MASK_D, PAGED)  # [BLOCK_N, BLOCK_D]
-        if DROPOUT:
-            m_keep = dropout_keep(seed, rng_base, o_m[:, None], o_k[None, :], rng_stride, dropout_p)
-            b_p = tl.where(m_keep, b_p / (1.0 - dropout_p), 0.0)
-        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision="ieee")
-        b_m = b_m_new
+    if WARP_SPEC:
+        for start_n in tl.range(loop_bound(start), loop_bound(end), BLOCK_N, warp_specialize=True):
+            b_acc, b_m, b_l, b_bad = _fwd_step(
+                b_acc, b_m, b_l, b_bad, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k,
+                head_dim, lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d,
+                start_n, k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+                k_tiles, v_tiles, tile_row, tile_col, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D,
+                PAGED, FOLD, TMA, BLOCK_N, BLOCK_D,
+            )
+    else:
+        for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
+            b_acc, b_m, b_l, b_bad = _fwd_step(
+                b_acc, b_m, b_l, b_bad, b_q, k_base, v_base, stride_kp, stride_kn, stride_vp, stride_vn, seqlen_k,
+                head_dim, lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d,
+                start_n, k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
+                k_tiles, v_tiles, tile_row, tile_col, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D,
+                PAGED, FOLD, TMA, BLOCK_N, BLOCK_D,
+            )
     return b_acc, b_m, b_l, b_bad
 
 
@@ -176,7 +211,7 @@ def attn_fwd_kernel(
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    FOLD: tl.constexpr, HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr,
+    FOLD: tl.constexpr, HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
     ``(cdiv(max Sq * group_size, BLOCK_M) * num_splits, Hk, B)``. Programs take their query block,
@@ -209,6 +244,9 @@ def attn_fwd_kernel(
     With ``TMA`` (dense calls only: no varlen, key ranges or splits), ``K_TILES`` and ``V_TILES``
     are tensor descriptors of ``K`` and ``V`` as ``(B * Sk, Hk * D)`` rows with ``[BLOCK_N, D]``
     tiles (``tma_views``), which the unmasked key blocks load from; otherwise they are None.
+    ``WARP_SPEC`` (with ``TMA``, plain scores, no left window: ``features.warp_specialization``)
+    warp-specialises every stage's loop and runs the masked stages first, the unmasked one last:
+    Triton 3.9 fails to compile the specialised loops on sm100 in the plain order.
 
     An absent tensor is passed as None, and the flag it implies follows from that (the
     heuristics above): ``CU_Q`` (``IS_VARLEN``), ``K_START``/``K_END`` (``KV_RANGES``),
@@ -334,8 +372,9 @@ def attn_fwd_kernel(
         split_hi = split_lo + share
     # The left edge of a window (masked), the blocks every row sees in full (no masks), then the
     # diagonal / right edge and the ragged last block (masked); each cut to this split's share.
+    # With WARP_SPEC the unmasked stage runs last (``stage_bounds``' UNMASKED_LAST).
     for stage in tl.static_range(3):
-        lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
+        lo, hi = stage_bounds(stage, begin, full_begin, full_end, end, WARP_SPEC)
         if KV_RANGES:
             lo = tl.maximum(lo, split_lo)
             hi = tl.minimum(hi, split_hi)
@@ -344,8 +383,8 @@ def attn_fwd_kernel(
             lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d, lo, hi,
             k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, PAGE_ROWS, num_pages,
             K_TILES, V_TILES, tile_row, tile_col,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, PAGED and not ONE_PAGE, FOLD, TMA,
-            BLOCK_N, BLOCK_D,
+            stage != (2 if WARP_SPEC else 1), MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D,
+            PAGED and not ONE_PAGE, FOLD, TMA, BLOCK_N, BLOCK_D, WARP_SPEC,
         )
 
     m_empty = b_l == 0.0  # rows that saw no key
@@ -446,7 +485,7 @@ def _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> O
     if keys is not None:  # key ranges: no tensor descriptors
         return found, state, targets.target_of(q.device)
     aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # tensor descriptors need 16-byte bases
-    return found, state, targets.target_of(q.device), aligned, features.requested()
+    return found, state, targets.target_of(q.device), aligned, features.requested(), features.FORCED_WARP_SPEC.get()
 
 
 def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> ForwardPlan:
@@ -480,6 +519,10 @@ def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -
     rows = packed_rows(q, k, varlen, table is not None)
     block_d = configs.head_dim_bucket(dims.head_dim)
     views = features.tma_views(k, v, cfg.block_n) if keys is None and varlen is None else None
+    # Warp specialisation where asked for and the call allows it (``features.warp_specialization``).
+    ws = bool(views) and features.warp_specialization(
+        targets.target_of(q.device), dims.head_dim,
+        plain=kernel == "fwd" and not pack and options.window_left < 0 and options.sinks is None)
     heads = dims.nheads_k if pack else dims.nheads
     query_blocks = triton.cdiv(dims.seqlen_q * (group if pack else 1), block_m)
     grid = (query_blocks * num_splits, heads, dims.batch)
@@ -496,8 +539,8 @@ def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -
         nheads=dims.nheads, group_size=group, seqlen_q=dims.seqlen_q,
         seqlen_k=dims.seqlen_k, head_dim=dims.head_dim, num_splits=num_splits, head_section=section,
         **rows, **paging, **score_args(options, dims.seqlen_k, forward=True),
-        PACK_GQA=pack, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PACK_GQA=pack, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, WARP_SPEC=ws,
+        num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, features.WARP_SPEC_STAGES) if ws else cfg.num_stages,
     ), q.device)
     combine = None
     if num_splits > 1:

@@ -197,11 +197,14 @@ if not isinstance(loop_bound, triton.runtime.JITFunction):  # triton.jit chose t
 
 
 @triton.jit
-def stage_bounds(stage: tl.constexpr, begin, full_begin, full_end, end):
-    """The range of stage 0 (masked edge), 1 (no mask) or 2 (masked edge) of a three-stage loop."""
+def stage_bounds(stage: tl.constexpr, begin, full_begin, full_end, end, UNMASKED_LAST: tl.constexpr = False):
+    """The range of stage 0 (masked edge), 1 (no mask) or 2 (masked edge) of a three-stage loop;
+    with ``UNMASKED_LAST`` the stages run in the order 0, 2, 1: stage 1 is the masked edge and
+    stage 2 the unmasked middle. (The order is chosen here, from constexprs: a constexpr assigned
+    to a name in a kernel becomes a runtime value.)"""
     if stage == 0:
         return begin, full_begin
-    elif stage == 1:
+    elif (stage == 1) != UNMASKED_LAST:
         return full_begin, full_end
     else:
         return full_end, end

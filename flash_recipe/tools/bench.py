@@ -21,8 +21,10 @@ Dynamo's caches are cleared before each peer's shape, so a compiled peer compile
 
 Peers, each only where available: ``flash_recipe`` (the Triton kernels; on the CPU, the public
 ``flash_attn_func`` on its automatic backend), ``flash_recipe_pointers`` (the Triton kernels with
-TMA tensor descriptors off, to measure what they bring), torch SDPA per backend (``sdpa_flash``,
-``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``; on the CPU plain ``sdpa``), ``flex``
+TMA tensor descriptors off, to measure what they bring), ``flash_recipe_ws`` (the forward's loops
+warp-specialised, where the GPU's family takes it: ``ops.features.WARP_SPEC_FAMILIES``), torch
+SDPA per backend (``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``; on the CPU
+plain ``sdpa``), ``flex``
 (FlexAttention compiled with static shapes), ``flash_attn`` (upstream), and flash_recipe's 8-bit
 attention for inference, forward only (``FORWARD_ONLY_PEERS``; its FLOPs counted as 16-bit ones):
 ``sage_fp16`` (``sageattn``, P.V in fp16) and, on GPUs with FP8 tensor cores, ``sage_fp8``. The
@@ -93,9 +95,10 @@ def _sdpa(backend_name: Optional[str]):
     return run
 
 
-def _flash_recipe(backend_name: Optional[str], descriptors: Optional[bool] = None):
+def _flash_recipe(backend_name: Optional[str], descriptors: Optional[bool] = None, warp_spec: bool = False):
     """flash_recipe on ``backend_name`` (None: automatic); ``descriptors`` False forces the Triton
-    kernels' pointer loads where they would use TMA tensor descriptors (``ops.features``)."""
+    kernels' pointer loads where they would use TMA tensor descriptors, ``warp_spec`` asks for the
+    forward's warp-specialised loops (``ops.features``)."""
     import contextlib
 
     from ..api import flash_attn_func  # imports torch: importing bench loads none
@@ -103,7 +106,8 @@ def _flash_recipe(backend_name: Optional[str], descriptors: Optional[bool] = Non
 
     def run(q, k, v, causal):
         forced = features.using_descriptors(descriptors) if descriptors is not None else contextlib.nullcontext()
-        with use_backend(backend_name), forced:
+        asked = features.using_warp_specialization(True) if warp_spec else contextlib.nullcontext()
+        with use_backend(backend_name), forced, asked:
             return flash_attn_func(q, k, v, causal=causal)
 
     return run
@@ -173,6 +177,9 @@ def peers(device_type: str) -> dict[str, Callable]:
 
         found["flash_recipe"] = _flash_recipe("triton")
         found["flash_recipe_pointers"] = _flash_recipe("triton", descriptors=False)  # the same without TMA
+        target = targets.target_of(torch.device("cuda"))
+        if features.warp_specialization_available() and features.takes_warp_specialization(target):
+            found["flash_recipe_ws"] = _flash_recipe("triton", warp_spec=True)  # warp-specialised forward
         found["sage_fp16"] = _sage("fp16")
         if int8_attention.fp8_problem(targets.target_of(torch.device("cuda"))) is None:
             found["sage_fp8"] = _sage("fp8")

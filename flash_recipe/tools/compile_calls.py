@@ -111,6 +111,18 @@ def run_call(case: Case) -> dict[str, str]:
             "attn_bwd_dkdv_kernel": "bwd_dkdv",
             "attn_bwd_dq_kernel": "bwd_dq",
         }
+    if case.call == "fwd_ws":  # the plain forward with warp specialisation asked for, causal and not
+        from ..ops import features  # imports Triton: importing compile_calls loads none
+
+        seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
+        q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim=case.head_dim)
+        causal = _variant(case, nheads, seqlen_k - seqlen_q, scale)._replace(
+            softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, sinks=None, window_left=-1
+        )
+        with features.using_warp_specialization(True):
+            for var in (causal, causal._replace(window_right=-1)):
+                forward.attention_forward(q, k, v, var)
+        return {"attn_fwd_kernel": "fwd"}
     if case.call in ("fwd", "options", "bwd"):
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)

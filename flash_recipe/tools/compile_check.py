@@ -67,8 +67,10 @@ HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # more query rows than a decode step; "sinks" the forward and backward
 # with attention sinks (aligned: the "bwd" call's causal tensors; ragged: every score option);
 # "int8" 8-bit attention (the quantizer, then the kernel with fp16 P.V and, on targets with FP8
-# tensor cores, FP8 P.V: ``ops.int8_attention``), causal.
-CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8")
+# tensor cores, FP8 P.V: ``ops.int8_attention``), causal; "fwd_ws" the "fwd" call's forward, causal
+# and not, with warp specialisation asked for (``ops.features.warp_specialization``: a kernel of its
+# own, "fwd_ws", where the target and head dim take it, else the plain one).
+CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8", "fwd_ws")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
@@ -107,6 +109,8 @@ PRESETS = {
         # 8-bit attention on every target (its rules: ``int8_problems``), ragged on one per family.
         (("int8",), ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), TARGETS),
         (("int8",), ("bfloat16",), (64, 128), ("ragged",), FAMILY_TARGETS),
+        # The warp-specialised forward where it is offered (``ops.features.WARP_SPEC_FAMILIES``).
+        (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
     ],
     "compat": [(("fwd", "bwd", "decode", "decode_paged"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90"))],
 }
@@ -123,6 +127,7 @@ GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
 LOOP_STEP = {
     "fwd": "BLOCK_N",
     "fwd_general": "BLOCK_N",
+    "fwd_ws": "BLOCK_N",
     "decode": "BLOCK_N",
     "bwd_dq": "BLOCK_N",
     "bwd_dkdv": "BLOCK_M",
@@ -183,13 +188,17 @@ def check_case(case: Case, target: str) -> list[dict]:
         grouped = name in GROUPED_KERNELS and _constants(kernel).get("group_size") != 1
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
+        if label == "fwd" and _constants(kernel).get("WARP_SPEC"):
+            label = "fwd_ws"  # the unmasked key loop warp-specialised (ops.features)
         if label == "int8" and _constants(kernel).get("PV_FP8"):
             label = "int8_fp8"  # P.V in FP8 (ops.int8_attention)
         if label == "bwd_dkdv" and _constants(kernel).get("ATOMIC_DQ"):
             label = "bwd_onepass"  # the dK/dV kernel adding dQ too (backward_launch.attention_backward)
         usage = compiled_code.amd_usage(kernel) if target.startswith("gfx") else compiled_code.nvidia_usage(kernel)
         step = _constants(kernel).get(LOOP_STEP.get(label, ""))
-        loop = usage.get("loop_instructions")
+        loop, warps = usage.get("loop_instructions"), kernel.metadata.num_warps
+        if usage.get("warp_partitions"):  # per row and element: the softmax partition's loop, the busiest
+            loop, warps = usage["softmax_loop_instructions"], usage["softmax_warps"]
         per_kv_head = None
         if label == "decode" and loop and step and case.form == "aligned":
             programs = 1 if _constants(kernel).get("PACK_GQA") else DECODE_GROUPS[case.call]
@@ -211,7 +220,7 @@ def check_case(case: Case, target: str) -> list[dict]:
                     "loop_step": step,
                     "score_options": any(_constants(kernel).get(flag) for flag in SCORE_OPTIONS),
                     "loop_per_row": round(loop / step, 3) if loop and step else None,
-                    "loop_per_element": _per_element(kernel, loop),
+                    "loop_per_element": _per_element(kernel, loop, warps),
                     "loop_products": _products(kernel, usage.get("loop_matrix_macs")),
                     "seconds": seconds,
                     "call": case.call,
@@ -222,13 +231,14 @@ def check_case(case: Case, target: str) -> list[dict]:
     return rows
 
 
-def _per_element(kernel, loop: Optional[int]) -> Optional[float]:
+def _per_element(kernel, loop: Optional[int], warps: int) -> Optional[float]:
     """Warp-instructions per score element of a tiled kernel's main loop: its instructions, issued
-    by every warp, over the ``BLOCK_M x BLOCK_N`` scores of the block pair one iteration covers."""
+    by each of ``warps`` warps, over the ``BLOCK_M x BLOCK_N`` scores of the block pair one
+    iteration covers."""
     blocks = [_constants(kernel).get(name) for name in ("BLOCK_M", "BLOCK_N")]
     if not loop or not all(blocks):
         return None
-    return round(loop * kernel.metadata.num_warps / (blocks[0] * blocks[1]), 4)
+    return round(loop * warps / (blocks[0] * blocks[1]), 4)
 
 
 def _products(kernel, macs: Optional[int]) -> Optional[float]:
@@ -349,7 +359,8 @@ def _verdict(row: dict) -> dict:
             f"spills {row['spill_bytes']} B per thread (budget {SPILL_BUDGET} B at head dim <= "
             f"{SPILL_BUDGET_MAX_HEAD_DIM})"
         )
-    if proxy_applies(row) and not (row["loop_per_row"] or float("inf")) <= PROXY["per_key"]:
+    per_key = row["loop_instructions"] / row["loop_step"] if row.get("loop_instructions") and row["loop_step"] else None
+    if proxy_applies(row) and not (per_key or float("inf")) <= PROXY["per_key"]:
         problems.append(
             f"main loop {row['loop_per_row']} instructions per key, over the {PROXY['per_key']:.3f} "
             "of Triton's tutorial forward"
@@ -366,6 +377,8 @@ def _verdict(row: dict) -> dict:
         )
     if row["kernel"] in INT8_KERNELS:
         problems += int8_problems(row)
+    if row["kernel"] == "fwd_ws" and not row.get("warp_partitions"):
+        problems.append("warp specialisation asked for, but Triton left the loop whole (no partitions)")
     bound = decode_bound(row)
     if bound is not None and not (row["per_key_per_kv_head"] or float("inf")) <= bound:
         problems.append(

@@ -30,6 +30,8 @@ def nvidia_usage(kernel) -> dict:
     ptx = kernel.asm["ptx"]
     units = dot_units(kernel.asm["ttgir"])
     body = main_loop_body(sass.stdout)
+    partitions = len(re.findall(r"^\s*partition\d+\(", kernel.asm["ttgir"], re.MULTILINE))
+    softmax = softmax_loop_body(sass.stdout) if partitions else None
     return {
         "registers": int(found.group(1)),
         "spill_bytes": int(found.group(2)),
@@ -42,6 +44,12 @@ def nvidia_usage(kernel) -> dict:
         "loop_hmma": sum(1 for text in body if _HMMA_ANY.search(text)) if body is not None else None,
         "loop_integer_mma": sum(1 for text in body if INTEGER_SASS.search(text)) if body is not None else None,
         "loop_fp8_mma": sum(1 for text in body if FP8_SASS.search(text)) if body is not None else None,
+        # warp specialisation: the partitions Triton split the kernel's loop into (0: none), the
+        # instructions of the softmax partition's loop (``softmax_loop_body``) and its warps: the
+        # launch's ``num_warps`` (``ttg.num-warps``), which Triton gives the softmax partition too
+        "warp_partitions": partitions,
+        "softmax_loop_instructions": len(softmax) if softmax is not None else None,
+        "softmax_warps": int(re.search(r'"ttg.num-warps" = (\d+)', kernel.asm["ttgir"]).group(1)) if partitions else None,
     }
 
 
@@ -92,21 +100,36 @@ def main_loop_body(sass: str) -> Optional[list]:
     """The instructions of one iteration of the main loop of a disassembled kernel, or None.
 
     A loop is a branch back to an earlier address from before the kernel's last ``EXIT``; its body
-    is every instruction from the target to the branch, NOPs excepted. (Backward branches after the
-    last exit are out-of-line blocks, such as a barrier's retry, returning into the code.) Of the
+    is every instruction from the target to the branch, NOPs excepted (``loop_bodies``). Of the
     loops that issue matrix instructions, the main loop is the shortest: the kernels' masked stages
     repeat the unmasked loop's work plus their masks.
     """
+    bodies = [body for body in loop_bodies(sass) if any(_MATRIX_SASS.search(t) for t in body)]
+    return min(bodies, key=len, default=None)
+
+
+def softmax_loop_body(sass: str) -> Optional[list]:
+    """In a warp-specialised kernel, the loop of the partition that takes the softmax: of the loops
+    without matrix instructions (those run in a partition of their own), the one with the most
+    ``MUFU.EX2``; None where no such loop has one."""
+    bodies = [body for body in loop_bodies(sass) if not any(_MATRIX_SASS.search(t) for t in body)]
+    best = max(bodies, key=lambda body: sum("MUFU.EX2" in t for t in body), default=None)
+    return best if best is not None and any("MUFU.EX2" in t for t in best) else None
+
+
+def loop_bodies(sass: str) -> list:
+    """Every loop of a disassembled kernel (``cuobjdump -sass``): a branch back to an earlier address
+    from before the kernel's last ``EXIT``, its body every instruction from the target to the
+    branch, NOPs excepted. (Backward branches after the last exit are out-of-line blocks, such as a
+    barrier's retry, returning into the code.)"""
     code = [(int(address, 16), text.strip()) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     last_exit = max((a for a, t in code if re.match(r"(@!?U?P\w+\s+)?EXIT\b", t)), default=None)
-    sizes = []
+    bodies = []
     for address, text in code:
         branch = _BRANCH.match(text)
         if branch and int(branch.group(1), 16) < address and (last_exit is None or address < last_exit):
-            body = [t for a, t in code if int(branch.group(1), 16) <= a <= address and not t.startswith("NOP")]
-            if any(_MATRIX_SASS.search(t) for t in body):
-                sizes.append(body)
-    return min(sizes, key=len, default=None)
+            bodies.append([t for a, t in code if int(branch.group(1), 16) <= a <= address and not t.startswith("NOP")])
+    return bodies
 
 
 # A layout's alias in the TTGIR: ``#mma1 = #ttg.nvidia_mma<{versionMajor = 2, ...}>`` (Triton 3.2

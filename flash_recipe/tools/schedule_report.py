@@ -91,7 +91,8 @@ def main() -> None:
         "balanced |\n|---|---:|---:|---:|---:|---:|---:|"
     )
     for batch, seqlen, heads, programs, section, *times in model_rows():
-        print(f"| B{batch} S{seqlen} H{heads} | {programs} | {section} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
+        cells = " | ".join(f"{t:.3f}" for t in times)
+        print(f"| B{batch} S{seqlen} H{heads} | {programs} | {section} | {cells} |")
 
 
 if __name__ == "__main__":
