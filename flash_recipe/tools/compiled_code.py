@@ -49,8 +49,17 @@ def nvidia_usage(kernel) -> dict:
         # launch's ``num_warps`` (``ttg.num-warps``), which Triton gives the softmax partition too
         "warp_partitions": partitions,
         "softmax_loop_instructions": len(softmax) if softmax is not None else None,
-        "softmax_warps": int(re.search(r'"ttg.num-warps" = (\d+)', kernel.asm["ttgir"]).group(1)) if partitions else None,
+        "softmax_warps": _module_warps(kernel.asm["ttgir"]) if partitions else None,
     }
+
+
+def _module_warps(ttgir: str) -> int:
+    """The warps a TTGIR module was compiled for (``"ttg.num-warps"``, Triton 3.2's
+    ``"triton_gpu.num-warps"``)."""
+    found = re.search(r'"(?:ttg|triton_gpu)\.num-warps" = (\d+)', ttgir)
+    if found is None:
+        raise RuntimeError("the TTGIR names no num-warps")
+    return int(found.group(1))
 
 
 # The matrix instructions: fp16/bf16 (``HMMA``, ``HGMMA``, ``UTCHMMA``), int8 (``IMMA``, ``IGMMA``,
