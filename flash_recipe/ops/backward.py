@@ -55,6 +55,7 @@ from .tiles import (
     load_tile,
     loop_bound,
     query_blocks,
+    rows_see_one_key_at_most,
     scores,
     sees_one_key,
     sequence,
@@ -247,10 +248,13 @@ _DQ_DKDV_FLAGS = {
         **_DQ_DKDV_FLAGS,
         "EVEN_N": lambda a: not a["IS_VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
         # Exact one-key rows (``_dkdv_inner``) in fp32, whose accuracy rule the rounding exceeds, and
-        # with a single key in any dtype, where torch's own dK is exactly 0 and so is the bound's
-        # factor term. Otherwise fp16/bf16 bounds absorb the rounding, and their registers are kept
-        # for the main loop (sm100 spilled).
-        "ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or a["seqlen_k"] == 1),
+        # in any dtype where no row sees more than one key (a single key, a window of width one, one
+        # causal query row aligned top-left), where torch's own dQ and dK are exactly 0 and so is the
+        # bound's factor term. Otherwise fp16/bf16 bounds absorb the rounding, and their registers
+        # are kept for the main loop (sm100 spilled).
+        "ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
+            a["seqlen_q"], a["seqlen_k"], a["diag_offset"], a["window_left"], a["window_right"], a["MASK_LEFT"],
+            a["MASK_RIGHT"], a["IS_VARLEN"])),
         # fp32 logits recomputed as the forward computed them (q . k, then transposed): P = exp(S -
         # lse) is exact only where S rounds as the forward's did; k . q rounds otherwise, which left
         # fp32 dV up to 6x torch's error at large logits. fp16/bf16 keep the direct product.

@@ -329,6 +329,33 @@ def sees_one_key(o_q, seqlen_k, lo_offset, hi_offset, MASK_LEFT: tl.constexpr, M
     return first == last
 
 
+def rows_see_one_key_at_most(seqlen_q: int, seqlen_k: int, diag_offset: int, window_left: int, window_right: int,
+                             mask_left: bool, mask_right: bool, varlen: bool) -> bool:
+    """Whether no query row of a launch sees more than one key (``sees_one_key``'s masks): row
+    ``i`` sees keys ``max(0, i + diag_offset - window_left)`` (with ``mask_left``) to
+    ``min(seqlen_k - 1, i + diag_offset + window_right)`` (with ``mask_right``). The count is
+    piecewise linear in ``i``, so its largest value is at an end of ``[0, seqlen_q)`` or where a
+    bound stops being clamped. With ``varlen`` each sequence aligns its own diagonal, unknown here:
+    only a window of width one (both edges, ``window_left + window_right == 0``) qualifies."""
+    if seqlen_k <= 1 or (mask_left and mask_right and window_left + window_right <= 0):
+        return True
+    if varlen:
+        return False
+    if seqlen_q <= 0:
+        return True
+    lo = diag_offset - window_left if mask_left else None
+    hi = diag_offset + window_right if mask_right else None
+    rows = {0, seqlen_q - 1}
+    rows.update(min(max(r, 0), seqlen_q - 1) for r in ((-lo,) if lo is not None else ()) + (
+        (seqlen_k - 1 - hi,) if hi is not None else ()))
+    for row in rows:
+        first = max(0, row + lo) if lo is not None else 0
+        last = min(seqlen_k - 1, row + hi) if hi is not None else seqlen_k - 1
+        if last - first >= 1:
+            return False
+    return True
+
+
 @triton.jit
 def sequence(CU_SEQLENS, i_b, seqlen, total, IS_VARLEN: tl.constexpr, ENDS=None):
     """``(first row, length)`` of sequence ``i_b``: rows ``CU_SEQLENS[i_b]:CU_SEQLENS[i_b + 1]``
