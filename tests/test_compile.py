@@ -438,7 +438,7 @@ def test_the_warp_specialised_forward_splits_its_loops_and_the_check_sees_a_whol
     blackwell = [row for row in rows if row["target"] == "sm100"]
     assert len(blackwell) == 4 and all(row["kernel"] == "fwd_ws" for row in blackwell)  # causal and not, 2 dims
     assert all(row["ok"] and row["spill_bytes"] == 0 and row["warp_partitions"] >= 2 for row in blackwell), blackwell
-    # the softmax partition's loop issues no matrix instruction, and the main loop's partition no exp2
+    # both partitions' loops were found: the matrix products' and the softmax's (no matrix instruction)
     assert all(row["softmax_loop_instructions"] and row["loop_instructions"] for row in blackwell)
     hopper = [row for row in rows if row["target"] == "sm90" and not row.get("planted")]
     assert len(hopper) == 4 and all(row["kernel"] == "fwd" and row["warp_partitions"] == 0 for row in hopper)

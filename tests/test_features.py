@@ -132,12 +132,9 @@ def test_warp_specialization_is_refused_where_triton_lacks_it(monkeypatch):
 
 @pytest.mark.skipif(not features.descriptors_available(), reason="this Triton has no tensor descriptors")
 def test_a_launch_asked_for_warp_specialization_without_it_is_refused_cleanly(monkeypatch):
-    """The refusal reaches the caller as NotImplementedError, not as a compiler error. (The
-    environment is read when a launch is planned: the memoized plans are forgotten first.)"""
+    """The refusal reaches the caller as NotImplementedError, not as a compiler error."""
     import flash_recipe
-    from flash_recipe import signatures
 
-    signatures.forget()
     monkeypatch.setattr(features, "warp_specialization_available", lambda: False)
     monkeypatch.setenv(features.WARP_SPEC_ENV, "1")
     q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16) for _ in range(3))

@@ -332,6 +332,31 @@ def test_warp_specialised_forward_passes_the_rule_and_keeps_the_plain_kernels_bi
         assert (ws_out.float() - plain_out.float()).abs().max().item() <= 2e-3
 
 
+@pytest.mark.skipif(
+    not (features.descriptors_available() and features.warp_specialization_available()),
+    reason="this Triton has no tensor descriptors or no warp specialisation",
+)
+def test_the_environment_asks_for_warp_specialization_call_by_call(monkeypatch, device, warp_spec_launches):
+    """``FLASH_RECIPE_WARP_SPEC`` is read at each call, as the memoized launch plans are keyed by
+    it: setting it and unsetting it between two calls of one shape takes effect at once; a value
+    it does not know raises ValueError naming it."""
+    if not features.takes_warp_specialization(targets.target_of(device)):
+        pytest.skip(f"{targets.target_of(device)} is not offered warp specialisation (features.WARP_SPEC_FAMILIES)")
+    q, k, v = _case_inputs(Case(1, 32, 64, 2, 2, 64, True), device)
+    monkeypatch.delenv(features.WARP_SPEC_ENV, raising=False)
+    with flash_recipe.use_backend("triton"), features.using_descriptors(True):
+        for value in (None, "1", "0", "on", None):
+            if value is None:
+                monkeypatch.delenv(features.WARP_SPEC_ENV, raising=False)
+            else:
+                monkeypatch.setenv(features.WARP_SPEC_ENV, value)
+            flash_recipe.flash_attn_func(q, k, v, causal=True)
+        assert warp_spec_launches == [False, True, False, True, False]
+        monkeypatch.setenv(features.WARP_SPEC_ENV, "enable")
+        with pytest.raises(ValueError, match="FLASH_RECIPE_WARP_SPEC must be one of"):
+            flash_recipe.flash_attn_func(q, k, v, causal=True)
+
+
 ONE_KEY_CASES = [
     # (B, Sq, Sk, H, D, window, softcap, alibi): every row sees exactly one key, inputs scaled by 4
     pytest.param(3, 61, 1, 4, 128, (-1, -1), 0.0, True, id="Sk1-alibi"),

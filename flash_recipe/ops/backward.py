@@ -132,11 +132,13 @@ def _dkdv_inner(
     to ``sink_base`` (fp32, atomic): ``rowsum(dO * O)`` from the probabilities themselves, not from
     the output rounded to its dtype, for the sinks' gradient (``_sink_grad``).
 
-    With ``ONE_KEY`` (fp32, own lse), a masked stage gives a row that sees exactly one key (``sees_one_key``) its
-    exact softmax: P = 1 on that key, so dV gets exactly its dO, and dS = 0. Computed, P is
-    ``exp(s - lse)`` with both near the logit (up to a softcap of 50), whose fp32 rounding leaves
-    P off 1 by a few ulp of 50 and dS the difference of two rounded sums. The launcher routes such
-    rows to masked stages (a single key: ``attn_bwd_dkdv_kernel``); unmasked stages have none.
+    With ``ONE_KEY`` (own lse: fp32, or any launch in which no row sees more than one key), a masked
+    stage gives a row that sees exactly one key (``sees_one_key``) its exact softmax: P = 1 on that
+    key, so dV gets exactly its dO, and dS = 0. Computed, P is ``exp(s - lse)`` with both near the
+    logit (up to a softcap of 50), whose fp32 rounding leaves P off 1 by a few ulp of 50, and dS is
+    the difference of two rounded sums. Such rows are in masked stages: a row of an unmasked stage
+    sees the key block's BLOCK_N keys, and the launcher routes a single key there too
+    (``attn_bwd_dkdv_kernel``).
     """
     # One step per (head, query block) pair; with a group (``GROUPED``) the head ``g`` and the block
     # ``start_m`` are carried from step to step (no division).

@@ -69,7 +69,7 @@ def attention_backward(
             Otherwise, and always but for fp32 with its own lse (``RENORM`` needs dQ's row sums
             first), the dK/dV kernel also adds dQ to an fp32 workspace with atomic adds: 5 matrix
             products per block pair instead of 7, with the last bits of dQ in the order the adds land,
-            where the device's path is one pass (``choose.backward_path``: the family's default per
+            where the device's path is one pass (``choose.backward_path``: the target's default per
             head dim, ``configs.BACKWARD_PATHS``, or what ``flash-recipe tune`` measured); where
             it is not, or the installed Triton spills the one-pass tile (``choose.one_pass_fits``:
             Hopper at head dim 128 before Triton 3.4), the three kernels run.

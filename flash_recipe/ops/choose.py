@@ -16,7 +16,7 @@ with ``took_tuned``.
 
 ``backward_path(device, head_dim, element_size)`` answers which backward a launch runs unless it
 is deterministic, in the same order: a ``taking_path`` block's, the path ``flash-recipe tune``
-measured faster on this GPU model, the family's (``configs.BACKWARD_PATHS``, where the table's
+measured faster on this GPU model, the target's or its family's (``configs.BACKWARD_PATHS``, where the table's
 one-pass tile must also compile cleanly with the installed Triton: ``one_pass_fits``).
 """
 
@@ -121,7 +121,7 @@ def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Conf
 def backward_path(device, head_dim: int, element_size: int) -> str:
     """The backward a launch on ``device`` runs unless it is deterministic: ``"one_pass"`` or
     ``"three_kernels"``. A ``taking_path`` block's, else the one ``flash-recipe tune`` measured
-    faster on this GPU model (``tuned.path_for``: a GPU only), else the family's default at the
+    faster on this GPU model (``tuned.path_for``: a GPU only), else the target's (or its family's) default at the
     head dim's bucket (``configs.BACKWARD_PATHS``), which is one pass only where the installed
     Triton compiles that tile without spilling (``one_pass_fits``)."""
     taken = _PATH.get()

@@ -14,8 +14,8 @@
 everywhere); ``using_descriptors`` forces the choice inside a block, which is how the tests run
 the descriptor path under the CPU interpreter and the benchmark compares the two.
 
-- Warp specialisation (``tl.range(..., warp_specialize=True)``): the dense forward's unmasked key
-  loop split into partitions of warps (TMA loads, matrix products, softmax) that run side by side,
+- Warp specialisation (``tl.range(..., warp_specialize=True)``): the dense forward's key loops
+  split into partitions of warps (TMA loads, matrix products, softmax) that run side by side,
   on Blackwell (``WARP_SPEC_FAMILIES``) at ``WARP_SPEC_HEAD_DIMS``, for calls with tensor
   descriptors, fp16/bf16 and plain scores (no left window, softcap, ALiBi, dropout, sinks or
   packed GQA: ``warp_specialization``), where the installed Triton's ``tl.range`` takes
@@ -151,8 +151,7 @@ WARP_SPEC_HEAD_DIMS = (16, 32, 64, 128)
 WARP_SPEC_STAGES = 2
 WARP_SPEC_ENV = "FLASH_RECIPE_WARP_SPEC"
 
-# ``using_warp_specialization``'s choice in this thread or task (None outside one); forward plans are
-# keyed by it (``forward._plan_key``). ``FLASH_RECIPE_WARP_SPEC`` is read when a launch is planned.
+# ``using_warp_specialization``'s choice in this thread or task (None outside one).
 FORCED_WARP_SPEC: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
     "flash_recipe_warp_spec", default=None)
 
@@ -189,30 +188,41 @@ def using_warp_specialization(enabled: bool) -> Iterator[None]:
         FORCED_WARP_SPEC.reset(token)
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def warp_specialization_requested() -> Optional[bool]:
     """True or False inside ``using_warp_specialization``; else True where ``FLASH_RECIPE_WARP_SPEC``
-    is ``1`` (``true``, ``yes``, ``on``), else None (off)."""
+    is ``1`` (``true``, ``yes``, ``on``), None where it is unset or off (``0``, ``false``, ``no``,
+    ``off``). Forward plans are keyed by it (``forward._plan_key``). Any other value raises
+    ValueError."""
     forced = FORCED_WARP_SPEC.get()
     if forced is not None:
         return forced
-    if os.environ.get(WARP_SPEC_ENV, "0").lower() in ("1", "true", "yes", "on"):
+    value = os.environ.get(WARP_SPEC_ENV, "").lower()
+    if value in _ON:
         return True
+    if value not in _OFF:
+        raise ValueError(f"{WARP_SPEC_ENV} must be one of {_ON + _OFF[1:]} (or unset), got {value!r}; "
+                         f"set {WARP_SPEC_ENV}=1 to ask for warp specialisation, or unset it")
     return None
 
 
 def warp_specialization(target: str, head_dim: int, plain: bool) -> bool:
-    """Whether a forward launch for ``target`` at ``head_dim`` warp-specialises its unmasked key
-    loop: asked for (``warp_specialization_requested``), a call that allows it (``plain``: tensor
+    """Whether a forward launch for ``target`` at ``head_dim`` warp-specialises its key loops:
+    asked for (``warp_specialization_requested``), a call that allows it (``plain``: tensor
     descriptors, fp16/bf16, no left window, softcap, ALiBi, dropout, sinks or packed GQA), and a
     target and head dim where it compiles cleanly (``WARP_SPEC_FAMILIES``, ``WARP_SPEC_HEAD_DIMS``;
-    the interpreter runs it too, for the tests). Raises NotImplementedError where it is asked for
-    and the installed Triton lacks it."""
+    the interpreter runs it too, for the tests). Raises NotImplementedError where such a launch
+    asks for it and the installed Triton lacks it."""
     asked = warp_specialization_requested()
     if not asked or not plain or configs.head_dim_bucket(head_dim) not in WARP_SPEC_HEAD_DIMS:
         return False
+    if not takes_warp_specialization(target):
+        return False
     if not warp_specialization_available():
         raise _no_warp_specialization(f"{WARP_SPEC_ENV}=1")
-    return takes_warp_specialization(target)
+    return True
 
 
 def takes_warp_specialization(target: str) -> bool:

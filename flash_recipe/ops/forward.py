@@ -485,7 +485,8 @@ def _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> O
     if keys is not None:  # key ranges: no tensor descriptors
         return found, state, targets.target_of(q.device)
     aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # tensor descriptors need 16-byte bases
-    return found, state, targets.target_of(q.device), aligned, features.requested(), features.FORCED_WARP_SPEC.get()
+    return (found, state, targets.target_of(q.device), aligned, features.requested(),
+            features.warp_specialization_requested())
 
 
 def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> ForwardPlan:

@@ -153,6 +153,17 @@ def run_call(case: Case) -> dict[str, str]:
             "attn_bwd_dkdv_kernel": "bwd_dkdv",
             "attn_bwd_dq_kernel": "bwd_dq",
         }
+    if case.call == "one_key":  # the backward of a window of width one: every row sees one key (exact dS = 0)
+        seqlen_q = seqlen_k = 113 if ragged else 1024
+        q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
+        var = _variant(case, nheads, 0, scale)._replace(window_left=0, window_right=0)
+        out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
+        backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
+        return {
+            "attn_bwd_preprocess_kernel": "bwd_preprocess",
+            "attn_bwd_dkdv_kernel": "bwd_dkdv",
+            "attn_bwd_dq_kernel": "bwd_dq",
+        }
     if case.call == "int8":  # 8-bit attention: the quantizer and the kernel, fp16 P.V and, where the target has it, FP8
         from ..ops import int8_attention, targets  # imports Triton: importing compile_calls loads none
 

@@ -46,8 +46,8 @@ def persistent_time(costs: list[float], slots: int) -> float:
 
 def balanced_persistent_time(costs: list[float], slots: int) -> float:
     """``persistent_time`` with the units dealt out heaviest first, back and forth across the
-    programs (program 0 to the last, then the last to 0, ...): the best a fixed assignment of this
-    kind does, at the price of the sections' L2 locality."""
+    programs (program 0 to the last, then the last to 0, ...): a good fixed assignment, at the price
+    of the sections' L2 locality."""
     loads = [0.0] * slots
     for index, cost in enumerate(sorted(costs, reverse=True)):
         turn, place = divmod(index, slots)
