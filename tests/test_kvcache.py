@@ -89,7 +89,7 @@ CASES = [
     KV(new=0, seqlens=(64, 64), causal=False, splits=4),  # attention over a full cache, nothing appended
     KV(seqlen_q=20, new=20, seqlens=(3, 20), page=16, leftpad=(1, 7), nheads=2, nheads_k=2, head_dim=16),
     KV(head_dim=40, rotary=16, seqlens=(9, 0), capacity=48, page=16, batch_idx=False, splits=2),
-    # GQA groups packed into one query tile (flash_recipe.ops.forward.gqa_packing) with every option
+    # GQA groups packed into one query tile (flash_recipe.ops.packing.gqa_packing) with every option
     # that keeps packing: group 8 with two query rows, ALiBi, softcap, a window and split-KV over pages;
     # group 3 (not a power of two) with left padding, a two-sided window and a batch index; a window
     # at the cache's edge (each row sees only its own key); group 2 at head dim 24.

@@ -11,6 +11,7 @@
 - ``kvcache``: rotary embedding and in-place cache append, then the forward over the cache;
 - ``decode``: split-KV's merge of the shares' partial outputs, which the forward launches after them;
 - ``splits``: the split-KV rule (how many shares of the keys a launch over a cache splits into);
+- ``packing``: whether a launch packs a GQA group into one query tile per kv head;
 - ``schedule``: the order a launch's programs start in (``launch_order``, called inside the forward
   and dQ kernels) and how many heads a section of that order spans;
 - ``dropout``: the dropout mask materialised for ``return_attn_probs``;
@@ -32,6 +33,6 @@ so are the reports of the split rule and the launch order (``tools.splits_report
 
 Importing a kernel module (``forward``, ``backward``, ``kvcache``, ``decode``, ``dropout``, ``tiles``,
 ``attention``), ``backward_launch``, ``schedule``, ``launch`` or ``offline`` imports Triton; ``configs``, ``targets``,
-``choose``, ``limits``, ``tuned``, ``features``, ``options`` and ``splits`` do not.
+``choose``, ``limits``, ``tuned``, ``features``, ``options``, ``splits`` and ``packing`` do not.
 ``flash_recipe`` itself imports Triton only when the ``triton`` backend first runs.
 """

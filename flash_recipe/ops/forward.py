@@ -39,6 +39,7 @@ from . import choose, configs, features, limits, targets, tiles
 from .decode import launch_split_merge, plan_split_merge
 from .launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
 from .options import KeyRanges, ScoreOptions, Varlen
+from .packing import gqa_packing
 from .schedule import launch_order, launch_section
 from .tiles import (
     LN2,
@@ -155,6 +156,8 @@ def _fwd_inner(
     Triton splits it into partitions of warps that load, multiply and take the softmax side by
     side (``features.warp_specialization``). The loop's step is ``_fwd_step`` either way.
     """
+    # Two loop statements around one step: ``tl.range`` takes ``warp_specialize`` only in Triton
+    # releases that have it (3.2's refuses the keyword), and only the taken branch is compiled.
     if WARP_SPEC:
         for start_n in tl.range(loop_bound(start), loop_bound(end), BLOCK_N, warp_specialize=True):
             b_acc, b_m, b_l, b_bad = _fwd_step(
@@ -574,37 +577,3 @@ def run_forward(p: ForwardPlan, q, k, v, options: ScoreOptions, varlen, keys) ->
     if p.combine is not None:
         launch_split_merge(p.combine, o_split, lse_split, out, lse, cu_q)
     return out, lse
-
-
-# A GQA call whose group's query rows (Sq * group) number at most this many runs as one query tile
-# per kv head, on the decode configuration's key blocks.
-PACK_MAX_ROWS = 64
-
-
-def gqa_packing(
-    device: torch.device, kernel: str, seqlen_q: int, head_dim: int, group: int, dropout_p: float,
-    element_size: int, pack_gqa: Optional[bool] = None,
-) -> tuple[bool, configs.Config, int]:
-    """Whether a launch packs each GQA group into one query tile, with its configuration and block.
-
-    Every program streams all the keys it sees, so a launch reads each kv head's keys once per
-    query tile that uses that kv head: ``group * cdiv(Sq, BLOCK_M)`` tiles unpacked,
-    ``cdiv(Sq * group, BLOCK_M)`` packed. The rule: with GQA (``group > 1``) and no dropout,
-
-    - a short query (``Sq * group <= PACK_MAX_ROWS``: decoding, speculative decoding, a small
-      chunk) packs into a single tile per kv head: the ``"decode"`` configuration, its query block
-      raised to the next power of two of ``Sq * group``, so every key is read once;
-    - a longer one packs only where that needs fewer tiles than unpacked with the same block.
-
-    Returns ``(pack, config, block_m)``: the launch configuration of ``kernel`` (``"decode"``'s for
-    a short packed query) and the query block to launch with. ``pack_gqa=False`` never packs.
-    """
-    rows = seqlen_q * group
-    packable = pack_gqa is not False and group > 1 and dropout_p == 0.0
-    if packable and rows <= PACK_MAX_ROWS:
-        cfg = choose.launch_config(device, "decode", head_dim, element_size)
-        return True, cfg, max(cfg.block_m, triton.next_power_of_2(rows))
-    cfg = choose.launch_config(device, kernel, head_dim, element_size)
-    pack = packable and triton.cdiv(rows, cfg.block_m) < group * triton.cdiv(seqlen_q, cfg.block_m)
-    return pack, cfg, cfg.block_m
-

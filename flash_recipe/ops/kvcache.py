@@ -28,9 +28,10 @@ import triton.language as tl
 
 from ..signatures import Memo, signature
 from . import choose, configs, splits, targets, tiles, tuned
-from .forward import PACK_MAX_ROWS, ForwardPlan, gqa_packing, plan_forward, run_forward
+from .forward import ForwardPlan, plan_forward, run_forward
 from .launch import Plan, launch, plan
 from .options import KeyRanges, ScoreOptions
+from .packing import PACK_MAX_ROWS, gqa_packing
 
 # Helpers the kernels call by name: torch.compile regenerates a kernel with the jit functions it
 # names, not the modules they are reached through.
@@ -227,9 +228,9 @@ def auto_splits(
 def launch_blocks(device: torch.device, rows: int, head_dim: int, element_size: int) -> tuple[int, int]:
     """``(query blocks, BLOCK_N)`` of the forward launch over a KV cache whose launched heads have
     ``rows`` query rows each (``program_heads``: ``Sq``, or ``Sq * group`` where the GQA group is
-    packed), as ``forward.gqa_packing`` sizes it.
+    packed), as ``packing.gqa_packing`` sizes it.
 
-    Up to ``forward.PACK_MAX_ROWS`` rows, the launch is taken for a decoding step: one query tile
+    Up to ``packing.PACK_MAX_ROWS`` rows, the launch is taken for a decoding step: one query tile
     (a packed group's tile grows to hold its rows; an unpacked step has at most 16) of the decode
     configuration, its keys in that configuration's ``BLOCK_N``. More rows count
     ``cdiv(rows, BLOCK_M)`` tiles of the general forward's configuration. Exact but for two calls
@@ -262,7 +263,7 @@ def heuristic_splits(
 
 def program_heads(q: torch.Tensor, nheads_k: int, pack_gqa: Optional[bool] = None) -> tuple[int, int]:
     """The heads and query rows per head that a decoding step over ``q (B, Sq, H, D)`` launches
-    programs for: ``(H, Sq)``, or where the GQA group is packed (``forward.gqa_packing``)
+    programs for: ``(H, Sq)``, or where the GQA group is packed (``packing.gqa_packing``)
     ``(Hk, Sq * H / Hk)``: what the split-KV count is chosen for (``launch_blocks`` turns the rows
     into query blocks)."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -287,7 +288,7 @@ def attention_kvcache(
     Appends ``k_new``/``v_new`` ``(B, Snew, Hk, D)`` to the cache in place, then attends from
     ``q (B, Sq, H, D)`` over rows ``[leftpad, cache_seqlens + Snew)`` of each batch entry's cache,
     aligned bottom-right. ``num_splits`` 0 picks the split-KV count (``auto_splits``: tuned, else
-    the heuristic, counting the programs that GQA packing leaves: ``forward.gqa_packing``);
+    the heuristic, counting the programs that GQA packing leaves: ``packing.gqa_packing``);
     ``pack_gqa`` as ``attention_forward`` takes it.
 
     Returns ``out (B, Sq, H, D)`` in q's dtype and ``lse (B, H, Sq)`` float32.

@@ -11,6 +11,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+# The backward's kernels (one pass or three) and the labels their report rows carry.
+BACKWARD_LABELS = {
+    "attn_bwd_preprocess_kernel": "bwd_preprocess",
+    "attn_bwd_dkdv_kernel": "bwd_dkdv",
+    "attn_bwd_dq_kernel": "bwd_dq",
+}
 # The GQA groups of the aligned decode steps (``decode``: a dense cache; ``decode_paged``: pages).
 DECODE_GROUPS = {"decode": 4, "decode_paged": 8}
 
@@ -105,12 +111,7 @@ def run_call(case: Case) -> dict[str, str]:
         forward.attention_forward(q, k, v, var)
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
-        return {
-            "attn_fwd_kernel": "fwd",
-            "attn_bwd_preprocess_kernel": "bwd_preprocess",
-            "attn_bwd_dkdv_kernel": "bwd_dkdv",
-            "attn_bwd_dq_kernel": "bwd_dq",
-        }
+        return {"attn_fwd_kernel": "fwd", **BACKWARD_LABELS}
     if case.call == "fwd_ws":  # the plain forward with warp specialisation asked for, causal and not
         from ..ops import features  # imports Triton: importing compile_calls loads none
 
@@ -148,22 +149,14 @@ def run_call(case: Case) -> dict[str, str]:
             for path in ("one_pass", "three_kernels") if one_pass else ("three_kernels",):
                 with choose.taking_path(path):
                     backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
-        return {
-            "attn_bwd_preprocess_kernel": "bwd_preprocess",
-            "attn_bwd_dkdv_kernel": "bwd_dkdv",
-            "attn_bwd_dq_kernel": "bwd_dq",
-        }
+        return dict(BACKWARD_LABELS)
     if case.call == "one_key":  # the backward of a window of width one: every row sees one key (exact dS = 0)
         seqlen_q = seqlen_k = 113 if ragged else 1024
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
         var = _variant(case, nheads, 0, scale)._replace(window_left=0, window_right=0)
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
-        return {
-            "attn_bwd_preprocess_kernel": "bwd_preprocess",
-            "attn_bwd_dkdv_kernel": "bwd_dkdv",
-            "attn_bwd_dq_kernel": "bwd_dq",
-        }
+        return dict(BACKWARD_LABELS)
     if case.call == "int8":  # 8-bit attention: the quantizer and the kernel, fp16 P.V and, where the target has it, FP8
         from ..ops import int8_attention, targets  # imports Triton: importing compile_calls loads none
 
@@ -183,12 +176,7 @@ def run_call(case: Case) -> dict[str, str]:
         forward.attention_forward(q, k, v, var, varlen=varlen)
         out, lse = torch.randn_like(q), torch.randn(nheads, total, dtype=torch.float32)
         backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var, varlen=varlen)
-        return {
-            "attn_fwd_kernel": "fwd",
-            "attn_bwd_preprocess_kernel": "bwd_preprocess",
-            "attn_bwd_dkdv_kernel": "bwd_dkdv",
-            "attn_bwd_dq_kernel": "bwd_dq",
-        }
+        return {"attn_fwd_kernel": "fwd", **BACKWARD_LABELS}
     # A KV cache of 3 sequences, appended one new key and value row per query row: "decode" over a
     # dense cache (each sequence its own page of 1024 rows: a page table one entry wide, whose width
     # Triton specialises to the constant 1), the other calls over pages of 64 rows (aligned) or 16

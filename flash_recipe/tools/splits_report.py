@@ -69,7 +69,7 @@ def split_table(
 ) -> list[SplitRow]:
     """The choice for a one-row decoding step of each ``batch x cache`` on each ``(sms, target)``
     GPU, with the key blocks of that target's decode ``BLOCK_N`` (``configs.get_config``). The GQA
-    group is packed into one 16-row query tile per kv head, as ``forward.gqa_packing`` packs it."""
+    group is packed into one 16-row query tile per kv head, as ``packing.gqa_packing`` packs it."""
     rows = []
     for sms, target in gpus:
         block_n = configs.get_config(target, "decode", head_dim, element_size).block_n
