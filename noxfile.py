@@ -14,6 +14,8 @@
 - ``compile_check``: the kernels compiled as a launch compiles them, for every GPU target, no GPU needed;
 - ``torch_compat``: each supported torch release with the Triton its wheel pins (verify, core tests,
   the compiler path);
+- ``compile_check_triton``: the compile check of the default calls under a Triton that torch pins,
+  beside the CPU torch (3.6, torch 2.10 and 2.11's);
 - ``lint``: ruff's checks and formatting, the import layers and mypy (pyproject.toml's settings);
 - ``reproduce_upstream``: two upstream flash-attn install failures, reproduced and diagnosed
   (``recipes/harness/reproduce.py``).
@@ -288,6 +290,41 @@ def compile_check(session: nox.Session) -> None:
     install_built_wheel(session)
     session.chdir(session.create_tmp())
     args = session.posargs or ["--preset", "ci", "--jobs", "2"]
+    session.run(
+        "python", "-W", "ignore", "-m", "flash_recipe.tools.compile_check", *args, env={"TRITON_INTERPRET": "0"}
+    )
+
+
+# Triton releases that torch pairs pin (``TORCH_PAIRS``) and CI covers in no ``torch_compat`` run,
+# whose compile check ``compile_check_triton`` runs beside the CPU torch: 3.6.0, the pin of torch
+# 2.10 and 2.11 (the torch of the GPU machines this project borrows).
+TRITON_ONLY = {"3.6": "3.6.0"}
+
+
+@nox.session(default=False)
+@nox.parametrize("release", list(TRITON_ONLY), ids=list(TRITON_ONLY))
+def compile_check_triton(session: nox.Session, release: str) -> None:
+    """The compile check of the default calls under a Triton that torch pairs pin, without that
+    torch: ``nox -s "compile_check_triton(3.6)"`` compiles as torch 2.10 and 2.11 with their Triton
+    3.6.0 do, for less than a ``torch_compat`` run (no CUDA torch of several GB to download): the
+    check's ``triton`` preset, the forward, backward and decode step for sm80, sm90 and sm100 at
+    head dim 128 in bf16, aligned, and the warp-specialised forward on sm100 at the head dims it is
+    offered, compiled where the release rule enables it (``features.WARP_SPEC_TRITON``) and
+    reported "not enabled on this Triton" where not. Arguments after ``--`` replace the preset.
+
+    The CPU torch (``FLASH_RECIPE_TORCH``, default 2.13.0 from this machine's disk) stands in for
+    the pair's torch: the compiler is Triton's, and torch only supplies the CPU tensors and dtypes
+    the launchers are called with (it pins no Triton, so the release asked for is the one used).
+    """
+    triton_version = TRITON_ONLY[release]
+    install_built_wheel(session, pins=(f"triton=={triton_version}",))
+    session.run(
+        "python",
+        "-c",
+        f"import sys, triton; print('triton', triton.__version__); sys.exit(triton.__version__ != {triton_version!r})",
+    )
+    session.chdir(session.create_tmp())
+    args = session.posargs or ["--preset", "triton", "--jobs", "2"]
     session.run(
         "python", "-W", "ignore", "-m", "flash_recipe.tools.compile_check", *args, env={"TRITON_INTERPRET": "0"}
     )

@@ -114,6 +114,32 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture
+def int_overflow_checked(monkeypatch):
+    """Triton's interpreter checks every int32 (and narrower) add, sub and mul of the kernels the
+    test launches for overflow: a wrapped product raises ``int32 overflow detected for operation
+    mul`` (inside the interpreter's ``InterpreterError``). This is the interpreter's own sanitiser,
+    which Triton 3.9 switches on only with its options' ``debug`` (neither ``TRITON_DEBUG`` nor
+    ``triton.jit(debug=True)`` reaches the interpreter), so the fixture replaces those options for
+    the test; ``tl.device_assert`` is then checked too. Yields True, or None where there is nothing
+    to switch on: with a GPU (kernels run compiled) or an interpreter without the sanitiser
+    (Triton before 3.3)."""
+    if HAS_CUDA:
+        yield None
+        return
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or not {"debug", "sanitize_overflow"} <= {f.name for f in dataclasses.fields(options)}:
+        yield None
+        return
+    monkeypatch.setattr(builder, "options", dataclasses.replace(options, debug=True, sanitize_overflow=True))
+    yield True
+
+
+@pytest.fixture
 def bounds_checked(monkeypatch, request):
     """Every load, store and atomic of the Triton kernels the test launches stays inside the
     storage of a tensor passed to that launch (see ``tests/bounds.py``); yields the checker.

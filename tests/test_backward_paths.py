@@ -122,13 +122,16 @@ def test_stand_in_backward_takes_the_deterministic_flag(launches, device):
 @pytest.mark.parametrize(
     "target, head_dim, release, expected",
     [
-        ("sm90", 128, (3, 2), False),  # 56-224 B spilled (compile check, Triton 3.2 and 3.3)
+        ("sm90", 128, (3, 2), False),  # spilled (compile check's --call one_pass under each release)
         ("sm90", 128, (3, 3), False),
         ("sm90", 128, (3, 4), True),
+        ("sm90", 128, (3, 6), False),
         ("sm90", 128, (3, 9), True),
+        ("sm90", 128, (3, 10), True),  # newer than every release measured
         ("sm90", 64, (3, 2), True),
         ("sm80", 128, (3, 2), True),
         ("sm100", 128, (3, 3), False),
+        ("sm100", 128, (3, 6), False),
         ("interpreter", 128, (3, 2), True),
     ],
 )

@@ -91,8 +91,10 @@ def test_warp_specialization_is_found_in_tl_range():
 
 def test_warp_specialization_is_asked_for_and_offered_where_it_compiles(monkeypatch):
     """Off unless asked for; asked for, only Blackwell (and the interpreter) at head dims up to 128
-    take it, and only for calls it serves (``plain``). The block's choice beats the environment's."""
+    take it, and only for calls it serves (``plain``). The block's choice beats the environment's.
+    Under Triton 3.9, which compiles it at every head dim offered (``features.WARP_SPEC_TRITON``)."""
     monkeypatch.setattr(features, "warp_specialization_available", lambda: True)
+    monkeypatch.setattr(targets, "triton_release", lambda: (3, 9))
     monkeypatch.delenv(features.WARP_SPEC_ENV, raising=False)
     assert not any(features.warp_specialization(t, 128, plain=True) for t in TARGETS)
     with features.using_warp_specialization(True):

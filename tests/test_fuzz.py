@@ -1092,13 +1092,13 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize(name, cases, ids=[c.id for c in cases])
 
 
-def test_fuzz(fuzz_case: Case, device, nan_outputs, bounds_checked):
+def test_fuzz(fuzz_case: Case, device, nan_outputs, bounds_checked, int_overflow_checked):
     """One drawn case (see the module docstring); under the interpreter, every kernel memory access is
     also checked to stay inside the launch's tensors (``bounds_checked``)."""
     _check(fuzz_case, device, bounds_checked)
 
 
-def test_fuzz_8bit(fuzz_8bit_case: Case, device, nan_outputs, bounds_checked):
+def test_fuzz_8bit(fuzz_8bit_case: Case, device, nan_outputs, bounds_checked, int_overflow_checked):
     """One drawn 8-bit case, checked as ``test_fuzz`` checks its cases."""
     _check(fuzz_8bit_case, device, bounds_checked)
 

@@ -18,8 +18,9 @@ from flash_recipe.ops import features, targets, tiles
 from flash_recipe.reference import attention_reference
 from flash_recipe.tools.verify import Case, check_case
 
-# Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
-pytestmark = pytest.mark.usefixtures("bounds_checked")
+# Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py)
+# and computes no int32 offset that wraps (the interpreter's overflow sanitiser: conftest.py).
+pytestmark = pytest.mark.usefixtures("bounds_checked", "int_overflow_checked")
 
 DTYPES = [torch.float16, torch.float32]
 

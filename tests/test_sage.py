@@ -51,7 +51,9 @@ QUANT_CASES = [  # (B, S, H, D, block, smooth, lengths or None)
 @pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"B{c[0]}-S{c[1]}-H{c[2]}-D{c[3]}-blk{c[4]}-{c[5]}-{c[6]}")
 def test_quantize_kernel_equals_the_definition(case, dtype, device):
     """The Triton quantizer gives the torch definition's int8 values and scales exactly (the same
-    fp32 operations in the same order; the interpreter divides as IEEE does)."""
+    fp32 operations in the same order). Exact on a GPU too: the kernel divides with round-to-nearest
+    (``tl.math.div_rn``, ``div.rn.f32``) as torch's fp32 division does, where a plain ``/`` compiles to
+    a division that is not correctly rounded (the interpreter divides as IEEE does either way)."""
     batch, seqlen, heads, dim, block, smooth, lengths = case
     torch.manual_seed(1)
     x = (torch.randn(batch, seqlen, heads, dim) * 3 + torch.randn(1, 1, heads, dim) * 5).to(dtype).to(device)

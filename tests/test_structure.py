@@ -1,5 +1,6 @@
 """The package's shape: no import cycle, every import of the package relative, imports of the package
-at the top of their files unless a comment says why not, kernels launched by keyword, backends
+at the top of their files unless a comment says why not, kernels launched by keyword and only
+through ``flash_recipe.ops.launch`` (its device guard and grid limits), backends
 named for branching only inside ``flash_recipe.dispatch`` (all four read from the source), and
 kernel flags that are only valid together guarded in the kernel.
 
@@ -191,7 +192,7 @@ def _launches(tree: ast.AST) -> list[tuple[str, ast.Call]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
             found.append((ast.unparse(node.func), node))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "plan":
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("plan", "launch_once"):
             arguments = node.args[2] if len(node.args) > 2 else None
             name = f"plan({ast.unparse(node.args[0]) if node.args else ''})"
             if isinstance(arguments, ast.Call) and ast.unparse(arguments.func) == "dict":
@@ -212,7 +213,66 @@ def test_every_kernel_is_launched_by_keyword():
         tree = ast.parse(path.read_text())
         launches += len(_launches(tree))
         assert positional_launches(tree) == [], path.name
-    assert launches >= 7  # forward, split-combine, three backward, rotary-append, dropout mask
+    assert launches >= 9  # forward, split-combine, three backward, rotary-append, dropout mask, quantize, 8-bit
+
+
+def direct_launches(tree: ast.AST) -> list[int]:
+    """Lines of kernel launches that bypass ``flash_recipe.ops.launch`` (its device guard and grid
+    limits): ``kernel[grid](...)``, any call of a subscript except of a module-level table (a name
+    assigned a dict, list or tuple display), and ``<kernel>.run(..., grid=...)`` unless it passes
+    ``warmup=True`` (a compile, which launches nothing)."""
+    tables = set()
+    for node in getattr(tree, "body", []):
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, (ast.Dict, ast.List, ast.Tuple)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            tables.update(t.id for t in targets if isinstance(t, ast.Name))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        table = isinstance(func, ast.Subscript) and isinstance(func.value, ast.Name) and func.value.id in tables
+        subscript = isinstance(func, ast.Subscript) and not table
+        run = isinstance(func, ast.Attribute) and func.attr == "run" and _launches_grid(node)
+        if subscript or run:
+            found.append(node.lineno)
+    return found
+
+
+def _launches_grid(call: ast.Call) -> bool:
+    """A ``.run(grid=...)`` call that launches: not a ``warmup=True`` compile."""
+    keywords = {kw.arg: kw.value for kw in call.keywords}
+    warmup = keywords.get("warmup")
+    return "grid" in keywords and not (isinstance(warmup, ast.Constant) and warmup.value is True)
+
+
+def test_every_kernel_launch_goes_through_the_launch_module():
+    launch_module = PACKAGE / "ops" / "launch.py"
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != launch_module
+        for line in direct_launches(ast.parse(path.read_text()))
+    ]
+    assert found == [], f"kernel launches outside flash_recipe/ops/launch.py (use launch.plan/launch): {found}"
+
+
+def test_the_direct_launch_check_finds_every_form():
+    snippet = textwrap.dedent("""
+        TABLE = {"a": f}
+        RUNS: dict = {"b": g}
+        quantize_kernel[grid](X=x)
+        kernels["fwd"][(1, 1, 1)](X=x)
+        TABLE["a"](1)
+        RUNS["b"]()
+        fn.run(grid=grid, warmup=False, X=x)
+        fn.run(grid=(1, 1, 1), warmup=True, X=x)
+        (quantize_kernel
+            [grid])(X=x)
+        subprocess.run(cmd, check=True)
+    """)
+    assert direct_launches(ast.parse(snippet)) == [4, 5, 8, 10]
 
 
 def test_the_launch_check_finds_a_positional_argument():

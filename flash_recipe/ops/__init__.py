@@ -5,7 +5,8 @@
   ``KeyRanges``); torch only;
 - ``launch``: what the launchers share: ``score_args`` (the one function that turns ``ScoreOptions``
   into kernel arguments), the sizes and strides of a launch, and its ``Plan``, decided once per
-  signature and launched by keyword;
+  signature and launched by keyword; every kernel launch goes through it, on its tensors' device,
+  its grid within CUDA's limits (a batch past 65535 folded into axis 0: ``fold_grid``);
 - ``backward``: the recomputing backward's kernels (preprocess, dK/dV, dQ);
 - ``backward_launch``: their launcher, ``attention_backward``, planned and launched as the forward;
 - ``kvcache``: rotary embedding and in-place cache append, then the forward over the cache;

@@ -32,8 +32,12 @@ divides it out: its P is the exact softmax of the recomputed logits, as torch's 
 
 Attention sinks: with an lse that includes each head's sink (``forward``), ``P = exp(S - lse)`` is
 already the sink-diminished softmax, and dQ, dK, dV follow unchanged. The sink's own gradient is
-``dsink[h] = -sum over (b, i) of exp(sink[h] - lse[b, h, i]) * delta[b, h, i]``, a small reduction
-in torch over the lse and delta the kernels used (deterministic). Two shortcuts of this
+``dsink[h] = -sum over (b, i) of exp(sink[h] - lse[b, h, i]) * pdp[b, h, i]``, a reduction in torch
+(a fixed order) over the lse and each row's ``pdp = sum_j P dP``: ``rowsum(dO * O)`` without O's
+rounding to its dtype (``delta`` from the rounded O moved fp16's dsink past the accuracy rule). The
+three kernels' dQ kernel, which walks all of a row's keys, stores each row's ``pdp`` once (no
+atomics: dsink is bit-identical from run to run too); in one pass the dK/dV kernel adds each key
+block's share with atomic adds, so dsink's last bits vary as dQ's do. Two shortcuts of this
 attention's own lse do not hold with a sink: a row that sees one key has ``dS != 0`` (its P is
 below 1), so the one-key rules are off, and ``RENORM``'s row sums count the sink's share too.
 
@@ -51,6 +55,7 @@ from .schedule import launch_order
 from .tiles import (
     LOG2E,
     dropout_keep,
+    grid_id,
     key_blocks,
     load_tile,
     loop_bound,
@@ -76,13 +81,18 @@ def attn_bwd_preprocess_kernel(
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh,
-    seqlen_q, total_q, head_dim,
+    seqlen_q, total_q, head_dim, fold_batch,
     IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    GRID_FOLD: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``: ``DELTA[b, h, i] = sum_d O[b, i, h, d] * DO[b, i, h, d]``."""
-    i_m = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)`` (folded: ``tiles.grid_id``):
+    ``DELTA[b, h, i] = sum_d O[b, i, h, d] * DO[b, i, h, d]``."""
+    i_m = grid_id(0, GRID_FOLD)
+    i_h = grid_id(1, GRID_FOLD)
+    i_b = grid_id(2, GRID_FOLD)
+    if GRID_FOLD > 1:  # a folded grid's padding
+        if i_b >= fold_batch:
+            return
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     q_start = i_m * BLOCK_M
     if IS_VARLEN:
@@ -128,9 +138,10 @@ def _dkdv_inner(
     P and dP (two more). With ``RAGGED_N`` (a key block that may end past ``seqlen_k``) it zeroes
     those keys' dS first: their K rows load as 0, but their P, from a score of 0, may overflow.
 
-    With ``SINK_ROWS`` (attention sinks) it adds each query row's ``sum_j P dP`` over this key block
-    to ``sink_base`` (fp32, atomic): ``rowsum(dO * O)`` from the probabilities themselves, not from
-    the output rounded to its dtype, for the sinks' gradient (``_sink_grad``).
+    With ``SINK_ROWS`` (attention sinks, the one-pass backward only) it adds each query row's
+    ``sum_j P dP`` over this key block to ``sink_base`` (fp32, atomic): ``rowsum(dO * O)`` from the
+    probabilities themselves, not from the output rounded to its dtype, for the sinks' gradient
+    (``_sink_grad``). The three kernels leave it to the dQ kernel, which sums whole rows.
 
     With ``ONE_KEY`` (own lse: fp32, or any launch in which no row sees more than one key), a masked
     stage gives a row that sees exactly one key (``sees_one_key``) its exact softmax: P = 1 on that
@@ -240,6 +251,9 @@ _DQ_DKDV_FLAGS = {
     "ALIBI": lambda a: a["SLOPES"] is not None,
     "DROPOUT": lambda a: a["SEED"] is not None,
     "RENORM": lambda a: a["LSE_FIX"] is not None,
+    # Attention sinks: each row's sum of P dP, for their gradient (the dQ kernel's on the three
+    # kernels' path, the dK/dV kernel's with atomics in one pass; the other gets None).
+    "SINK_ROWS": lambda a: a["SINK_DELTA"] is not None,
     "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
     "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
 }
@@ -263,8 +277,6 @@ _DQ_DKDV_FLAGS = {
         "SAME_ORDER": lambda a: a["Q"].element_size() == 4,
         # The one-pass backward: dQ added to the fp32 workspace DQ_ACC (None: the dQ kernel computes it).
         "ATOMIC_DQ": lambda a: a["DQ_ACC"] is not None,
-        # Attention sinks: each row's sum of P dP, for their gradient.
-        "SINK_ROWS": lambda a: a["SINK_DELTA"] is not None,
         # GQA/MQA: more than one query head per kv head, walked in ``_dkdv_inner``'s loop.
         "GROUPED": lambda a: a["group_size"] > 1,
     }
@@ -281,16 +293,16 @@ def attn_bwd_dkdv_kernel(
     stride_dqab, stride_dqam, stride_dqah,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
-    window_left, window_right, dropout_p, rng_stride,
+    window_left, window_right, dropout_p, rng_stride, fold_batch,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
     ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
+    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)``; sums over the ``group_size`` query heads of each kv head.
-    Key block 0, which a causal mask shows to every query block, launches first: heaviest first
-    without reordering.
+    """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)`` (folded: ``tiles.grid_id``); sums over the
+    ``group_size`` query heads of each kv head. Key block 0, which a causal mask shows to every
+    query block, launches first: heaviest first without reordering.
 
     With ``RENORM`` it runs after ``attn_bwd_dq_kernel``, which stored in ``LSE_FIX`` (laid out as
     ``LSE``) the log of each row's recomputed probability sum, and takes ``P = exp((S - lse) - fix)``.
@@ -300,9 +312,12 @@ def attn_bwd_dkdv_kernel(
     (the launcher's choice: ``configs.MMA_MIN_ROWS``).
     """
     tl.static_assert(not (ATOMIC_DQ and RENORM), "RENORM needs the dQ kernel's row sums first")
-    i_n = tl.program_id(0)
-    i_hk = tl.program_id(1)
-    i_b = tl.program_id(2)
+    i_n = grid_id(0, GRID_FOLD)
+    i_hk = grid_id(1, GRID_FOLD)
+    i_b = grid_id(2, GRID_FOLD)
+    if GRID_FOLD > 1:  # a folded grid's padding
+        if i_b >= fold_batch:
+            return
     bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(
         CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN)
     k_start = i_n * BLOCK_N
@@ -372,15 +387,16 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    b_dq, b_psum, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+    b_dq, b_psum, b_pdp, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
     seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    RENORM: tl.constexpr,
+    RENORM: tl.constexpr, SINK_ROWS: tl.constexpr,
 ):
     """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks.
-    With ``RENORM`` also each row's sum of the recomputed probabilities, ``b_psum [BLOCK_M]``."""
+    With ``RENORM`` also each row's sum of the recomputed probabilities, ``b_psum [BLOCK_M]``; with
+    ``SINK_ROWS`` each row's sum of P dP, ``b_pdp [BLOCK_M]`` (masked keys have P = 0)."""
     for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
@@ -395,11 +411,13 @@ def _dq_inner(
         if DROPOUT:
             m_keep = dropout_keep(seed, rng_base, o_m[:, None], (start_n + o_n)[None, :], rng_stride, dropout_p)
             b_dp = tl.where(m_keep, b_dp / (1.0 - dropout_p), 0.0)
+        if SINK_ROWS:
+            b_pdp += tl.sum(b_p * b_dp, 1)
         b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             b_ds = b_ds * (1.0 - b_t * b_t)
         b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision="ieee")
-    return b_dq, b_psum
+    return b_dq, b_psum, b_pdp
 
 
 @triton.heuristics(
@@ -407,7 +425,7 @@ def _dq_inner(
 )
 @triton.jit(do_not_specialize=["head_section"])  # a runtime count: no variant per value
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS,
+    Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS, SINK_DELTA,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -415,11 +433,11 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
-    window_left, window_right, dropout_p, rng_stride, head_section,
+    window_left, window_right, dropout_p, rng_stride, head_section, fold_batch,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, RENORM: tl.constexpr,
-    HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr,
+    SINK_ROWS: tl.constexpr, HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``, its programs in ``schedule.launch_order``'s order, as
     the forward's.
@@ -431,8 +449,16 @@ def attn_bwd_dq_kernel(
     rows with no probability (no key, or one key with ``OWN_LSE``) store 0. With ``HAS_SINK``
     (``SINKS (H,)``, passed with ``RENORM`` only, the one use of it here) each row's sum starts at
     its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
+
+    With ``SINK_ROWS`` (attention sinks, the three kernels' path) it stores in ``SINK_DELTA`` (laid
+    out as ``LSE``) each row's ``sum_j P dP`` over all the row's keys, for the sinks' gradient
+    (``backward_launch._sink_grad``): one store per row, no atomics. With ``RENORM`` that sum is of
+    the renormalised P, ``P / psum``, as ``attn_bwd_dkdv_kernel``'s.
     """
-    i_m, _, i_h, i_b = launch_order(1, head_section, SECTIONS)
+    i_m, _, i_h, i_b = launch_order(1, head_section, SECTIONS, GRID_FOLD)
+    if GRID_FOLD > 1:  # a folded grid's padding (``tiles.grid_id``)
+        if i_b >= fold_batch:
+            return
     bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(
         CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN)
     q_start = i_m * BLOCK_M
@@ -476,6 +502,7 @@ def attn_bwd_dq_kernel(
         rng_base = row_base * rng_stride
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_psum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
     if RENORM and HAS_SINK:
         b_psum = tl.math.exp2((tl.load(SINKS + i_h).to(tl.float32) - b_lse) * LOG2E)  # [BLOCK_M]
 
@@ -483,11 +510,11 @@ def attn_bwd_dq_kernel(
                                                   MASK_LEFT, MASK_RIGHT, BLOCK_N)
     for stage in tl.static_range(3):
         lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
-        b_dq, b_psum = _dq_inner(
-            b_dq, b_psum, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+        b_dq, b_psum, b_pdp = _dq_inner(
+            b_dq, b_psum, b_pdp, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
             seed, rng_base, rng_stride, dropout_p,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N, RENORM,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N, RENORM, SINK_ROWS,
         )
     dq_base = DQ + i_b * stride_dqb + bos_q * stride_dqm + i_h.to(tl.int64) * stride_dqh
     store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * sm_scale, not EVEN_M, MASK_D)
@@ -497,3 +524,10 @@ def attn_bwd_dq_kernel(
             tl.store(LSE_FIX + row_base + o_m, b_fix)
         else:
             tl.store(LSE_FIX + row_base + o_m, b_fix, mask=o_m < seqlen_q)
+    if SINK_ROWS:  # [BLOCK_M]
+        if RENORM:
+            b_pdp = b_pdp / tl.where(b_psum > 0.0, b_psum, 1.0)
+        if EVEN_M:
+            tl.store(SINK_DELTA + row_base + o_m, b_pdp)
+        else:
+            tl.store(SINK_DELTA + row_base + o_m, b_pdp, mask=o_m < seqlen_q)

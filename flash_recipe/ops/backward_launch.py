@@ -8,7 +8,8 @@ Shapes (legend as in ``forward``)::
 
 Varlen: ``(total_q, H, D)``, ``(total_k, Hk, D)`` and ``(H, total_q)``. The buffers a launch
 allocates, by name: ``DELTA`` (``rowsum(dout * out)``), ``LSE_FIX`` (fp32 with its own lse:
-``log`` of each row's sum of P, ``RENORM``), ``SINK_DELTA`` (with sinks: each row's sum of P dP)
+``log`` of each row's sum of P, ``RENORM``), ``SINK_DELTA`` (with sinks: each row's sum of P dP,
+stored by the dQ kernel on the three kernels' path, added into by the dK/dV kernel in one pass)
 and ``DQ_ACC`` (one pass: the fp32 workspace dQ is added to).
 """
 
@@ -65,10 +66,12 @@ def attention_backward(
         own_lse: ``out`` and ``lse`` are this attention's own, so a row that sees one key has
             dS = 0 exactly (``sees_one_key``). False: they may be those of a larger attention of
             which k, v are one block (ring attention), where that row's dS is not 0.
-        deterministic: the two-pass path (dQ kernel, then dK/dV), bit-identical from run to run.
+        deterministic: the two-pass path (dQ kernel, then dK/dV), bit-identical from run to run,
+            dsink included (the dQ kernel stores each row's share; no kernel uses atomics).
             Otherwise, and always but for fp32 with its own lse (``RENORM`` needs dQ's row sums
             first), the dK/dV kernel also adds dQ to an fp32 workspace with atomic adds: 5 matrix
-            products per block pair instead of 7, with the last bits of dQ in the order the adds land,
+            products per block pair instead of 7, with the last bits of dQ (and with sinks dsink's,
+            each row's sum of P dP added per key block) in the order the adds land,
             where the device's path is one pass (``choose.backward_path``: the target's default per
             head dim, ``configs.BACKWARD_PATHS``, or what ``flash-recipe tune`` measured); where
             it is not, or the installed Triton spills the one-pass tile (``choose.one_pass_fits``:
@@ -138,7 +141,9 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
     own_lse = own_lse and sinks is None  # the one-key rules assume P sums to 1 (see ``backward``)
     one_pass = (not deterministic and not renorm
                 and choose.backward_path(q.device, dims.head_dim, q.element_size()) == "one_pass")
-    # The sinks' gradient weighs each row's sum of P dP, accumulated by the dK/dV kernel (``_sink_grad``).
+    # The sinks' gradient weighs each row's sum of P dP (``_sink_grad``): stored once per row by the
+    # dQ kernel on the three kernels' path (no atomics), added per key block by the dK/dV kernel's
+    # atomics in one pass.
     sink_delta = delta if sinks is not None else None
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device="meta") if one_pass else None
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
@@ -167,7 +172,7 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
         dq_plan = plan(attn_bwd_dq_kernel, (blocks, dims.nheads, dims.batch), dict(
             head_section=launch_section(dims.nheads * dims.batch, blocks, dims.seqlen_k, dims.head_dim,
                                         k.element_size(), q.device, options.window_left, options.window_right),
-            DQ=dq, **dims.stride_args(dq, "dq", "m"), **common, SINKS=sinks if renorm else None,
+            DQ=dq, **dims.stride_args(dq, "dq", "m"), **common, SINKS=sinks if renorm else None, SINK_DELTA=sink_delta,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ), q.device)
     workspace = dims.stride_args(dq_acc, "dqa", "m") if dq_acc is not None else dict.fromkeys(
@@ -181,7 +186,7 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
     dk = torch.empty(k.shape, dtype=k.dtype, device="meta")
     dv = torch.empty(v.shape, dtype=v.dtype, device="meta")
     dkdv = plan(attn_bwd_dkdv_kernel, (triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch), dict(
-        DK=dk, DV=dv, DQ_ACC=dq_acc, SINK_DELTA=sink_delta, **dims.stride_args(dk, "dk", "n"),
+        DK=dk, DV=dv, DQ_ACC=dq_acc, SINK_DELTA=sink_delta if one_pass else None, **dims.stride_args(dk, "dk", "n"),
         **dims.stride_args(dv, "dv", "n"), **workspace, **common,
         DQ_TRANSPOSED=dq_transposed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -194,7 +199,10 @@ def run_backward(p: BackwardPlan, dout, q, k, v, out, lse, options: ScoreOptions
     """Allocate the gradients and buffers and launch a planned backward with this call's tensors."""
     delta = tiles.output_buffer(p.delta_shape, torch.float32, q.device)
     lse_fix = tiles.output_buffer(p.delta_shape, torch.float32, q.device) if p.renorm else None
-    sink_delta = torch.zeros(p.delta_shape, dtype=torch.float32, device=q.device) if options.sinks is not None else None
+    sink_delta = None
+    if options.sinks is not None:  # one pass adds into it; the dQ kernel writes every row
+        sink_delta = (torch.zeros(p.delta_shape, dtype=torch.float32, device=q.device) if p.one_pass
+                      else tiles.output_buffer(p.delta_shape, torch.float32, q.device))
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if p.one_pass else None
     dq = None if p.one_pass else tiles.output_buffer(q.shape, q.dtype, q.device)
     dk = tiles.output_buffer(k.shape, k.dtype, k.device)
@@ -219,9 +227,10 @@ def run_backward(p: BackwardPlan, dout, q, k, v, out, lse, options: ScoreOptions
 def _sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, lse_fix: Optional[torch.Tensor]):
     """``dsink[h] = -sum over rows of p_sink * delta``, with ``p_sink = exp(sink[h] - lse)`` (over
     ``exp(lse_fix)`` with ``RENORM``, as dK/dV's P) and ``delta`` each row's ``sum_j P dP`` (the
-    dK/dV kernel's ``SINK_ROWS``: ``rowsum(dO * O)`` without O's rounding to its dtype, which in
-    fp16 moved dsink past the accuracy rule). ``lse``, ``delta``, ``lse_fix``: ``(B, H, Sq)`` or
-    varlen ``(H, total_q)`` float32; returns ``(H,)`` in the sinks' dtype."""
+    kernels' ``SINK_ROWS``: ``rowsum(dO * O)`` without O's rounding to its dtype, which in fp16
+    moved dsink past the accuracy rule). ``lse``, ``delta``, ``lse_fix``: ``(B, H, Sq)`` or varlen
+    ``(H, total_q)`` float32; returns ``(H,)`` in the sinks' dtype. The sum is torch's, in the
+    same order every run: bit-identical where ``delta`` is (the three kernels' dQ kernel)."""
     logits = sinks.float()[:, None] - lse  # broadcasts over (B, H, Sq) and (H, total_q)
     if lse_fix is not None:
         logits = logits - lse_fix

@@ -10,7 +10,9 @@ tuned configuration fails.
    ``ops.targets.target_of``).
 
 ``tuned_fallback`` wraps a launcher so that a tuned configuration that fails to compile or launch
-is dropped for the rest of the process and the launcher runs again on the table's. Launchers that
+is dropped for the rest of the process and the launcher runs again on the table's, and so that a
+warp-specialised forward that fails where the plain one runs falls back to the plain one (for its
+target and head dim, for the rest of the process, with one warning). Launchers that
 memoize a launch plan key it by ``plan_state()`` and report the tuned entries a reused plan took
 with ``took_tuned``.
 
@@ -29,7 +31,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Callable, Optional, TypeVar
 
-from . import configs, targets, tuned
+from . import configs, features, targets, tuned
 from .configs import KERNELS, Config, head_dim_bucket
 from .limits import BACKWARD_PATH_NAMES
 
@@ -91,11 +93,12 @@ def took_tuned(entries: tuple) -> None:
 def plan_state() -> Optional[int]:
     """What memoized launch plans are keyed by beside their signature: a count that changes whenever
     ``launch_config`` may answer differently (``tuned.GENERATION``: tuned entries read, forgotten
-    or rejected; 0 while nothing tuned was read), or None inside an ``overriding`` block (whose
-    configurations are not memoized), or in a ``taking_path`` block."""
+    or rejected; 0 while nothing tuned was read) or the forward loses warp specialisation somewhere
+    (``features.WARP_SPEC_GENERATION``; both only grow, so their sum never repeats), or None inside
+    an ``overriding`` block (whose configurations are not memoized), or in a ``taking_path`` block."""
     if _OVERRIDES.get() or _PATH.get() is not None:
         return None
-    return tuned.GENERATION[0]
+    return tuned.GENERATION[0] + features.WARP_SPEC_GENERATION[0]
 
 
 def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Config:
@@ -139,11 +142,15 @@ def backward_path(device, head_dim: int, element_size: int) -> str:
 
 def one_pass_fits(device, head_dim: int) -> bool:
     """Whether the installed Triton compiles the one-pass backward's tile for ``device``'s target
-    and head dim without spilling (``configs.ONE_PASS_SINCE_TRITON``); where not,
-    ``attention_backward`` runs the three kernels."""
+    and head dim without spilling: a (family, head-dim bucket) outside ``configs.ONE_PASS_TRITON``
+    does under every release, one in it under the releases it lists and any newer than all of them.
+    Where not, ``attention_backward`` runs the three kernels. Reads the release from metadata."""
     family = configs.arch_family(targets.target_of(device))
-    since = configs.ONE_PASS_SINCE_TRITON.get((family, head_dim_bucket(head_dim)))
-    return since is None or targets.triton_release() >= since
+    releases = configs.ONE_PASS_TRITON.get((family, head_dim_bucket(head_dim)))
+    if releases is None:
+        return True
+    release = targets.triton_release()
+    return release in releases or (bool(releases) and release > max(releases))
 
 
 def _compile_or_launch_failure(exc: Exception) -> bool:
@@ -167,6 +174,13 @@ def tuned_fallback(launcher: Callable[..., T]) -> Callable[..., T]:
     tuned configuration, those tuned entries are rejected for the rest of the process, one
     ``TunedCacheWarning`` names them, and ``launcher`` runs again on the table's configurations.
     Any other error, or one without a tuned configuration, propagates unchanged.
+
+    A call whose forward launches were warp-specialised (``features.warp_specialization``) that
+    raises anything runs again without warp specialisation; if that run succeeds, the failure was
+    the specialised kernel's (a compile failure of any kind: Triton's pass pipeline, ptxas, out of
+    resources), and ``features.reject_warp_specialization`` serves its target and head dim with the
+    plain forward from then on, with one warning. If the plain run fails too, its error propagates
+    and nothing is rejected.
     """
 
     @functools.wraps(launcher)
@@ -174,8 +188,14 @@ def tuned_fallback(launcher: Callable[..., T]) -> Callable[..., T]:
         token = _TUNED_USED.set([])
         try:
             try:
-                return launcher(*args, **kwargs)
+                with features.recording_warp_specialization() as specialised:
+                    return launcher(*args, **kwargs)
             except Exception as exc:
+                if specialised:
+                    with features.using_warp_specialization(False):
+                        result = run(*args, **kwargs)  # raises the plain forward's own failure
+                    features.reject_warp_specialization(specialised, exc)
+                    return result
                 used = _TUNED_USED.get() or []
                 if not used or not _compile_or_launch_failure(exc):
                     raise

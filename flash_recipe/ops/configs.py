@@ -276,11 +276,16 @@ _TABLE: dict[tuple[str, str], Rows] = {
     (family, kernel): rows for family, kernels in _FAMILY_ROWS.items() for kernel, rows in kernels.items()
 }
 
-# The one-pass backward's tile at these (family, head-dim bucket) compiles without spills only from
-# this Triton release on (56-224 B per thread on 3.2 and 3.3, and no other wgmma tile tried was
-# clean); under older releases the backward runs the three kernels (``choose.one_pass_fits``).
-# sm100 takes Hopper's tile and so its rule.
-ONE_PASS_SINCE_TRITON = {("sm90", 128): (3, 4), ("sm100", 128): (3, 4)}
+# The Triton releases that compile the one-pass backward's tile at (family, head-dim bucket)
+# without spills: ``python -m flash_recipe.tools.compile_check --call one_pass --target sm90
+# --target sm100 --dtype bfloat16 --head-dim 128 --form aligned`` (MHA and GQA, with and without
+# attention sinks) prints the installed release's registers and spills; run under 3.4.0, 3.5.1,
+# 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (3.2 and 3.3 spilled too, and no other wgmma tile tried was clean
+# under the releases that spill). A release newer than the newest listed is taken to compile it
+# cleanly too. Under any other release the backward runs the three kernels
+# (``choose.one_pass_fits``); a pair not listed runs the one pass under every release. sm100
+# takes Hopper's tile, measured for sm100 itself.
+ONE_PASS_TRITON = {("sm90", 128): ((3, 4), (3, 5), (3, 9)), ("sm100", 128): ((3, 4), (3, 5), (3, 8), (3, 9))}
 
 # The backward each family runs unless a call is deterministic (``choose.backward_path``), by
 # head-dim bucket: "one_pass" (the dK/dV kernel adds dQ with atomic adds: 5 products per block

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import Layout, Plan, launch, plan
-from .tiles import load_tile, loop_bound, sequence, store_tile
+from .tiles import grid_id, load_tile, loop_bound, sequence, store_tile
 
 
 @triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
@@ -33,19 +33,24 @@ from .tiles import load_tile, loop_bound, sequence, store_tile
 def split_combine_kernel(
     O_SPLIT, LSE_SPLIT, O, LSE, CU_Q,
     stride_ps, stride_pb, stride_pm, stride_ph, stride_qs, stride_lb, stride_lh,
-    stride_ob, stride_om, stride_oh, seqlen_q, total_q, head_dim, num_splits,
+    stride_ob, stride_om, stride_oh, seqlen_q, total_q, head_dim, num_splits, fold_batch,
     IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+    GRID_FOLD: tl.constexpr,
 ):
-    """Merge the split-KV partials of ``attn_fwd_kernel``. Grid ``(cdiv(max Sq, BLOCK_M), H, B)``.
+    """Merge the split-KV partials of ``attn_fwd_kernel``. Grid ``(cdiv(max Sq, BLOCK_M), H, B)``
+    (folded: ``tiles.grid_id``).
 
     ``O_SPLIT (num_splits, *out.shape)`` float32 holds each share's normalised output and
     ``LSE_SPLIT (num_splits, *lse.shape)`` its log-sum-exp (+inf: the share saw no key). With
     ``M = max_s lse_s`` and ``w_s = exp(lse_s - M)``: ``out = sum_s w_s o_s / sum_s w_s`` and
     ``lse = M + log(sum_s w_s)``; a row no share saw gets out 0 and lse +inf, as unsplit.
     """
-    i_m = tl.program_id(0)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_b = tl.program_id(2)
+    i_m = grid_id(0, GRID_FOLD)
+    i_h = grid_id(1, GRID_FOLD).to(tl.int64)
+    i_b = grid_id(2, GRID_FOLD)
+    if GRID_FOLD > 1:  # a folded grid's padding
+        if i_b >= fold_batch:
+            return
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     i_b = i_b.to(tl.int64)
     o_r = tl.arange(0, BLOCK_M)
@@ -55,16 +60,17 @@ def split_combine_kernel(
     p_lse = LSE_SPLIT + i_b * stride_lb + i_h * stride_lh + bos_q + o_m  # [BLOCK_M]
     b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for i_s in range(0, loop_bound(num_splits)):
-        b_lse = tl.load(p_lse + i_s * stride_qs, mask=m_rows, other=float("inf"))
+        b_lse = tl.load(p_lse + tl.cast(i_s, tl.int64) * stride_qs, mask=m_rows, other=float("inf"))
         b_max = tl.maximum(b_max, tl.where(b_lse == float("inf"), float("-inf"), b_lse))
     b_ref = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     o_base = O_SPLIT + i_b * stride_pb + bos_q * stride_pm + i_h * stride_ph
     for i_s in range(0, loop_bound(num_splits)):
-        b_lse = tl.load(p_lse + i_s * stride_qs, mask=m_rows, other=float("inf"))
+        b_lse = tl.load(p_lse + tl.cast(i_s, tl.int64) * stride_qs, mask=m_rows, other=float("inf"))
         b_w = tl.where(b_lse == float("inf"), 0.0, tl.exp(b_lse - b_ref))  # [BLOCK_M]
-        b_o = load_tile(o_base + i_s * stride_ps, i_m * BLOCK_M, stride_pm, seqlen_q, head_dim, o_r, o_d, True, MASK_D)
+        p_share = o_base + tl.cast(i_s, tl.int64) * stride_ps  # the share's tile: a split term, 64-bit (``tiles``)
+        b_o = load_tile(p_share, i_m * BLOCK_M, stride_pm, seqlen_q, head_dim, o_r, o_d, True, MASK_D)
         b_acc += b_w[:, None] * b_o
         b_sum += b_w
     m_empty = b_sum == 0.0

@@ -19,10 +19,16 @@ the descriptor path under the CPU interpreter and the benchmark compares the two
   on Blackwell (``WARP_SPEC_FAMILIES``) at ``WARP_SPEC_HEAD_DIMS``, for calls with tensor
   descriptors, fp16/bf16 and plain scores (no left window, softcap, ALiBi, dropout, sinks or
   packed GQA: ``warp_specialization``), where the installed Triton's ``tl.range`` takes
-  ``warp_specialize`` (found in its signature, not from the version number). Off unless asked for:
+  ``warp_specialize`` (found in its signature, not from the version number) and its release is one
+  whose compile of that forward the compile check passed (``WARP_SPEC_TRITON``, by family and
+  head dim: Triton 3.6 fails at head dims 64 and 128). Off unless asked for:
   ``FLASH_RECIPE_WARP_SPEC=1``, or ``using_warp_specialization(True)`` inside a block. It has not
   run on a GPU (docs/performance.md, "Warp specialisation"); ``flash-recipe bench`` compares it
-  (``flash_recipe_ws``). Asked for under a Triton without it, a launch raises NotImplementedError.
+  (``flash_recipe_ws``). Asked for under a Triton without the keyword, a launch raises
+  NotImplementedError. A warp-specialised launch that fails where the plain forward does not (a
+  compile failure of any kind) falls back to the plain forward for that target and head dim for the
+  rest of the process, with one ``WarpSpecializationWarning`` (``choose.tuned_fallback``,
+  ``reject_warp_specialization``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Optional
 
@@ -146,6 +153,21 @@ def descriptors(k, v, block_rows: int) -> tuple:
 # without masking every block (docs/performance.md, "Warp specialisation").
 WARP_SPEC_FAMILIES = ("sm100",)
 WARP_SPEC_HEAD_DIMS = (16, 32, 64, 128)
+# The Triton releases whose compile of the warp-specialised forward at (family, head-dim bucket)
+# passes the compile check (``--call fwd_ws``: sm100, bf16, aligned, causal and not; run under
+# 3.6.0, 3.7.1, 3.8.0 and 3.9.0); a release newer than the newest listed is taken to compile it
+# too (where it does not, the launch falls back: ``choose.tuned_fallback``). 3.6 (torch 2.10 and
+# 2.11's pin) fails at head dims 64 and 128 (``nvvm.setmaxregister``: a partition's register count
+# outside 24-256, then ``PassManager::run failed``); 3.7 spills 8-40 B per thread at 16 to 64 and
+# fails the same way at 128. Under any other release the forward runs unspecialised
+# (``warp_specialization_triton_problem``).
+_WARP_SPEC_CLEAN = ((3, 8), (3, 9))
+WARP_SPEC_TRITON = {
+    ("sm100", 16): ((3, 6), *_WARP_SPEC_CLEAN),
+    ("sm100", 32): ((3, 6), *_WARP_SPEC_CLEAN),
+    ("sm100", 64): _WARP_SPEC_CLEAN,
+    ("sm100", 128): _WARP_SPEC_CLEAN,
+}
 # Pipeline stages of the specialised loops: with the table's 3 (sm100, 128x128 tiles at head dim
 # 128) their buffers take 262716 B of shared memory, over the 232448 B an sm100 block has.
 WARP_SPEC_STAGES = 2
@@ -211,10 +233,13 @@ def warp_specialization_requested() -> Optional[bool]:
 def warp_specialization(target: str, head_dim: int, plain: bool) -> bool:
     """Whether a forward launch for ``target`` at ``head_dim`` warp-specialises its key loops:
     asked for (``warp_specialization_requested``), a call that allows it (``plain``: tensor
-    descriptors, fp16/bf16, no left window, softcap, ALiBi, dropout, sinks or packed GQA), and a
+    descriptors, fp16/bf16, no left window, softcap, ALiBi, dropout, sinks or packed GQA), a
     target and head dim where it compiles cleanly (``WARP_SPEC_FAMILIES``, ``WARP_SPEC_HEAD_DIMS``;
-    the interpreter runs it too, for the tests). Raises NotImplementedError where such a launch
-    asks for it and the installed Triton lacks it."""
+    the interpreter runs it too, for the tests), a Triton release that compiles it there
+    (``warp_specialization_triton_problem``) and no failed launch of it there in this process
+    (``reject_warp_specialization``). Raises NotImplementedError where such a launch asks for it
+    and the installed Triton's ``tl.range`` lacks ``warp_specialize``. A True answer is recorded
+    for ``choose.tuned_fallback`` (``recording_warp_specialization``)."""
     asked = warp_specialization_requested()
     if not asked or not plain or configs.head_dim_bucket(head_dim) not in WARP_SPEC_HEAD_DIMS:
         return False
@@ -222,6 +247,12 @@ def warp_specialization(target: str, head_dim: int, plain: bool) -> bool:
         return False
     if not warp_specialization_available():
         raise _no_warp_specialization(f"{WARP_SPEC_ENV}=1")
+    key = (target, configs.head_dim_bucket(head_dim))
+    if key in _WARP_SPEC_FAILED or warp_specialization_triton_problem(target, head_dim):
+        return False
+    taken = _WARP_SPEC_TAKEN.get()
+    if taken is not None:
+        taken.append(key)
     return True
 
 
@@ -229,3 +260,92 @@ def takes_warp_specialization(target: str) -> bool:
     """Whether ``target``'s family is one the warp-specialised forward compiles cleanly for
     (``WARP_SPEC_FAMILIES``); the interpreter runs it too, for the tests."""
     return target == "interpreter" or configs.arch_family(target) in WARP_SPEC_FAMILIES
+
+
+def took_warp_specialization(plan, target: str) -> None:
+    """Record that a reused launch plan (``launch.Plan``, or None) on ``target`` warp-specialises
+    (its ``WARP_SPEC`` argument), as ``warp_specialization`` records a new one: its launch may
+    compile again (a specialisation its plan key does not hold) and fail (``choose.tuned_fallback``)."""
+    taken = _WARP_SPEC_TAKEN.get()
+    if taken is not None and plan is not None and plan.scalars.get("WARP_SPEC"):
+        taken.append((target, plan.scalars["BLOCK_D"]))
+
+
+def warp_specialization_triton_problem(target: str, head_dim: int) -> Optional[str]:
+    """Why the installed Triton does not compile the warp-specialised forward for ``target``
+    (``"sm100"``) at ``head_dim``'s bucket cleanly, or None where it does: ``tl.range`` without
+    ``warp_specialize``, or a release neither in ``WARP_SPEC_TRITON``'s list for the pair nor newer
+    than all of it (or a pair outside it). None for the interpreter, which runs every release's
+    warp-specialised loop. Reads the release from metadata (no compile)."""
+    if target == "interpreter":
+        return None
+    release = targets.triton_release()
+    if not warp_specialization_available():
+        return f"Triton {release[0]}.{release[1]}'s tl.range takes no warp_specialize"
+    family, bucket = configs.arch_family(target), configs.head_dim_bucket(head_dim)
+    releases = WARP_SPEC_TRITON.get((family, bucket))
+    if not releases:
+        return f"no Triton release compiles it cleanly for {family} at head dim {bucket} (WARP_SPEC_TRITON)"
+    if release in releases or release > max(releases):
+        return None
+    clean = ", ".join(f"{major}.{minor}" for major, minor in releases)
+    return (f"Triton {release[0]}.{release[1]} is not one of the releases that compile it cleanly for {family} "
+            f"at head dim {bucket}: {clean} and newer (WARP_SPEC_TRITON)")
+
+
+class WarpSpecializationWarning(RuntimeWarning):
+    """A warp-specialised forward failed where the plain one runs; the plain forward serves its
+    target and head dim from then on in this process (``reject_warp_specialization``)."""
+
+
+# (target, head-dim bucket) -> the failure of a warp-specialised launch there, in this process.
+_WARP_SPEC_FAILED: dict[tuple[str, int], str] = {}
+# The (target, head-dim bucket) pairs ``warp_specialization`` answered True for in the running
+# ``choose.tuned_fallback`` call (None outside one).
+_WARP_SPEC_TAKEN: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar(
+    "flash_recipe_warp_spec_taken", default=None)
+
+
+@contextlib.contextmanager
+def recording_warp_specialization() -> Iterator[list]:
+    """Inside the block, the ``(target, head-dim bucket)`` of each launch plan ``warp_specialization``
+    lets warp-specialise is appended to the list it yields (``choose.tuned_fallback``)."""
+    taken: list = []
+    token = _WARP_SPEC_TAKEN.set(taken)
+    try:
+        yield taken
+    finally:
+        _WARP_SPEC_TAKEN.reset(token)
+
+
+# Counts the changes to ``_WARP_SPEC_FAILED``: launch plans are keyed by it (``choose.plan_state``).
+WARP_SPEC_GENERATION = [0]
+
+
+def reject_warp_specialization(taken, exc: BaseException) -> None:
+    """Serve ``taken``'s ``(target, head-dim bucket)`` pairs with the plain forward for the rest of
+    the process: their warp-specialised launch failed with ``exc`` where the plain one ran. Warns
+    once per pair (``WarpSpecializationWarning``, naming ``FLASH_RECIPE_WARP_SPEC`` and ``exc``)."""
+    first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+    failure = f"{type(exc).__name__}: {first_line}"
+    release = ".".join(map(str, targets.triton_release()))
+    for target, bucket in dict.fromkeys(taken):
+        if (target, bucket) in _WARP_SPEC_FAILED:
+            continue
+        _WARP_SPEC_FAILED[target, bucket] = failure
+        WARP_SPEC_GENERATION[0] += 1
+        warnings.warn(
+            f"flash_recipe: the warp-specialised forward ({WARP_SPEC_ENV}=1 or using_warp_specialization(True)) "
+            f"failed for {target} at head dim {bucket} under Triton {release} ({failure}); the plain forward "
+            f"serves it from now on in this process. Unset {WARP_SPEC_ENV}, or install a Triton release that "
+            "compiles it (docs/performance.md, \"Warp specialisation\").",
+            WarpSpecializationWarning,
+            stacklevel=3,
+        )
+
+
+def forget_warp_specialization_failures() -> None:
+    """Forget the pairs ``reject_warp_specialization`` took warp specialisation from (tests, the
+    compile check): the next launch there tries it again."""
+    _WARP_SPEC_FAILED.clear()
+    WARP_SPEC_GENERATION[0] += 1

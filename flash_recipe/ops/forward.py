@@ -210,16 +210,19 @@ def attn_fwd_kernel(
     stride_lb, stride_lh, stride_ls, stride_sb, stride_tb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, qk_scale, diag_offset,
     window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits, head_section,
+    fold_batch,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     FOLD: tl.constexpr, HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr, WARP_SPEC: tl.constexpr,
+    GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
     ``(cdiv(max Sq * group_size, BLOCK_M) * num_splits, Hk, B)``. Programs take their query block,
     share and head in ``schedule.launch_order``'s order: heaviest blocks first, ``head_section``
-    heads at a time.
+    heads at a time. ``GRID_FOLD`` and ``fold_batch``: the grid as folded for CUDA's limits
+    (``launch.fold_grid``).
 
     ``PACK_GQA`` (GQA with a short query: decoding): one program serves all ``group_size`` query
     heads of kv head ``i_hk``, so each key and value block is loaded once for the whole group. Row
@@ -266,7 +269,10 @@ def attn_fwd_kernel(
     tl.static_assert(KV_RANGES or not PAGED, "PAGED addresses key ranges through the page table: it needs KV_RANGES")
     tl.static_assert(not TMA or not (IS_VARLEN or KV_RANGES), "TMA tiles address dense tensors only")
     tl.static_assert(not (PACK_GQA and DROPOUT), "PACK_GQA serves the forward-only short queries: no dropout")
-    i_m, i_s, i_h, i_b = launch_order(num_splits, head_section, SECTIONS)  # i_h: with PACK_GQA the kv head
+    i_m, i_s, i_h, i_b = launch_order(num_splits, head_section, SECTIONS, GRID_FOLD)  # i_h: with PACK_GQA the kv head
+    if GRID_FOLD > 1:  # a folded grid's padding (``tiles.grid_id``)
+        if i_b >= fold_batch:
+            return
     bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
     if PACK_GQA:
         n_rows = seqlen_q * group_size
@@ -325,8 +331,8 @@ def attn_fwd_kernel(
     else:
         k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
         v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
-    if PACK_GQA:  # row offsets from the group's first head at position 0
-        o_qrow = o_m * stride_qm + o_g * stride_qh
+    if PACK_GQA:  # row offsets from the group's first head at position 0, 64-bit (``tiles``' rule)
+        o_qrow = o_m.to(tl.int64) * stride_qm + o_g.to(tl.int64) * stride_qh  # [BLOCK_M]
         b_q = load_rows(q_base, o_qrow, m_rows, head_dim, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
     else:
         b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)
@@ -403,8 +409,9 @@ def attn_fwd_kernel(
     o_base = O + i_s.to(tl.int64) * stride_os + i_b * stride_ob + bos_q * stride_om + i_h.to(tl.int64) * stride_oh
     p_lse = LSE + i_s.to(tl.int64) * stride_ls + i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q + o_m
     if PACK_GQA:
-        store_rows(o_base, o_m * stride_om + o_g * stride_oh, m_rows, head_dim, o_d, b_out, not EVEN_M, MASK_D)
-        p_lse += o_g * stride_lh
+        o_orow = o_m.to(tl.int64) * stride_om + o_g.to(tl.int64) * stride_oh  # [BLOCK_M], like o_qrow
+        store_rows(o_base, o_orow, m_rows, head_dim, o_d, b_out, not EVEN_M, MASK_D)
+        p_lse += o_g.to(tl.int64) * stride_lh
     else:
         store_tile(o_base, q_start, stride_om, seqlen_q, head_dim, o_r, o_d, b_out, not EVEN_M, MASK_D)
         m_rows = o_m < seqlen_q
@@ -451,6 +458,7 @@ def attention_forward(
         found = _PLANS.keep(key, plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa))
     else:
         choose.took_tuned(found.tuned)
+        features.took_warp_specialization(found.main, targets.target_of(q.device))
     return run_forward(found, q, k, v, options, varlen, keys)
 
 

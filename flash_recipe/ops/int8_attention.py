@@ -29,9 +29,12 @@ import triton.language as tl
 
 from .. import reference_int8
 from . import configs, targets, tiles
+from .launch import launch_once
 from .quantize import block_d_of, quantize_blocks
 from .tiles import (
     LN2,
+    grid_id,
+    grid_programs,
     key_blocks,
     load_tile,
     loop_bound,
@@ -91,12 +94,13 @@ def attn_int8_kernel(
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim,
+    group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, fold_batch,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, V_SCALED: tl.constexpr, PV_FP8: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GRID_FOLD: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``; causal launches take the last (heaviest) query
-    blocks first.
+    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)`` (folded: ``tiles.grid_id``); causal launches take the
+    last (heaviest) query blocks first.
 
     ``Q``/``K`` int8 and ``V`` (fp16 or float8_e4m3fn) with ``BLOCK_D`` columns (the head dim
     padded with zeros: the loop loads whole rows), dense or, with ``IS_VARLEN``, packed with
@@ -109,11 +113,14 @@ def attn_int8_kernel(
     scores (the launcher adds the smoothing back).
     """
     if IS_CAUSAL:
-        i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        i_m = grid_programs(0, GRID_FOLD) - 1 - grid_id(0, GRID_FOLD)
     else:
-        i_m = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+        i_m = grid_id(0, GRID_FOLD)
+    i_h = grid_id(1, GRID_FOLD)
+    i_b = grid_id(2, GRID_FOLD)
+    if GRID_FOLD > 1:  # a folded grid's padding
+        if i_b >= fold_batch:
+            return
     bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k,
                                                                seqlen_k - seqlen_q, IS_VARLEN)
     q_start = i_m * BLOCK_M
@@ -270,7 +277,7 @@ def attention_quantized(
     if head_dim != block_d:  # V padded with zero columns like q8 and k8 (a copy, for odd head dims only)
         v = torch.zeros(x.v.shape[:-1] + (block_d,), dtype=x.v.dtype, device=x.v.device)
         v[..., :head_dim] = x.v
-    attn_int8_kernel[grid](
+    launch_once(attn_int8_kernel, grid, dict(
         Q=q8, K=k8, V=v, O=out, LSE=lse, Q_SCALE=x.q_scale, K_SCALE=x.k_scale, V_SCALE=vs,
         CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k,
         **strides(q8, "q", "m"), **strides(k8, "k", "n"), **strides(v, "v", "n"), **strides(out, "o", "m"),
@@ -282,7 +289,7 @@ def attention_quantized(
         total_q=q8.shape[0] if packed else 0, total_k=k8.shape[0] if packed else 0, head_dim=head_dim,
         IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ), q8.device)
     return out.to(out_dtype), lse
 
 

@@ -35,7 +35,7 @@ from .packing import PACK_MAX_ROWS, gqa_packing
 
 # Helpers the kernels call by name: torch.compile regenerates a kernel with the jit functions it
 # names, not the modules they are reached through.
-from .tiles import load_tile, store_tile
+from .tiles import grid_id, load_tile, store_tile
 
 
 @triton.heuristics(
@@ -50,24 +50,28 @@ from .tiles import load_tile, store_tile
 def rotary_append_kernel(
     X, OUT, COS, SIN, POS, PAGE_TABLE,
     stride_xb, stride_xm, stride_xh, stride_ob, stride_om, stride_oh, stride_cos, stride_sin, stride_tb,
-    seqlen, head_dim, rotary_dim, seqlen_rotary, pos_step, page_size, num_pages, table_width,
+    seqlen, head_dim, rotary_dim, seqlen_rotary, pos_step, page_size, num_pages, table_width, fold_batch,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, TO_CACHE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
     """Copy ``X (B, seqlen, Hx, D)`` into ``OUT``, optionally rotating the first ``rotary_dim`` dims.
 
-    Grid ``(cdiv(seqlen, BLOCK_M), Hx, B)``. Row ``i`` of batch ``b`` sits at rotary position
-    ``POS[b] + i * pos_step``; it is rotated by ``COS/SIN[position]`` (``(S_rotary, rotary_dim / 2)``),
-    pairing dims ``(2j, 2j + 1)`` when ``INTERLEAVED`` and ``(j, j + rotary_dim / 2)`` otherwise
-    (GPT-NeoX). A position outside ``[0, seqlen_rotary)`` yields NaN rather than a wild read.
+    Grid ``(cdiv(seqlen, BLOCK_M), Hx, B)`` (folded: ``tiles.grid_id``). Row ``i`` of batch ``b``
+    sits at rotary position ``POS[b] + i * pos_step``; it is rotated by ``COS/SIN[position]``
+    (``(S_rotary, rotary_dim / 2)``), pairing dims ``(2j, 2j + 1)`` when ``INTERLEAVED`` and
+    ``(j, j + rotary_dim / 2)`` otherwise (GPT-NeoX). A position outside ``[0, seqlen_rotary)``
+    yields NaN rather than a wild read.
 
     ``TO_CACHE``: ``OUT`` is a paged cache and row ``i`` goes to row ``POS[b] + i`` through
     ``PAGE_TABLE``; rows whose page is missing (past the table or outside ``[0, num_pages)``) are
     not written. Otherwise ``OUT`` is shaped like ``X`` and row ``i`` goes to row ``i``.
     """
-    i_m = tl.program_id(0)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_b = tl.program_id(2).to(tl.int64)
+    i_m = grid_id(0, GRID_FOLD)
+    i_h = grid_id(1, GRID_FOLD).to(tl.int64)
+    i_b = grid_id(2, GRID_FOLD).to(tl.int64)
+    if GRID_FOLD > 1:  # a folded grid's padding
+        if i_b >= fold_batch:
+            return
     o_r = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     rows = i_m * BLOCK_M + o_r  # [BLOCK_M]

@@ -9,6 +9,18 @@ parameter names, so a parameter is named once, in the kernel signature and at it
 A launcher builds a ``Plan`` on the first call of a signature (``flash_recipe.signatures``): the
 grid, every argument that is not a tensor, and the compile-time flags the kernel's
 ``triton.heuristics`` derive, evaluated once. A repeated call passes only its tensors to ``launch``.
+Every kernel launch of the package goes through ``plan`` and ``launch`` (or ``launch_once``, the
+two in one; a test holds the package to that), so every launch runs on its tensors' device and
+within CUDA's grid limits.
+
+Grids: every launcher passes ``(n0, heads, batch)``, the batch on axis 2 (for the dropout mask:
+batch * heads). CUDA allows at most ``AXIS0_LIMIT`` programs on axis 0 and ``AXIS_LIMIT`` on axes 1
+and 2; window attention that folds its windows into the batch passes 65535 easily. ``plan`` then
+folds the batch into axis 0 (``fold_grid``): ``(n0 * F, heads, cdiv(batch, F))`` for the least power
+of two ``F`` that fits, and passes the kernel ``GRID_FOLD = F`` (a compile-time flag; 1 unfolded,
+so unfolded launches compile as they did) and ``fold_batch = batch`` (1 unfolded). The kernels read
+their ids through ``tiles.grid_id``, which undoes the fold; the fold's padding (the fewer than
+``F`` batch entries from ``fold_batch`` on) exits at once.
 """
 
 from __future__ import annotations
@@ -125,7 +137,7 @@ class Plan(NamedTuple):
     """A kernel launch with everything but its tensors decided (see ``plan``)."""
 
     kernel: Any  # the JIT function under the heuristics (``run`` is looked up at each launch)
-    grid: tuple
+    grid: tuple  # within CUDA's limits (``fold_grid``)
     scalars: dict  # every argument that is not a tensor: sizes, strides, flags, absent tensors (None)
     tensors: tuple  # the names of the arguments a launch passes as tensors (``launch``'s ``tensors``)
     device: Optional[int]  # the CUDA device to launch on; None for CPU tensors (the interpreter)
@@ -136,22 +148,73 @@ def _per_call(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or hasattr(value, "base") and isinstance(value.base, torch.Tensor)
 
 
-def plan(kernel, grid: tuple, args: dict, device: torch.device) -> Plan:
-    """The launch of ``kernel`` (a ``triton.jit`` function, possibly under ``triton.heuristics``) on
-    ``grid`` with keyword ``args``, as a ``Plan``.
+# CUDA's grid limits: programs on axis 0, and on axes 1 and 2.
+AXIS0_LIMIT = 2**31 - 1
+AXIS_LIMIT = 65535
 
-    The heuristics are evaluated here, in order, as Triton evaluates them at each launch: their
-    values depend only on what a signature fixes (shapes, strides, dtypes, which tensors are
-    present, option values), so one evaluation serves every call of the signature.
+
+def fold_grid(grid: tuple, kernel: Any = None) -> tuple[tuple, int]:
+    """``grid`` ``(n0, heads, batch)`` within CUDA's limits and its fold ``F``: ``grid`` itself and 1
+    where it fits, else ``(n0 * F, heads, cdiv(batch, F))`` for the least power of two ``F`` that
+    brings the batch's axis within ``AXIS_LIMIT`` (program ``(i0 * F + r, h, j)`` serves batch
+    entry ``j * F + r``; ``tiles.grid_id``). ``kernel`` is named in errors.
+
+    Raises:
+        ValueError: more than ``AXIS_LIMIT`` heads (axis 1 does not fold), or an axis 0 past
+            ``AXIS0_LIMIT`` once folded (``n0 * F`` programs).
     """
-    args = dict(args)
+    n0, heads, batch = grid
+    fold = 1
+    while -(-batch // fold) > AXIS_LIMIT:
+        fold *= 2
+    if heads <= AXIS_LIMIT and n0 * fold <= AXIS0_LIMIT:
+        return (grid, 1) if fold == 1 else ((n0 * fold, heads, -(-batch // fold)), fold)
+    name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+    if heads > AXIS_LIMIT:
+        raise ValueError(f"{name}: nheads must be at most {AXIS_LIMIT} (CUDA's limit on grid axis 1, where the heads "
+                         f"run), got {heads}; fix: split the heads over several calls")
+    raise ValueError(f"{name}: grid axis 0 would need {n0} * {fold} programs, CUDA allows at most {AXIS0_LIMIT}; "
+                     f"fix: split the batch ({batch} entries) or the sequences over several calls")
+
+
+def _decide(kernel, grid: tuple, args: dict, device: torch.device) -> Plan:
+    """``plan``'s decisions, every argument still in ``scalars``: the JIT function, the grid within
+    CUDA's limits, ``args`` with the fold's ``GRID_FOLD`` and ``fold_batch`` and the heuristics'
+    flags, and the device."""
+    n0, heads, batch = grid
+    if n0 <= AXIS0_LIMIT and heads <= AXIS_LIMIT and batch <= AXIS_LIMIT:
+        grid, fold = tuple(grid), 1
+    else:
+        grid, fold = fold_grid(tuple(grid), kernel)
+    args = dict(args, GRID_FOLD=fold, fold_batch=batch if fold > 1 else 1)  # an integer 1 compiles as a constant
     while hasattr(kernel, "values") and hasattr(kernel, "arg_names"):  # triton.heuristics
         for name, heuristic in kernel.values.items():
             args[name] = heuristic(args)
         kernel = kernel.fn
-    tensors = tuple(name for name, value in args.items() if _per_call(value))
-    scalars = {name: value for name, value in args.items() if name not in tensors}
-    return Plan(kernel, tuple(grid), scalars, tensors, device.index if device.type == "cuda" else None)
+    return Plan(kernel, grid, args, (), device.index if device.type == "cuda" else None)
+
+
+def plan(kernel, grid: tuple, args: dict, device: torch.device) -> Plan:
+    """The launch of ``kernel`` (a ``triton.jit`` function, possibly under ``triton.heuristics``) on
+    ``grid`` ``(n0, heads, batch)`` with keyword ``args``, as a ``Plan``.
+
+    The grid is folded where CUDA's limits need it (``fold_grid``), and ``args`` gain the kernel's
+    ``GRID_FOLD`` and ``fold_batch`` (every planned kernel takes both: see the module docstring).
+    The heuristics are evaluated here, in order, as Triton evaluates them at each launch: their
+    values depend only on what a signature fixes (shapes, strides, dtypes, which tensors are
+    present, option values), so one evaluation serves every call of the signature.
+    """
+    decided = _decide(kernel, grid, args, device)
+    tensors = tuple(name for name, value in decided.scalars.items() if _per_call(value))
+    scalars = {name: value for name, value in decided.scalars.items() if name not in tensors}
+    return decided._replace(scalars=scalars, tensors=tensors)
+
+
+def launch_once(kernel, grid: tuple, args: dict, device: torch.device) -> None:
+    """``plan`` and ``launch`` in one, for a launcher that keeps no plan (the 8-bit path's quantizer
+    and kernel, the dropout mask): the same decisions and the same launch, without sorting the
+    tensors out of ``args`` (the plan, used once, holds them all in ``scalars``)."""
+    launch(_decide(kernel, grid, args, device), {})
 
 
 def launch(plan: Plan, tensors: dict) -> None:

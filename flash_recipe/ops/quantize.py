@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import sequence
+from .launch import launch_once
+from .tiles import grid_id, sequence
 
 
 @triton.heuristics(
@@ -37,17 +38,20 @@ from .tiles import sequence
 def quantize_kernel(
     X, X8, SCALE, MEAN, CU,
     stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh, stride_cb, stride_ch, stride_mb, stride_mh,
-    seqlen, total, head_dim, multiplier,
+    seqlen, total, head_dim, multiplier, fold_batch,
     IS_VARLEN: tl.constexpr, SMOOTH: tl.constexpr, EVEN: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
-    """Grid ``(cdiv(max S, BLOCK), H, B)``. ``X``/``X8`` dense ``(B, S, H, D)`` or, with
+    """Grid ``(cdiv(max S, BLOCK), H, B)`` (folded: ``tiles.grid_id``). ``X``/``X8`` dense ``(B, S, H, D)`` or, with
     ``IS_VARLEN``, packed with sequence ``b`` in rows ``CU[b]:CU[b+1]`` (batch strides 0);
     ``SCALE[b * stride_cb + h * stride_ch + block]``; ``MEAN[b * stride_mb + h * stride_mh + d]``
     (fp32) or None."""
-    i_blk = tl.program_id(0)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_b = tl.program_id(2).to(tl.int64)
+    i_blk = grid_id(0, GRID_FOLD)
+    i_h = grid_id(1, GRID_FOLD).to(tl.int64)
+    i_b = grid_id(2, GRID_FOLD).to(tl.int64)
+    if GRID_FOLD > 1:  # a folded grid's padding
+        if i_b >= fold_batch:
+            return
     bos, seqlen = sequence(CU, i_b, seqlen, total, IS_VARLEN)
     row0 = i_blk * BLOCK
     if IS_VARLEN:
@@ -66,8 +70,10 @@ def quantize_kernel(
         b_x = tl.where(m_x, b_x - b_mean[None, :], 0.0)
     b_x = b_x * multiplier
     absmax = tl.max(tl.max(tl.abs(b_x), 1), 0)
-    scale = tl.where(absmax > 0.0, absmax / 127.0, 1.0)
-    b_y = b_x / scale
+    # Both divisions round to nearest (``div_rn``), as torch's fp32 division does: a plain ``/``
+    # compiles to a faster division that is not correctly rounded (``div.full.f32`` on NVIDIA).
+    scale = tl.where(absmax > 0.0, tl.math.div_rn(absmax, 127.0), 1.0)
+    b_y = tl.math.div_rn(b_x, scale)
     b_y = b_y + tl.where(b_y >= 0.0, 0.5, -0.5)
     b_q = b_y.to(tl.int8)  # truncation toward zero: with the half added, round half away from zero
     p_y = X8 + i_b * stride_yb + i_h * stride_yh + (bos + o_r.to(tl.int64))[:, None] * stride_ys + o_d[None, :]
@@ -128,5 +134,5 @@ def quantize_blocks(
     if x.numel() == 0 or length == 0:
         return x8, scales
     grid, args = quantize_args(x, x8, scales, block, multiplier, mean, cu_seqlens, length)
-    quantize_kernel[grid](**args)
+    launch_once(quantize_kernel, grid, dict(**args), x.device)  # keywords: quantize_args' dict(...)
     return x8, scales

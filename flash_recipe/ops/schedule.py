@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import grid_id, grid_programs
+
 # The share of the L2 cache a section's keys and values may take; the rest holds the programs'
 # queries, outputs and whatever else the GPU is doing.
 L2_SHARE = 0.5
@@ -102,13 +104,22 @@ def launch_sequence(query_blocks: int, heads: int, section: int) -> list[tuple[i
 
 
 @triton.jit
-def launch_order(group, section, SECTIONS: tl.constexpr):
+def launch_order(group, section, SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr):
     """This program's ``(query block, share, head, batch entry)`` on a grid ``(n * group, heads, batch)``
     whose axis 0 holds ``group`` consecutive programs per query block (split-KV: the shares), in the
     order the module docstring gives: ``section`` heads at a time (a runtime value, 1 or more).
     ``SECTIONS`` is ``section > 1``, a compile-time flag: launches of one head at a time (decoding,
     no causal mask) compile without the sections' arithmetic, whose registers spilled the decode
-    kernel on sm90 under Triton 3.2."""
+    kernel on sm90 under Triton 3.2. A grid folded for CUDA's limits (``GRID_FOLD > 1``, ids from
+    ``tiles.grid_id``; the caller skips the fold's padding) takes each head's blocks in turn, last
+    first: its launch position is no longer the one the sections count."""
+    if GRID_FOLD > 1:  # (unfolded, the plain ids: the helpers' calls cost the decode kernel's sm90 code 3 registers)
+        n_m = grid_programs(0, GRID_FOLD) // group
+        i_s = grid_id(0, GRID_FOLD) % group
+        i_m = n_m - 1 - grid_id(0, GRID_FOLD) // group
+        i_h = grid_id(1, GRID_FOLD)
+        i_b = grid_id(2, GRID_FOLD)
+        return i_m, i_s, i_h, i_b
     n_m = tl.num_programs(0) // group
     i_s = tl.program_id(0) % group
     if SECTIONS:

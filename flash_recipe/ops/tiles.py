@@ -6,8 +6,20 @@ Conventions used by every kernel in ``flash_recipe.ops``:
   dim; a kernel receives the batch, sequence and head strides;
 - a tile is ``[BLOCK_ROWS, BLOCK_D]`` rows of one head; ``BLOCK_D`` is the head dim rounded up to a
   power of two and the padded columns are masked (loaded as 0, never stored);
-- the first row of a tile is addressed with a 64-bit scalar offset, so tensors of more than 2**31
-  elements address correctly while the per-element offsets inside a tile stay 32-bit.
+- offsets (the one rule for tensors of more than 2**31 elements): every index that is multiplied
+  by a stride outside a tile is promoted to int64 before the multiply: the batch, head, split and
+  page indices, a sequence's first row (``sequence`` returns it as int64), a tile's first row
+  (``load_tile``: ``row0.to(tl.int64) * stride_row``), and a row gathered from anywhere in the
+  tensor (a packed GQA tile's ``[BLOCK_ROWS]`` row offsets, a paged key's page and row). What
+  stays 32-bit is the per-element offset inside one tile, ``o_r * stride_row + o_d`` with
+  ``o_r < BLOCK_ROWS`` (at most 256) and ``o_d < BLOCK_D``: it spans one tile, so it stays below
+  2**31 while ``BLOCK_ROWS * stride_row`` does (a row stride below 2**23 elements at 256-row tiles,
+  2**24 at 128: a row of 2**23 elements means ``H * D`` of 8M). A stride of 2**31 or more arrives
+  as an int64 argument (Triton types an integer argument by its value), so its products are
+  64-bit anyway. Row, key and block indices that are not multiplied by a stride (an lse entry
+  ``first row + i``, a block scale's index) are below 2**31 as the sequence lengths are. Keeping
+  the per-element part 32-bit keeps the compiled tiles' registers and instructions: a scalar
+  promoted once per tile costs nothing per element.
 """
 
 from __future__ import annotations
@@ -354,6 +366,39 @@ def rows_see_one_key_at_most(seqlen_q: int, seqlen_k: int, diag_offset: int, win
         if last - first >= 1:
             return False
     return True
+
+
+@triton.jit
+def grid_id(axis: tl.constexpr, GRID_FOLD: tl.constexpr):
+    """This program's id on ``axis`` of the grid ``(n0, heads, batch)`` its launcher planned: every
+    kernel reads its ids here, in place of ``tl.program_id`` (``flash_recipe.ops.launch``).
+
+    ``GRID_FOLD`` is the launch's fold (``launch.fold_grid``): 1 for the planned grid as launched
+    (the id is the program id, and compiles as ``tl.program_id`` alone); ``F > 1`` (a power of two)
+    for a batch past CUDA's axis-2 limit folded into axis 0, launched as
+    ``(n0 * F, heads, cdiv(batch, F))``, where program ``(i0 * F + r, h, j)`` serves axis-0 id
+    ``i0`` of batch entry ``j * F + r``. A batch entry from ``fold_batch`` on is the fold's
+    padding, for the kernel to skip.
+    """
+    i = tl.program_id(axis)
+    if GRID_FOLD > 1:
+        if axis == 0:
+            i = i // GRID_FOLD
+        if axis == 2:
+            i = i * GRID_FOLD + tl.program_id(0) % GRID_FOLD
+    return i
+
+
+@triton.jit
+def grid_programs(axis: tl.constexpr, GRID_FOLD: tl.constexpr):
+    """``tl.num_programs(axis)`` of the planned grid (``grid_id``), for axes 0 and 1: a folded
+    grid's batch is its launch's ``fold_batch``."""
+    tl.static_assert(axis != 2 or GRID_FOLD == 1, "a folded grid's batch is fold_batch, not its axis 2")
+    n = tl.num_programs(axis)
+    if GRID_FOLD > 1:
+        if axis == 0:
+            n = n // GRID_FOLD
+    return n
 
 
 @triton.jit

@@ -8,6 +8,7 @@ views of one packed tensor with odd strides."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -110,7 +111,12 @@ def run_call(case: Case) -> dict[str, str]:
         )
         forward.attention_forward(q, k, v, var)
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
-        backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
+        dout = torch.randn_like(q)
+        backward_launch.attention_backward(dout, q, k, v, out, lse, var)
+        # and where the target's path is the one pass, the deterministic three kernels, whose dQ
+        # kernel stores the sinks' row sums (the one pass adds them with atomics)
+        if choose.backward_path(q.device, q.shape[-1], q.element_size()) == "one_pass":
+            backward_launch.attention_backward(dout, q, k, v, out, lse, var, deterministic=True)
         return {"attn_fwd_kernel": "fwd", **BACKWARD_LABELS}
     if case.call == "fwd_ws":  # the plain forward with warp specialisation asked for, causal and not
         from ..ops import features  # imports Triton: importing compile_calls loads none
@@ -120,7 +126,10 @@ def run_call(case: Case) -> dict[str, str]:
         causal = _variant(case, nheads, seqlen_k - seqlen_q, scale)._replace(
             softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, sinks=None, window_left=-1
         )
-        with features.using_warp_specialization(True):
+        # Asked for where tl.range takes warp_specialize; under an older Triton no launch can ask
+        # (where it would be taken, ``compile_check.warp_spec_not_enabled`` compiles nothing).
+        asking = features.warp_specialization_available()
+        with features.using_warp_specialization(True) if asking else contextlib.nullcontext():
             for var in (causal, causal._replace(window_right=-1)):
                 forward.attention_forward(q, k, v, var)
         return {"attn_fwd_kernel": "fwd"}
@@ -149,6 +158,17 @@ def run_call(case: Case) -> dict[str, str]:
             for path in ("one_pass", "three_kernels") if one_pass else ("three_kernels",):
                 with choose.taking_path(path):
                     backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
+        return dict(BACKWARD_LABELS)
+    if case.call == "one_pass":  # the "bwd" call's one pass whatever the release rule says, then with sinks
+        seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
+        var = _variant(dataclasses.replace(case, call="bwd"), nheads, seqlen_k - seqlen_q, scale)
+        for heads, sinks in itertools.product(((nheads, nheads_k),) if ragged else ((nheads, nheads_k), (8, 2)),
+                                              (False, True)):
+            q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, *heads)
+            out, lse = torch.randn_like(q), torch.randn(2, heads[0], seqlen_q, dtype=torch.float32)
+            with_sinks = var._replace(sinks=torch.randn(heads[0], dtype=torch.float32) if sinks else None)
+            with choose.taking_path("one_pass"):
+                backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, with_sinks)
         return dict(BACKWARD_LABELS)
     if case.call == "one_key":  # the backward of a window of width one: every row sees one key (exact dS = 0)
         seqlen_q = seqlen_k = 113 if ragged else 1024

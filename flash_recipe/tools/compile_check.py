@@ -28,8 +28,13 @@ for the forward). A kernel fails when its compiled code stores nothing (Triton l
 lower properly to a trap), when it exceeds the shared-memory limit, when any of its fp16/bf16 dots
 is lowered to FMA instead of the matrix units, when, as one of the tiled attention kernels in
 fp16/bf16 in the aligned form at a head dim up to 128 without score options (softcap, ALiBi,
-dropout), it spills more than ``SPILL_BUDGET`` bytes, or when, as the aligned sm90 forward at head
-dim 128, its main loop costs more instructions per key than Triton's tutorial kernel (``PROXY``).
+dropout), it spills more than ``SPILL_BUDGET`` bytes, when, as the warp-specialised forward
+(``fwd_ws``) where the runtime rule enables it, it fails to compile or leaves its loop whole (where
+the rule does not enable it on the installed Triton, one row says "not enabled on this Triton"), or
+when, as the aligned sm90 forward at head dim 128, its main loop costs more instructions per key
+than Triton's tutorial kernel (``PROXY``).
+A kernel of the deterministic backward (``DETERMINISTIC_KERNELS``) also fails where its TTIR holds
+an atomic operation.
 The other spills are reported, not failed: every score option at once (dropout's random numbers
 above all) and a head dim whose mask Triton cannot vectorise cost registers that the tables' tiles
 do not avoid, and fp32 (full-precision dots on the FMA units) is the slow path by design. Run it
@@ -48,10 +53,11 @@ import itertools
 import json
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Optional
 
-from ..ops import configs, limits, targets
+from ..ops import configs, features, limits, targets
 from ..ops.offline import offline_launches
 from . import compiled_code
 from .compile_calls import DECODE_GROUPS, Case, run_call
@@ -65,14 +71,20 @@ HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # (rotary/append, the forward with decode tiles and the group packed into one query tile, split-KV
 # merge); "decode_paged" the same over a paged cache; "paged" the forward over a paged cache with
 # more query rows than a decode step; "sinks" the forward and backward
-# with attention sinks (aligned: the "bwd" call's causal tensors; ragged: every score option);
+# with attention sinks (aligned: the "bwd" call's causal tensors; ragged: every score option; the
+# target's backward path and, where that is the one pass, the deterministic three kernels too);
 # "int8" 8-bit attention (the quantizer, then the kernel with fp16 P.V and, on targets with FP8
 # tensor cores, FP8 P.V: ``ops.int8_attention``), causal; "fwd_ws" the "fwd" call's forward, causal
 # and not, with warp specialisation asked for (``ops.features.warp_specialization``: a kernel of its
-# own, "fwd_ws", where the target and head dim take it, else the plain one); "one_key" the backward
+# own, "fwd_ws", where the target and head dim take it, else the plain one; where the installed
+# Triton does not compile it, a row "not enabled on this Triton": ``warp_spec_not_enabled``); "one_key" the backward
 # of a window of width one, where the dK/dV kernel gives every row its exact softmax (``ONE_KEY``):
-# degenerate calls, reported, not in a preset (sm86's one pass at head dim 64 spills 8 B there).
-CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8", "fwd_ws", "one_key")
+# degenerate calls, reported, not in a preset (sm86's one pass at head dim 64 spills 8 B there);
+# "one_pass" the "bwd" call's one-pass backward whatever the installed Triton's release rule says
+# (``choose.one_pass_fits``), MHA and GQA, each without and with attention sinks ("-sinks" rows):
+# what ``configs.ONE_PASS_TRITON`` is measured from, not in a preset.
+CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8", "fwd_ws", "one_key",
+         "one_pass")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
@@ -90,7 +102,11 @@ SPILL_BUDGET_MAX_HEAD_DIM = 128
 # compiles to the same tiles as bf16; sm89, sm121, gfx90a and gfx950 share their family's tables);
 # and packed sequences and paged caches, every head dim aligned in bf16, one target per family.
 # "compat" (``nox -s torch_compat``, once per torch release): the forward, backward and decode
-# step for sm80 and sm90 at head dim 128 in bf16, both forms.
+# step for sm80 and sm90 at head dim 128 in bf16, both forms, and the warp-specialised forward on
+# sm100 at the head dims it is offered (aligned, bf16), which a Triton that does not compile it
+# reports as not enabled. "triton" (``nox -s compile_check_triton``, a Triton without its torch):
+# the forward, backward and decode step for sm80, sm90 and sm100 at head dim 128 in bf16, aligned,
+# and the same warp-specialised forward.
 _CI_CALLS = ("fwd", "options", "bwd", "decode", "decode_paged")
 _CI_HEAD_DIMS, _SMALL_HEAD_DIMS = (64, 128, 256), (16, 32)
 FAMILY_TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx942")
@@ -114,10 +130,22 @@ PRESETS = {
         # The warp-specialised forward where it is offered (``ops.features.WARP_SPEC_FAMILIES``).
         (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
     ],
-    "compat": [(("fwd", "bwd", "decode", "decode_paged"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90"))],
+    "compat": [
+        (("fwd", "bwd", "decode", "decode_paged"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90")),
+        (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
+    ],
+    "triton": [
+        (("fwd", "bwd", "decode"), ("bfloat16",), (128,), ("aligned",), ("sm80", "sm90", "sm100")),
+        (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
+    ],
 }
 # Kernels launched with a fixed configuration and no dots (no matrix units to check).
 ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine", "quantize")
+# The deterministic backward's kernels (``deterministic=True``: the preprocess, dQ and dK/dV
+# kernels, the last adding no dQ), whose TTIR must hold none of ``ATOMIC_OPS``: gradients, the
+# sinks' included, bit-identical from run to run.
+DETERMINISTIC_KERNELS = ("bwd_preprocess", "bwd_dq", "bwd_dkdv")
+ATOMIC_OPS = ("tt.atomic_rmw", "tt.atomic_cas")
 # The forward's compile-time flags that make a launch take the ``"fwd_general"`` configuration
 # (``forward.attention_forward``: key ranges, score options, masked head-dim columns).
 SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
@@ -177,10 +205,33 @@ def cases(calls=CALLS, dtypes=DTYPES, buckets=HEAD_DIM_BUCKETS, forms=FORMS) -> 
         yield Case(call, dtype, head_dim, form)
 
 
+def warp_spec_not_enabled(case: Case, target: str) -> Optional[str]:
+    """For a ``fwd_ws`` case at a target and head dim the warp-specialised forward is offered
+    (``features.WARP_SPEC_FAMILIES``, ``WARP_SPEC_HEAD_DIMS``): why the runtime rule does not
+    enable it on the installed Triton (``features.warp_specialization_triton_problem``), or None."""
+    if case.call != "fwd_ws" or case.head_dim not in features.WARP_SPEC_HEAD_DIMS:
+        return None
+    if not features.takes_warp_specialization(target):
+        return None  # not offered: the plain forward compiles, as at run time
+    return features.warp_specialization_triton_problem(target, case.head_dim)
+
+
 def check_case(case: Case, target: str) -> list[dict]:
-    """Compile ``case`` for ``target`` through the launch path; one report row per kernel launched."""
+    """Compile ``case`` for ``target`` through the launch path; one report row per kernel launched.
+
+    A ``fwd_ws`` case the runtime rule does not enable on this Triton (``warp_spec_not_enabled``)
+    compiles nothing: one passing row says why. Where the rule enables it, a launch that falls back
+    to the plain forward (``choose.tuned_fallback``) raises its ``WarpSpecializationWarning``: the
+    rule enabled what does not compile, and ``check_job`` reports the case failed."""
+    reason = warp_spec_not_enabled(case, target)
+    if reason:
+        row = {"case": case.id, "kernel": case.call, "target": target, "dtype": case.dtype, "head_dim": case.head_dim}
+        return [{**row, "form": case.form, "call": case.call, "not_enabled": reason, "ok": True, "problems": []}]
     start = time.perf_counter()
-    with offline_launches(target) as compiled:
+    with offline_launches(target) as compiled, warnings.catch_warnings():
+        if case.call == "fwd_ws":
+            features.forget_warp_specialization_failures()  # an earlier case's fall back hides nothing
+            warnings.simplefilter("error", features.WarpSpecializationWarning)
         labels = run_call(case)
     seconds = round(time.perf_counter() - start, 2)
     rows = []
@@ -188,6 +239,8 @@ def check_case(case: Case, target: str) -> list[dict]:
         label = labels[name]
         # The backward kernels' GQA specialisation (group_size above 1) is a row of its own.
         grouped = name in GROUPED_KERNELS and _constants(kernel).get("group_size") != 1
+        # The "one_pass" call's launches with attention sinks pass SINK_DELTA (None, a constant, without).
+        sinks = case.call == "one_pass" and name == "attn_bwd_dkdv_kernel" and "SINK_DELTA" not in _constants(kernel)
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
         if label == "fwd" and _constants(kernel).get("WARP_SPEC"):
@@ -208,7 +261,7 @@ def check_case(case: Case, target: str) -> list[dict]:
         rows.append(
             _verdict(
                 {
-                    "case": case.id + ("-gqa" if grouped else ""),
+                    "case": case.id + ("-gqa" if grouped else "") + ("-sinks" if sinks else ""),
                     "kernel": label,
                     "target": target,
                     "dtype": case.dtype,
@@ -227,10 +280,17 @@ def check_case(case: Case, target: str) -> list[dict]:
                     "seconds": seconds,
                     "call": case.call,
                     "per_key_per_kv_head": per_kv_head,
+                    "atomic_ops": atomic_ops(kernel),
                 }
             )
         )
     return rows
+
+
+def atomic_ops(kernel) -> int:
+    """How many of ``ATOMIC_OPS`` the compiled kernel's TTIR holds."""
+    ttir = kernel.asm["ttir"]
+    return sum(ttir.count(op) for op in ATOMIC_OPS)
 
 
 def _per_element(kernel, loop: Optional[int], warps: int) -> Optional[float]:
@@ -380,6 +440,8 @@ def _verdict(row: dict) -> dict:
         )
     if row["kernel"] in INT8_KERNELS:
         problems += int8_problems(row)
+    if row["kernel"] in DETERMINISTIC_KERNELS and row.get("atomic_ops"):
+        problems.append(f"{row['atomic_ops']} atomic operations in a kernel of the deterministic backward")
     if row["kernel"] == "fwd_ws" and not row.get("warp_partitions"):
         problems.append("warp specialisation asked for, but Triton left the loop whole (no partitions)")
     bound = decode_bound(row)
@@ -410,6 +472,9 @@ def check_job(job: tuple[Case, str]) -> list[dict]:
 
 
 def _line(row: dict) -> str:
+    if row.get("not_enabled"):
+        reason = f"not enabled on this Triton: {row['not_enabled']}"
+        return f"--  {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {reason}"
     if "shared_bytes" not in row:
         return f"BAD {row['target']:<7} {row['case']:<30} {row['kernel']:<14} {row['problems'][0]}"
     loop = f"{row['loop_per_row']:>5.2f}/row" if row.get("loop_per_row") else " " * 9
@@ -484,9 +549,12 @@ def main(argv: Optional[list] = None) -> int:
         rows.append(row)
         print(json.dumps(row) if args.json else _line(row), flush=True)
     failures = sum(not row["ok"] for row in rows)
+    skipped = sum(bool(row.get("not_enabled")) for row in rows)
     minutes = (time.perf_counter() - started) / 60
     print(
-        f"{len(rows) - failures} of {len(rows)} kernels from {len(jobs)} calls passed ({minutes:.1f} min)",
+        f"{len(rows) - skipped - failures} of {len(rows) - skipped} kernels from {len(jobs)} calls passed"
+        + (f", {skipped} not enabled on this Triton" if skipped else "")
+        + f" ({minutes:.1f} min)",
         file=sys.stderr,
     )
     return 1 if failures else 0
