@@ -145,8 +145,12 @@ def one_pass_fits(device, head_dim: int) -> bool:
     and head dim without spilling: a (family, head-dim bucket) outside ``configs.ONE_PASS_TRITON``
     does under every release, one in it under the releases it lists and any newer than all of them.
     Where not, ``attention_backward`` runs the three kernels. Reads the release from metadata."""
-    family = configs.arch_family(targets.target_of(device))
-    releases = configs.ONE_PASS_TRITON.get((family, head_dim_bucket(head_dim)))
+    return release_takes_one_pass(configs.arch_family(targets.target_of(device)), head_dim_bucket(head_dim))
+
+
+def release_takes_one_pass(family: str, bucket: int) -> bool:
+    """``one_pass_fits`` for a configuration family and head-dim bucket, under the installed Triton."""
+    releases = configs.ONE_PASS_TRITON.get((family, bucket))
     if releases is None:
         return True
     release = targets.triton_release()

@@ -162,8 +162,9 @@ def run_call(case: Case) -> dict[str, str]:
     if case.call == "one_pass":  # the "bwd" call's one pass whatever the release rule says, then with sinks
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         var = _variant(dataclasses.replace(case, call="bwd"), nheads, seqlen_k - seqlen_q, scale)
-        for heads, sinks in itertools.product(((nheads, nheads_k),) if ragged else ((nheads, nheads_k), (8, 2)),
-                                              (False, True)):
+        for heads, sinks in itertools.product(
+            ((nheads, nheads_k),) if ragged else ((nheads, nheads_k), (8, 2)), (False, True)
+        ):
             q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, *heads)
             out, lse = torch.randn_like(q), torch.randn(2, heads[0], seqlen_q, dtype=torch.float32)
             with_sinks = var._replace(sinks=torch.randn(heads[0], dtype=torch.float32) if sinks else None)

@@ -83,8 +83,20 @@ HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # "one_pass" the "bwd" call's one-pass backward whatever the installed Triton's release rule says
 # (``choose.one_pass_fits``), MHA and GQA, each without and with attention sinks ("-sinks" rows):
 # what ``configs.ONE_PASS_TRITON`` is measured from, not in a preset.
-CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8", "fwd_ws", "one_key",
-         "one_pass")
+CALLS = (
+    "fwd",
+    "options",
+    "bwd",
+    "varlen",
+    "decode",
+    "decode_paged",
+    "paged",
+    "sinks",
+    "int8",
+    "fwd_ws",
+    "one_key",
+    "one_pass",
+)
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
