@@ -263,3 +263,25 @@ def test_a_folded_launch_computes_what_the_unfolded_one_does(family, limit, monk
     for i, (got, want) in enumerate(zip(folded, unfolded)):
         assert not want.is_floating_point() or want.isfinite().all(), (family, i)
         assert torch.equal(got, want), (family, i, (got.float() - want.float()).abs().nan_to_num(1e9).max())
+
+
+@pytest.mark.slow
+def test_the_compile_check_compiles_the_folded_launches():
+    """The compile check's ``folded`` call compiles the forward, the backward and 8-bit attention as
+    a launch with the batch folded into axis 0 compiles them (``GRID_FOLD`` 2): on sm90 every kernel
+    fits, and a kernel compiled unfolded for that call fails its row (planted)."""
+    from offline import compile_in_subprocess
+
+    from flash_recipe.tools import compile_check
+
+    rows = compile_in_subprocess("""
+        import json
+        from flash_recipe.tools import compile_check
+        for row in compile_check.check_case(compile_check.Case("folded", "bfloat16", 128, "aligned"), "sm90"):
+            print(json.dumps(row))
+    """)
+    kernels = {row["kernel"] for row in rows}
+    assert {"fwd", "bwd_preprocess", "quantize"} <= kernels and kernels & {"int8", "int8_fp8"}, kernels
+    assert all(row["grid_fold"] == 2 and row["ok"] and not row["spill_bytes"] for row in rows), rows
+    planted = compile_check._verdict({**rows[0], "grid_fold": 1})
+    assert not planted["ok"] and "GRID_FOLD 1" in planted["problems"][0]

@@ -178,6 +178,8 @@ def run_call(case: Case) -> dict[str, str]:
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
         return dict(BACKWARD_LABELS)
+    if case.call == "folded":  # a batch past CUDA's grid limit: the "fwd" and "bwd" calls and 8-bit attention, folded
+        return _folded(case, scale)
     if case.call == "int8":  # 8-bit attention: the quantizer and the kernel, fp16 P.V and, where the target has it, FP8
         from ..ops import int8_attention, targets  # imports Triton: importing compile_calls loads none
 
@@ -225,3 +227,32 @@ def run_call(case: Case) -> dict[str, str]:
         "attn_fwd_kernel": "decode" if decoding else "fwd",
         "split_combine_kernel": "split_combine",
     }
+
+
+# The "folded" call's grid limit and batch: a batch of 5 over a limit of 4 (the 4 heads fit on axis
+# 1) folds by 2 (``launch.fold_grid``), as a batch of 70,000 over CUDA's 65535 does.
+FOLD_LIMIT, FOLD_BATCH = 4, 5
+
+
+def _folded(case: Case, scale: float) -> dict[str, str]:
+    """The "fwd" call's forward, the target's backward and the causal 8-bit attention with the
+    batch folded into grid axis 0 (``GRID_FOLD`` 2): the kernels as a launch past CUDA's axis-2
+    limit compiles them."""
+    from unittest import mock
+
+    import torch
+
+    from ..ops import backward_launch, forward, int8_attention, launch, targets
+
+    seqlen = 113 if case.form == "ragged" else 1024
+    q, k, v = _qkv(case, FOLD_BATCH, seqlen, seqlen, 4, 4)
+    var = _variant(case, 4, 0, scale)
+    if case.form == "ragged":  # the "fwd" call's configuration: plain scores
+        var = var._replace(softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, sinks=None)
+    with mock.patch.object(launch, "AXIS_LIMIT", FOLD_LIMIT):
+        forward.attention_forward(q, k, v, var)
+        out, lse = torch.randn_like(q), torch.randn(FOLD_BATCH, 4, seqlen, dtype=torch.float32)
+        backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
+        fp8 = not int8_attention.fp8_problem(targets.target_of(q.device))
+        int8_attention.int8_attention(q, k, v, scale, causal=True, fp8=fp8)
+    return {"attn_fwd_kernel": "fwd", **BACKWARD_LABELS, "quantize_kernel": "quantize", "attn_int8_kernel": "int8"}

@@ -82,21 +82,11 @@ HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # degenerate calls, reported, not in a preset (sm86's one pass at head dim 64 spills 8 B there);
 # "one_pass" the "bwd" call's one-pass backward whatever the installed Triton's release rule says
 # (``choose.one_pass_fits``), MHA and GQA, each without and with attention sinks ("-sinks" rows):
-# what ``configs.ONE_PASS_TRITON`` is measured from, not in a preset.
-CALLS = (
-    "fwd",
-    "options",
-    "bwd",
-    "varlen",
-    "decode",
-    "decode_paged",
-    "paged",
-    "sinks",
-    "int8",
-    "fwd_ws",
-    "one_key",
-    "one_pass",
-)
+# what ``configs.ONE_PASS_TRITON`` is measured from, not in a preset; "folded" the "fwd" call's
+# forward, the "bwd" call's backward (the target's path) and the "int8" call with the batch past the
+# grid's axis-2 limit, folded into axis 0 (``ops.launch.fold_grid``; ``compile_calls.FOLD_BATCH``).
+CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8", "fwd_ws")
+CALLS += ("one_key", "one_pass", "folded")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
@@ -139,6 +129,9 @@ PRESETS = {
         # 8-bit attention on every target (its rules: ``int8_problems``), ragged on one per family.
         (("int8",), ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), TARGETS),
         (("int8",), ("bfloat16",), (64, 128), ("ragged",), FAMILY_TARGETS),
+        # Grids folded past CUDA's axis-2 limit (``ops.launch.fold_grid``), one target per NVIDIA
+        # generation and AMD's: the kernels' ids through ``tiles.grid_id`` with ``GRID_FOLD`` 2.
+        (("folded",), ("bfloat16",), (128,), ("aligned",), ("sm80", "sm90", "sm100", "gfx942")),
         # The warp-specialised forward where it is offered (``ops.features.WARP_SPEC_FAMILIES``).
         (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
     ],
@@ -293,6 +286,7 @@ def check_case(case: Case, target: str) -> list[dict]:
                     "call": case.call,
                     "per_key_per_kv_head": per_kv_head,
                     "atomic_ops": atomic_ops(kernel),
+                    "grid_fold": _constants(kernel).get("GRID_FOLD", 1),
                 }
             )
         )
@@ -419,6 +413,8 @@ def _verdict(row: dict) -> dict:
     problems = []
     if not row["stores"]:  # every kernel writes its output; one that cannot has been compiled to a trap
         problems.append("the compiled kernel stores nothing (Triton compiled it to a trap)")
+    if row.get("call") == "folded" and row.get("grid_fold") != 2:  # the call's batch folds by 2 (compile_calls)
+        problems.append(f"compiled with GRID_FOLD {row.get('grid_fold')}, where the folded call's launch folds by 2")
     if row["shared_bytes"] > row["shared_limit"]:
         problems.append(f"shared memory {row['shared_bytes']} B over the {row['shared_limit']} B limit")
     budgeted = (
