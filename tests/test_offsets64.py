@@ -310,3 +310,21 @@ def test_a_row_stride_past_the_tile_bound_is_refused():
         flash_attn_func(q, q, q)
     with pytest.raises(ValueError, match=r"row \(sequence\) stride is 8388608"):
         sageattn(q, q, q, tensor_layout="NHD")
+
+
+@triton.jit
+def _row_offset_kernel(X, OUT, row, stride):
+    """``OUT[0] = X[row * stride]`` with the product in int32, as a planted 32-bit offset computes it."""
+    tl.store(OUT, tl.load(X + row * stride))
+
+
+def test_the_overflow_check_is_on_and_catches_a_32_bit_product(int_overflow_checked):
+    """The interpreter's overflow check that this module and the kernel tests run under is switched
+    on (on the CPU, with a Triton whose interpreter has it), and a row offset multiplied in int32
+    past 2**31 fails the launch instead of wrapping: row 2 of a row stride 2**30 + 1 (both int32)."""
+    if int_overflow_checked is None:
+        pytest.skip("no interpreter overflow check here (a GPU, or a Triton before 3.3)")
+    x, out = torch.zeros(4), torch.zeros(1)
+    _row_offset_kernel[(1,)](x, out, 0, 2**30 + 1)  # within int32: runs
+    with pytest.raises(Exception, match="int32 overflow detected for operation mul"):
+        _row_offset_kernel[(1,)](x, out, 2, 2**30 + 1)
