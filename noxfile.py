@@ -87,7 +87,7 @@ def tests(session: nox.Session) -> None:
     # which another process's load skews) alone.
     session.install(f"pytest-xdist=={PYTEST_XDIST}")
     workers = str(min(4, os.cpu_count() or 1))
-    run_pytest(session, str(ROOT / "tests"), "-n", workers, "-m", "not serial")
+    run_pytest(session, str(ROOT / "tests"), "-n", workers, "-m", "not serial", "--durations", "30")
     run_pytest(session, str(ROOT / "tests"), "-m", "serial")
 
 

@@ -507,7 +507,8 @@ def test_the_presets_select_what_ci_and_compat_compile():
     bucket is compiled. ``--preset compat``: 4 calls at head dim 128 in bf16, both forms, sm80 and
     sm90, and the warp-specialised forward where ci has it. Packed sequences and paged caches
     (``varlen``, ``paged``): every head dim aligned in bf16 on sm80 and sm90. Attention sinks
-    (``sinks``): head dim 128 on every target, 64 on one per family, aligned in bf16. An option
+    (``sinks``): head dim 128 on every target, 64 on one per family, aligned in bf16. Folded grids
+    (``folded``): head dim 128 aligned in bf16 on sm80, sm90, sm100 and gfx942. An option
     narrows a preset; no preset means every combination."""
     ci = compile_check.select_jobs("ci")
     sinks = [(c, t) for c, t in ci if c.call == "sinks"]
@@ -523,7 +524,11 @@ def test_the_presets_select_what_ci_and_compat_compile():
     assert {(c.head_dim, c.form, c.dtype, t) for c, t in warp_spec} == {
         (d, "aligned", "bfloat16", "sm100") for d in (16, 32, 64, 128)
     }
-    ci = [(c, t) for c, t in ci if c.call not in ("sinks", "int8", "fwd_ws")]
+    folded = [(c, t) for c, t in ci if c.call == "folded"]  # one target per NVIDIA generation, and AMD's
+    assert {(c.head_dim, c.form, c.dtype, t) for c, t in folded} == {
+        (128, "aligned", "bfloat16", t) for t in ("sm80", "sm90", "sm100", "gfx942")
+    }
+    ci = [(c, t) for c, t in ci if c.call not in ("sinks", "int8", "fwd_ws", "folded")]
     packed = [(c, t) for c, t in ci if c.call in ("varlen", "paged")]
     assert len(packed) == 2 * 5 * len(compile_check.FAMILY_TARGETS)
     assert {t for _, t in packed} == set(compile_check.FAMILY_TARGETS)

@@ -285,33 +285,6 @@ def test_dropout_mask():
     assert 0 < int(got.sum()) < 32 * 32
 
 
-def _sequence_first(batch: int, nheads: int, head_dim: int = 128) -> torch.Tensor:
-    """``(B, 2, H, D)`` viewed from a sequence-first ``(2, B, H, D)`` buffer: a row stride of
-    ``B * H * D`` elements (nothing is committed: the launch is refused before any kernel reads it)."""
-    return torch.empty(2, batch, nheads, head_dim, dtype=torch.float16).transpose(0, 1)
-
-
-def test_a_row_stride_past_the_tile_bound_is_refused():
-    """The offset rule keeps a tile's per-element offsets 32-bit (``launch.row_stride``): a row
-    stride of 2**23 elements (sequence-first, ``B * H * D = 1024 * 64 * 128``) would wrap a
-    256-row tile's offsets, so every launcher refuses it with a ValueError naming the fix; one
-    element fewer per row is addressed as usual."""
-    from flash_recipe import flash_attn_func, sageattn
-    from flash_recipe.ops.launch import TILE_ROWS, row_stride
-
-    assert row_stride("q", 2**31 // TILE_ROWS - 2) == 2**31 // TILE_ROWS - 2
-    assert row_stride("q", 2**31) == 2**31  # int64 at the launch: exact
-    for stride in (2**31 // TILE_ROWS - 1, 2**31 - 1):
-        with pytest.raises(ValueError, match=r"row \(sequence\) stride is .*\.contiguous\(\)"):
-            row_stride("q", stride)
-    q = _sequence_first(1024, 64)
-    assert q.stride(1) == 2**23
-    with pytest.raises(ValueError, match=r"the q tensor's row \(sequence\) stride is 8388608"):
-        flash_attn_func(q, q, q)
-    with pytest.raises(ValueError, match=r"row \(sequence\) stride is 8388608"):
-        sageattn(q, q, q, tensor_layout="NHD")
-
-
 @triton.jit
 def _row_offset_kernel(X, OUT, row, stride):
     """``OUT[0] = X[row * stride]`` with the product in int32, as a planted 32-bit offset computes it."""

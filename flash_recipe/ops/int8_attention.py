@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .. import reference_int8
 from . import configs, targets, tiles
-from .launch import launch_once, row_stride
+from .launch import launch_once
 from .quantize import block_d_of, quantize_blocks
 from .tiles import (
     LN2,
@@ -266,7 +266,7 @@ def attention_quantized(
 
     def strides(t, prefix, row):
         b, r, h = (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
-        return {f"stride_{prefix}b": b, f"stride_{prefix}{row}": row_stride(prefix, r), f"stride_{prefix}h": h}
+        return {f"stride_{prefix}b": b, f"stride_{prefix}{row}": r, f"stride_{prefix}h": h}
 
     cfg = plan.config
     heads, heads_k = q8.shape[-2], k8.shape[-2]

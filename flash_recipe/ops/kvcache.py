@@ -29,7 +29,7 @@ import triton.language as tl
 from ..signatures import Memo, signature
 from . import choose, configs, splits, targets, tiles, tuned
 from .forward import ForwardPlan, plan_forward, run_forward
-from .launch import Plan, launch, plan, row_stride
+from .launch import Plan, launch, plan
 from .options import KeyRanges, ScoreOptions
 from .packing import PACK_MAX_ROWS, gqa_packing
 
@@ -172,8 +172,8 @@ def _plan_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Opt
         tables = dict(COS=None, SIN=None, stride_cos=0, stride_sin=0, rotary_dim=0, seqlen_rotary=0)
     return plan(rotary_append_kernel, (triton.cdiv(seqlen, _ROWS), heads, batch), dict(
         X=x, OUT=out, POS=positions, PAGE_TABLE=table,
-        stride_xb=x.stride(0), stride_xm=row_stride("x", x.stride(1)), stride_xh=x.stride(2),
-        stride_ob=out.stride(0), stride_om=row_stride("cache", out.stride(1)), stride_oh=out.stride(2),
+        stride_xb=x.stride(0), stride_xm=x.stride(1), stride_xh=x.stride(2),
+        stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
         seqlen=seqlen, head_dim=head_dim, pos_step=pos_step, **tables, **paging,
         INTERLEAVED=bool(rotary is not None and rotary.interleaved),
         BLOCK_M=_ROWS, BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=4,

@@ -50,30 +50,7 @@ class Layout(NamedTuple):
         """``t``'s strides as the kernel parameters ``stride_{prefix}b``, ``stride_{prefix}{row}``
         and ``stride_{prefix}h``."""
         batch, rows, heads = self.strides(t)
-        rows = row_stride(prefix, rows)
         return {f"stride_{prefix}b": batch, f"stride_{prefix}{row}": rows, f"stride_{prefix}h": heads}
-
-
-# The most rows a tile of any kernel spans: a tile's per-element offsets ``o_r * stride_row + o_d``
-# stay 32-bit (``tiles``' offset rule), so a row stride must keep them below 2**31.
-TILE_ROWS = 256
-
-
-def row_stride(name: str, stride: int) -> int:
-    """``stride``, the row (sequence) stride of the tensor the kernels call ``name``, checked against
-    the offset rule in ``flash_recipe.ops.tiles``: a tile of ``TILE_ROWS`` rows spans fewer than
-    2**31 elements (a stride from 2**31 on reaches the kernels as int64 and is exact). Only a
-    strided view can exceed it (a contiguous ``(B, S, H, D)`` tensor's row stride is ``H * D``),
-    such as a sequence-first ``(S, B, H, D)`` tensor transposed with ``B * H * D`` of 2**23 or more.
-
-    Raises:
-        ValueError: a row stride from ``2**31 // TILE_ROWS - 1`` to ``2**31 - 1`` elements.
-    """
-    if TILE_ROWS * (stride + 1) > 2**31 - 1 and stride < 2**31:
-        raise ValueError(f"the {name} tensor's row (sequence) stride is {stride} elements; the kernels address a "
-                         f"tile's rows in 32 bits, which allows a row stride below {2**31 // TILE_ROWS - 1}; fix: "
-                         f"pass {name} with the sequence dimension packed tighter (.contiguous())")
-    return stride
 
 
 def score_args(options: ScoreOptions, seqlen_k: int, forward: bool = False) -> dict:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch_once, row_stride
+from .launch import launch_once
 from .tiles import grid_id, sequence
 
 
@@ -102,8 +102,7 @@ def quantize_args(
     batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else x.shape[0]
 
     def strides(t):
-        b, r, h = (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
-        return b, row_stride("x", r), h
+        return (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
 
     (sxb, sxs, sxh), (syb, sys_, syh) = strides(x), strides(x8)
     grid = (triton.cdiv(max_seqlen, block), x.shape[-2], batch)

@@ -238,10 +238,11 @@ def _folded(case: Case, scale: float) -> dict[str, str]:
     """The "fwd" call's forward, the target's backward and the causal 8-bit attention with the
     batch folded into grid axis 0 (``GRID_FOLD`` 2): the kernels as a launch past CUDA's axis-2
     limit compiles them."""
-    from unittest import mock
+    from unittest import mock  # the fold's limit, for this call only
 
     import torch
 
+    # imports Triton: importing compile_calls loads none
     from ..ops import backward_launch, forward, int8_attention, launch, targets
 
     seqlen = 113 if case.form == "ragged" else 1024
