@@ -501,50 +501,70 @@ def test_a_decode_step_over_a_dense_cache_compiles():
 
 
 def test_the_presets_select_what_ci_and_compat_compile():
-    """``--preset ci``: 5 calls x 3 head dims, every target aligned in bf16, one target per family
+    """``--preset full``: 5 calls x 3 head dims, every target aligned in bf16, one target per family
     in fp32; on one target per family the small head dims (16, 32) aligned and the large ones
-    ragged, in bf16: every head-dim
-    bucket is compiled. ``--preset compat``: 4 calls at head dim 128 in bf16, both forms, sm80 and
-    sm90, and the warp-specialised forward where ci has it. Packed sequences and paged caches
-    (``varlen``, ``paged``): every head dim aligned in bf16 on sm80 and sm90. Attention sinks
-    (``sinks``): head dim 128 on every target, 64 on one per family, aligned in bf16. Folded grids
-    (``folded``): head dim 128 aligned in bf16 on sm80, sm90, sm100 and gfx942. An option
-    narrows a preset; no preset means every combination."""
+    ragged, in bf16: every head-dim bucket is compiled. Packed sequences and paged caches
+    (``varlen``, ``paged``): every head dim aligned in bf16 on one target per family. Attention
+    sinks (``sinks``): head dim 128 on every target, 64 on one per family, aligned in bf16. Folded
+    grids (``folded``): head dim 128 aligned in bf16 on sm80, sm90, sm100 and gfx942. ``--preset
+    ci`` is part of full: all of full's first selection, every call, dtype, form, head-dim bucket
+    and target of full, each family target in fp32 and ragged. ``--preset compat``: 4 calls at
+    head dim 128 in bf16, both forms, sm80 and sm90, and the warp-specialised forward where full
+    has it. An option narrows a preset; no preset means every combination."""
+    full = compile_check.select_jobs("full")
     ci = compile_check.select_jobs("ci")
-    sinks = [(c, t) for c, t in ci if c.call == "sinks"]
+    assert set(ci) < set(full) and len(set(ci)) == len(ci)
+    every_target = {
+        (compile_check.Case(call, "bfloat16", d, "aligned"), t)
+        for call in ("fwd", "options", "bwd", "decode", "decode_paged")
+        for d in (64, 128, 256)
+        for t in compile_check.TARGETS
+    }
+    assert every_target <= set(ci)
+    for field in ("call", "dtype", "form", "head_dim"):
+        assert {getattr(c, field) for c, _ in ci} == {getattr(c, field) for c, _ in full}, field
+    assert {t for _, t in ci} == set(compile_check.TARGETS)
+    for family in compile_check.FAMILY_TARGETS:
+        mine = [c for c, t in ci if t == family]
+        assert {"float32", "bfloat16"} <= {c.dtype for c in mine} and {c.form for c in mine} == {"aligned", "ragged"}
+    assert {(c.call, c.head_dim, t) for c, t in ci if c.call in ("folded", "fwd_ws")} == {
+        (c.call, c.head_dim, t) for c, t in full if c.call in ("folded", "fwd_ws")
+    }
+    rest = full
+    sinks = [(c, t) for c, t in rest if c.call == "sinks"]
     assert {(c.head_dim, t) for c, t in sinks} == {(128, t) for t in compile_check.TARGETS} | {
         (64, t) for t in compile_check.FAMILY_TARGETS
     }
     assert {(c.form, c.dtype) for c, _ in sinks} == {("aligned", "bfloat16")}
-    int8 = [(c, t) for c, t in ci if c.call == "int8"]
+    int8 = [(c, t) for c, t in rest if c.call == "int8"]
     assert {(c.head_dim, c.form, t) for c, t in int8} == {
         (d, "aligned", t) for d in (64, 128, 256) for t in compile_check.TARGETS
     } | {(d, "ragged", t) for d in (64, 128) for t in compile_check.FAMILY_TARGETS}
-    warp_spec = [(c, t) for c, t in ci if c.call == "fwd_ws"]  # where it is offered (features.WARP_SPEC_FAMILIES)
+    warp_spec = [(c, t) for c, t in rest if c.call == "fwd_ws"]  # where it is offered (features.WARP_SPEC_FAMILIES)
     assert {(c.head_dim, c.form, c.dtype, t) for c, t in warp_spec} == {
         (d, "aligned", "bfloat16", "sm100") for d in (16, 32, 64, 128)
     }
-    folded = [(c, t) for c, t in ci if c.call == "folded"]  # one target per NVIDIA generation, and AMD's
+    folded = [(c, t) for c, t in rest if c.call == "folded"]  # one target per NVIDIA generation, and AMD's
     assert {(c.head_dim, c.form, c.dtype, t) for c, t in folded} == {
         (128, "aligned", "bfloat16", t) for t in ("sm80", "sm90", "sm100", "gfx942")
     }
-    ci = [(c, t) for c, t in ci if c.call not in ("sinks", "int8", "fwd_ws", "folded")]
-    packed = [(c, t) for c, t in ci if c.call in ("varlen", "paged")]
+    rest = [(c, t) for c, t in rest if c.call not in ("sinks", "int8", "fwd_ws", "folded")]
+    packed = [(c, t) for c, t in rest if c.call in ("varlen", "paged")]
     assert len(packed) == 2 * 5 * len(compile_check.FAMILY_TARGETS)
     assert {t for _, t in packed} == set(compile_check.FAMILY_TARGETS)
     assert {(c.form, c.dtype) for c, _ in packed} == {("aligned", "bfloat16")}
-    ci = [(c, t) for c, t in ci if (c, t) not in packed]
-    small = [(c, t) for c, t in ci if c.head_dim in (16, 32)]
-    aligned = [(c, t) for c, t in ci if c.form == "aligned" and c.head_dim not in (16, 32)]
-    ragged = [(c, t) for c, t in ci if c.form == "ragged"]
+    rest = [(c, t) for c, t in rest if (c, t) not in packed]
+    small = [(c, t) for c, t in rest if c.head_dim in (16, 32)]
+    aligned = [(c, t) for c, t in rest if c.form == "aligned" and c.head_dim not in (16, 32)]
+    ragged = [(c, t) for c, t in rest if c.form == "ragged"]
     families = {"sm80", "sm86", "sm90", "sm100", "sm120", "gfx942"}
     assert len(aligned) == 5 * 3 * (len(compile_check.TARGETS) + len(compile_check.FAMILY_TARGETS))
     assert {t for c, t in aligned if c.dtype == "bfloat16"} == set(compile_check.TARGETS)
     assert {t for c, t in aligned if c.dtype == "float32"} == set(compile_check.FAMILY_TARGETS)
     assert len(ragged) == 5 * 3 * 6
     assert len(small) == 5 * 2 * 6 and {(c.form, c.dtype) for c, _ in small} == {("aligned", "bfloat16")}
-    assert {c.call for c, _ in ci} == {"fwd", "options", "bwd", "decode", "decode_paged"}
-    assert {c.head_dim for c, _ in ci} == set(compile_check.HEAD_DIM_BUCKETS)
+    assert {c.call for c, _ in rest} == {"fwd", "options", "bwd", "decode", "decode_paged"}
+    assert {c.head_dim for c, _ in rest} == set(compile_check.HEAD_DIM_BUCKETS)
     assert {c.dtype for c, _ in ragged} == {"bfloat16"} and {c.head_dim for c, _ in ragged} == {64, 128, 256}
     assert {t for _, t in ragged} == families and {t for _, t in small} == families
     assert {configs.arch_family(t) for t in families} == set(configs.FAMILIES.values())

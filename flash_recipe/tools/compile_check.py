@@ -94,15 +94,19 @@ TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", 
 SPILL_BUDGET = 0
 SPILL_BUDGET_MAX_HEAD_DIM = 128
 # Named selections (``--preset``), each a list of (calls, dtypes, head dims, forms, targets).
-# "ci" (``nox -s compile_check``): the forward (plain and every score option), the backward and a
-# KV-cache decode step at the largest head dim of each configuration row (64, 128, 256), every
-# target in the aligned form in bf16, and in fp32 one target per family (sm89, sm121 and gfx90a
-# have their family target's limits, gfx950 more, and all take its fp32 tiles, whose fit and
-# traps the family target's compile decides; fp32 was a third of the check's time); the small
-# head dims (16, 32) aligned in bf16 and the
-# (slow) ragged form of the large ones in bf16 on one target per configuration family (fp16
-# compiles to the same tiles as bf16; sm89, sm121, gfx90a and gfx950 share their family's tables);
-# and packed sequences and paged caches, every head dim aligned in bf16, one target per family.
+# "full": the forward (plain and every score option), the backward and a KV-cache decode step at the
+# largest head dim of each configuration row (64, 128, 256) on every target, aligned, in bf16; the
+# same in fp32, at the small head dims (16, 32) and in the (slow) ragged form on one target per
+# configuration family (fp16 compiles to the same tiles as bf16; sm89, sm121 and gfx90a have their
+# family target's limits and tables, gfx950 more room and gfx942's tables); packed sequences and
+# paged caches at every head dim; sinks, 8-bit attention, folded grids and the warp-specialised
+# forward. About 2,000 kernels: run it when a kernel, a configuration table or a limit changes.
+# "ci" (``nox -s compile_check``, what CI runs): full's first selection whole (every target, every
+# configuration row, the five calls), and on one target per family the rest narrowed to the calls
+# and head dims whose tiles differ: fp32 forward, backward and decode at 128 and 256 (where shared
+# memory binds), the small head dims' forward and backward, the ragged form at 128, packed and
+# paged at 64, 128 and 256, 8-bit attention at 64 and 256 (128 on every target). About 60% of
+# full's calls.
 # "compat" (``nox -s torch_compat``, once per torch release): the forward, backward and decode
 # step for sm80 and sm90 at head dim 128 in bf16, both forms, and the warp-specialised forward on
 # sm100 at the head dims it is offered (aligned, bf16), which a Triton that does not compile it
@@ -115,6 +119,23 @@ FAMILY_TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx942")
 ALL = (CALLS, DTYPES, HEAD_DIM_BUCKETS, FORMS, TARGETS)
 PRESETS = {
     "ci": [
+        # Every target: the five calls at each configuration row's largest head dim, aligned, bf16.
+        (_CI_CALLS, ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), TARGETS),
+        # One target per family: fp32 tiles (the largest) where shared memory binds, the small head
+        # dims, the ragged form, packed sequences and paged caches.
+        (("fwd", "bwd", "decode"), ("float32",), (128, 256), ("aligned",), FAMILY_TARGETS),
+        (("fwd", "bwd"), ("bfloat16",), _SMALL_HEAD_DIMS, ("aligned",), FAMILY_TARGETS),
+        (("fwd", "bwd", "decode"), ("bfloat16",), (128,), ("ragged",), FAMILY_TARGETS),
+        (("varlen", "paged"), ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), FAMILY_TARGETS),
+        (("sinks",), ("bfloat16",), (128,), ("aligned",), TARGETS),
+        (("sinks",), ("bfloat16",), (64,), ("aligned",), FAMILY_TARGETS),
+        (("int8",), ("bfloat16",), (128,), ("aligned",), TARGETS),
+        (("int8",), ("bfloat16",), (64, 256), ("aligned",), FAMILY_TARGETS),
+        (("int8",), ("bfloat16",), (128,), ("ragged",), FAMILY_TARGETS),
+        (("folded",), ("bfloat16",), (128,), ("aligned",), ("sm80", "sm90", "sm100", "gfx942")),
+        (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
+    ],
+    "full": [
         (_CI_CALLS, ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), TARGETS),
         (_CI_CALLS, ("float32",), _CI_HEAD_DIMS, ("aligned",), FAMILY_TARGETS),
         (_CI_CALLS, ("bfloat16",), _SMALL_HEAD_DIMS, ("aligned",), FAMILY_TARGETS),
