@@ -315,6 +315,8 @@ def compile_check_triton(session: nox.Session, release: str) -> None:
     The CPU torch (``FLASH_RECIPE_TORCH``, default 2.13.0 from this machine's disk) stands in for
     the pair's torch: the compiler is Triton's, and torch only supplies the CPU tensors and dtypes
     the launchers are called with (it pins no Triton, so the release asked for is the one used).
+    Then the direct launch's equivalence test and the host-path test through Triton's own
+    launcher, on the stub CUDA driver (``STUB_DRIVER_TESTS``).
     """
     triton_version = TRITON_ONLY[release]
     install_built_wheel(session, pins=(f"triton=={triton_version}",))
@@ -328,6 +330,13 @@ def compile_check_triton(session: nox.Session, release: str) -> None:
     session.run(
         "python", "-W", "ignore", "-m", "flash_recipe.tools.compile_check", *args, env={"TRITON_INTERPRET": "0"}
     )
+    if not session.posargs:  # Triton's own launch path under this release, on the stub driver
+        session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
+        run_pytest(session, *(str(ROOT / "tests" / name) for name in STUB_DRIVER_TESTS))
+
+
+# The tests that run Triton's own launch path on the stub CUDA driver (``tools.stub_driver``).
+STUB_DRIVER_TESTS = ("test_direct_launch.py", "test_host_driver.py")
 
 
 # Each torch minor release pyproject admits, with the Triton its Linux wheel pins (its

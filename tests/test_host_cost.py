@@ -8,7 +8,8 @@ this package's own work). The count is deterministic, so it is bounded here:
 
 - ``flash_attn_func`` without autograd, and ``flash_attn_with_kvcache`` (one new token appended):
   at most 100 calls;
-- ``flash_attn_func`` with autograd recording the forward: at most 140.
+- ``flash_attn_func`` with autograd recording the forward: at most 140;
+- ``flash_attn_func`` forward and backward: at most 170.
 
 This machine has no GPU: the kvcache case's metadata stands for device memory
 (``validate.on_host`` answers False, the one decision a GPU call takes differently), so its
@@ -28,9 +29,11 @@ import flash_recipe
 from flash_recipe import signatures
 from flash_recipe.tools import host_cost
 
-BOUNDS = {"fwd": 100, "fwd_autograd": 140, "kvcache": 100}
-# Kernel launches per call: the forward; the kvcache step appends k and v, then attends.
-LAUNCHES = {"fwd": 1, "fwd_autograd": 1, "kvcache": 3}
+BOUNDS = {"fwd": 100, "fwd_autograd": 140, "kvcache": 100, "fwd_bwd": 170}
+# Kernel launches per call: the forward; the kvcache step appends k and v, then attends; forward
+# and backward: the forward, the preprocess, then the one pass or the dQ and dK/dV kernels (the
+# installed Triton's release rule, ``configs.ONE_PASS_TRITON``).
+LAUNCHES = {"fwd": (1,), "fwd_autograd": (1,), "kvcache": (3,), "fwd_bwd": (3, 4)}
 CPU = torch.device("cpu")
 
 
@@ -47,7 +50,7 @@ def _count(case: str) -> tuple[int, int]:
 @pytest.mark.parametrize("case", host_cost.CASES)
 def test_a_repeated_call_stays_within_its_python_call_bound(case):
     calls, launches = _count(case)
-    assert launches == LAUNCHES[case]  # the stub was reached: the whole host path was counted
+    assert launches in LAUNCHES[case]  # the stub was reached: the whole host path was counted
     assert calls <= BOUNDS[case], f"{case}: {calls} Python calls per call, bound {BOUNDS[case]}"
 
 
@@ -57,7 +60,7 @@ def test_the_bound_fails_when_every_call_does_the_first_calls_work(case, monkeyp
     plans again, as before they existed) break the bound."""
     monkeypatch.setattr(signatures.Memo, "get", lambda self, key, default=None: None)
     calls, launches = _count(case)
-    assert launches == LAUNCHES[case]
+    assert launches in LAUNCHES[case]
     assert calls > BOUNDS[case]
 
 

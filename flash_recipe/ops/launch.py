@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from . import tiles
+from . import direct, tiles
 from .options import KeyRanges, ScoreOptions, Varlen
 
 
@@ -141,6 +141,7 @@ class Plan(NamedTuple):
     scalars: dict  # every argument that is not a tensor: sizes, strides, flags, absent tensors (None)
     tensors: tuple  # the names of the arguments a launch passes as tensors (``launch``'s ``tensors``)
     device: Optional[int]  # the CUDA device to launch on; None for CPU tensors (the interpreter)
+    direct: direct.DirectLaunch  # the later launches' way past JITFunction.run (``ops.direct``)
 
 
 def _per_call(value: Any) -> bool:
@@ -191,7 +192,7 @@ def _decide(kernel, grid: tuple, args: dict, device: torch.device) -> Plan:
         for name, heuristic in kernel.values.items():
             args[name] = heuristic(args)
         kernel = kernel.fn
-    return Plan(kernel, grid, args, (), device.index if device.type == "cuda" else None)
+    return Plan(kernel, grid, args, (), device.index if device.type == "cuda" else None, direct.DirectLaunch())
 
 
 def plan(kernel, grid: tuple, args: dict, device: torch.device) -> Plan:
@@ -222,6 +223,6 @@ def launch(plan: Plan, tensors: dict) -> None:
     plan's device (made current for the launch where it is not)."""
     if plan.device is not None and torch.cuda.current_device() != plan.device:
         with torch.cuda.device(plan.device):
-            plan.kernel.run(grid=plan.grid, warmup=False, **plan.scalars, **tensors)
+            plan.direct.launch(plan.kernel, plan.grid, plan.scalars, tensors)
     else:
-        plan.kernel.run(grid=plan.grid, warmup=False, **plan.scalars, **tensors)
+        plan.direct.launch(plan.kernel, plan.grid, plan.scalars, tensors)

@@ -44,7 +44,7 @@ from typing import Callable, Optional
 
 from .. import __version__, files, signatures, validate
 
-CASES = ("fwd", "fwd_autograd", "kvcache")
+CASES = ("fwd", "fwd_autograd", "kvcache", "fwd_bwd")
 # Shapes: (batch, nheads, nheads_k, head_dim); the cache rows differ on a GPU and on the CPU.
 SHAPE = (8, 32, 8, 128)
 CACHE_GPU, CACHE_CPU = 8192, 256
@@ -73,19 +73,56 @@ def stubbed_launches() -> Iterator[list]:
 
 def count_calls(fn: Callable[[], object]) -> int:
     """Python function calls (frames entered, generator resumptions included) during ``fn()``."""
-    count = 0
+    return sum(calls_by_origin(fn).values())
+
+
+# Where a frame's code lives, by the first of these path parts its file name holds.
+ORIGINS = tuple((name, f"{os.sep}{name}{os.sep}") for name in ("flash_recipe", "triton", "torch"))
+
+
+def calls_by_origin(fn: Callable[[], object]) -> dict[str, int]:
+    """``count_calls`` split by where each frame's code lives: ``flash_recipe``, ``triton``,
+    ``torch`` or ``other`` (the standard library, the caller)."""
+    counts = dict.fromkeys((*(name for name, _ in ORIGINS), "other"), 0)
+    origin_of: dict = {}
 
     def profile(frame, event, arg):
-        nonlocal count
         if event == "call":
-            count += 1
+            code = frame.f_code
+            origin = origin_of.get(code)
+            if origin is None:
+                name = code.co_filename
+                origin = origin_of[code] = next((o for o, part in ORIGINS if part in name), "other")
+            counts[origin] += 1
 
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
-    return count - 1  # fn's own frame
+    counts["other"] -= 1  # fn's own frame
+    return counts
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list]:
+    """Inside the block each launch still runs, and is recorded as ``(kernel name, keyword
+    arguments)`` in the list this yields (``JITFunction.run`` wrapped: the wrapper's frames are
+    never counted, since the block holds no counted or timed call)."""
+    from triton.runtime import jit
+
+    launches: list = []
+    run = jit.JITFunction.run
+
+    def recording(self, *args, **kwargs):
+        launches.append((getattr(self, "__name__", repr(self)), len(args) + len(kwargs) - 2))  # less grid, warmup
+        return run(self, *args, **kwargs)
+
+    jit.JITFunction.run = recording
+    try:
+        yield launches
+    finally:
+        jit.JITFunction.run = run
 
 
 def time_calls(fn: Callable[[], object], reps: int = 200, rounds: int = 5, device=None) -> float:
@@ -136,16 +173,26 @@ def make_case(name: str, device, dtype, cache: int, shape: tuple = SHAPE) -> tup
         sdpa_k, sdpa_v = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     else:
         k, v = rand(batch, cache, nheads_k, head_dim), rand(batch, cache, nheads_k, head_dim)
-        if name == "fwd_autograd":
+        if name != "fwd":
             q.requires_grad_(True)
+        if name == "fwd_bwd":
+            k.requires_grad_(True)
+            v.requires_grad_(True)
+        grad = torch.ones_like(q)
 
         def ours():
-            return flash_attn_func(q, k, v, causal=True)
+            out = flash_attn_func(q, k, v, causal=True)
+            if name == "fwd_bwd":
+                out.backward(grad)
+            return out
 
         sdpa_k, sdpa_v = k.transpose(1, 2), v.transpose(1, 2)
 
     def sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_v, enable_gqa=True)
+        out = torch.nn.functional.scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_v, enable_gqa=True)
+        if name == "fwd_bwd":
+            out.backward(torch.ones_like(out))
+        return out
 
     return ours, sdpa
 
@@ -166,9 +213,19 @@ def device_metadata(device) -> Iterator[None]:
         signatures.forget()  # verdicts reached without reading host metadata must not outlive the block
 
 
+def _launch_row(launch) -> tuple[str, int]:
+    """``(kernel name, arguments)`` of a launch as ``stubbed_launches`` or ``recorded_launches`` keeps it."""
+    if len(launch) == 2:
+        return launch
+    fn, args, kwargs = launch
+    return getattr(fn, "__name__", repr(fn)), len(args) + len(kwargs)
+
+
 def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES) -> list[dict]:
-    """One row per case: Python calls and microseconds per call of flash_recipe's call (on the
-    triton backend, launches stubbed with ``stub``), and torch SDPA's microseconds beside it."""
+    """One row per case: Python calls (by origin) and microseconds per call of flash_recipe's call on
+    the triton backend, the launches of one call and their arguments, and torch SDPA's microseconds
+    beside it. ``stub``: Triton's launch replaced by a recorder (this package's own path alone);
+    else Triton's launch runs (on a GPU, or on the stub driver: ``stub_driver.stub_cuda``)."""
     import torch
 
     from ..dispatch import use_backend  # loads the dispatch: importing host_cost does not
@@ -176,25 +233,31 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
     rows = []
     for name in cases:
         ours, sdpa = make_case(name, device, dtype, cache)
-        stubbed: contextlib.AbstractContextManager = stubbed_launches() if stub else contextlib.nullcontext([])
-        with use_backend("triton"), device_metadata(device), stubbed as launches:
-            ours()  # the first call of the signature: checks, choices, plans
-            before = len(launches)
-            calls = count_calls(ours)
-            kernels = len(launches) - before if stub else None
-            us = time_calls(ours, reps, device=device)
+        with use_backend("triton"), device_metadata(device):
+            with stubbed_launches() if stub else recorded_launches() as launches:
+                ours()  # the first call of the signature: checks, choices, plans
+                before = len(launches)
+                ours()  # one call recorded: its launches and their arguments
+                launched = [_launch_row(launch) for launch in launches[before:]]
+                if stub:
+                    by_origin, us = calls_by_origin(ours), time_calls(ours, reps, device=device)
+            if not stub:
+                by_origin, us = calls_by_origin(ours), time_calls(ours, reps, device=device)
         if device.type == "cpu":  # torch computes for real there: its host cost is its time on the least work
             sdpa = make_case(name, device, dtype, 1, (1, 1, 1, 16))[1]
-        with torch.no_grad():
+        with torch.no_grad() if name != "fwd_bwd" else contextlib.nullcontext():
             sdpa_us = time_calls(sdpa, reps, device=device)
         rows.append(
             dict(
                 case=name,
-                calls=calls,
+                calls=sum(by_origin.values()),
+                calls_by_origin=by_origin,
                 us=round(us, 1),
                 sdpa_us=round(sdpa_us, 1),
                 ratio=round(us / sdpa_us, 2),
-                launches=kernels,
+                launches=len(launched),
+                arguments=[count for _, count in launched],
+                kernels=[kernel for kernel, _ in launched],
                 stubbed=stub,
             )
         )
@@ -205,12 +268,18 @@ def markdown(rows: list[dict], context: str) -> str:
     lines = [
         context,
         "",
-        "| case | Python calls | host us per call | SDPA us per call | ratio | launches stubbed |",
-        "|---|---:|---:|---:|---:|---|",
+        "| case | Python calls (flash_recipe / triton / torch / other) | host us per call | SDPA us per call | "
+        "ratio | launches (arguments each) | Triton's launch |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
-        stubbed = "yes" if r["stubbed"] else "no"
-        lines.append(f"| {r['case']} | {r['calls']} | {r['us']} | {r['sdpa_us']} | {r['ratio']} | {stubbed} |")
+        split = " / ".join(str(n) for n in r["calls_by_origin"].values())
+        launches = f"{r['launches']} ({'/'.join(map(str, r['arguments']))})"
+        launch = "recorder" if r["stubbed"] else "runs"
+        lines.append(
+            f"| {r['case']} | {r['calls']} ({split}) | {r['us']} | {r['sdpa_us']} | {r['ratio']} "
+            f"| {launches} | {launch} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -224,13 +293,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--launch",
-        choices=("stubbed", "real"),
-        default="stubbed",
-        help="stubbed: no kernel runs, the host path alone (default); real: Triton launches too (GPU only)",
+        choices=("driver", "recorder"),
+        default="driver",
+        help="driver: Triton's launch runs, on the GPU's driver or, on a CPU, the stub driver "
+        "(flash_recipe.tools.stub_driver; default); recorder: Triton's launch replaced by a recorder, "
+        "this package's own path alone",
+    )
+    parser.add_argument(
+        "--target", default="sm90", help="on a CPU with --launch driver: the GPU target the stub driver reports"
     )
     parser.add_argument("--case", action="append", choices=CASES, help="case to run (repeatable); default: all")
     parser.add_argument("--reps", type=int, default=200, help="calls per timed round (5 rounds, median)")
     parser.add_argument("--json", help="write the context and rows as JSON to this file")
+
+
+@contextlib.contextmanager
+def gpu_route(target: str) -> Iterator[None]:
+    """On a CPU: CPU tensors take the path a GPU's take, down to Triton's own launcher on the stub
+    driver (``stub_driver.stub_cuda``). This package is told so at the two decisions it takes by
+    device: the compile target (``targets.target_of``) and the triton backend's check of the CPU
+    (``capabilities.interpreter_problem``, answered None). Metadata is treated as device memory
+    (``device_metadata``)."""
+    from ..dispatch import capabilities
+    from ..ops import targets
+    from .stub_driver import stub_cuda
+
+    saved = targets.target_of, capabilities.interpreter_problem
+    targets.target_of = lambda device: target
+    capabilities.interpreter_problem = lambda: None
+    try:
+        with stub_cuda(target):
+            yield
+    finally:
+        targets.target_of, capabilities.interpreter_problem = saved
 
 
 def run(args, command: str = "python -m flash_recipe.tools.host_cost") -> int:
@@ -238,25 +333,31 @@ def run(args, command: str = "python -m flash_recipe.tools.host_cost") -> int:
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    stub_driver = device.type == "cpu" and args.launch == "driver"
     if device.type == "cpu":
-        # Without a GPU the Triton path ends in the interpreter's launch (stubbed here), which must
-        # be chosen before Triton is first imported; the triton backend says so if it was not.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    if args.launch == "real" and device.type != "cuda":
-        print("flash-recipe bench --host: --launch real needs a GPU", file=sys.stderr)
-        return 2
+        # Chosen before Triton is first imported: the stub driver stands below Triton's compiler;
+        # the recorder, on a CPU, replaces the interpreter's launch.
+        os.environ["TRITON_INTERPRET"] = "0" if stub_driver else "1"
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float16")
     if dtype_name not in ("float16", "bfloat16"):
         print(f"flash-recipe bench --host: --dtype must be float16 or bfloat16, got {dtype_name!r}", file=sys.stderr)
         return 2
     cache = args.cache or (CACHE_GPU if device.type == "cuda" else CACHE_CPU)
     batch, nheads, nheads_k, head_dim = SHAPE
+    import triton
+
+    launch = f"the stub driver as {args.target}" if stub_driver else args.launch
     context = (
         f"host cost per call: device {device}, {time.strftime('%Y-%m-%d')}, flash_recipe {__version__}, "
-        f"torch {torch.__version__}, B{batch} H{nheads} Hk{nheads_k} D{head_dim}, {cache} key rows, {dtype_name}, "
-        f"launches {args.launch}; command: {command}".rstrip()
+        f"torch {torch.__version__}, triton {triton.__version__}, Python {sys.version.split()[0]}, "
+        f"B{batch} H{nheads} Hk{nheads_k} D{head_dim}, {cache} key rows, {dtype_name}, "
+        f"Triton's launch: {launch}; command: {command}".rstrip()
     )
-    rows = measure(device, getattr(torch, dtype_name), cache, args.launch == "stubbed", args.reps, args.case or CASES)
+    route = gpu_route(args.target) if stub_driver else contextlib.nullcontext()
+    with route:
+        rows = measure(
+            device, getattr(torch, dtype_name), cache, args.launch == "recorder", args.reps, args.case or CASES
+        )
     print(markdown(rows, context), end="")
     if args.json:
         files.write_json(args.json, {"context": context, "rows": rows})

@@ -1,0 +1,195 @@
+"""Direct launches: a plan's later launches handed straight to the compiled kernel's launcher.
+
+Triton's ``JITFunction.run`` does, at every launch, what a plan has already fixed: it binds some
+75 keyword arguments, specialises each (a divisibility check per integer and per pointer), builds
+the cache key and looks the compiled kernel up, then calls that kernel's launcher with the grid,
+the stream, the kernel's handles and the argument values. A ``DirectLaunch`` (one per plan,
+``launch.Plan.direct``) learns that last call and repeats it:
+
+1. the plan's first launch goes through ``JITFunction.run`` (compiling where needed) and returns
+   the compiled kernel;
+2. the second goes through ``JITFunction.run`` too, with the launcher wrapped for that one call:
+   the arguments it receives are recorded, and each is tied to the parameter it came from (the
+   kernel's parameters in order, or its non-constexpr ones, as the Triton release passes them;
+   every tensor by identity). Anything not accounted for turns the direct path off for the plan;
+3. from the third on, the launcher is called with the recorded values, this call's tensors in
+   their places and this call's stream; the launch metadata and the hooks are None, which is what
+   a launch with no hook registered means (``JITFunction.run`` passes Triton's empty hook chains
+   and, on 3.5 and newer, a metadata dict nobody reads).
+
+What Triton specialises on and a later call of the same plan can change is guarded: each
+tensor's 16-byte alignment (the pointers' ``tt.divisibility``) and its being there (not None);
+each tensor descriptor's type, block shape, shape, strides and padding.
+Sizes, strides, dtypes and options are the plan's own (``flash_recipe.signatures``). Where a guard
+fails, where a launch hook is set (``knobs.runtime.launch_enter_hook`` or, on Triton 3.2 and 3.3,
+``CompiledKernel.launch_enter_hook``; profilers such as proton set one), or where the kernel has
+pre-run hooks, or a global value it read when compiled has changed, the launch goes through
+``JITFunction.run``.
+``tests/test_direct_launch.py`` compares, for the kernels CI's calls launch, what the launcher
+receives each way (on the stub driver, ``tools.stub_driver``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton.runtime.driver import driver
+
+# False: every launch through JITFunction.run (the equivalence test's reference).
+ENABLED = True
+
+NEW, RECORD, READY, OFF = 0, 1, 2, -1
+_MISSING = object()
+_HEADER = 9  # grid x, y, z, stream, function, packed metadata, launch metadata, enter and exit hooks
+
+
+def _hook_holder() -> Any:
+    """Where the installed Triton keeps its launch hooks: ``knobs.runtime`` (3.4 on), else
+    ``CompiledKernel`` (3.2, 3.3)."""
+    try:
+        from triton import knobs
+
+        return knobs.runtime
+    except ImportError:
+        from triton.compiler.compiler import CompiledKernel
+
+        return CompiledKernel
+
+
+_HOOKS: Any = None
+
+
+def hooks_set() -> bool:
+    """Whether a launch hook is registered (``launch_enter_hook`` or ``launch_exit_hook``: a function,
+    or on Triton 3.5 and newer a ``HookChain`` with calls in it)."""
+    global _HOOKS
+    if _HOOKS is None:
+        _HOOKS = _hook_holder()
+    return _registered(_HOOKS.launch_enter_hook) or _registered(_HOOKS.launch_exit_hook)
+
+
+def _registered(hook: Any) -> bool:
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else hook is not None
+
+
+def _descriptor_form(desc: Any) -> tuple:
+    """What a tensor descriptor's compiled code and launch depend on besides its base (whose 16-byte
+    alignment its constructor asserts): block shape, shape, strides and padding."""
+    return tuple(desc.block_shape), tuple(desc.shape), tuple(desc.strides), getattr(desc, "padding", None)
+
+
+def _launcher_slot(compiled: Any) -> str:
+    """The attribute holding ``compiled``'s launcher: ``_run`` (Triton 3.4 on), else ``run``."""
+    return "_run" if "_run" in vars(compiled) else "run"
+
+
+class DirectLaunch:
+    """One plan's direct launch: ``state`` NEW, RECORD (the next launch records), READY or OFF."""
+
+    __slots__ = ("state", "compiled", "launcher", "header", "template", "slots", "device", "globals")
+
+    def __init__(self) -> None:
+        self.state = NEW
+        self.compiled: Any = None
+        self.launcher: Any = None
+        self.header: tuple = ()
+        self.template: list = []
+        self.slots: tuple = ()  # (position, name, None and 16-byte aligned, or a descriptor's type and form)
+        self.device: Any = None
+        self.globals: tuple = ()  # (name, value at compile time, the module's globals)
+
+    def launch(self, kernel: Any, grid: tuple, scalars: dict, tensors: dict) -> None:
+        """Launch ``kernel`` (a JIT function) on ``grid`` with ``scalars`` and ``tensors``: directly
+        when READY and the guards hold, else through ``kernel.run``, learning on the way."""
+        if self.state == READY and ENABLED and self._direct(tensors):
+            return
+        if self.state == RECORD and ENABLED:
+            self._record(kernel, grid, scalars, tensors)
+            return
+        compiled = kernel.run(grid=grid, warmup=False, **scalars, **tensors)
+        if self.state == NEW:
+            self._adopt(kernel, compiled)
+
+    def _adopt(self, kernel: Any, compiled: Any) -> None:
+        from triton.compiler.compiler import CompiledKernel
+
+        plain = "run" not in vars(kernel)  # a stand-in's run (the compile check's, a recorder) is never learnt
+        if ENABLED and plain and not getattr(kernel, "pre_run_hooks", None) and isinstance(compiled, CompiledKernel):
+            self.compiled, self.state = compiled, RECORD
+            # The global values the kernel read at compile time, which JITFunction.run checks are unchanged.
+            used = getattr(kernel, "used_global_vals", {})
+            self.globals = tuple((name, value, scope) for (name, _), (value, scope) in used.items())
+        else:
+            self.state = OFF
+
+    def _record(self, kernel: Any, grid: tuple, scalars: dict, tensors: dict) -> None:
+        compiled, slot = self.compiled, _launcher_slot(self.compiled)
+        launcher = getattr(compiled, slot)
+        calls: list = []
+
+        def recording(*args):
+            calls.append(args)
+            return launcher(*args)
+
+        setattr(compiled, slot, recording)
+        try:
+            returned = kernel.run(grid=grid, warmup=False, **scalars, **tensors)
+        finally:
+            setattr(compiled, slot, launcher)
+        self.state = OFF
+        if returned is compiled and len(calls) == 1 and not hooks_set():
+            self._learn(kernel, launcher, grid, calls[0], tensors)
+
+    def _learn(self, kernel: Any, launcher: Any, grid: tuple, call: tuple, tensors: dict) -> None:
+        """READY with ``call``'s values as the template, if every value is accounted for."""
+        header, values = call[:_HEADER], list(call[_HEADER:])
+        if tuple(header[:3]) != tuple(grid) + (1,) * (3 - len(grid)):
+            return
+        params = getattr(kernel, "params", ())
+        orders = ([p.name for p in params], [p.name for p in params if not p.is_constexpr])
+        names = next((order for order in orders if len(order) == len(values)), None)
+        if names is None:
+            return
+        slots: list[tuple] = []
+        for position, (name, value) in enumerate(zip(names, values)):
+            if name in tensors:
+                found = tensors[name]
+                if value is not found:
+                    return
+                if isinstance(found, torch.Tensor):
+                    slots.append((position, name, None, found.data_ptr() % 16 == 0))
+                elif isinstance(getattr(found, "base", None), torch.Tensor) and hasattr(found, "block_shape"):
+                    slots.append((position, name, type(found), _descriptor_form(found)))
+                else:
+                    return
+                values[position] = None
+            elif isinstance(value, torch.Tensor) or hasattr(value, "base"):
+                return
+        if len(slots) != len(tensors):
+            return
+        self.launcher, self.header, self.template, self.slots = launcher, header, values, tuple(slots)
+        self.device = driver.active.get_current_device()
+        self.state = READY
+
+    def _direct(self, tensors: dict) -> bool:
+        """The launch from the template, or False where a guard fails."""
+        if hooks_set():
+            return False
+        for name, value, scope in self.globals:
+            if scope.get(name, _MISSING) != value:
+                return False  # JITFunction.run says which and how
+        args = self.template.copy()
+        for position, name, kind, form in self.slots:
+            found: Any = tensors.get(name)
+            if kind is None:  # a tensor: there, and aligned as when learnt
+                if found is None or (found.data_ptr() % 16 == 0) is not form:
+                    return False
+            elif type(found) is not kind or _descriptor_form(found) != form:
+                return False
+            args[position] = found
+        x, y, z, _, function, metadata, _, _, _ = self.header
+        stream = driver.active.get_current_stream(self.device)
+        self.launcher(x, y, z, stream, function, metadata, None, None, None, *args)
+        return True
