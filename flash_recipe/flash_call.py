@@ -15,7 +15,7 @@ import torch
 
 from . import validate
 from .dispatch import AttentionCall
-from .signatures import Memo, signature
+from .signatures import Fields, Memo, signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,36 +87,18 @@ def build_flash_call(
     """
     key = None
     if not torch.compiler.is_compiling():
-        cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, None, None)
-        o = options
-        key = signature(
-            (q, k, v, o.alibi_slopes, cu_q, cu_k, o.learnable_sink),
-            (
-                "flash_call",
-                o.dropout_p,
-                o.softmax_scale,
-                o.causal,
-                o.window_size,
-                o.softcap,
-                o.deterministic,
-                o.return_lse,
-                o.return_probs,
-                names,
-                max_q,
-                max_k,
-                paged,
-            ),
-        )
+        key = _call_key(q, k, v, options, names, varlen, paged)
         fields = _CALLS.get(key) if key is not None else None
         if fields is not None:
+            cu_q, cu_k = varlen[:2] if varlen is not None else (None, None)
             call = AttentionCall(
                 q=q,
                 k=k,
                 v=v,
-                alibi_slopes=o.alibi_slopes,
+                alibi_slopes=options.alibi_slopes,
                 cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k,
-                sinks=o.learnable_sink,
+                sinks=options.learnable_sink,
                 **fields,
             )
             return call.signed(key)
@@ -127,9 +109,21 @@ def build_flash_call(
     return call
 
 
-# Signature of a flash-attn style call -> the fields of its AttentionCall other than its tensors.
+# Signature of a flash-attn style call (``_call_key``) -> the fields of its AttentionCall other than its tensors.
 _CALLS = Memo()
 _TENSOR_FIELDS = ("q", "k", "v", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "sinks")
+# The fields of the options, tensors and values, as the call's key takes them.
+_OPTION_FIELDS = Fields(FlashOptions)
+
+
+def _call_key(q, k, v, options: FlashOptions, names: tuple, varlen: Optional[tuple], paged: bool) -> Optional[tuple]:
+    """The signature of a flash-attn style call (``flash_recipe.signatures``): its tensors, every field
+    of ``options`` (none by hand), the names, the varlen metadata and ``paged``; None: not memoized."""
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, None, None)
+    return signature(
+        (q, k, v, cu_q, cu_k) + _OPTION_FIELDS.tensors_of(options),
+        ("flash_call", names, max_q, max_k, paged) + _OPTION_FIELDS.values_of(options),
+    )
 
 
 def _reusable(call: AttentionCall, given: tuple, varlen: Optional[tuple]) -> bool:

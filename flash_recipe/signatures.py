@@ -10,12 +10,19 @@ What must never be memoized: anything that reads tensor *values* (metadata on th
 on every call) or depends on data pointers (alignment, tensor descriptors). ``signature`` returns
 None for arguments it cannot key faithfully (a tensor subclass, an unhashable option), and the
 caller then takes the full path.
+
+A key never lists a record's fields by hand: ``Fields`` derives which fields of an options record
+(``ScoreOptions``, ``AttentionCall``, ``FlashOptions``...) are tensors and which are values, so a
+field added to a record reaches every key built from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 import weakref
-from typing import Any, Optional
+from operator import attrgetter
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -54,6 +61,49 @@ def signature(tensors: tuple, options: tuple) -> Optional[tuple]:
     except TypeError:
         return None
     return result
+
+
+class Fields:
+    """The fields of a record type (a NamedTuple or a dataclass), split as ``signature`` takes them.
+
+    ``tensors``: the names of the fields annotated ``torch.Tensor`` or ``Optional[torch.Tensor]``;
+    ``values``: the others; each in field order. A dataclass field with ``compare=False`` (such as
+    ``AttentionCall.signature``) is not part of the record and is left out.
+
+    ``tensors_of(record)`` and ``values_of(record)`` return a record's fields of each kind as a
+    tuple (an ``operator.attrgetter`` for two fields or more: no Python frame, about what a tuple
+    of the fields written by hand costs). A key adds an optional record's parts only when it is
+    there (``if varlen is not None: tensors += ...``), telling apart the calls that have it.
+    """
+
+    __slots__ = ("tensors", "values", "tensors_of", "values_of")
+
+    def __init__(self, record: type) -> None:
+        if dataclasses.is_dataclass(record):
+            names = [f.name for f in dataclasses.fields(record) if f.compare]
+        else:
+            names = list(record._fields)  # type: ignore[attr-defined]
+        hints = typing.get_type_hints(record)
+        self.tensors = tuple(name for name in names if _annotated_tensor(hints[name]))
+        self.values = tuple(name for name in names if name not in self.tensors)
+        self.tensors_of = _getter(self.tensors)
+        self.values_of = _getter(self.values)
+
+
+def _annotated_tensor(hint: Any) -> bool:
+    """Whether a resolved annotation is ``torch.Tensor`` or a union with it (``Optional[torch.Tensor]``)."""
+    return hint is _Tensor or _Tensor in typing.get_args(hint)
+
+
+def _getter(names: tuple) -> Callable[[Any], tuple]:
+    """A function of a record that returns its fields ``names`` as a tuple (``attrgetter`` returns
+    the bare value for one name and takes no empty list)."""
+    if not names:
+        return lambda record: ()
+    if len(names) == 1:
+        one = attrgetter(names[0])
+        return lambda record: (one(record),)
+    return attrgetter(*names)
 
 
 class Memo(dict):

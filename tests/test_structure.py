@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import textwrap
 import tokenize
 from pathlib import Path
@@ -248,13 +249,21 @@ def _launches_grid(call: ast.Call) -> bool:
 
 
 def test_every_kernel_launch_goes_through_the_launch_module():
-    launch_module = PACKAGE / "ops" / "launch.py"
+    """Launches are made by ``ops/launch.py`` and by the direct launch it hands each plan's launches
+    to (``ops/direct.py``, which only ``launch.py`` uses)."""
+    launch_modules = (PACKAGE / "ops" / "launch.py", PACKAGE / "ops" / "direct.py")
     found = [
         f"{path.relative_to(PACKAGE.parent)}:{line}"
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path != launch_module
+        if path not in launch_modules
         for line in direct_launches(ast.parse(path.read_text()))
     ]
+    users = [
+        path.relative_to(PACKAGE.parent)
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in launch_modules and re.search(r"\bdirect\.DirectLaunch\b|import DirectLaunch", path.read_text())
+    ]
+    assert users == [], f"the direct launch is launch.py's own: {users}"
     assert found == [], f"kernel launches outside flash_recipe/ops/launch.py (use launch.plan/launch): {found}"
 
 

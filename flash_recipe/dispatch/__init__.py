@@ -25,7 +25,7 @@ from .. import alias
 from ..ops import targets
 from ..signatures import Memo, signature
 from .base import Backend, BackendUnavailableError
-from .call import AttentionCall, CacheCall, PagedCall
+from .call import CALL_FIELDS, AttentionCall, CacheCall, PagedCall
 from .capabilities import TURING_ISSUES, pre_ampere_reason
 from .flash_attn_backend import FlashAttnBackend
 from .reference_backend import ReferenceBackend
@@ -178,29 +178,8 @@ def _selection_key(call: AttentionCall, forced: Optional[str], extra_key: Option
     """What a backend's refusal reads: the call's tensors and options (the public layer's signature of
     its arguments, where it has one), and the facts that can change."""
     found = call.signature
-    if found is None:
-        found = signature(
-            (
-                call.q,
-                call.k,
-                call.v,
-                call.attn_mask,
-                call.alibi_slopes,
-                call.cu_seqlens_q,
-                call.cu_seqlens_k,
-                call.sinks,
-            ),
-            (
-                call.causal,
-                call.diag_offset,
-                call.window,
-                call.softcap,
-                call.dropout_p,
-                call.return_lse,
-                call.return_probs,
-                call.seed is None,
-            ),
-        )
+    if found is None:  # every field of the call (``CALL_FIELDS``), none by hand
+        found = signature(CALL_FIELDS.tensors_of(call), CALL_FIELDS.values_of(call))
     if found is None:
         return None
     # The interpreter decides for CPU tensors only (``TritonBackend.supports``).

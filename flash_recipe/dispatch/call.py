@@ -2,7 +2,9 @@
 
 - ``AttentionCall``: one attention call in flash-attn's layout, dense or varlen;
 - ``CacheCall``: ``flash_attn_with_kvcache``: append to a KV cache, then attend over it;
-- ``PagedCall``: ``flash_attn_varlen_func`` with keys and values in pages (``block_table``).
+- ``PagedCall``: ``flash_attn_varlen_func`` with keys and values in pages (``block_table``);
+- ``CALL_FIELDS``: ``AttentionCall``'s fields as the backend selection's memo key takes them
+  (``flash_recipe.signatures.Fields``), so a new field reaches the key.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..reference import attention_reference, effective_window
+from ..signatures import Fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +120,10 @@ class AttentionCall:
         per-batch ``(B, H)`` slopes, else the shared ``(H,)`` slopes (or None)."""
         slopes = self.alibi_slopes
         return slopes[b : b + 1] if slopes is not None and slopes.dim() == 2 else slopes
+
+
+# The fields of a call, tensors and values (``signature`` is no field of it: compare=False).
+CALL_FIELDS = Fields(AttentionCall)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ..signatures import Memo, signature
 from . import choose, configs, targets, tiles
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
-from .options import ScoreOptions, Varlen
+from .options import SCORE_FIELDS, VARLEN_FIELDS, ScoreOptions, Varlen
 from .schedule import launch_section
 
 
@@ -115,13 +115,13 @@ def _plan_key(dout, q, k, v, out, lse, options, varlen, own_lse, deterministic) 
     state = choose.plan_state()
     if state is None:
         return None
-    cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
-    found = signature(
-        (dout, q, k, v, out, lse, cu_q, cu_k, options.alibi_slopes, options.seed, options.sinks),
-        (options.softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
-         options.dropout_p, varlen.max_seqlen_q if varlen is not None else None,
-         varlen.max_seqlen_k if varlen is not None else None, own_lse, deterministic),
-    )
+    # Every field of the records (``options.SCORE_FIELDS``...), none by hand; a dense call's key is the shorter.
+    tensors = (dout, q, k, v, out, lse) + SCORE_FIELDS.tensors_of(options)
+    values = SCORE_FIELDS.values_of(options) + (own_lse, deterministic)
+    if varlen is not None:
+        tensors += VARLEN_FIELDS.tensors_of(varlen)
+        values += VARLEN_FIELDS.values_of(varlen)
+    found = signature(tensors, values)
     return None if found is None else (found, state, targets.target_of(q.device))
 
 

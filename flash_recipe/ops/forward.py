@@ -38,7 +38,7 @@ from ..signatures import Memo, signature
 from . import choose, configs, features, limits, targets, tiles
 from .decode import launch_split_merge, plan_split_merge
 from .launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
-from .options import KeyRanges, ScoreOptions, Varlen
+from .options import KEY_RANGE_FIELDS, SCORE_FIELDS, VARLEN_FIELDS, KeyRanges, ScoreOptions, Varlen
 from .packing import gqa_packing
 from .schedule import launch_order, launch_section
 from .tiles import (
@@ -449,10 +449,10 @@ def attention_forward(
     """
     if num_splits > 1 and keys is None:
         raise ValueError("num_splits > 1 needs per-batch key ranges (keys)")
+    key = _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa)  # before keys from varlen
     if varlen is not None and keys is None:
         cu_k = varlen.cu_seqlens_k
         keys = KeyRanges(cu_k[:-1], cu_k[1:], varlen.max_seqlen_k)
-    key = _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa)
     found = _PLANS.get(key) if key is not None else None
     if found is None:
         found = _PLANS.keep(key, plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa))
@@ -484,16 +484,20 @@ def _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> O
     state = choose.plan_state()
     if state is None:
         return None
-    cu_q = varlen.cu_seqlens_q if varlen is not None else None
-    start, end, max_len, table = keys if keys is not None else (None, None, None, None)
-    found = signature(
-        (q, k, v, options.alibi_slopes, options.seed, options.sinks, cu_q, start, end, table),
-        (options.softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
-         options.dropout_p, varlen.max_seqlen_q if varlen is not None else None, max_len, num_splits, kernel, pack_gqa),
-    )
+    # Every field of the records (``options.SCORE_FIELDS``...), none by hand, and which records the
+    # call has: ``keys`` as the caller passed them (those that varlen implies follow from its fields).
+    tensors = (q, k, v) + SCORE_FIELDS.tensors_of(options)
+    values = SCORE_FIELDS.values_of(options) + (num_splits, kernel, pack_gqa, varlen is None, keys is None)
+    if varlen is not None:
+        tensors += VARLEN_FIELDS.tensors_of(varlen)
+        values += VARLEN_FIELDS.values_of(varlen)
+    if keys is not None:
+        tensors += KEY_RANGE_FIELDS.tensors_of(keys)
+        values += KEY_RANGE_FIELDS.values_of(keys)
+    found = signature(tensors, values)
     if found is None:
         return None
-    if keys is not None:  # key ranges: no tensor descriptors
+    if keys is not None or varlen is not None:  # packed or ranged keys: no tensor descriptors
         return found, state, targets.target_of(q.device)
     aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # tensor descriptors need 16-byte bases
     return (found, state, targets.target_of(q.device), aligned, features.requested(),

@@ -26,11 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..signatures import Memo, signature
+from ..signatures import Fields, Memo, signature
 from . import choose, configs, splits, targets, tiles, tuned
 from .forward import ForwardPlan, plan_forward, run_forward
 from .launch import Plan, launch, plan
-from .options import KeyRanges, ScoreOptions
+from .options import SCORE_FIELDS, KeyRanges, ScoreOptions
 from .packing import PACK_MAX_ROWS, gqa_packing
 
 # Helpers the kernels call by name: torch.compile regenerates a kernel with the jit functions it
@@ -277,8 +277,27 @@ def program_heads(q: torch.Tensor, nheads_k: int, pack_gqa: Optional[bool] = Non
     return (nheads_k, seqlen_q * group) if packed else (nheads, seqlen_q)
 
 
-# Signature of a decoding step (``attention_kvcache``) -> its ``StepPlan``.
+# Signature of a decoding step (``_step_key``) -> its ``StepPlan``.
 _STEPS = Memo()
+# The fields of the records a step's key takes beside ``ScoreOptions``'s (``options.SCORE_FIELDS``).
+_CACHE_FIELDS = Fields(Cache)
+_ROTARY_FIELDS = Fields(Rotary)
+
+
+def _step_key(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], options: ScoreOptions, num_splits: int,
+              pack_gqa: Optional[bool]) -> Optional[tuple]:
+    """The signature that decides a decoding step: its tensors, every field of its records (none by
+    hand), and the settings that can change at run time (the tuned configurations); None: not memoized."""
+    state = choose.plan_state()
+    if state is None:
+        return None
+    tensors = (q, k_new, v_new) + _CACHE_FIELDS.tensors_of(cache) + SCORE_FIELDS.tensors_of(options)
+    values = _CACHE_FIELDS.values_of(cache) + SCORE_FIELDS.values_of(options) + (num_splits, pack_gqa)
+    if rotary is not None:  # a step without rotary has the shorter key
+        tensors += _ROTARY_FIELDS.tensors_of(rotary)
+        values += _ROTARY_FIELDS.values_of(rotary)
+    found = signature(tensors, values)
+    return None if found is None else (found, state, targets.target_of(q.device))
 
 
 @choose.tuned_fallback
@@ -302,18 +321,7 @@ def attention_kvcache(
     end = cache.seqlens + new if new else cache.seqlens
     start = cache.leftpad if cache.leftpad is not None else torch.zeros_like(cache.seqlens)
     keys = KeyRanges(start, end, cache.table.shape[1] * cache.k.shape[1], cache.table)  # capacity: Cache.capacity
-    cos, sin = (rotary.cos, rotary.sin) if rotary is not None else (None, None)
-    key = None
-    state = choose.plan_state()
-    if state is not None:
-        key = signature(
-            (q, k_new, v_new, cache.k, cache.v, cache.table, cache.seqlens, cache.leftpad, cos, sin,
-             options.alibi_slopes, options.sinks),
-            (options.softmax_scale, options.diag_offset, options.window_left, options.window_right, options.softcap,
-             options.dropout_p, rotary is not None and rotary.interleaved, num_splits, pack_gqa),
-        )
-    if key is not None:
-        key = key, state, targets.target_of(q.device)
+    key = _step_key(q, k_new, v_new, cache, rotary, options, num_splits, pack_gqa)
     step = _STEPS.get(key) if key is not None else None
     if step is None:
         step = _STEPS.keep(key, _plan_step(q, k_new, v_new, cache, rotary, options, keys, num_splits, pack_gqa,

@@ -4,7 +4,9 @@
   sinks), one object from the dispatch layer (``flash_recipe.dispatch.triton_backend``) down to
   the function that turns it into kernel arguments (``flash_recipe.ops.launch.score_args``);
 - ``Varlen``: packed sequences;
-- ``KeyRanges``: per-batch key rows of a KV cache, optionally paged.
+- ``KeyRanges``: per-batch key rows of a KV cache, optionally paged;
+- ``SCORE_FIELDS``, ``VARLEN_FIELDS``, ``KEY_RANGE_FIELDS``: their fields as the launchers' memo
+  keys take them (``flash_recipe.signatures.Fields``), so a new field reaches every key.
 
 Shapes (B batch, Sq/Sk query/key length, H query heads, Hk key/value heads, D head dim)::
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+
+from ..signatures import Fields
 
 
 class ScoreOptions(NamedTuple):
@@ -65,3 +69,9 @@ class KeyRanges(NamedTuple):
     end: torch.Tensor
     max_len: int
     table: Optional[torch.Tensor] = None
+
+
+# The fields of each record, tensors and values, as every memo key built from one takes them.
+SCORE_FIELDS = Fields(ScoreOptions)
+VARLEN_FIELDS = Fields(Varlen)
+KEY_RANGE_FIELDS = Fields(KeyRanges)

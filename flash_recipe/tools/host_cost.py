@@ -314,9 +314,10 @@ def gpu_route(target: str) -> Iterator[None]:
     device: the compile target (``targets.target_of``) and the triton backend's check of the CPU
     (``capabilities.interpreter_problem``, answered None). Metadata is treated as device memory
     (``device_metadata``)."""
-    from ..dispatch import capabilities
-    from ..ops import targets
-    from .stub_driver import stub_cuda
+    # These load the dispatch, torch and Triton: importing host_cost loads none of them.
+    from ..dispatch import capabilities  # loads the dispatch: importing host_cost does not
+    from ..ops import targets  # imports torch: importing host_cost does not
+    from .stub_driver import stub_cuda  # imports Triton when entered: importing host_cost does not
 
     saved = targets.target_of, capabilities.interpreter_problem
     targets.target_of = lambda device: target

@@ -220,7 +220,7 @@ def stub_cuda(target: str = "sm90") -> Iterator[object]:
     """Inside the block Triton's active driver is a ``StubDriver`` for ``target`` (``"sm80"`` to
     ``"sm121"``) on the stub library; yields the driver. ``TRITON_INTERPRET`` must be unset: the
     interpreter never reaches a driver."""
-    from ..ops import targets
+    from ..ops import targets  # imports torch and Triton: importing stub_driver loads neither
 
     if targets.interpreter_enabled():
         raise RuntimeError(
