@@ -76,7 +76,8 @@ def _registered(hook: Any) -> bool:
 
 def _descriptor_form(desc: Any) -> tuple:
     """What a tensor descriptor's compiled code and launch depend on besides its base (whose 16-byte
-    alignment its constructor asserts): block shape, shape, strides and padding."""
+    alignment its constructor asserts): block shape, shape, strides and padding (``launch`` checks
+    the same, written out)."""
     return tuple(desc.block_shape), tuple(desc.shape), tuple(desc.strides), getattr(desc, "padding", None)
 
 
@@ -102,9 +103,32 @@ class DirectLaunch:
 
     def launch(self, kernel: Any, grid: tuple, scalars: dict, tensors: dict) -> None:
         """Launch ``kernel`` (a JIT function) on ``grid`` with ``scalars`` and ``tensors``: directly
-        when READY and the guards hold, else through ``kernel.run``, learning on the way."""
-        if self.state == READY and ENABLED and self._direct(tensors):
-            return
+        when READY and the guards hold, else through ``kernel.run``, learning on the way. The
+        guards are written out here, not called: each call's frames are the host cost measured."""
+        if self.state == READY and ENABLED:
+            hooks = _HOOKS
+            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # a HookChain holds its calls
+            ready = not (enter is not None and getattr(enter, "calls", enter)) and not (
+                leave is not None and getattr(leave, "calls", leave)
+            )
+            for name, value, scope in self.globals:  # JITFunction.run says which changed, and how
+                ready = ready and scope.get(name, _MISSING) == value
+            args = self.template.copy()
+            for position, name, kind, form in self.slots:
+                found: Any = tensors.get(name)
+                if kind is None:  # a tensor: there, and aligned as when learnt
+                    ready = ready and found is not None and (found.data_ptr() % 16 == 0) is form
+                else:  # a descriptor: its type and form as when learnt
+                    padding = getattr(found, "padding", None)
+                    ready = ready and type(found) is kind and (
+                        tuple(found.block_shape), tuple(found.shape), tuple(found.strides), padding
+                    ) == form
+                args[position] = found
+            if ready:
+                x, y, z, _, function, metadata, _, _, _ = self.header
+                self.launcher(x, y, z, driver.active.get_current_stream(self.device), function, metadata, None, None,
+                              None, *args)
+                return
         if self.state == RECORD and ENABLED:
             self._record(kernel, grid, scalars, tensors)
             return
@@ -171,25 +195,5 @@ class DirectLaunch:
             return
         self.launcher, self.header, self.template, self.slots = launcher, header, values, tuple(slots)
         self.device = driver.active.get_current_device()
+        hooks_set()  # resolves ``_HOOKS``, which ``launch`` reads
         self.state = READY
-
-    def _direct(self, tensors: dict) -> bool:
-        """The launch from the template, or False where a guard fails."""
-        if hooks_set():
-            return False
-        for name, value, scope in self.globals:
-            if scope.get(name, _MISSING) != value:
-                return False  # JITFunction.run says which and how
-        args = self.template.copy()
-        for position, name, kind, form in self.slots:
-            found: Any = tensors.get(name)
-            if kind is None:  # a tensor: there, and aligned as when learnt
-                if found is None or (found.data_ptr() % 16 == 0) is not form:
-                    return False
-            elif type(found) is not kind or _descriptor_form(found) != form:
-                return False
-            args[position] = found
-        x, y, z, _, function, metadata, _, _, _ = self.header
-        stream = driver.active.get_current_stream(self.device)
-        self.launcher(x, y, z, stream, function, metadata, None, None, None, *args)
-        return True

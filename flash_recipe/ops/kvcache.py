@@ -250,6 +250,7 @@ def launch_blocks(device: torch.device, rows: int, head_dim: int, element_size: 
 
 def heuristic_splits(
     batch: int, nheads: int, seqlen_q: int, capacity: int, device: torch.device, head_dim: int, element_size: int,
+    sms: Optional[int] = None,
 ) -> int:
     """The split-KV count by rule (``splits.choose_splits``): enough shares of the keys that the
     launch fills the GPU's multiprocessors with a well-filled last wave, 1 when its programs alone
@@ -257,12 +258,16 @@ def heuristic_splits(
 
     The programs of one split are ``batch * nheads * query blocks`` and the key blocks
     ``cdiv(capacity, BLOCK_N)``, with ``nheads`` heads of ``seqlen_q`` rows as ``program_heads``
-    counts them and the blocks of the launch (``launch_blocks``). 1 off CUDA.
+    counts them and the blocks of the launch (``launch_blocks``). ``sms``: the multiprocessors
+    (default: the device's; 1 split off CUDA); given, the rule is applied whatever the device
+    (``tools.host_cost`` on the stub driver).
     """
-    if device.type != "cuda":
-        return 1
+    if sms is None:
+        if device.type != "cuda":
+            return 1
+        sms = splits.sm_count(device)
     query_blocks, block_n = launch_blocks(device, seqlen_q, head_dim, element_size)
-    return splits.choose_splits(batch * nheads * query_blocks, triton.cdiv(capacity, block_n), splits.sm_count(device))
+    return splits.choose_splits(batch * nheads * query_blocks, triton.cdiv(capacity, block_n), sms)
 
 
 def program_heads(q: torch.Tensor, nheads_k: int, pack_gqa: Optional[bool] = None) -> tuple[int, int]:

@@ -73,16 +73,24 @@ def stubbed_launches() -> Iterator[list]:
 
 def count_calls(fn: Callable[[], object]) -> int:
     """Python function calls (frames entered, generator resumptions included) during ``fn()``."""
-    return sum(calls_by_origin(fn).values())
+    counts = calls_by_origin(fn)
+    counts.pop("comprehensions", None)  # already counted by origin
+    return sum(counts.values())
 
 
 # Where a frame's code lives, by the first of these path parts its file name holds.
 ORIGINS = tuple((name, f"{os.sep}{name}{os.sep}") for name in ("flash_recipe", "triton", "torch"))
 
 
+# The frames Python 3.11 enters for list, dict and set comprehensions, which 3.12 inlines (PEP 709).
+COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>")
+
+
 def calls_by_origin(fn: Callable[[], object]) -> dict[str, int]:
     """``count_calls`` split by where each frame's code lives: ``flash_recipe``, ``triton``,
-    ``torch`` or ``other`` (the standard library, the caller)."""
+    ``torch`` or ``other`` (the standard library, the caller); and ``comprehensions``, where any
+    were entered: those of the calls that were comprehensions (``COMPREHENSIONS``), which Python
+    3.12 and newer would not count."""
     counts = dict.fromkeys((*(name for name, _ in ORIGINS), "other"), 0)
     origin_of: dict = {}
 
@@ -94,6 +102,8 @@ def calls_by_origin(fn: Callable[[], object]) -> dict[str, int]:
                 name = code.co_filename
                 origin = origin_of[code] = next((o for o, part in ORIGINS if part in name), "other")
             counts[origin] += 1
+            if code.co_name in COMPREHENSIONS:
+                counts["comprehensions"] = counts.get("comprehensions", 0) + 1
 
     sys.setprofile(profile)
     try:
@@ -243,6 +253,7 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
                     by_origin, us = calls_by_origin(ours), time_calls(ours, reps, device=device)
             if not stub:
                 by_origin, us = calls_by_origin(ours), time_calls(ours, reps, device=device)
+        comprehensions = by_origin.pop("comprehensions", 0)
         if device.type == "cpu":  # torch computes for real there: its host cost is its time on the least work
             sdpa = make_case(name, device, dtype, 1, (1, 1, 1, 16))[1]
         with torch.no_grad() if name != "fwd_bwd" else contextlib.nullcontext():
@@ -251,6 +262,7 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
             dict(
                 case=name,
                 calls=sum(by_origin.values()),
+                comprehensions=comprehensions,
                 calls_by_origin=by_origin,
                 us=round(us, 1),
                 sdpa_us=round(sdpa_us, 1),
@@ -268,17 +280,17 @@ def markdown(rows: list[dict], context: str) -> str:
     lines = [
         context,
         "",
-        "| case | Python calls (flash_recipe / triton / torch / other) | host us per call | SDPA us per call | "
-        "ratio | launches (arguments each) | Triton's launch |",
-        "|---|---:|---:|---:|---:|---|---|",
+        "| case | Python calls (flash_recipe / triton / torch / other) | comprehensions | host us per call | "
+        "SDPA us per call | ratio | launches (arguments each) | Triton's launch |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         split = " / ".join(str(n) for n in r["calls_by_origin"].values())
         launches = f"{r['launches']} ({'/'.join(map(str, r['arguments']))})"
         launch = "recorder" if r["stubbed"] else "runs"
         lines.append(
-            f"| {r['case']} | {r['calls']} ({split}) | {r['us']} | {r['sdpa_us']} | {r['ratio']} "
-            f"| {launches} | {launch} |"
+            f"| {r['case']} | {r['calls']} ({split}) | {r['comprehensions']} | {r['us']} | {r['sdpa_us']} "
+            f"| {r['ratio']} | {launches} | {launch} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -312,21 +324,25 @@ def gpu_route(target: str) -> Iterator[None]:
     """On a CPU: CPU tensors take the path a GPU's take, down to Triton's own launcher on the stub
     driver (``stub_driver.stub_cuda``). This package is told so at the two decisions it takes by
     device: the compile target (``targets.target_of``) and the triton backend's check of the CPU
-    (``capabilities.interpreter_problem``, answered None). Metadata is treated as device memory
-    (``device_metadata``)."""
-    # These load the dispatch, torch and Triton: importing host_cost loads none of them.
+    (``capabilities.interpreter_problem``, answered None); a KV-cache step's split count is the
+    rule's for the stub's multiprocessors (``kvcache.heuristic_splits``; no tuned table). Metadata
+    is treated as device memory (``device_metadata``)."""
     from ..dispatch import capabilities  # loads the dispatch: importing host_cost does not
-    from ..ops import targets  # imports torch: importing host_cost does not
-    from .stub_driver import stub_cuda  # imports Triton when entered: importing host_cost does not
+    from ..ops import kvcache, targets  # imports torch and Triton: importing host_cost does not
+    from .stub_driver import STUB_SMS, stub_cuda  # imports Triton when entered: importing host_cost does not
 
-    saved = targets.target_of, capabilities.interpreter_problem
+    def splits_as_on_the_stub(*args):
+        return kvcache.heuristic_splits(*args, sms=STUB_SMS)
+
+    saved = targets.target_of, capabilities.interpreter_problem, kvcache.auto_splits
     targets.target_of = lambda device: target
     capabilities.interpreter_problem = lambda: None
+    kvcache.auto_splits = splits_as_on_the_stub
     try:
         with stub_cuda(target):
             yield
     finally:
-        targets.target_of, capabilities.interpreter_problem = saved
+        targets.target_of, capabilities.interpreter_problem, kvcache.auto_splits = saved
 
 
 def run(args, command: str = "python -m flash_recipe.tools.host_cost") -> int:

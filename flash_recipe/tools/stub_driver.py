@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
+# The multiprocessors the stub reports (an H100's, H200's): ``cuDeviceGetAttribute``'s answer 16.
+STUB_SMS = 132
 STUB_SOURCE = r"""
 #include <stddef.h>
 #include <stdint.h>
