@@ -612,8 +612,9 @@ def test_memory_worker_reports_what_it_cannot_measure(tmp_path, capsys):
 
 
 def test_host_and_capture_steps_run_their_tools_and_reach_the_report(tmp_path):
-    """The host step runs the campaign's own worker (host_cost, launches stubbed and real), the
-    capture step capture_check; what they leave is collected and shown in the report."""
+    """The host step runs the campaign's own worker (host_cost, launches stubbed and real, a
+    torch.profiler trace per case), the capture step capture_check; what they leave is collected
+    and shown in the report."""
     from flash_recipe.tools import capture_check, host_cost
     from flash_recipe.tools.campaign import report as campaign_report
     from flash_recipe.tools.campaign import steps as campaign_steps
@@ -633,7 +634,9 @@ def test_host_and_capture_steps_run_their_tools_and_reach_the_report(tmp_path):
         {"case": "kvcache", "calls": 64, "us": 41.0, "sdpa_us": 20.0, "ratio": 2.05, "stubbed": True},
         {"case": "kvcache", "calls": 64, "us": 48.5, "sdpa_us": 21.0, "ratio": 2.31, "stubbed": False},
     ]
-    (scratch / "host.json").write_text(json.dumps({"shape": "B8-H32-Hk8-D128-S8192-bfloat16", "rows": host_rows}))
+    profiles = {"kvcache": [{"name": "cuLaunchKernelEx", "calls": 4.0, "self_cpu_us": 9.5}]}
+    host = {"shape": "B8-H32-Hk8-D128-S8192-bfloat16", "rows": host_rows, "profiles": profiles}
+    (scratch / "host.json").write_text(json.dumps(host))
     capture_rows = [
         {"check": "kvcache", "status": "passed", "detail": "replay equals eager"},
         {"check": "compile", "status": "error", "detail": "RuntimeError: capture read a tensor"},
@@ -647,6 +650,8 @@ def test_host_and_capture_steps_run_their_tools_and_reach_the_report(tmp_path):
     assert report["steps"]["capture"]["detail"].startswith("1 of 2 capture checks passed")
     text = campaign_report.render_markdown(report)
     assert "| kvcache | real | 64 | 48.5 | 21.0 | 2.31 |" in text
+    assert "kvcache, torch.profiler's top entries by self CPU time, per call:" in text
+    assert "| cuLaunchKernelEx | 4.0 | 9.5 |" in text
     assert "| compile | error | RuntimeError: capture read a tensor |" in text
 
 

@@ -276,6 +276,32 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
     return rows
 
 
+def profile_case(name: str, device, dtype, cache: int, calls: int = 50, top: int = 12) -> list[dict]:
+    """The ``top`` entries by self CPU time of ``calls`` repeated calls of case ``name`` under
+    ``torch.profiler`` (CPU activity, and CUDA's on a GPU), after the first call of the signature:
+    what a call's host time goes to below Python (the autograd graph, allocations, the driver's
+    launch), per call. Each entry: ``name``, ``calls`` (per call), ``self_cpu_us`` (per call)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..dispatch import use_backend  # loads the dispatch: importing host_cost does not
+
+    ours, _ = make_case(name, device, dtype, cache)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with use_backend("triton"), device_metadata(device):
+        ours()
+        with profile(activities=activities) as prof:
+            for _ in range(calls):
+                ours()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [
+        {"name": e.key, "calls": round(e.count / calls, 2), "self_cpu_us": round(e.self_cpu_time_total / calls, 2)}
+        for e in events
+    ]
+
+
 def markdown(rows: list[dict], context: str) -> str:
     lines = [
         context,

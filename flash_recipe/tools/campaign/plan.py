@@ -75,7 +75,7 @@ DECODE_REPLAY_OF_COPY = {True: 0.8, False: 0.5}
 DECODE_EAGER_RATIO = 0.9
 # The host cost step (``flash_recipe.tools.host_cost``) and the capture step's checks
 # (``flash_recipe.tools.capture_check``).
-HOST_CASES = ("fwd", "fwd_autograd", "kvcache")
+HOST_CASES = ("fwd", "fwd_autograd", "kvcache", "fwd_bwd")
 CAPTURE_CHECKS = ("kvcache", "kvcache_paged", "varlen", "fwd", "fwd_bwd", "compile")
 
 # The steps in the order of value (after ``env``): compiling ahead, correctness on the GPU, training

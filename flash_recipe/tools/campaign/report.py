@@ -195,6 +195,11 @@ def render_markdown(report: dict) -> str:
                 f"{row['sdpa_us']} | {row['ratio']} |"
             )
         lines.append("")
+        for case, entries in (host_data.get("profiles") or {}).items():
+            lines += [f"{case}, torch.profiler's top entries by self CPU time, per call:", "",
+                      "| entry | calls | self CPU us |", "|---|---:|---:|"]  # fmt: skip
+            lines += [f"| {e['name']} | {e['calls']} | {e['self_cpu_us']} |" for e in entries]
+            lines.append("")
     capture_data = (steps.get("capture") or {}).get("data") or {}
     if capture_data.get("rows"):
         lines += ["## CUDA-graph capture", "", "| check | status | detail |", "|---|---|---|"]

@@ -79,7 +79,8 @@ def memory_rows(seqlens, peers, result: Optional[str] = None, progress=print) ->
 def host_rows(cases=HOST_CASES, progress=print) -> dict:
     """The host cost per call (``host_cost.measure``) on the GPU at the decoding shape, twice: with
     Triton's launch stubbed (this package's own host work) and with real launches issued back to
-    back (what a decoding loop's host spends per call); torch SDPA's beside each."""
+    back (what a decoding loop's host spends per call); torch SDPA's beside each; then one
+    ``torch.profiler`` trace per case (``host_cost.profile_case``: the top entries by self CPU time)."""
     import torch
 
     from .. import host_cost  # imports torch: importing the campaign loads none
@@ -91,9 +92,18 @@ def host_rows(cases=HOST_CASES, progress=print) -> dict:
             rows.append(row)
             progress(f"{row['case']:<14} launches {'stubbed' if stub else 'real':<8} {row['calls']:>4} calls "
                      f"{row['us']:8.1f} us, sdpa {row['sdpa_us']:8.1f} us")  # fmt: skip
+    profiles = {}
+    for name in cases:  # what the host time is below Python: one torch.profiler trace per case
+        try:
+            profiles[name] = host_cost.profile_case(name, device, torch.bfloat16, host_cost.CACHE_GPU)
+        except Exception as exc:  # the trace is extra: its failure is reported, the rows kept
+            profiles[name] = [
+                {"name": f"profiler failed: {type(exc).__name__}: {exc}"[:300], "calls": 0, "self_cpu_us": 0}
+            ]
+        progress(f"{name:<14} profiled: {', '.join(e['name'] for e in profiles[name][:3])}")
     batch, nheads, nheads_k, head_dim = host_cost.SHAPE
     shape = f"B{batch}-H{nheads}-Hk{nheads_k}-D{head_dim}-S{host_cost.CACHE_GPU}-bfloat16"
-    return {"shape": shape, "rows": rows}
+    return {"shape": shape, "rows": rows, "profiles": profiles}
 
 
 def worker_parser() -> argparse.ArgumentParser:
