@@ -31,6 +31,7 @@ receives each way (on the stub driver, ``tools.stub_driver``).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -41,6 +42,9 @@ ENABLED = True
 
 NEW, RECORD, READY, OFF = 0, 1, 2, -1
 _MISSING = object()
+# One recording at a time: a recording swaps a compiled kernel's launcher for the one launch, which
+# another thread's launch of the same kernel must neither see nor undo.
+_RECORDING = threading.Lock()
 _HEADER = 9  # grid x, y, z, stream, function, packed metadata, launch metadata, enter and exit hooks
 
 
@@ -149,22 +153,26 @@ class DirectLaunch:
             self.state = OFF
 
     def _record(self, kernel: Any, grid: tuple, scalars: dict, tensors: dict) -> None:
-        compiled, slot = self.compiled, _launcher_slot(self.compiled)
-        launcher = getattr(compiled, slot)
-        calls: list = []
+        with _RECORDING:
+            if self.state != RECORD:  # another thread recorded this plan meanwhile
+                kernel.run(grid=grid, warmup=False, **scalars, **tensors)
+                return
+            compiled, slot = self.compiled, _launcher_slot(self.compiled)
+            launcher = getattr(compiled, slot)
+            calls: list = []
 
-        def recording(*args):
-            calls.append(args)
-            return launcher(*args)
+            def recording(*args):
+                calls.append(args)
+                return launcher(*args)
 
-        setattr(compiled, slot, recording)
-        try:
-            returned = kernel.run(grid=grid, warmup=False, **scalars, **tensors)
-        finally:
-            setattr(compiled, slot, launcher)
-        self.state = OFF
-        if returned is compiled and len(calls) == 1 and not hooks_set():
-            self._learn(kernel, launcher, grid, calls[0], tensors)
+            setattr(compiled, slot, recording)
+            try:
+                returned = kernel.run(grid=grid, warmup=False, **scalars, **tensors)
+            finally:
+                setattr(compiled, slot, launcher)
+            self.state = OFF
+            if returned is compiled and len(calls) == 1 and not hooks_set():
+                self._learn(kernel, launcher, grid, calls[0], tensors)
 
     def _learn(self, kernel: Any, launcher: Any, grid: tuple, call: tuple, tensors: dict) -> None:
         """READY with ``call``'s values as the template, if every value is accounted for."""
