@@ -507,20 +507,23 @@ def test_the_presets_select_what_ci_and_compat_compile():
     (``varlen``, ``paged``): every head dim aligned in bf16 on one target per family. Attention
     sinks (``sinks``): head dim 128 on every target, 64 on one per family, aligned in bf16. Folded
     grids (``folded``): head dim 128 aligned in bf16 on sm80, sm90, sm100 and gfx942. ``--preset
-    ci`` is part of full: all of full's first selection, every call, dtype, form, head-dim bucket
-    and target of full, each family target in fp32 and ragged. ``--preset compat``: 4 calls at
+    ci`` is part of full: the forward, backward and decode step at head dim 128 on every target, the
+    other configuration rows on each family target, every call, dtype, form, head-dim bucket and
+    target of full, each family target in fp32 and ragged. ``--preset compat``: 4 calls at
     head dim 128 in bf16, both forms, sm80 and sm90, and the warp-specialised forward where full
     has it. An option narrows a preset; no preset means every combination."""
     full = compile_check.select_jobs("full")
     ci = compile_check.select_jobs("ci")
     assert set(ci) < set(full) and len(set(ci)) == len(ci)
     every_target = {
-        (compile_check.Case(call, "bfloat16", d, "aligned"), t)
-        for call in ("fwd", "options", "bwd", "decode", "decode_paged")
-        for d in (64, 128, 256)
+        (compile_check.Case(call, "bfloat16", 128, "aligned"), t)
+        for call in ("fwd", "bwd", "decode")
         for t in compile_check.TARGETS
     }
     assert every_target <= set(ci)
+    rows = {(c.call, c.head_dim, t) for c, t in ci if c.dtype == "bfloat16" and c.form == "aligned"}
+    families = compile_check.FAMILY_TARGETS
+    assert {(call, d, t) for call in ("fwd", "bwd", "decode") for d in (64, 256) for t in families} <= rows
     for field in ("call", "dtype", "form", "head_dim"):
         assert {getattr(c, field) for c, _ in ci} == {getattr(c, field) for c, _ in full}, field
     assert {t for _, t in ci} == set(compile_check.TARGETS)

@@ -101,12 +101,12 @@ SPILL_BUDGET_MAX_HEAD_DIM = 128
 # family target's limits and tables, gfx950 more room and gfx942's tables); packed sequences and
 # paged caches at every head dim; sinks, 8-bit attention, folded grids and the warp-specialised
 # forward. About 2,000 kernels: run it when a kernel, a configuration table or a limit changes.
-# "ci" (``nox -s compile_check``, what CI runs): full's first selection whole (every target, every
-# configuration row, the five calls), and on one target per family the rest narrowed to the calls
-# and head dims whose tiles differ: fp32 forward, backward and decode at 128 and 256 (where shared
-# memory binds), the small head dims' forward and backward, the ragged form at 128, packed and
-# paged at 64, 128 and 256, 8-bit attention at 64 and 256 (128 on every target). About 60% of
-# full's calls.
+# "ci" (``nox -s compile_check``, what CI runs): the forward, backward and decode step at head dim
+# 128 on every target (aligned, bf16); on one target per family the other configuration rows (64,
+# 256), the score options and a paged decode step, fp32 at 256 (where shared memory binds), head
+# dim 32, the ragged form, packed sequences, paged caches, sinks and 8-bit attention at 128; the
+# folded grids and the warp-specialised forward as in full. About a quarter of full's calls; the
+# rest are for a kernel, table or limit change.
 # "compat" (``nox -s torch_compat``, once per torch release): the forward, backward and decode
 # step for sm80 and sm90 at head dim 128 in bf16, both forms, and the warp-specialised forward on
 # sm100 at the head dims it is offered (aligned, bf16), which a Triton that does not compile it
@@ -119,18 +119,18 @@ FAMILY_TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx942")
 ALL = (CALLS, DTYPES, HEAD_DIM_BUCKETS, FORMS, TARGETS)
 PRESETS = {
     "ci": [
-        # Every target: the five calls at each configuration row's largest head dim, aligned, bf16.
-        (_CI_CALLS, ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), TARGETS),
-        # One target per family: fp32 tiles (the largest) where shared memory binds, the small head
-        # dims, the ragged form, packed sequences and paged caches.
-        (("fwd", "bwd", "decode"), ("float32",), (128, 256), ("aligned",), FAMILY_TARGETS),
-        (("fwd", "bwd"), ("bfloat16",), _SMALL_HEAD_DIMS, ("aligned",), FAMILY_TARGETS),
-        (("fwd", "bwd", "decode"), ("bfloat16",), (128,), ("ragged",), FAMILY_TARGETS),
-        (("varlen", "paged"), ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), FAMILY_TARGETS),
-        (("sinks",), ("bfloat16",), (128,), ("aligned",), TARGETS),
-        (("sinks",), ("bfloat16",), (64,), ("aligned",), FAMILY_TARGETS),
-        (("int8",), ("bfloat16",), (128,), ("aligned",), TARGETS),
-        (("int8",), ("bfloat16",), (64, 256), ("aligned",), FAMILY_TARGETS),
+        # Every target: the forward, the backward and a decode step at head dim 128, aligned, bf16.
+        (("fwd", "bwd", "decode"), ("bfloat16",), (128,), ("aligned",), TARGETS),
+        # One target per family: the other configuration rows (64, 256), the score options and a
+        # paged decode step, fp32 tiles where shared memory binds, the small head dims, the ragged
+        # form, packed sequences and paged caches, sinks and 8-bit attention.
+        (("fwd", "bwd", "decode"), ("bfloat16",), (64, 256), ("aligned",), FAMILY_TARGETS),
+        (("options", "decode_paged"), ("bfloat16",), (128,), ("aligned",), FAMILY_TARGETS),
+        (("fwd", "bwd"), ("float32",), (256,), ("aligned",), FAMILY_TARGETS),
+        (("fwd", "bwd"), ("bfloat16",), (32,), ("aligned",), FAMILY_TARGETS),
+        (("fwd", "bwd"), ("bfloat16",), (128,), ("ragged",), FAMILY_TARGETS),
+        (("varlen", "paged"), ("bfloat16",), (128,), ("aligned",), FAMILY_TARGETS),
+        (("sinks", "int8"), ("bfloat16",), (128,), ("aligned",), FAMILY_TARGETS),
         (("int8",), ("bfloat16",), (128,), ("ragged",), FAMILY_TARGETS),
         (("folded",), ("bfloat16",), (128,), ("aligned",), ("sm80", "sm90", "sm100", "gfx942")),
         (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
