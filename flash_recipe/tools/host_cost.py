@@ -116,23 +116,26 @@ def calls_by_origin(fn: Callable[[], object]) -> dict[str, int]:
 
 @contextlib.contextmanager
 def recorded_launches() -> Iterator[list]:
-    """Inside the block each launch still runs, and is recorded as ``(kernel name, keyword
-    arguments)`` in the list this yields (``JITFunction.run`` wrapped: the wrapper's frames are
-    never counted, since the block holds no counted or timed call)."""
+    """Inside the block each launch still runs, through ``JITFunction.run`` (the direct launch off:
+    ``ops.direct.ENABLED``), and is recorded as ``(kernel name, keyword arguments)`` in the list
+    this yields (the wrapper's frames are never counted: the block holds no counted or timed
+    call). Plans made in the block learn no direct launch: call it after a signature's first two."""
     from triton.runtime import jit
 
+    from ..ops import direct  # imports Triton: importing host_cost does not
+
     launches: list = []
-    run = jit.JITFunction.run
+    run, enabled = jit.JITFunction.run, direct.ENABLED
 
     def recording(self, *args, **kwargs):
         launches.append((getattr(self, "__name__", repr(self)), len(args) + len(kwargs) - 2))  # less grid, warmup
         return run(self, *args, **kwargs)
 
-    jit.JITFunction.run = recording
+    jit.JITFunction.run, direct.ENABLED = recording, False
     try:
         yield launches
     finally:
-        jit.JITFunction.run = run
+        jit.JITFunction.run, direct.ENABLED = run, enabled
 
 
 def time_calls(fn: Callable[[], object], reps: int = 200, rounds: int = 5, device=None) -> float:
@@ -244,14 +247,19 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
     for name in cases:
         ours, sdpa = make_case(name, device, dtype, cache)
         with use_backend("triton"), device_metadata(device):
-            with stubbed_launches() if stub else recorded_launches() as launches:
-                ours()  # the first call of the signature: checks, choices, plans
-                before = len(launches)
-                ours()  # one call recorded: its launches and their arguments
-                launched = [_launch_row(launch) for launch in launches[before:]]
-                if stub:
+            if stub:
+                with stubbed_launches() as launches:
+                    ours()  # the first call of the signature: checks, choices, plans
+                    before = len(launches)
+                    ours()  # one call recorded: its launches and their arguments
+                    launched = [_launch_row(launch) for launch in launches[before:]]
                     by_origin, us = calls_by_origin(ours), time_calls(ours, reps, device=device)
-            if not stub:
+            else:
+                ours()  # the first call of the signature: checks, choices, plans
+                ours()  # the second: each plan learns its direct launch (``ops.direct``)
+                with recorded_launches() as launches:
+                    ours()  # one call recorded: its launches and their arguments
+                launched = [_launch_row(launch) for launch in launches]
                 by_origin, us = calls_by_origin(ours), time_calls(ours, reps, device=device)
         comprehensions = by_origin.pop("comprehensions", 0)
         if device.type == "cpu":  # torch computes for real there: its host cost is its time on the least work

@@ -37,7 +37,7 @@ from typing import Optional
 
 # The multiprocessors the stub reports (an H100's, H200's): ``cuDeviceGetAttribute``'s answer 16.
 STUB_SMS = 132
-STUB_SOURCE = r"""
+_SOURCE = r"""
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -49,6 +49,7 @@ typedef struct {
   unsigned numAttrs;
 } StubLaunchConfig;
 
+#define STUB_SMS @STUB_SMS@
 static int major = 9, minor = 0;
 static long long launch_count = 0;
 static unsigned last[7];
@@ -72,7 +73,7 @@ static int device_attribute(int attribute) {
   case 10: return 32;       /* warp size */
   case 12: return 65536;    /* registers per block */
   case 13: return 1980000;  /* clock rate, kHz */
-  case 16: return 132;      /* multiprocessors */
+  case 16: return STUB_SMS; /* multiprocessors */
   case 36: return 2619000;  /* memory clock rate, kHz */
   case 37: return 5120;     /* memory bus width, bits */
   case 75: return major;
@@ -141,6 +142,7 @@ CUresult cuMemAlloc(uint64_t *pointer, size_t size) { *pointer = 0; return 0; }
 CUresult cuMemFree(uint64_t pointer) { return 0; }
 CUresult cuGetProcAddress() { return 1; }
 """
+STUB_SOURCE = _SOURCE.replace("@STUB_SMS@", str(STUB_SMS))
 
 _LIBRARY: Optional[ctypes.CDLL] = None
 
