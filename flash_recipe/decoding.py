@@ -14,6 +14,7 @@ memory access or a plausible wrong number.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -82,8 +83,7 @@ def build_cache_call(q, k_cache, v_cache, **args) -> CacheCall:
                 args["learnable_sink"],
                 *metadata,
             ),
-            ("kvcache_call", None if metadata[0] is not None else seqlens)
-            + tuple(args[name] for name in _CACHE_OPTIONS),
+            ("kvcache_call", None if metadata[0] is not None else seqlens) + _CACHE_OPTION_VALUES(args),
         )
         form = _CACHE_CALLS.get(key) if key is not None else None
         if form is not None:
@@ -128,6 +128,7 @@ _CACHE_CALLS = Memo()
 _CACHE_OPTIONS = (
     "softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved", "num_splits", "return_softmax_lse"
 )  # fmt: skip
+_CACHE_OPTION_VALUES = operator.itemgetter(*_CACHE_OPTIONS)  # their values from the arguments, as a tuple
 
 
 def _upstream_args(args: dict) -> dict:
@@ -152,8 +153,8 @@ def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: 
         table = cache_batch_idx.view(batch, 1)
     else:
         table = torch.arange(batch, dtype=torch.int32, device=q.device).view(batch, 1)
-    attention = AttentionCall(
-        q=q, k=k_cache, v=v_cache, alibi_slopes=args["alibi_slopes"], sinks=args["learnable_sink"], **form.fields
+    attention = AttentionCall.repeated(
+        form.fields, key, q=q, k=k_cache, v=v_cache, alibi_slopes=args["alibi_slopes"], sinks=args["learnable_sink"]
     )
     rotary_cos = args["rotary_cos"]
     rotary = None if rotary_cos is None else (rotary_cos, args["rotary_sin"], form.interleaved)
@@ -162,7 +163,7 @@ def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: 
     user_args.update(window_size=attention.window, num_splits=form.num_splits)
     return CacheCall(
         q, k_cache, v_cache, args["k"], args["v"], rotary, seqlens, args["cache_leftpad"], table, form.paged,
-        attention.signed(key), form.num_splits, user_args,
+        attention, form.num_splits, user_args,
     )  # fmt: skip
 
 
@@ -416,8 +417,7 @@ def forward_only(what: str, run, *inputs) -> tuple:
         return run()
     tensors = [t for t in inputs if t is not None]
     if True not in [t.requires_grad for t in tensors]:
-        with torch.no_grad():
-            return run()
+        return run()  # nothing to attach to: no graph is recorded
     return _ForwardOnly.apply(what, run, *tensors)
 
 

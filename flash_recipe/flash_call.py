@@ -89,9 +89,11 @@ def build_flash_call(
     if not torch.compiler.is_compiling():
         key = _call_key(q, k, v, options, names, varlen, paged)
         fields = _CALLS.get(key) if key is not None else None
-        if fields is not None:
+        if fields is not None and key is not None:
             cu_q, cu_k = varlen[:2] if varlen is not None else (None, None)
-            call = AttentionCall(
+            return AttentionCall.repeated(
+                fields,
+                key,
                 q=q,
                 k=k,
                 v=v,
@@ -99,9 +101,7 @@ def build_flash_call(
                 cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k,
                 sinks=options.learnable_sink,
-                **fields,
             )
-            return call.signed(key)
     call = _checked_flash_call(q, k, v, options, names, varlen, paged)
     if key is not None and _reusable(call, (q, k, v, options.learnable_sink), varlen):
         _CALLS.keep(key, _derived_fields(call))
@@ -139,9 +139,10 @@ def _reusable(call: AttentionCall, given: tuple, varlen: Optional[tuple]) -> boo
 
 
 def _derived_fields(call: AttentionCall) -> dict:
+    """Every field of a checked ``call`` but its tensors and signature (``AttentionCall.repeated``)."""
     fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call) if f.name not in _TENSOR_FIELDS}
-    fields.pop("seed")  # a call's own; None from the public layer
-    fields.pop("signature")  # not an argument
+    # ``seed`` stays (None: the public layer draws none; a backend does, on a call of its own).
+    fields.pop("signature")  # set by ``signed``
     return fields
 
 

@@ -49,7 +49,8 @@ def test_direct_launches_pass_the_launcher_what_jit_function_run_passes():
     rows = {row["case"]: row for row in _worker("calls", *CASES)}
     assert set(rows) == set(CASES)
     for case, row in rows.items():
-        assert row["direct_launches"] >= (3 if case in ("kvcache", "fwd_bwd") else 1), row
+        # A decoding step: the append of keys and values, the forward; the backward: its own launches too.
+        assert row["direct_launches"] >= {"kvcache": 2, "fwd_bwd": 3}.get(case, 1), row
         assert row["problems"] == [], row
         assert row["runs_through_run"] == row["direct_launches"] and row["runs_direct"] == 0, row
 

@@ -211,7 +211,9 @@ def _entries(memo_owner, memo_name: str, monkeypatch, run, baseline, fields) -> 
     assert len(memo) == len(fields) + 1, "the same call again took a new entry"
 
 
-_NO_PLAN = ForwardPlan(out_shape=(), lse_shape=(), main=None, combine=None, num_splits=1, tma_rows=0, tuned=())
+_NO_PLAN = ForwardPlan(
+    out_shape=(), lse_shape=(), main=None, combine=None, num_splits=1, tma=(), tuned=(), warp_spec=()
+)
 
 
 def test_forward_memo_entry_per_option(monkeypatch):
@@ -240,7 +242,7 @@ def test_backward_memo_entry_per_option(monkeypatch):
 
 def test_kvcache_memo_entry_per_option(monkeypatch):
     planned = []
-    step = StepPlan(append_k=None, append_v=None, rotate_q=None, forward=_NO_PLAN)
+    step = StepPlan(append=None, rotate_q=None, forward=_NO_PLAN)
     monkeypatch.setattr(kvcache, "_plan_step", lambda *args: planned.append(args[5]) or step)
     monkeypatch.setattr(kvcache, "run_forward", lambda *args: (None, None))
     q = torch.zeros(B, 1, H, D)

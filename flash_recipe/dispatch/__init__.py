@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import threading
 from collections.abc import Iterator
 from typing import Callable, Optional
@@ -22,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import alias
+from ..environ import getenv
 from ..ops import targets
 from ..signatures import Memo, signature
 from .base import Backend, BackendUnavailableError
@@ -111,7 +111,7 @@ def _forced(compiling: bool) -> Optional[str]:
     forced = getattr(_TRACED, "choice", _ENVIRONMENT) if compiling else _CHOICE.get()
     if forced is not _ENVIRONMENT:
         return forced
-    name = os.environ.get(ENV_VAR, "").strip()
+    name = getenv(ENV_VAR).strip()
     if name in ("", "auto"):
         return None
     if name not in _BY_NAME:
@@ -142,7 +142,8 @@ def select(call: AttentionCall, extra: Refusal = None, extra_key: Optional[tuple
     and the process facts that change at run time (the ``flash_attn`` stand-in, the interpreter);
     the facts computed once per process are constant. ``signatures.forget()`` clears it.
     """
-    compiling = torch.compiler.is_compiling()
+    # A signed call was built outside torch.compile (``signed``): no need to ask.
+    compiling = call.signature is None and torch.compiler.is_compiling()
     name = _forced(compiling)
     key = None
     if not compiling and (extra is None or extra_key is not None):

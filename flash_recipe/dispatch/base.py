@@ -62,7 +62,7 @@ class Backend:
 
         Varlen results are ``out (total_q, H, Dv)`` and ``lse (H, total_q)``.
         """
-        if not call.is_varlen or self.native_varlen:
+        if call.cu_seqlens_q is None or self.native_varlen:  # not varlen
             return self.run(call)
         results = [self.run(part) for part in call.sequences()]
         out = torch.cat([r[0].squeeze(0) for r in results], dim=0)

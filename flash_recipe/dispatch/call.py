@@ -66,8 +66,19 @@ class AttentionCall:
     def __post_init__(self) -> None:
         object.__setattr__(self, "window", effective_window(self.causal, self.window))
 
+    @classmethod
+    def repeated(cls, fields: dict, signature: tuple, **tensors) -> AttentionCall:
+        """The call that ``AttentionCall(**fields, **tensors).signed(signature)`` gives, where ``fields``
+        (every field but the tensors and ``signature``) are a constructed call's, as its
+        ``__post_init__`` left them: built without running ``__init__`` again (a memo hit of the
+        public layer, on every repeated call)."""
+        call = object.__new__(cls)
+        vars(call).update(fields, signature=signature, **tensors)
+        return call
+
     def signed(self, signature: Optional[tuple]) -> AttentionCall:
-        """This call, marked as built from arguments of ``signature``."""
+        """This call, marked as built from arguments of ``signature`` (which the public layer computes
+        outside torch.compile only: a signed call is never being traced, ``dispatch.select``)."""
         object.__setattr__(self, "signature", signature)
         return self
 

@@ -94,11 +94,16 @@ class TritonBackend(Backend):
         options = score_options(call)
         if options.dropout_p > 0.0 and options.seed is None:
             options = options._replace(seed=new_seed(call.q.device))
-        out, lse = attention(call.q, call.k, call.v, options, varlen_of(call), call.deterministic)
+        varlen = varlen_of(call) if call.cu_seqlens_q is not None else None
+        # A signed call was built outside torch.compile (``AttentionCall.signed``).
+        traced = None if call.signature is None else False
+        out, lse = attention(call.q, call.k, call.v, options, varlen, call.deterministic, traced)
         s_dmask = None
         if options.seed is not None and call.return_probs:
             s_dmask = self._dropped_probs(call, options.seed)
         return out, lse, s_dmask
+
+    run_call = run  # varlen calls run whole (``native_varlen``): ``Backend.run_call`` would call ``run``
 
     def grad(self, call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple:
         from ..ops.attention import attn_bwd, flatten  # imports Triton: on the first run only

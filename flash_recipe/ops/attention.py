@@ -126,7 +126,8 @@ def _save(ctx, q, k, v, output, options: ScoreOptions, varlen: Optional[Varlen],
     out, lse = output
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, options.alibi_slopes, options.seed, options.sinks)
-    ctx.options = options._replace(alibi_slopes=None, seed=None, sinks=None)  # their tensors are saved
+    plain = options.alibi_slopes is None and options.seed is None and options.sinks is None
+    ctx.options = options if plain else options._replace(alibi_slopes=None, seed=None, sinks=None)  # tensors saved
     ctx.max_seqlens = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen is not None else None
     ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
@@ -137,7 +138,8 @@ def _gradients(ctx, dout, eager: bool) -> tuple:
     the ``attn_bwd`` op (flattened) for the op's own autograd, which torch.compile traces; straight
     through the launcher for an eager call's ``_EagerAttention``."""
     q, k, v, out, lse, cu_q, cu_k, slopes, seed, sinks = ctx.saved_tensors
-    options = ctx.options._replace(alibi_slopes=slopes, seed=seed, sinks=sinks)
+    plain = slopes is None and seed is None and sinks is None  # ``_save`` kept the options whole
+    options = ctx.options if plain else ctx.options._replace(alibi_slopes=slopes, seed=seed, sinks=sinks)
     varlen = Varlen(cu_q, cu_k, *ctx.max_seqlens) if ctx.max_seqlens is not None else None
     if eager and not torch.compiler.is_compiling() and type(dout) is torch.Tensor:
         return attention_backward(dout, q, k, v, out, lse, options, varlen, True, ctx.deterministic)
@@ -180,6 +182,21 @@ class _EagerAttention(torch.autograd.Function):
         return dq, dk, dv, dsink, None, None, None
 
 
+def _c_apply() -> Optional[tuple]:
+    """``(apply, unwrap)``: the C functions ``torch.autograd.Function.apply`` calls outside a functorch
+    transform (``torch._C._FunctionBase``'s ``apply``, bound to ``_EagerAttention``, and functorch's
+    ``unwrap_if_dead`` for each tensor argument), which ``attention`` calls itself, without that
+    method's Python (nine calls for seven arguments); None where this torch lacks either."""
+    apply = vars(getattr(torch._C, "_FunctionBase", object)).get("apply")
+    unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+    if apply is None or unwrap is None or not hasattr(torch._C, "_are_functorch_transforms_active"):
+        return None
+    return apply.__get__(None, _EagerAttention), unwrap
+
+
+_C_APPLY = _c_apply()
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -187,8 +204,12 @@ def attention(
     options: ScoreOptions,
     varlen: Optional[Varlen] = None,
     deterministic: bool = False,
+    traced: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes.
+
+    ``traced``: whether torch.compile is tracing the call, where the caller knows; None asks
+    ``torch.compiler.is_compiling()``.
 
     ``options.sinks (H,)`` are differentiable; ``deterministic`` takes the backward's three-kernel
     path, bit-identical from run to run (``attention_backward``). With ``dropout_p > 0`` and no
@@ -199,7 +220,9 @@ def attention(
     if options.dropout_p > 0.0 and options.seed is None:
         options = options._replace(seed=new_seed(q.device))
     sinks = options.sinks
-    if torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor) or (
+    if traced is None:
+        traced = torch.compiler.is_compiling()
+    if traced or not (type(q) is type(k) is type(v) is torch.Tensor) or (
         sinks is not None and type(sinks) not in (torch.Tensor, torch.nn.Parameter)  # a model's sinks: a Parameter
     ):
         # Traced whole, as one op; or tensor subclasses (a collective's pending result, for one),
@@ -208,6 +231,10 @@ def attention(
     if torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     ):
+        if _C_APPLY is not None and not torch._C._are_functorch_transforms_active():
+            apply, unwrap = _C_APPLY
+            sinks = unwrap(sinks) if sinks is not None else None
+            return apply(unwrap(q), unwrap(k), unwrap(v), sinks, options, varlen, bool(deterministic))
         return _EagerAttention.apply(q, k, v, sinks, options, varlen, bool(deterministic))
     return attention_forward(q, k, v, options, varlen)  # nothing to record
 

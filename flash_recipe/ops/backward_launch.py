@@ -90,7 +90,7 @@ def attention_backward(
     found = _PLANS.get(key) if key is not None else None
     if found is None:
         found = _PLANS.keep(key, plan_backward(dout, q, k, v, out, lse, options, varlen, own_lse, deterministic))
-    else:
+    elif found.tuned:
         choose.took_tuned(found.tuned)
     return run_backward(found, dout, q, k, v, out, lse, options, varlen)
 

@@ -83,7 +83,8 @@ def tuned_taken() -> Optional[list]:
 
 def took_tuned(entries: tuple) -> None:
     """Record that a launch took these tuned entries (a memoized plan that ``launch_config`` chose
-    them for), so that ``tuned_fallback`` can reject them if the launch fails."""
+    them for), so that ``tuned_fallback`` can reject them if the launch fails. Callers skip the
+    call where a plan took none (one Python call less per launch)."""
     if entries:
         used = _TUNED_USED.get()
         if used is not None:
@@ -190,10 +191,14 @@ def tuned_fallback(launcher: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(launcher)
     def run(*args, **kwargs):
         token = _TUNED_USED.set([])
+        specialised: list = []  # what ``features.warp_specialization`` lets warp-specialise, in this call
+        taking = features.WARP_SPEC_TAKEN.set(specialised)  # set and reset inline: no frames per call
         try:
             try:
-                with features.recording_warp_specialization() as specialised:
+                try:
                     return launcher(*args, **kwargs)
+                finally:
+                    features.WARP_SPEC_TAKEN.reset(taking)
             except Exception as exc:
                 if specialised:
                     with features.using_warp_specialization(False):

@@ -103,7 +103,8 @@ class DirectLaunch:
         self.template: list = []
         self.slots: tuple = ()  # (position, name, None and 16-byte aligned, or a descriptor's type and form)
         self.device: Any = None
-        self.globals: tuple = ()  # (name, value at compile time, the module's globals)
+        # (name, value at compile time, the object the module held when learnt, the module's globals)
+        self.globals: tuple = ()
 
     def launch(self, kernel: Any, grid: tuple, scalars: dict, tensors: dict) -> None:
         """Launch ``kernel`` (a JIT function) on ``grid`` with ``scalars`` and ``tensors``: directly
@@ -115,8 +116,9 @@ class DirectLaunch:
             ready = not (enter is not None and getattr(enter, "calls", enter)) and not (
                 leave is not None and getattr(leave, "calls", leave)
             )
-            for name, value, scope in self.globals:  # JITFunction.run says which changed, and how
-                ready = ready and scope.get(name, _MISSING) == value
+            for name, value, held, scope in self.globals:  # JITFunction.run says which changed, and how
+                now = scope.get(name, _MISSING)
+                ready = ready and (now is held or now == value)  # the object held then: no constexpr __eq__
             args = self.template.copy()
             for position, name, kind, form in self.slots:
                 found: Any = tensors.get(name)
@@ -148,7 +150,13 @@ class DirectLaunch:
             self.compiled, self.state = compiled, RECORD
             # The global values the kernel read at compile time, which JITFunction.run checks are unchanged.
             used = getattr(kernel, "used_global_vals", {})
-            self.globals = tuple((name, value, scope) for (name, _), (value, scope) in used.items())
+            # Triton keeps a copy of each value: the object the module holds now, equal to it, stands
+            # for it (identity is checked first), until the module's name is bound to another.
+            learnt = []
+            for (name, _), (value, scope) in used.items():
+                now = scope.get(name, _MISSING)
+                learnt.append((name, value, now if now == value else _MISSING, scope))
+            self.globals = tuple(learnt)
         else:
             self.state = OFF
 

@@ -38,18 +38,19 @@ import contextvars
 import functools
 import importlib.util
 import inspect
-import os
 import warnings
 from collections.abc import Iterator
 from typing import Optional
 
+from ..environ import getenv
 from . import configs, targets
 
 # The module of host-side tensor descriptors, which Triton ships from 3.4 on.
 DESCRIPTOR_MODULE = "triton.tools.tensor_descriptor"
 DESCRIPTOR_FAMILIES = ("sm90", "sm100")
 
-_FORCED: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("flash_recipe_descriptors", default=None)
+FORCED_DESCRIPTORS: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
+    "flash_recipe_descriptors", default=None)
 
 
 @functools.cache
@@ -69,20 +70,29 @@ def using_descriptors(enabled: bool) -> Iterator[None]:
         raise NotImplementedError(
             f"using_descriptors(True): the installed Triton ({'.'.join(map(str, targets.triton_release()))}) has "
             f"no {DESCRIPTOR_MODULE}; install Triton 3.4 or newer, or use using_descriptors(False)")
-    token = _FORCED.set(bool(enabled))
+    token = FORCED_DESCRIPTORS.set(bool(enabled))
     try:
         yield
     finally:
-        _FORCED.reset(token)
+        FORCED_DESCRIPTORS.reset(token)
+
+
+def settings() -> tuple:
+    """What this module's settings are now, as read (``using_descriptors``' and
+    ``using_warp_specialization``'s choices, ``FLASH_RECIPE_TMA``'s and ``FLASH_RECIPE_WARP_SPEC``'s
+    values), for keys: forward plans are keyed by it (``forward._plan_key``); ``requested`` and
+    ``warp_specialization_requested`` say what they mean when a plan is made."""
+    return (FORCED_DESCRIPTORS.get(), FORCED_WARP_SPEC.get(), getenv("FLASH_RECIPE_TMA", "1"),
+            getenv(WARP_SPEC_ENV))
 
 
 def requested() -> Optional[bool]:
     """What this thread asks of tensor descriptors: True or False inside ``using_descriptors``, False
     where ``FLASH_RECIPE_TMA`` turns them off, else None (the target decides)."""
-    forced = _FORCED.get()
+    forced = FORCED_DESCRIPTORS.get()
     if forced is not None:
         return forced
-    if os.environ.get("FLASH_RECIPE_TMA", "1").lower() in ("0", "false", "no", "off"):
+    if getenv("FLASH_RECIPE_TMA", "1").lower() in ("0", "false", "no", "off"):
         return False
     return None
 
@@ -136,14 +146,33 @@ def tma_views(k, v, block_rows: int):
 
 
 def descriptors(k, v, block_rows: int) -> tuple:
-    """The tensor descriptors of ``tma_views`` for tensors it accepted (no checks: a launch plan
-    made with ``tma_views`` builds them again for each call's tensors of the same signature)."""
+    """The tensor descriptors of ``tma_views`` for tensors it accepted, built (and validated) by
+    Triton's ``TensorDescriptor``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return (TensorDescriptor(k, [k.shape[0] * k.shape[1], k.shape[2] * k.shape[3]], [k.stride(1), 1],
                              [block_rows, k.shape[3]]),
             TensorDescriptor(v, [v.shape[0] * v.shape[1], v.shape[2] * v.shape[3]], [v.stride(1), 1],
                              [block_rows, v.shape[3]]))
+
+
+def descriptor_form(views: tuple) -> tuple:
+    """What a launch plan keeps of ``tma_views``' descriptors: each one's type and fields but its base
+    (the plan keeps no tensor), for ``rebased``."""
+    return tuple((type(view), {name: value for name, value in vars(view).items() if name != "base"})
+                 for view in views)
+
+
+def rebased(form: tuple, k, v) -> tuple:
+    """The descriptors of ``form`` (``descriptor_form``) over this call's ``k`` and ``v``, which have
+    the plan's signature (shapes, strides, dtype) and 16-byte-aligned bases (``forward._plan_key``
+    keys plans by that): the fields that ``TensorDescriptor`` validated when the plan was made, with
+    the new bases, without validating them again on every call."""
+    (k_type, k_fields), (v_type, v_fields) = form
+    k_view, v_view = object.__new__(k_type), object.__new__(v_type)
+    vars(k_view).update(k_fields, base=k)
+    vars(v_view).update(v_fields, base=v)
+    return k_view, v_view
 
 
 # Where the forward's warp-specialised loops compile cleanly (Triton 3.9, ``python -m
@@ -221,7 +250,7 @@ def warp_specialization_requested() -> Optional[bool]:
     forced = FORCED_WARP_SPEC.get()
     if forced is not None:
         return forced
-    value = os.environ.get(WARP_SPEC_ENV, "").lower()
+    value = getenv(WARP_SPEC_ENV).lower()
     if value in _ON:
         return True
     if value not in _OFF:
@@ -239,7 +268,7 @@ def warp_specialization(target: str, head_dim: int, plain: bool) -> bool:
     (``warp_specialization_triton_problem``) and no failed launch of it there in this process
     (``reject_warp_specialization``). Raises NotImplementedError where such a launch asks for it
     and the installed Triton's ``tl.range`` lacks ``warp_specialize``. A True answer is recorded
-    for ``choose.tuned_fallback`` (``recording_warp_specialization``)."""
+    for ``choose.tuned_fallback`` (``WARP_SPEC_TAKEN``)."""
     asked = warp_specialization_requested()
     if not asked or not plain or configs.head_dim_bucket(head_dim) not in WARP_SPEC_HEAD_DIMS:
         return False
@@ -250,7 +279,7 @@ def warp_specialization(target: str, head_dim: int, plain: bool) -> bool:
     key = (target, configs.head_dim_bucket(head_dim))
     if key in _WARP_SPEC_FAILED or warp_specialization_triton_problem(target, head_dim):
         return False
-    taken = _WARP_SPEC_TAKEN.get()
+    taken = WARP_SPEC_TAKEN.get()
     if taken is not None:
         taken.append(key)
     return True
@@ -262,13 +291,13 @@ def takes_warp_specialization(target: str) -> bool:
     return target == "interpreter" or configs.arch_family(target) in WARP_SPEC_FAMILIES
 
 
-def took_warp_specialization(plan, target: str) -> None:
-    """Record that a reused launch plan (``launch.Plan``, or None) on ``target`` warp-specialises
-    (its ``WARP_SPEC`` argument), as ``warp_specialization`` records a new one: its launch may
-    compile again (a specialisation its plan key does not hold) and fail (``choose.tuned_fallback``)."""
-    taken = _WARP_SPEC_TAKEN.get()
-    if taken is not None and plan is not None and plan.scalars.get("WARP_SPEC"):
-        taken.append((target, plan.scalars["BLOCK_D"]))
+def took_warp_specialization(pair: tuple) -> None:
+    """Record that a reused forward plan warp-specialises at ``pair`` (target, head-dim bucket), as
+    ``warp_specialization`` records a new one: its launch may compile again (a specialisation its
+    plan key does not hold) and fail (``choose.tuned_fallback``)."""
+    taken = WARP_SPEC_TAKEN.get()
+    if taken is not None:
+        taken.append(pair)
 
 
 def warp_specialization_triton_problem(target: str, head_dim: int) -> Optional[str]:
@@ -301,21 +330,9 @@ class WarpSpecializationWarning(RuntimeWarning):
 # (target, head-dim bucket) -> the failure of a warp-specialised launch there, in this process.
 _WARP_SPEC_FAILED: dict[tuple[str, int], str] = {}
 # The (target, head-dim bucket) pairs ``warp_specialization`` answered True for in the running
-# ``choose.tuned_fallback`` call (None outside one).
-_WARP_SPEC_TAKEN: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar(
+# ``choose.tuned_fallback`` call, which sets it (None outside one).
+WARP_SPEC_TAKEN: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar(
     "flash_recipe_warp_spec_taken", default=None)
-
-
-@contextlib.contextmanager
-def recording_warp_specialization() -> Iterator[list]:
-    """Inside the block, the ``(target, head-dim bucket)`` of each launch plan ``warp_specialization``
-    lets warp-specialise is appended to the list it yields (``choose.tuned_fallback``)."""
-    taken: list = []
-    token = _WARP_SPEC_TAKEN.set(taken)
-    try:
-        yield taken
-    finally:
-        _WARP_SPEC_TAKEN.reset(token)
 
 
 # Counts the changes to ``_WARP_SPEC_FAILED``: launch plans are keyed by it (``choose.plan_state``).

@@ -456,9 +456,11 @@ def attention_forward(
     found = _PLANS.get(key) if key is not None else None
     if found is None:
         found = _PLANS.keep(key, plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa))
-    else:
-        choose.took_tuned(found.tuned)
-        features.took_warp_specialization(found.main, targets.target_of(q.device))
+    else:  # what a failed launch would reject (``choose.tuned_fallback``), recorded where there is any
+        if found.tuned:
+            choose.took_tuned(found.tuned)
+        if found.warp_spec:
+            features.took_warp_specialization(found.warp_spec)
     return run_forward(found, q, k, v, options, varlen, keys)
 
 
@@ -470,8 +472,9 @@ class ForwardPlan(NamedTuple):
     main: Optional[Plan]  # None: no query rows or no output elements, nothing to launch
     combine: Optional[Plan]  # the split-KV merge, with num_splits > 1
     num_splits: int
-    tma_rows: int  # > 0: K and V are read through tensor descriptors of [tma_rows, D] tiles
+    tma: tuple  # K and V's tensor descriptors without their bases (``features.descriptor_form``), or ()
     tuned: tuple  # the tuned configurations it took (``choose.tuned_fallback``)
+    warp_spec: tuple  # (target, head-dim bucket) where its main launch warp-specialises, else ()
 
 
 # Signature of a forward launch (``_plan_key``) -> its ``ForwardPlan``.
@@ -500,8 +503,7 @@ def _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> O
     if keys is not None or varlen is not None:  # packed or ranged keys: no tensor descriptors
         return found, state, targets.target_of(q.device)
     aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # tensor descriptors need 16-byte bases
-    return (found, state, targets.target_of(q.device), aligned, features.requested(),
-            features.warp_specialization_requested())
+    return found, state, targets.target_of(q.device), aligned, features.settings()
 
 
 def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> ForwardPlan:
@@ -511,7 +513,7 @@ def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -
     used = choose.tuned_taken()
     before = len(used) if used is not None else 0
     if q.numel() == 0 or dims.seqlen_q == 0:
-        return ForwardPlan(tuple(q.shape), lse_shape, None, None, num_splits, 0, ())
+        return ForwardPlan(tuple(q.shape), lse_shape, None, None, num_splits, (), (), ())
     # Outputs as meta tensors: their strides, without memory (a launch allocates its own).
     out = torch.empty(q.shape, dtype=q.dtype, device="meta")
     lse, stride_lb, stride_lh = lse_buffer(out, varlen, dims)
@@ -563,7 +565,9 @@ def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -
         combine = plan_split_merge(o_split, lse_split, out, lse, cu_q, dims, stride_lb, stride_lh, rows["total_q"],
                                    block_d, q.device)
     taken = tuple(used[before:]) if used is not None else ()
-    return ForwardPlan(tuple(q.shape), lse_shape, main, combine, num_splits, cfg.block_n if views else 0, taken)
+    return ForwardPlan(tuple(q.shape), lse_shape, main, combine, num_splits,
+                       features.descriptor_form(views) if views else (), taken,
+                       (targets.target_of(q.device), block_d) if ws else ())
 
 
 def run_forward(p: ForwardPlan, q, k, v, options: ScoreOptions, varlen, keys) -> tuple[torch.Tensor, torch.Tensor]:
@@ -578,8 +582,8 @@ def run_forward(p: ForwardPlan, q, k, v, options: ScoreOptions, varlen, keys) ->
         o_split = tiles.output_buffer((p.num_splits,) + p.out_shape, torch.float32, q.device)
         lse_split = tiles.output_buffer((p.num_splits,) + p.lse_shape, torch.float32, q.device)
     k_tiles = v_tiles = None
-    if p.tma_rows:
-        k_tiles, v_tiles = features.descriptors(k, v, p.tma_rows)
+    if p.tma:
+        k_tiles, v_tiles = features.rebased(p.tma, k, v)
     cu_q = varlen.cu_seqlens_q if varlen is not None else None
     given = dict(Q=q, K=k, V=v, O=o_split, LSE=lse_split, K_TILES=k_tiles, V_TILES=v_tiles, CU_Q=cu_q,
                  SLOPES=options.alibi_slopes, SEED=options.seed, SINKS=options.sinks)

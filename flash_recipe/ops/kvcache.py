@@ -11,7 +11,8 @@ path serves both. Row ``r`` of batch ``b`` lives in page ``table[b, r // page_si
 ``r % page_size``.
 
 ``rotary_append_kernel`` writes the new keys and values into the cache at rows
-``cache_seqlens[b] + i`` (rotating the keys first) and rotates q into a new tensor; the forward
+``cache_seqlens[b] + i`` (rotating the keys first), both in one launch, and rotates q into a new
+tensor; the forward
 kernel (``flash_recipe.ops.forward``) then attends over rows ``[leftpad[b], cache_seqlens[b] +
 Snew)`` with split-KV when there are few query blocks. Nothing reads the metadata on the host,
 so there is no synchronisation; writes through a bad page index or past the cache are skipped
@@ -43,20 +44,25 @@ from .tiles import grid_id, load_tile, store_tile
         # The variants a launch asks for by passing a tensor (absent tensors are None).
         "ROTARY": lambda a: a["COS"] is not None,
         "TO_CACHE": lambda a: a["PAGE_TABLE"] is not None,
+        "PAIR": lambda a: a["X2"] is not None,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
     }
 )
 @triton.jit
 def rotary_append_kernel(
-    X, OUT, COS, SIN, POS, PAGE_TABLE,
-    stride_xb, stride_xm, stride_xh, stride_ob, stride_om, stride_oh, stride_cos, stride_sin, stride_tb,
-    seqlen, head_dim, rotary_dim, seqlen_rotary, pos_step, page_size, num_pages, table_width, fold_batch,
-    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, TO_CACHE: tl.constexpr,
+    X, OUT, X2, OUT2, COS, SIN, POS, PAGE_TABLE,
+    stride_xb, stride_xm, stride_xh, stride_ob, stride_om, stride_oh,
+    stride_x2b, stride_x2m, stride_x2h, stride_o2b, stride_o2m, stride_o2h, stride_cos, stride_sin, stride_tb,
+    heads, seqlen, head_dim, rotary_dim, seqlen_rotary, pos_step, page_size, num_pages, table_width, fold_batch,
+    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, TO_CACHE: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
-    """Copy ``X (B, seqlen, Hx, D)`` into ``OUT``, optionally rotating the first ``rotary_dim`` dims.
+    """Copy ``X (B, seqlen, Hx, D)`` into ``OUT``, optionally rotating the first ``rotary_dim`` dims;
+    with ``PAIR``, also copy ``X2`` (shaped like ``X``, its own strides) into ``OUT2`` unrotated, in
+    the same launch (a decoding step's new keys and values into their caches).
 
-    Grid ``(cdiv(seqlen, BLOCK_M), Hx, B)`` (folded: ``tiles.grid_id``). Row ``i`` of batch ``b``
+    Grid ``(cdiv(seqlen, BLOCK_M), Hx, B)``, or ``(..., 2 * Hx, B)`` with ``PAIR``, whose programs
+    from head ``Hx = heads`` on copy ``X2`` (folded: ``tiles.grid_id``). Row ``i`` of batch ``b``
     sits at rotary position ``POS[b] + i * pos_step``; it is rotated by ``COS/SIN[position]``
     (``(S_rotary, rotary_dim / 2)``), pairing dims ``(2j, 2j + 1)`` when ``INTERLEAVED`` and
     ``(j, j + rotary_dim / 2)`` otherwise (GPT-NeoX). A position outside ``[0, seqlen_rotary)``
@@ -77,8 +83,21 @@ def rotary_append_kernel(
     rows = i_m * BLOCK_M + o_r  # [BLOCK_M]
     m_rows = rows < seqlen
     pos0 = tl.load(POS + i_b)
-    x_base = X + i_b * stride_xb + i_h * stride_xh
-    b_x = load_tile(x_base, i_m * BLOCK_M, stride_xm, seqlen, head_dim, o_r, o_d, True, MASK_D).to(tl.float32)
+    if PAIR:  # programs from head ``heads`` on copy X2 into OUT2 (selected, not branched: one code path)
+        first = i_h < heads  # this program copies X (rotated where ROTARY)
+        i_h = tl.where(first, i_h, i_h - heads)
+        x_base = tl.where(first, X + i_b * stride_xb + i_h * stride_xh, X2 + i_b * stride_x2b + i_h * stride_x2h)
+        stride_m = tl.where(first, stride_xm, stride_x2m)
+        out = tl.where(first, OUT, OUT2)
+        stride_b = tl.where(first, stride_ob, stride_o2b)
+        stride_r = tl.where(first, stride_om, stride_o2m)
+        stride_h = tl.where(first, stride_oh, stride_o2h)
+        rotated_dims = tl.where(first, rotary_dim, 0)  # X2 is never rotated
+    else:
+        x_base = X + i_b * stride_xb + i_h * stride_xh
+        stride_m, out, stride_b, stride_r, stride_h = stride_xm, OUT, stride_ob, stride_om, stride_oh
+        rotated_dims = rotary_dim
+    b_x = load_tile(x_base, i_m * BLOCK_M, stride_m, seqlen, head_dim, o_r, o_d, True, MASK_D).to(tl.float32)
     if ROTARY:
         half = rotary_dim // 2
         if INTERLEAVED:
@@ -89,11 +108,11 @@ def rotary_append_kernel(
             partner = tl.where(o_d < half, o_d + half, o_d - half)
             freq = o_d % half
             sign = tl.where(o_d < half, -1.0, 1.0)
-        m_rot = o_d < rotary_dim  # [BLOCK_D]
+        m_rot = o_d < rotated_dims  # [BLOCK_D]
         pos = pos0 + rows * pos_step  # [BLOCK_M]
         m_pos = (pos >= 0) & (pos < seqlen_rotary)
         m_cs = (m_rows & m_pos)[:, None] & m_rot[None, :]
-        b_partner = tl.load(x_base + rows.to(tl.int64)[:, None] * stride_xm + partner[None, :],
+        b_partner = tl.load(x_base + rows.to(tl.int64)[:, None] * stride_m + partner[None, :],
                             mask=m_rows[:, None] & m_rot[None, :], other=0.0).to(tl.float32)
         p_cs = pos.to(tl.int64)[:, None]
         b_cos = tl.load(COS + p_cs * stride_cos + freq[None, :], mask=m_cs, other=float("nan")).to(tl.float32)
@@ -106,14 +125,14 @@ def rotary_append_kernel(
         page = tl.load(PAGE_TABLE + i_b * stride_tb + slot, mask=m_slot, other=-1)
         ok = m_slot & (page >= 0) & (page < num_pages)
         page = tl.where(ok, page, 0).to(tl.int64)
-        p_out = OUT + page[:, None] * stride_ob + (dest % page_size).to(tl.int64)[:, None] * stride_om + i_h * stride_oh
+        p_out = out + page[:, None] * stride_b + (dest % page_size).to(tl.int64)[:, None] * stride_r + i_h * stride_h
         m_out = ok[:, None]
         if MASK_D:
             m_out = m_out & (o_d[None, :] < head_dim)
         tl.store(p_out + o_d[None, :], b_x.to(OUT.dtype.element_ty), mask=m_out)
     else:
-        o_base = OUT + i_b * stride_ob + i_h * stride_oh
-        store_tile(o_base, i_m * BLOCK_M, stride_om, seqlen, head_dim, o_r, o_d, b_x, True, MASK_D)
+        o_base = out + i_b * stride_b + i_h * stride_h
+        store_tile(o_base, i_m * BLOCK_M, stride_r, seqlen, head_dim, o_r, o_d, b_x, True, MASK_D)
 
 
 class Rotary(NamedTuple):
@@ -147,9 +166,10 @@ class Cache(NamedTuple):
 _ROWS = 16  # rows per program of rotary_append_kernel
 
 
-def _copy_tensors(x, out, positions, rotary: Optional[Rotary], cache: Optional[Cache]) -> dict:
-    """The tensors of a ``rotary_append_kernel`` launch (absent ones None)."""
-    return dict(X=x, OUT=out, POS=positions, COS=rotary.cos if rotary is not None else None,
+def _copy_tensors(x, out, positions, rotary: Optional[Rotary], cache: Optional[Cache], pair: tuple = (None, None)
+                  ) -> dict:
+    """The tensors of a ``rotary_append_kernel`` launch (absent ones None); ``pair``: ``(X2, OUT2)``."""
+    return dict(X=x, OUT=out, X2=pair[0], OUT2=pair[1], POS=positions, COS=rotary.cos if rotary is not None else None,
                 SIN=rotary.sin if rotary is not None else None, PAGE_TABLE=cache.table if cache is not None else None)
 
 
@@ -157,8 +177,17 @@ def _launch_copy(found: Plan, given: dict) -> None:
     launch(found, {name: given[name] for name in found.tensors})
 
 
-def _plan_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Optional[Cache]) -> Plan:
+def _plan_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Optional[Cache],
+               pair: tuple = (None, None)) -> Plan:
+    """The launch that copies ``x`` into ``out`` (see ``rotary_append_kernel``), and with ``pair``
+    ``(x2, out2)`` (``x2`` shaped like ``x``) also ``x2`` into ``out2``, unrotated."""
     batch, seqlen, heads, head_dim = x.shape
+    x2, out2 = pair
+    if x2 is not None:
+        strides2 = dict(stride_x2b=x2.stride(0), stride_x2m=x2.stride(1), stride_x2h=x2.stride(2),
+                        stride_o2b=out2.stride(0), stride_o2m=out2.stride(1), stride_o2h=out2.stride(2))
+    else:
+        strides2 = dict(stride_x2b=0, stride_x2m=0, stride_x2h=0, stride_o2b=0, stride_o2m=0, stride_o2h=0)
     if cache is not None:  # out's batch stride is the page stride
         table = cache.table
         paging = dict(page_size=cache.k.shape[1], num_pages=cache.k.shape[0], table_width=cache.table.shape[1],
@@ -170,11 +199,12 @@ def _plan_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Opt
                       rotary_dim=2 * rotary.cos.shape[1], seqlen_rotary=rotary.cos.shape[0])
     else:
         tables = dict(COS=None, SIN=None, stride_cos=0, stride_sin=0, rotary_dim=0, seqlen_rotary=0)
-    return plan(rotary_append_kernel, (triton.cdiv(seqlen, _ROWS), heads, batch), dict(
-        X=x, OUT=out, POS=positions, PAGE_TABLE=table,
+    copies = 2 if x2 is not None else 1
+    return plan(rotary_append_kernel, (triton.cdiv(seqlen, _ROWS), heads * copies, batch), dict(
+        X=x, OUT=out, X2=x2, OUT2=out2, POS=positions, PAGE_TABLE=table,
         stride_xb=x.stride(0), stride_xm=x.stride(1), stride_xh=x.stride(2),
-        stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
-        seqlen=seqlen, head_dim=head_dim, pos_step=pos_step, **tables, **paging,
+        stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2), **strides2,
+        heads=heads, seqlen=seqlen, head_dim=head_dim, pos_step=pos_step, **tables, **paging,
         INTERLEAVED=bool(rotary is not None and rotary.interleaved),
         BLOCK_M=_ROWS, BLOCK_D=configs.head_dim_bucket(head_dim), num_warps=4,
     ), x.device)
@@ -183,18 +213,16 @@ def _plan_copy(x, out, positions, pos_step, rotary: Optional[Rotary], cache: Opt
 class StepPlan(NamedTuple):
     """A decoding step of one signature, decided once (``attention_kvcache``)."""
 
-    append_k: Optional[Plan]  # new keys into the cache (rotated), None without new rows
-    append_v: Optional[Plan]
+    append: Optional[Plan]  # new keys (rotated) and values into the caches, one launch; None without new rows
     rotate_q: Optional[Plan]  # q rotated into a new tensor, None without rotary (or no query rows)
     forward: ForwardPlan  # the attention over the cache (``forward.plan_forward``)
 
 
 def _plan_step(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], options: ScoreOptions, keys: KeyRanges,
                num_splits: int, pack_gqa: Optional[bool], q_moves: bool) -> StepPlan:
-    append_k = append_v = rotate_q = None
+    append = rotate_q = None
     if k_new is not None and k_new.shape[1] > 0:
-        append_k = _plan_copy(k_new, cache.k, cache.seqlens, 1, rotary, cache)
-        append_v = _plan_copy(v_new, cache.v, cache.seqlens, 1, None, cache)
+        append = _plan_copy(k_new, cache.k, cache.seqlens, 1, rotary, cache, (v_new, cache.v))
     if rotary is not None and q.shape[1] > 0:
         q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)  # as each step allocates its own
         rotate_q = _plan_copy(q, q_rot, cache.seqlens, 1 if q_moves else 0, rotary, None)
@@ -205,7 +233,7 @@ def _plan_step(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], options:
         num_splits = auto_splits(batch, heads, rows, keys.max_len, q.device, head_dim, q.element_size())
     kernel = "decode" if seqlen_q <= 16 else "fwd"
     found = plan_forward(q, cache.k, cache.v, options, None, keys, num_splits, kernel, pack_gqa)
-    return StepPlan(append_k, append_v, rotate_q, found)
+    return StepPlan(append, rotate_q, found)
 
 
 def auto_splits(
@@ -331,11 +359,10 @@ def attention_kvcache(
     if step is None:
         step = _STEPS.keep(key, _plan_step(q, k_new, v_new, cache, rotary, options, keys, num_splits, pack_gqa,
                                            q_moves))
-    else:
+    elif step.forward.tuned:
         choose.took_tuned(step.forward.tuned)
-    if step.append_k is not None:
-        _launch_copy(step.append_k, _copy_tensors(k_new, cache.k, cache.seqlens, rotary, cache))
-        _launch_copy(step.append_v, _copy_tensors(v_new, cache.v, cache.seqlens, None, cache))
+    if step.append is not None:
+        _launch_copy(step.append, _copy_tensors(k_new, cache.k, cache.seqlens, rotary, cache, (v_new, cache.v)))
     if step.rotate_q is not None:
         q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)
         _launch_copy(step.rotate_q, _copy_tensors(q, q_rot, cache.seqlens, rotary, None))

@@ -14,17 +14,18 @@ check, the warm-up and the tests can answer for a GPU that is not there by repla
 from __future__ import annotations
 
 import functools
-import os
 import re
 import sys
 from importlib import metadata
+
+from ..environ import getenv
 
 
 def interpreter_enabled() -> bool:
     """True when ``TRITON_INTERPRET`` asks Triton to run kernels through its CPU interpreter, read
     as the installed Triton reads it: from Triton 3.4 on, ``1``, ``true``, ``yes``, ``on`` or ``y``
     in any case; before 3.4, only ``1``. The one definition in flash_recipe."""
-    value = os.environ.get("TRITON_INTERPRET", "")
+    value = getenv("TRITON_INTERPRET")
     if triton_release() < (3, 4):
         return value == "1"
     return value.lower() in ("1", "true", "yes", "on", "y")
