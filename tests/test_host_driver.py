@@ -25,17 +25,16 @@ import pytest
 
 from flash_recipe.ops import targets
 
-# Launches per call: the forward; the KV-cache step appends k and v (rotary/append), then attends;
-# forward and backward: the forward, the preprocess, then the one pass or the dQ and dK/dV kernels
-# (the installed Triton's release rule, ``configs.ONE_PASS_TRITON``).
-# A decoding step at 64 key rows: one launch appends the new keys and values, one attends (one split).
+# Launches per call: the forward; the KV-cache step at 64 key rows appends k and v in one launch
+# (rotary/append), then attends (one split); forward and backward: the forward, the preprocess, then
+# the one pass or the dQ and dK/dV kernels (the installed Triton's release rule, ``configs.ONE_PASS_TRITON``).
 LAUNCHES = {"fwd": (1,), "fwd_autograd": (1,), "kvcache": (2,), "fwd_bwd": (3, 4)}
 # Python calls per repeated call through Triton's launcher on CPython 3.11, direct launches on (the
-# tool's counts on 2026-12-02, 64 key rows: 97, 114, 111 and 185 under Triton 3.9; 94, 111, 102
-# and 184 under 3.6), with a few calls of room.
+# tool's counts on 2026-12-02, 64 key rows: 49, 53, 58 and 108 under Triton 3.9; 46, 50, 52 and 107
+# under 3.6; before the host path was cut, 97, 114, 111 and 185 under 3.9), with two calls of room.
 BOUNDS = {
-    (3, 9): {"fwd": 52, "fwd_autograd": 56, "kvcache": 86, "fwd_bwd": 113},
-    (3, 6): {"fwd": 49, "fwd_autograd": 53, "kvcache": 74, "fwd_bwd": 112},
+    (3, 9): {"fwd": 51, "fwd_autograd": 55, "kvcache": 60, "fwd_bwd": 110},
+    (3, 6): {"fwd": 48, "fwd_autograd": 52, "kvcache": 54, "fwd_bwd": 109},
 }
 
 SCRIPT = """
@@ -79,7 +78,8 @@ def test_every_case_runs_tritons_launcher_on_the_stub_driver_within_its_bound():
         # The first call, the learning one, the recorded one, the counted one and 3 + 5 x 2 timed
         # ones: each launches.
         assert row["stub_launches"] == row["launches"] * (1 + 1 + 1 + 1 + 3 + 5 * 2), row
-        assert row["calls_by_origin"]["triton"] >= 2 * row["launches"], row  # Triton's launcher ran, not a recorder
+        # Triton's launch path ran (its driver's stream, on 3.4 and newer its launcher's Python), not a recorder.
+        assert row["calls_by_origin"]["triton"] >= row["launches"], row
         assert row["last"]["block"][0] % 32 == 0 and row["last"]["grid"][0] >= 1, row
         if bounds:
             assert row["calls"] <= bounds[case], f"{case}: {row['calls']} Python calls, bound {bounds[case]}"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import importlib
+from typing import Any, Optional
 
 import torch
 
@@ -10,6 +11,17 @@ from ..ops.options import KeyRanges, ScoreOptions, Varlen
 from . import capabilities
 from .base import Backend
 from .call import AttentionCall, CacheCall, PagedCall
+
+# The kernels' modules by name (``attention``, ``kvcache``), imported on the first run that needs one
+# (they import Triton, this module does not); a repeated call looks them up here, which costs no
+# Python call where a relative import inside the method would cost one each time.
+_KERNELS: dict[str, Any] = {}
+
+
+def _kernels(name: str) -> Any:
+    """``flash_recipe.ops.<name>``, imported and kept in ``_KERNELS``."""
+    module = _KERNELS[name] = importlib.import_module(f"..ops.{name}", __package__)
+    return module
 
 
 def score_options(call: AttentionCall, key_ranges: bool = False) -> ScoreOptions:
@@ -89,15 +101,14 @@ class TritonBackend(Backend):
         return capabilities.last_dim_strided(call)
 
     def run(self, call: AttentionCall):
-        from ..ops.attention import attention, new_seed  # imports Triton: on the first run only
-
+        ops = _KERNELS.get("attention") or _kernels("attention")
         options = score_options(call)
         if options.dropout_p > 0.0 and options.seed is None:
-            options = options._replace(seed=new_seed(call.q.device))
+            options = options._replace(seed=ops.new_seed(call.q.device))
         varlen = varlen_of(call) if call.cu_seqlens_q is not None else None
         # A signed call was built outside torch.compile (``AttentionCall.signed``).
         traced = None if call.signature is None else False
-        out, lse = attention(call.q, call.k, call.v, options, varlen, call.deterministic, traced)
+        out, lse = ops.attention(call.q, call.k, call.v, options, varlen, call.deterministic, traced)
         s_dmask = None
         if options.seed is not None and call.return_probs:
             s_dmask = self._dropped_probs(call, options.seed)
@@ -126,12 +137,11 @@ class TritonBackend(Backend):
         return torch.where(keep, probs, -probs).to(call.q.dtype)
 
     def run_cache(self, call: CacheCall) -> tuple:
-        from ..ops.kvcache import Cache, Rotary, attention_kvcache  # imports Triton: first run only
-
-        cache = Cache(call.k_cache, call.v_cache, call.table, call.seqlens, call.leftpad)
-        rotary = Rotary(*call.rotary) if call.rotary is not None else None
+        ops = _KERNELS.get("kvcache") or _kernels("kvcache")
+        cache = ops.Cache(call.k_cache, call.v_cache, call.table, call.seqlens, call.leftpad)
+        rotary = ops.Rotary(*call.rotary) if call.rotary is not None else None
         options = score_options(call.attention, key_ranges=True)
-        return attention_kvcache(call.q, call.k, call.v, cache, rotary, options, call.num_splits)
+        return ops.attention_kvcache(call.q, call.k, call.v, cache, rotary, options, call.num_splits)
 
     def run_paged(self, call: PagedCall) -> tuple:
         from ..ops.forward import attention_forward  # imports Triton: on the first run only

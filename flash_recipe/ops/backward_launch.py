@@ -83,12 +83,12 @@ def attention_backward(
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dims = layout(q, k, varlen)
-    if q.numel() == 0 or k.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
-        return _no_keys(dout, q, k, v, out, lse, options.sinks)
     key = _plan_key(dout, q, k, v, out, lse, options, varlen, own_lse, deterministic)
     found = _PLANS.get(key) if key is not None else None
-    if found is None:
+    if found is None:  # a planned signature has keys and query rows: only a new one can be empty
+        dims = layout(q, k, varlen)
+        if q.numel() == 0 or k.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
+            return _no_keys(dout, q, k, v, out, lse, options.sinks)
         found = _PLANS.keep(key, plan_backward(dout, q, k, v, out, lse, options, varlen, own_lse, deterministic))
     elif found.tuned:
         choose.took_tuned(found.tuned)

@@ -83,21 +83,20 @@ def rotary_append_kernel(
     rows = i_m * BLOCK_M + o_r  # [BLOCK_M]
     m_rows = rows < seqlen
     pos0 = tl.load(POS + i_b)
-    if PAIR:  # programs from head ``heads`` on copy X2 into OUT2 (selected, not branched: one code path)
-        first = i_h < heads  # this program copies X (rotated where ROTARY)
+    # With PAIR, programs from head ``heads`` on copy X2 into OUT2, rows ``[0, seqlen)`` of each;
+    # every access is X's or X2's, masked to the rows of the one this program copies (no pointer is
+    # selected at run time: AMD's buffer-op pass under Triton 3.6 fails on a selected pointer).
+    rows_x = seqlen
+    if PAIR:
+        first = i_h < heads
         i_h = tl.where(first, i_h, i_h - heads)
-        x_base = tl.where(first, X + i_b * stride_xb + i_h * stride_xh, X2 + i_b * stride_x2b + i_h * stride_x2h)
-        stride_m = tl.where(first, stride_xm, stride_x2m)
-        out = tl.where(first, OUT, OUT2)
-        stride_b = tl.where(first, stride_ob, stride_o2b)
-        stride_r = tl.where(first, stride_om, stride_o2m)
-        stride_h = tl.where(first, stride_oh, stride_o2h)
-        rotated_dims = tl.where(first, rotary_dim, 0)  # X2 is never rotated
-    else:
-        x_base = X + i_b * stride_xb + i_h * stride_xh
-        stride_m, out, stride_b, stride_r, stride_h = stride_xm, OUT, stride_ob, stride_om, stride_oh
-        rotated_dims = rotary_dim
-    b_x = load_tile(x_base, i_m * BLOCK_M, stride_m, seqlen, head_dim, o_r, o_d, True, MASK_D).to(tl.float32)
+        rows_x = tl.where(first, seqlen, 0)  # X's rows this program copies
+    x_base = X + i_b * stride_xb + i_h * stride_xh
+    b_x = load_tile(x_base, i_m * BLOCK_M, stride_xm, rows_x, head_dim, o_r, o_d, True, MASK_D).to(tl.float32)
+    if PAIR:
+        x2_base = X2 + i_b * stride_x2b + i_h * stride_x2h
+        b_x2 = load_tile(x2_base, i_m * BLOCK_M, stride_x2m, seqlen - rows_x, head_dim, o_r, o_d, True, MASK_D)
+        b_x = tl.where(first, b_x, b_x2.to(tl.float32))
     if ROTARY:
         half = rotary_dim // 2
         if INTERLEAVED:
@@ -108,16 +107,17 @@ def rotary_append_kernel(
             partner = tl.where(o_d < half, o_d + half, o_d - half)
             freq = o_d % half
             sign = tl.where(o_d < half, -1.0, 1.0)
-        m_rot = o_d < rotated_dims  # [BLOCK_D]
+        m_rot = o_d < rotary_dim  # [BLOCK_D]
+        m_x = rows < rows_x  # X's rows (X2 is never rotated)
         pos = pos0 + rows * pos_step  # [BLOCK_M]
         m_pos = (pos >= 0) & (pos < seqlen_rotary)
-        m_cs = (m_rows & m_pos)[:, None] & m_rot[None, :]
-        b_partner = tl.load(x_base + rows.to(tl.int64)[:, None] * stride_m + partner[None, :],
-                            mask=m_rows[:, None] & m_rot[None, :], other=0.0).to(tl.float32)
+        m_cs = (m_x & m_pos)[:, None] & m_rot[None, :]
+        b_partner = tl.load(x_base + rows.to(tl.int64)[:, None] * stride_xm + partner[None, :],
+                            mask=m_x[:, None] & m_rot[None, :], other=0.0).to(tl.float32)
         p_cs = pos.to(tl.int64)[:, None]
         b_cos = tl.load(COS + p_cs * stride_cos + freq[None, :], mask=m_cs, other=float("nan")).to(tl.float32)
         b_sin = tl.load(SIN + p_cs * stride_sin + freq[None, :], mask=m_cs, other=float("nan")).to(tl.float32)
-        b_x = tl.where(m_rot[None, :], b_x * b_cos + sign[None, :] * b_partner * b_sin, b_x)
+        b_x = tl.where(m_x[:, None] & m_rot[None, :], b_x * b_cos + sign[None, :] * b_partner * b_sin, b_x)
     if TO_CACHE:
         dest = pos0 + rows  # absolute cache rows [BLOCK_M]
         slot = dest // page_size
@@ -125,14 +125,21 @@ def rotary_append_kernel(
         page = tl.load(PAGE_TABLE + i_b * stride_tb + slot, mask=m_slot, other=-1)
         ok = m_slot & (page >= 0) & (page < num_pages)
         page = tl.where(ok, page, 0).to(tl.int64)
-        p_out = out + page[:, None] * stride_b + (dest % page_size).to(tl.int64)[:, None] * stride_r + i_h * stride_h
-        m_out = ok[:, None]
+        o_row = (dest % page_size).to(tl.int64)[:, None]
+        m_out = (ok & (rows < rows_x))[:, None]
         if MASK_D:
             m_out = m_out & (o_d[None, :] < head_dim)
+        p_out = OUT + page[:, None] * stride_ob + o_row * stride_om + i_h * stride_oh
         tl.store(p_out + o_d[None, :], b_x.to(OUT.dtype.element_ty), mask=m_out)
-    else:
-        o_base = out + i_b * stride_b + i_h * stride_h
-        store_tile(o_base, i_m * BLOCK_M, stride_r, seqlen, head_dim, o_r, o_d, b_x, True, MASK_D)
+        if PAIR:
+            m_out2 = (ok & (rows >= rows_x))[:, None]
+            if MASK_D:
+                m_out2 = m_out2 & (o_d[None, :] < head_dim)
+            p_out2 = OUT2 + page[:, None] * stride_o2b + o_row * stride_o2m + i_h * stride_o2h
+            tl.store(p_out2 + o_d[None, :], b_x.to(OUT2.dtype.element_ty), mask=m_out2)
+    else:  # (PAIR copies into caches only)
+        o_base = OUT + i_b * stride_ob + i_h * stride_oh
+        store_tile(o_base, i_m * BLOCK_M, stride_om, seqlen, head_dim, o_r, o_d, b_x, True, MASK_D)
 
 
 class Rotary(NamedTuple):
