@@ -1,4 +1,4 @@
-"""The Triton kernels against the fp32 reference, by the accuracy rule (design.md).
+"""The Triton kernels against the fp32 reference, by the accuracy rule (docs/design.md).
 
 On the CPU these run through the Triton interpreter (fp16 and fp32 only: the interpreter
 multiplies bf16 bit patterns, so bf16 numerics are covered by test_gpu.py). Shapes are small
