@@ -20,8 +20,11 @@ import torch
 from flash_recipe import environ, flash_call
 from flash_recipe.dispatch.call import AttentionCall
 from flash_recipe.ops import attention, features
+from flash_recipe.ops.options import ScoreOptions
 
 NAME = "FLASH_RECIPE_TEST_SETTING"
+# Causal attention at scale 1/4, nothing else.
+CAUSAL = ScoreOptions(softmax_scale=0.25, diag_offset=0, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None)
 
 
 def test_getenv_reads_what_os_environ_reads(monkeypatch):
@@ -89,45 +92,19 @@ def _grads(q, k, v, options):
 
 @pytest.mark.skipif(attention._C_APPLY is None, reason="this torch lacks the C apply")
 def test_the_c_apply_gives_function_apply_s_gradients(monkeypatch):
-    from flash_recipe.ops.options import ScoreOptions
-
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 8, 2, 16, generator=gen, requires_grad=True) for _ in range(3))
-    options = ScoreOptions(
-        softmax_scale=0.25,
-        diag_offset=0,
-        window_left=-1,
-        window_right=0,
-        softcap=0.0,
-        alibi_slopes=None,
-        dropout_p=0.0,
-        seed=None,
-        sinks=None,
-    )
-    direct = _grads(q, k, v, options)
+    direct = _grads(q, k, v, CAUSAL)
     monkeypatch.setattr(attention, "_C_APPLY", None)  # the public Function.apply
-    plain = _grads(q, k, v, options)
+    plain = _grads(q, k, v, CAUSAL)
     for a, b in zip(direct, plain):
         assert torch.equal(a, b)
 
 
 def test_a_functorch_transform_meets_function_apply(monkeypatch):
-    from flash_recipe.ops.options import ScoreOptions
-
     q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
-    options = ScoreOptions(
-        softmax_scale=0.25,
-        diag_offset=0,
-        window_left=-1,
-        window_right=0,
-        softcap=0.0,
-        alibi_slopes=None,
-        dropout_p=0.0,
-        seed=None,
-        sinks=None,
-    )
     with pytest.raises(RuntimeError, match="setup_context"):
-        torch.func.grad(lambda q: attention.attention(q, k, v, options)[0].sum())(q)
+        torch.func.grad(lambda q: attention.attention(q, k, v, CAUSAL)[0].sum())(q)
 
 
 def test_forward_plans_are_keyed_by_the_settings_as_read(monkeypatch):

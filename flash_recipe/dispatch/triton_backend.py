@@ -12,9 +12,9 @@ from . import capabilities
 from .base import Backend
 from .call import AttentionCall, CacheCall, PagedCall
 
-# The kernels' modules by name (``attention``, ``kvcache``), imported on the first run that needs one
-# (they import Triton, this module does not); a repeated call looks them up here, which costs no
-# Python call where a relative import inside the method would cost one each time.
+# The kernels' modules by name (``attention``, ``kvcache``, ``forward``, ``dropout``), imported on the
+# first run that needs one (they import Triton, this module does not); a repeated call looks them up
+# here, which costs no Python call where a relative import inside the method would cost one each time.
 _KERNELS: dict[str, Any] = {}
 
 
@@ -117,22 +117,20 @@ class TritonBackend(Backend):
     run_call = run  # varlen calls run whole (``native_varlen``): ``Backend.run_call`` would call ``run``
 
     def grad(self, call: AttentionCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple:
-        from ..ops.attention import attn_bwd, flatten  # imports Triton: on the first run only
-
+        ops = _KERNELS.get("attention") or _kernels("attention")
         if call.dropout_p > 0.0 and call.seed is None:
             raise ValueError("a backward with dropout needs the forward's seed (call.seed)")
         options = score_options(call)._replace(sinks=None)  # a backend's grad: dq, dk, dv only
         # own_lse=False: out and lse may be those of a larger attention (ring attention).
-        flat = flatten(options, varlen_of(call))
-        return attn_bwd(dout, call.q, call.k, call.v, out, lse, *flat, False, call.deterministic)[:3]
+        flat = ops.flatten(options, varlen_of(call))
+        return ops.attn_bwd(dout, call.q, call.k, call.v, out, lse, *flat, False, call.deterministic)[:3]
 
     @staticmethod
     def _dropped_probs(call: AttentionCall, seed) -> torch.Tensor:
         """The probabilities ``(B, H, Sq, Sk)`` the kernel used, negated where dropout dropped them."""
-        from ..ops.dropout import dropout_mask  # imports Triton: on the first run only
-
         batch, seqlen_q, nheads, _ = call.q.shape
-        keep = dropout_mask(seed, batch, nheads, seqlen_q, call.k.shape[1], call.dropout_p)
+        ops = _KERNELS.get("dropout") or _kernels("dropout")
+        keep = ops.dropout_mask(seed, batch, nheads, seqlen_q, call.k.shape[1], call.dropout_p)
         probs = call.probabilities()
         return torch.where(keep, probs, -probs).to(call.q.dtype)
 
@@ -144,9 +142,8 @@ class TritonBackend(Backend):
         return ops.attention_kvcache(call.q, call.k, call.v, cache, rotary, options, call.num_splits)
 
     def run_paged(self, call: PagedCall) -> tuple:
-        from ..ops.forward import attention_forward  # imports Triton: on the first run only
-
+        ops = _KERNELS.get("forward") or _kernels("forward")
         att = call.attention
         lengths_k = call.lengths_k
         keys = KeyRanges(torch.zeros_like(lengths_k), lengths_k, att.max_seqlen_k, call.block_table)
-        return attention_forward(att.q, att.k, att.v, score_options(att, key_ranges=True), varlen_of(att), keys)
+        return ops.attention_forward(att.q, att.k, att.v, score_options(att, key_ranges=True), varlen_of(att), keys)

@@ -91,6 +91,7 @@ def rotary_append_kernel(
         first = i_h < heads
         i_h = tl.where(first, i_h, i_h - heads)
         rows_x = tl.where(first, seqlen, 0)  # X's rows this program copies
+    m_x = rows < rows_x  # [BLOCK_M]: the rows of X this program copies (X2's are the others below seqlen)
     x_base = X + i_b * stride_xb + i_h * stride_xh
     b_x = load_tile(x_base, i_m * BLOCK_M, stride_xm, rows_x, head_dim, o_r, o_d, True, MASK_D).to(tl.float32)
     if PAIR:
@@ -108,10 +109,9 @@ def rotary_append_kernel(
             freq = o_d % half
             sign = tl.where(o_d < half, -1.0, 1.0)
         m_rot = o_d < rotary_dim  # [BLOCK_D]
-        m_x = rows < rows_x  # X's rows (X2 is never rotated)
         pos = pos0 + rows * pos_step  # [BLOCK_M]
         m_pos = (pos >= 0) & (pos < seqlen_rotary)
-        m_cs = (m_x & m_pos)[:, None] & m_rot[None, :]
+        m_cs = (m_x & m_pos)[:, None] & m_rot[None, :]  # X2 is never rotated
         b_partner = tl.load(x_base + rows.to(tl.int64)[:, None] * stride_xm + partner[None, :],
                             mask=m_x[:, None] & m_rot[None, :], other=0.0).to(tl.float32)
         p_cs = pos.to(tl.int64)[:, None]
@@ -126,13 +126,13 @@ def rotary_append_kernel(
         ok = m_slot & (page >= 0) & (page < num_pages)
         page = tl.where(ok, page, 0).to(tl.int64)
         o_row = (dest % page_size).to(tl.int64)[:, None]
-        m_out = (ok & (rows < rows_x))[:, None]
+        m_out = (ok & m_x)[:, None]
         if MASK_D:
             m_out = m_out & (o_d[None, :] < head_dim)
         p_out = OUT + page[:, None] * stride_ob + o_row * stride_om + i_h * stride_oh
         tl.store(p_out + o_d[None, :], b_x.to(OUT.dtype.element_ty), mask=m_out)
         if PAIR:
-            m_out2 = (ok & (rows >= rows_x))[:, None]
+            m_out2 = (ok & (rows >= rows_x))[:, None]  # ok holds rows < seqlen
             if MASK_D:
                 m_out2 = m_out2 & (o_d[None, :] < head_dim)
             p_out2 = OUT2 + page[:, None] * stride_o2b + o_row * stride_o2m + i_h * stride_o2h
