@@ -193,7 +193,9 @@ def test_each_familys_default_backward_is_the_documented_path_with_fewer_instruc
     head-dim bucket, each
     row's ``fewer`` is the path with fewer warp-instructions per element (MHA and GQA summed), and
     ``configs.BACKWARD_PATHS`` runs it, but where it spills (``backward_paths.SPILLING``: then the
-    other); tests/test_compile.py checks rows of it against a compile."""
+    other) or a GPU measured a path faster (``configs.MEASURED_BACKWARD_PATHS``: then that one);
+    each row names which of the three chose it. tests/test_compile.py checks rows of it against a
+    compile."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
     table = backward_paths.read_markdown(text)
     assert [(row["target"], row["head_dim"]) for row in table] == [
@@ -204,10 +206,17 @@ def test_each_familys_default_backward_is_the_documented_path_with_fewer_instruc
         sums = {path: sum(row[path]) for path in limits.BACKWARD_PATH_NAMES}
         assert row["fewer"] == min(sums, key=sums.__getitem__), row
         assert row["default"] == configs.backward_path(row["target"], row["head_dim"]), row
-        if (row["target"], row["head_dim"]) in backward_paths.SPILLING:  # the fewer spills: the other
-            assert row["default"] != row["fewer"], row
+        measured = configs.MEASURED_BACKWARD_PATHS.get((row["target"], row["head_dim"]))
+        if measured is not None:  # a GPU's measurement wins over the counts
+            assert (row["source"], row["default"]) == ("GPU", measured[0]), row
+        elif (row["target"], row["head_dim"]) in backward_paths.SPILLING:  # the fewer spills: the other
+            assert (row["source"], row["default"]) == (
+                "spills",
+                next(path for path in limits.BACKWARD_PATH_NAMES if path != row["fewer"]),
+            ), row
         else:
-            assert row["default"] == row["fewer"], row
+            assert (row["source"], row["default"]) == ("instructions", row["fewer"]), row
+    assert {key for key in configs.MEASURED_BACKWARD_PATHS} <= {(r["target"], r["head_dim"]) for r in table}
     for target, family in (("sm89", "sm86"), ("sm121", "sm120"), ("gfx942", "amd"), ("gfx940", "amd")):
         assert target not in configs.BACKWARD_PATHS  # the family's row
         assert configs.BACKWARD_PATHS[configs.arch_family(target)] is configs.BACKWARD_PATHS[family]

@@ -15,6 +15,7 @@ import argparse
 import json
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +31,10 @@ CUDA0 = torch.device("cuda", 0)
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch, tmp_path):
-    """Every test has its own cache directory and starts with nothing read."""
+    """Every test has its own cache directory, an empty directory of shipped measured files, and
+    starts with nothing read."""
     monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "tune-cache"))
+    monkeypatch.setattr(tuned, "MEASURED_DIR", tmp_path / "measured")
     tuned.forget()
     yield
     tuned.forget()
@@ -236,7 +239,7 @@ def test_the_file_is_read_once_per_process_and_again_when_the_variable_changes(f
     for _ in range(50):
         assert choose.launch_config(CUDA0, "fwd", 128, 2) == Config(64, 32, 4, 5)
         kvcache.auto_splits(2, 16, 1, 8192, CUDA0, 128, 2)
-    assert len(reads) == 1
+    assert reads == [tuned.MEASURED_DIR / "NVIDIA-H100-80GB-HBM3.tune.json", tuned.cache_path(H100)]  # one each
     other = tmp_path / "other"
     monkeypatch.setenv(tuned.ENV_VAR, str(other))
     tuned.save(tuned.make_key(H100, "sm90"), [tuned.config_entry("fwd", 128, 2, (128, 128, 8, 2))], [])
@@ -664,9 +667,15 @@ def test_show_and_clear_work_without_a_gpu(capsys):
     assert f"{H100} (sm90)" in out and "fwd      d128 2-byte  128x64 w8 s3" in out
     assert "32 programs, cache 8192: 4" in out and "Other-GPU.tune.json: ignored, is not valid JSON" in out
     assert "backward d64  2-byte  three_kernels" in out
+    assert f"measured defaults shipped: {tuned.MEASURED_DIR}; no files" in out
     assert cli.main(["tune", "--clear"]) == 0
     assert out.count("deleted") == 0 and capsys.readouterr().out.count("deleted") == 2
     assert tuned.cache_files() == []
+    _ship(_measured())  # shown, and never deleted by --clear: it is the wheel's
+    assert cli.main(["tune", "--clear"]) == 0 and cli.main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "no tuned configurations" in out and f"measured defaults shipped: {tuned.MEASURED_DIR}\n" in out
+    assert "Triton 3.6.0, flash_recipe 0.0.1" in out and "fwd      d128 2-byte  128x32 w8 s2" in out
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:5", "gpu0"])
@@ -763,3 +772,114 @@ def test_the_tuner_keeps_the_faster_backward_path_and_launches_then_take_it(fake
     assert tuned.read(report["path"]).paths == {(32, 2): other}
     monkeypatch.delenv("TRITON_INTERPRET")
     assert choose.backward_path(CUDA0, 32, 2) == other
+
+
+# -- the measured defaults shipped in the wheel -----------------------------------------------
+
+
+def _ship(document, gpu=H100) -> str:
+    """Put ``document`` where the wheel's measured file for ``gpu`` lies (``tuned.MEASURED_DIR``,
+    an empty directory of this test's: ``_fresh_cache``)."""
+    path = tuned.MEASURED_DIR / tuned.file_name(gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(document if isinstance(document, str) else json.dumps(document))
+    return str(path)
+
+
+def _measured(**changes) -> dict:
+    """A shipped file for the H100, measured under another Triton and flash_recipe than this
+    process's: the forward at d128 2-byte, the backward at d64 on the path the family does not run."""
+    other = next(p for p in ("one_pass", "three_kernels") if p != configs.backward_path("sm90", 64))
+    fields = dict(
+        key={**tuned.make_key(H100, "sm90"), "triton": "3.6.0", "flash_recipe": "0.0.1"},
+        configs=[tuned.config_entry("fwd", 128, 2, (128, 32, 8, 2))],
+        backward=[tuned.path_entry(64, 2, other, source="campaign shoot-out")],
+    )
+    return _document(**{**fields, **changes})
+
+
+def test_a_shipped_measured_file_changes_the_defaults_and_the_users_file_overrides_it_entry_by_entry(fake_gpu):
+    """The shipped file applies under any Triton (its key's ``triton`` is 3.6.0, this process's is
+    not) to the GPU model it names; the user's ``flash-recipe tune`` file wins where both have an
+    entry, and the shipped file's other entries still apply."""
+    default_path = configs.backward_path("sm90", 64)
+    shipped = _measured()
+    measured_path = shipped["backward"][0]["path"]
+    assert choose.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("sm90", "fwd", 128, 2)
+    _ship(shipped)
+    tuned.forget()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert choose.launch_config(CUDA0, "fwd", 128, 2) == Config(128, 32, 8, 2)
+        assert choose.backward_path(CUDA0, 64, 2) == measured_path != default_path
+        assert choose.launch_config(CUDA0, "fwd", 64, 2) == configs.get_config("sm90", "fwd", 64, 2)  # not in it
+        assert choose.launch_config(torch.device("cuda", 1), "fwd", 128, 2) == configs.get_config(
+            "sm80", "fwd", 128, 2
+        )  # the A100 has no file
+    assert not _tuned_warnings(record)
+    _write(_document())  # the user's: fwd d128 2-byte (64, 32, 4, 5), no backward entry
+    tuned.forget()
+    assert choose.launch_config(CUDA0, "fwd", 128, 2) == Config(64, 32, 4, 5)  # the user's entry wins
+    assert choose.backward_path(CUDA0, 64, 2) == measured_path  # the shipped one stays where the user has none
+    _write(_document(backward=[tuned.path_entry(64, 2, default_path)]))
+    tuned.forget()
+    assert choose.backward_path(CUDA0, 64, 2) == default_path
+    assert choose.backward_path(CUDA0, 64, 2) != measured_path
+
+
+@pytest.mark.parametrize(
+    "name, document, words",
+    [
+        ("another-gpu", _measured(key={**tuned.make_key(H100, "sm90"), "gpu": "NVIDIA H200"}), "gpu 'NVIDIA H200'"),
+        ("another-target", _measured(key={**tuned.make_key(H100, "sm90"), "target": "sm100"}), "target 'sm100'"),
+        ("corrupt", '{"format": 1, "key": {', "not valid JSON"),
+    ],
+)
+def test_a_shipped_file_for_another_gpu_or_unreadable_is_ignored_with_one_warning(fake_gpu, name, document, words):
+    path = _ship(document)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert choose.launch_config(CUDA0, "fwd", 128, 2) == configs.get_config("sm90", "fwd", 128, 2)
+            assert choose.backward_path(CUDA0, 64, 2) == configs.backward_path("sm90", 64)
+    (warning,) = _tuned_warnings(record)
+    message = str(warning.message)
+    assert path in message and words in message and "measured defaults shipped" in message
+
+
+def test_an_unfit_shipped_entry_is_dropped_with_one_warning_and_the_rest_used(fake_gpu, monkeypatch):
+    """An entry that cannot fit this GPU's shared memory, and a one-pass entry under a Triton that
+    does not compile the one-pass tile cleanly (``configs.ONE_PASS_TRITON``: sm90 at 128 spills
+    under 3.6), are dropped with one warning; the file's other entries apply."""
+    from flash_recipe.ops import targets as targets_module
+
+    huge = tuned.config_entry("bwd_dq", 128, 2, (256, 256, 16, 8))  # 448 KiB: more than the H100's 227
+    one_pass = tuned.path_entry(128, 2, "one_pass")
+    shipped = _measured()
+    _ship({**shipped, "configs": shipped["configs"] + [huge], "backward": shipped["backward"] + [one_pass]})
+    monkeypatch.setattr(targets_module, "triton_release", lambda: (3, 6))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert choose.launch_config(CUDA0, "bwd_dq", 128, 2) == configs.get_config("sm90", "bwd_dq", 128, 2)
+            assert choose.backward_path(CUDA0, 128, 2) == "three_kernels"
+            assert choose.launch_config(CUDA0, "fwd", 128, 2) == Config(128, 32, 8, 2)  # the fitting entry
+            assert choose.backward_path(CUDA0, 64, 2) == shipped["backward"][0]["path"]
+    (warning,) = _tuned_warnings(record)
+    message = str(warning.message)
+    assert "2 entries" in message and "458752" in message and "Triton 3.6" in message
+    monkeypatch.setattr(targets_module, "triton_release", lambda: (3, 9))  # compiles the tile cleanly
+    tuned.forget()
+    assert choose.backward_path(CUDA0, 128, 2) == "one_pass"
+
+
+def test_the_wheels_measured_files_are_valid_and_each_names_the_gpu_of_its_file_name():
+    """Every file shipped in ``flash_recipe/measured/`` parses, is named for the GPU its key gives,
+    and fits that GPU's family's shared memory (the campaign writes them; a person commits them)."""
+    directory = Path(tuned.__file__).resolve().parent.parent / "measured"
+    assert (directory / "README.md").is_file()
+    for path in sorted(directory.glob("*" + tuned.SUFFIX)):
+        found = tuned.read(path)
+        assert tuned.file_name(found.key["gpu"]) == path.name
+        limit = configs.FAMILY_SHARED_MEMORY[configs.arch_family(found.key["target"])]
+        assert tuned.fits(found, limit, found.key["gpu"])[1] == []

@@ -151,11 +151,7 @@ def one_pass_fits(device, head_dim: int) -> bool:
 
 def release_takes_one_pass(family: str, bucket: int) -> bool:
     """``one_pass_fits`` for a configuration family and head-dim bucket, under the installed Triton."""
-    releases = configs.ONE_PASS_TRITON.get((family, bucket))
-    if releases is None:
-        return True
-    release = targets.triton_release()
-    return release in releases or (bool(releases) and release > max(releases))
+    return configs.release_takes_one_pass(family, bucket, targets.triton_release())
 
 
 def _compile_or_launch_failure(exc: Exception) -> bool:

@@ -305,13 +305,24 @@ BACKWARD_PATHS: dict[str, dict[int, str]] = {
     "sm80": {**_ONE_PASS, 64: _THREE, 128: _THREE, 256: _THREE},
     # but where the three kernels spill with packed sequences (``backward_paths.SPILLING``)
     "sm86": {**_ONE_PASS, 128: _THREE, 256: _THREE},
-    "sm90": {**_ONE_PASS, 256: _THREE},
+    # a GPU measured the three kernels faster at 128 (``MEASURED_BACKWARD_PATHS``)
+    "sm90": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "sm100": {**_ONE_PASS, 256: _THREE},
     "sm120": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "amd": _ONE_PASS,  # gfx942, and AMD targets the tables do not know
     "gfx90a": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "gfx950": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "interpreter": _ONE_PASS,
+}
+
+# The defaults of ``BACKWARD_PATHS`` that a GPU measured, which win over the instruction counts:
+# (target, head-dim bucket) -> (the faster path, the measurement: GPU, Triton, date, each path's speed), whose
+# tables and command are in docs/performance.md. Every other default is the proxy's
+# (``tools.backward_paths``); a GPU model's shipped measured file (``tuned.MEASURED_DIR``) or the
+# user's ``flash-recipe tune`` file overrides either for that model.
+MEASURED_BACKWARD_PATHS = {
+    ("sm90", 128): ("three_kernels", "H200, Triton 3.6, bf16, 16 heads, 16k tokens: the three kernels 276-322 "
+                                     "TFLOP/s (2026-11-27), the one pass 247-286 (2026-11-28, 48a30fd)"),
 }
 
 # The fewest rows (the product's M) the fast matrix instruction of a family takes: Hopper's wgmma
@@ -367,6 +378,15 @@ def shared_memory_problem(target: str, available: int) -> Optional[str]:
         return None
     return (f"{target} offers {available} bytes of shared memory per block; flash_recipe's configurations for it "
             f"({family}) are sized for {needed}")
+
+
+def release_takes_one_pass(family: str, bucket: int, release: tuple) -> bool:
+    """Whether Triton ``release`` (``(major, minor)``) compiles the one-pass backward's tile for
+    ``family`` at head-dim bucket ``bucket`` without spilling (``ONE_PASS_TRITON``)."""
+    releases = ONE_PASS_TRITON.get((family, bucket))
+    if releases is None:
+        return True
+    return release in releases or (bool(releases) and release > max(releases))
 
 
 def backward_path(target: str, head_dim: int) -> str:

@@ -41,6 +41,18 @@ table is used. A ``configs`` entry that cannot fit the GPU (``fits``: its pipeli
 shared memory than the GPU offers a block) is dropped with the same warning; the rest of the file
 is used.
 
+Measured defaults shipped in the wheel (``MEASURED_DIR``, ``flash_recipe/measured/``): files of
+the same format and name, one per GPU model, written by the GPU campaign's shoot-out on that GPU
+and committed (``flash_recipe/measured/README.md``). Where this machine has a file of its own, its
+entries win, one lookup at a time; the shipped file's other entries still apply, and the table
+serves the rest. A shipped file applies where its key's ``gpu`` and ``target`` are this GPU's,
+under every Triton release (its key's ``triton`` says which release measured it): each entry is a
+choice among configurations that the checks of this release accept as they accept the table's
+(``fits``; a one-pass ``backward`` entry only under a release that compiles the one-pass tile
+cleanly, ``configs.release_takes_one_pass``), and an entry that fails to compile or launch falls
+back to the table (``choose.tuned_fallback``). A shipped file that cannot be read, or is keyed
+for another GPU, is ignored with one ``TunedCacheWarning``, as a file of this machine's is.
+
 Writers (``save``) hold an exclusive lock on ``<file>.lock`` beside the file while they read,
 merge and replace it, so two tuners saving at once keep each other's entries. The file is read once per process and
 device; changing ``FLASH_RECIPE_TUNE_CACHE`` (or ``XDG_CACHE_HOME``) makes the next launch read
@@ -60,12 +72,16 @@ from typing import Any, NamedTuple, Optional
 
 from .. import __version__
 from ..files import write_json
+from . import configs, targets
 from .limits import BACKWARD_PATH_NAMES, HEAD_DIM_BUCKETS, MAX_SPLITS
 
 FORMAT = 1
 ENV_VAR = "FLASH_RECIPE_TUNE_CACHE"
 SUFFIX = ".tune.json"
 KEY_FIELDS = ("gpu", "target", "triton", "flash_recipe")
+# The measured defaults shipped in the wheel, and the key fields that must match for one to apply.
+MEASURED_DIR = Path(__file__).resolve().parent.parent / "measured"
+MEASURED_KEY_FIELDS = ("gpu", "target")
 ELEMENT_SIZES = (2, 4)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (1, 2, 4, 8, 16)
@@ -246,9 +262,10 @@ def fits(tuned: Tuned, limit: Optional[int], gpu: str) -> tuple:
     return tuned._replace(configs=kept), dropped
 
 
-def key_problem(found: dict, expected: dict) -> Optional[str]:
-    """Why a file keyed ``found`` does not apply where ``expected`` is this process's key, or None."""
-    differ = [name for name in KEY_FIELDS if found.get(name) != expected.get(name)]
+def key_problem(found: dict, expected: dict, fields: tuple = KEY_FIELDS) -> Optional[str]:
+    """Why a file keyed ``found`` does not apply where ``expected`` is this process's key, or None;
+    ``fields``: the key fields compared (``MEASURED_KEY_FIELDS`` for a shipped file)."""
+    differ = [name for name in fields if found.get(name) != expected.get(name)]
     if not differ:
         return None
     return "it was tuned for " + ", ".join(f"{name} {found.get(name)!r}" for name in differ) + "; this is " + \
@@ -281,25 +298,46 @@ def _shared_memory(index: int) -> Optional[int]:
 
 
 def _load(index: int, target: str) -> Optional[Tuned]:
+    """This GPU's entries: the shipped measured file's, overlaid by this machine's own file's."""
     gpu = _gpu_name(index)
-    path = cache_path(gpu)
+    shipped = _load_file(MEASURED_DIR / file_name(gpu), index, gpu, target, shipped=True)
+    own = _load_file(cache_path(gpu), index, gpu, target, shipped=False)
+    if shipped is None or own is None:
+        return own or shipped
+    return own._replace(configs={**shipped.configs, **own.configs}, splits={**shipped.splits, **own.splits},
+                        paths={**shipped.paths, **own.paths})
+
+
+def _load_file(path: Path, index: int, gpu: str, target: str, shipped: bool) -> Optional[Tuned]:
+    """One file's usable entries for GPU ``index``, or None; warns once for a file it ignores
+    and for entries it drops."""
+    what = "measured defaults shipped" if shipped else "tuned configurations"
+    fix = ("The built-in table is used; a file of this machine's (`flash-recipe tune`) would take its place."
+           if shipped else "The built-in table is used; run `flash-recipe tune` to tune again, or delete the file.")
     try:
         found = read(path)
-        problem = key_problem(found.key, make_key(gpu, target))
+        problem = key_problem(found.key, make_key(gpu, target), MEASURED_KEY_FIELDS if shipped else KEY_FIELDS)
     except FileNotFoundError:
         return None
     except BadCacheFile as exc:
         problem = str(exc)
-    if problem is None:
-        found, dropped = fits(found, _shared_memory(index), gpu)
-        if dropped:
-            _warn(path, f"flash_recipe ignores {len(dropped)} tuned configuration(s) in {path}: "
-                        f"{'; '.join(dropped)}. The built-in table is used for them; run `flash-recipe tune` to "
-                        f"tune again, or delete the file.")
-        return found
-    _warn(path, f"flash_recipe ignores the tuned configurations in {path}: {problem}. The built-in table "
-                f"is used; run `flash-recipe tune` to tune again, or delete the file.")
-    return None
+    if problem is not None:
+        _warn(path, f"flash_recipe ignores the {what} in {path}: {problem}. {fix}")
+        return None
+    found, dropped = fits(found, _shared_memory(index), gpu)
+    if shipped:
+        family, release = configs.arch_family(target), targets.triton_release()
+        for (bucket, size), name in list(found.paths.items()):
+            if name == "one_pass" and not configs.release_takes_one_pass(family, bucket, release):
+                del found.paths[(bucket, size)]
+                dropped.append(f"the one-pass backward at head dim {bucket}, {size}-byte elements, whose tile "
+                               f"Triton {release[0]}.{release[1]} does not compile cleanly")
+    if dropped:
+        again = "" if shipped else "; run `flash-recipe tune` to tune again, or delete the file"
+        entries = f"{len(dropped)} entr{'y' if len(dropped) == 1 else 'ies'}"
+        _warn(path, f"flash_recipe ignores {entries} of the {what} in {path}: {'; '.join(dropped)}. "
+                    f"The built-in table is used for them{again}.")
+    return found
 
 
 def _warn(path: Path, message: str) -> None:

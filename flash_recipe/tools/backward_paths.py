@@ -4,10 +4,11 @@ from the compile check, and the path each family runs by default (``configs.BACK
 Per element is ``instructions x warps / (BLOCK_M x BLOCK_N)`` of a kernel's main loop
 (``compile_check`` rows' ``loop_per_element``): the one-pass backward's dK/dV kernel adding dQ
 against the three kernels' dQ kernel plus dK/dV kernel (their preprocess is the same). The
-fewer, averaged over MHA and GQA (a row each), is the family's default until a GPU measures
-otherwise (``flash-recipe tune``), unless that path spills in a call the check budgets
-(``SPILLING``). The table in docs/performance.md ("The backward path per
-family") is this tool's output, and tests/test_backward_paths.py pins the defaults to it::
+fewer, averaged over MHA and GQA (a row each), is the family's default, unless that path spills
+in a call the check budgets (``SPILLING``) or a GPU measured the other faster
+(``configs.MEASURED_BACKWARD_PATHS``); each row's ``source`` says which of the three chose it.
+The table in docs/performance.md ("The backward path per family") is this tool's output, and
+tests/test_backward_paths.py pins the defaults to it::
 
     python -m flash_recipe.tools.backward_paths --jobs 2 [--target sm90] [--head-dim 128]
     python -m flash_recipe.tools.backward_paths --rows rows.jsonl   # compile check --json output
@@ -43,8 +44,8 @@ SPILLING = {
 def path_rows(rows: list) -> list[dict]:
     """One row per (target, head dim) with both paths' per-element counts, MHA and GQA, from the
     compile check's rows of the aligned bf16/fp16 ``bwd`` call: ``{"target", "head_dim",
-    "one_pass": (mha, gqa), "three_kernels": (mha, gqa), "fewer", "default"}`` (a count of None
-    where a kernel's main loop was not found)."""
+    "one_pass": (mha, gqa), "three_kernels": (mha, gqa), "fewer", "default", "source"}`` (a count
+    of None where a kernel's main loop was not found; ``source``: ``source_of``)."""
     found: dict[tuple, float] = {}
     for row in rows:
         chosen = row.get("call") == "bwd" and row.get("form") == "aligned" and row.get("dtype") != "float32"
@@ -64,20 +65,39 @@ def path_rows(rows: list) -> list[dict]:
         if None not in counts["one_pass"] + counts["three_kernels"]:
             fewer = min(limits.BACKWARD_PATH_NAMES, key=lambda path: float(sum(counts[path])))
         default = configs.backward_path(target, head_dim)
-        table.append({"target": target, "head_dim": head_dim, **counts, "fewer": fewer, "default": default})
+        table.append(
+            {
+                "target": target,
+                "head_dim": head_dim,
+                **counts,
+                "fewer": fewer,
+                "default": default,
+                "source": source_of(target, head_dim),
+            }
+        )
     return table
+
+
+def source_of(target: str, head_dim: int) -> str:
+    """What chose the default of ``target`` at ``head_dim``: ``"GPU"`` (a measurement,
+    ``configs.MEASURED_BACKWARD_PATHS``), ``"spills"`` (the path with fewer instructions spills,
+    ``SPILLING``) or ``"instructions"`` (the fewer)."""
+    if (target, head_dim) in configs.MEASURED_BACKWARD_PATHS:
+        return "GPU"
+    return "spills" if (target, head_dim) in SPILLING else "instructions"
 
 
 def markdown(table: list) -> str:
     """The table as docs/performance.md shows it."""
     lines = [
-        "| target | head dim | one-pass, MHA / GQA | three kernels, MHA / GQA | fewer | default |",
-        "|---|---:|---:|---:|---|---|",
+        "| target | head dim | one-pass, MHA / GQA | three kernels, MHA / GQA | fewer | default | chosen by |",
+        "|---|---:|---:|---:|---|---|---|",
     ]
     for row in table:
         one, three = (" / ".join("-" if c is None else f"{c:.2f}" for c in row[p]) for p in PATH_KERNELS)
         lines.append(
-            f"| {row['target']} | {row['head_dim']} | {one} | {three} | {row['fewer'] or '-'} | {row['default']} |"
+            f"| {row['target']} | {row['head_dim']} | {one} | {three} | {row['fewer'] or '-'} | {row['default']} "
+            f"| {row['source']} |"
         )
     return "\n".join(lines)
 
@@ -92,7 +112,9 @@ def read_markdown(text: str) -> list[dict]:
     lines = text.split(DOCS_MARKER + "\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
     table = []
     for line in lines:
-        target, head_dim, one, three, fewer, default = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        target, head_dim, one, three, fewer, default, source = (
+            cell.strip() for cell in line.strip().strip("|").split("|")
+        )
         counts = [tuple(None if c == "-" else float(c) for c in cell.split(" / ")) for cell in (one, three)]
         table.append(
             {
@@ -102,6 +124,7 @@ def read_markdown(text: str) -> list[dict]:
                 "three_kernels": counts[1],
                 "fewer": None if fewer == "-" else fewer,
                 "default": default,
+                "source": source,
             }
         )
     return table
@@ -140,11 +163,7 @@ def main(argv: Optional[list] = None) -> int:
     ]
     table = path_rows(wanted)
     print(markdown(table))
-    differ = [
-        row
-        for row in table
-        if row["fewer"] not in (None, row["default"]) and (row["target"], row["head_dim"]) not in SPILLING
-    ]
+    differ = [row for row in table if row["fewer"] not in (None, row["default"]) and row["source"] == "instructions"]
     for row in differ:
         print(
             f"{row['target']} at head dim {row['head_dim']}: {row['fewer']} issues fewer, the default is "

@@ -112,11 +112,12 @@ def run_call(case: Case) -> dict[str, str]:
         forward.attention_forward(q, k, v, var)
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         dout = torch.randn_like(q)
-        backward_launch.attention_backward(dout, q, k, v, out, lse, var)
-        # and where the target's path is the one pass, the deterministic three kernels, whose dQ
-        # kernel stores the sinks' row sums (the one pass adds them with atomics)
-        if choose.backward_path(q.device, q.shape[-1], q.element_size()) == "one_pass":
-            backward_launch.attention_backward(dout, q, k, v, out, lse, var, deterministic=True)
+        # Both paths, as the "bwd" call compiles them, whichever the target runs by default: the
+        # three kernels' dQ kernel stores the sinks' row sums, the one pass adds them with atomics.
+        one_pass = case.dtype != "float32" and choose.one_pass_fits(torch.device("cpu"), case.head_dim)
+        for path in ("one_pass", "three_kernels") if one_pass else ("three_kernels",):
+            with choose.taking_path(path):
+                backward_launch.attention_backward(dout, q, k, v, out, lse, var)
         return {"attn_fwd_kernel": "fwd", **BACKWARD_LABELS}
     if case.call == "fwd_ws":  # the plain forward with warp specialisation asked for, causal and not
         from ..ops import features  # imports Triton: importing compile_calls loads none

@@ -145,25 +145,34 @@ def _fraction(text: str) -> float:
 
 
 def show(directory=None, out=print) -> int:
-    """Print the cache directory and, per file, its key and entries."""
+    """Print the cache directory and, per file, its key and entries; then the measured defaults
+    shipped in the wheel (``tuned.MEASURED_DIR``), which this machine's files override."""
     directory = tuned.cache_dir() if directory is None else directory
     files = tuned.cache_files(directory)
     out(f"tuned configurations: {directory} (${tuned.ENV_VAR} overrides it){'' if files else '; no files'}")
     for path in files:
-        try:
-            found = tuned.read(path)
-        except tuned.BadCacheFile as exc:
-            out(f"{path.name}: ignored, {exc}")
-            continue
-        key = found.key
-        out(f"{path.name}: {key['gpu']} ({key['target']}), Triton {key['triton']}, flash_recipe {key['flash_recipe']}")
-        for (kernel, head_dim, size), config in sorted(found.configs.items()):
-            out(f"  {kernel:<8} d{head_dim:<3} {size}-byte  {describe(config)}")
-        for (head_dim, size, programs, cache_len), splits in sorted(found.splits.items()):
-            out(f"  num_splits d{head_dim:<3} {size}-byte  {programs} programs, cache {cache_len}: {splits}")
-        for (head_dim, size), path_name in sorted(found.paths.items()):
-            out(f"  backward d{head_dim:<3} {size}-byte  {path_name}")
+        _show_file(path, out)
+    shipped = tuned.cache_files(tuned.MEASURED_DIR)
+    out(f"measured defaults shipped: {tuned.MEASURED_DIR}{'' if shipped else '; no files'}")
+    for path in shipped:
+        _show_file(path, out)
     return 0
+
+
+def _show_file(path, out) -> None:
+    try:
+        found = tuned.read(path)
+    except tuned.BadCacheFile as exc:
+        out(f"{path.name}: ignored, {exc}")
+        return
+    key = found.key
+    out(f"{path.name}: {key['gpu']} ({key['target']}), Triton {key['triton']}, flash_recipe {key['flash_recipe']}")
+    for (kernel, head_dim, size), config in sorted(found.configs.items()):
+        out(f"  {kernel:<8} d{head_dim:<3} {size}-byte  {describe(config)}")
+    for (head_dim, size, programs, cache_len), splits in sorted(found.splits.items()):
+        out(f"  num_splits d{head_dim:<3} {size}-byte  {programs} programs, cache {cache_len}: {splits}")
+    for (head_dim, size), path_name in sorted(found.paths.items()):
+        out(f"  backward d{head_dim:<3} {size}-byte  {path_name}")
 
 
 def clear(directory=None, out=print) -> int:
