@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flash_recipe.ops import tuned
 from flash_recipe.tools import bench, campaign, gpu_check_cases, tune, verify
 
 # The plan with this checkout's test tree (the package may be an installed wheel, with none beside it).
@@ -34,7 +35,20 @@ def _parse(add_arguments, argv):
     return parser.parse_args(argv)
 
 
-ORDER = ["env", "warmup", "check", "bench", "decode", "memory", "host", "capture", "verify", "tests", "tune"]
+ORDER = [
+    "env",
+    "warmup",
+    "check",
+    "shootout",
+    "bench",
+    "decode",
+    "memory",
+    "host",
+    "capture",
+    "verify",
+    "tests",
+    "tune",
+]
 
 
 def test_plan_has_every_part_in_order_of_value_within_its_total():
@@ -52,15 +66,15 @@ def test_the_default_campaign_fits_9_minutes_and_says_what_it_leaves_out():
     ran = [step for step in fitted if not step.skip]
     assert campaign.DEFAULT_MINUTES == 9
     assert sum(step.budget_s for step in ran) + campaign.RESERVE_S <= 9 * 60
-    assert [step.name for step in ran] == ["env", "warmup", "check", "bench", "decode", "memory", "host", "capture"]
+    assert [step.name for step in ran] == ["env", "warmup", "check", "shootout", "bench", "memory"]
     skipped = {step.name: step.skip for step in fitted if step.skip}
-    assert set(skipped) == {"verify", "tests", "tune"}
+    assert set(skipped) == {"decode", "host", "capture", "verify", "tests", "tune"}
     assert "(144 s needed, 24 s of them compiling ahead in warmup, 7 s left" in skipped["verify"]
     everything = campaign.fit(list(PLAN.values()), campaign.TOTAL_BUDGET_S / 60)
     assert not any(step.skip for step in everything)  # the whole plan fits its total
     # A later, shorter step still runs where a longer one before it did not fit.
-    shorter = campaign.fit(list(PLAN.values()), 6.5)  # 345 s: decode (60) does not fit after bench, memory (35) does
-    assert [step.name for step in shorter if not step.skip] == ["env", "warmup", "check", "bench", "memory"]
+    shorter = campaign.fit(list(PLAN.values()), 6.5)  # 345 s: bench (190) does not fit after shootout, decode (60) does
+    assert [step.name for step in shorter if not step.skip] == ["env", "warmup", "check", "shootout", "decode"]
     with pytest.raises(SystemExit):
         campaign.build_parser().parse_args(["--out", "x", "--minutes", "0.5"])
 
@@ -237,7 +251,8 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
     assert status == 0
     for text in ("verify", "--kvcache", "4096,8192,16384", "32768,65536", "sdpa_flash", "total budget", "20 min"):
         assert text in out
-    assert "flash_recipe tune" not in out
+    assert "--kernel fwd,decode" not in out  # the tune step's; the shoot-out runs flash-recipe tune too
+    assert "--kernel bwd_dq,bwd_dkdv,bwd_onepass" in out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["campaign.json", "campaign.md"]
     report = json.loads((tmp_path / "out" / "campaign.json").read_text())
     assert report["dry_run"] and report["steps"] == {} and report["targets"] == []
@@ -248,13 +263,13 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
 def test_a_default_dry_run_plans_9_minutes_and_its_report_starts_with_what_it_leaves_out(tmp_path, capsys):
     assert campaign.main(["--out", str(tmp_path / "out"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "within 540 s (9 min); not run: verify, tests, tune;" in out
+    assert "within 540 s (9 min); not run: decode, host, capture, verify, tests, tune;" in out
     assert "not run: does not fit in --minutes 9" in out
     report = json.loads((tmp_path / "out" / "campaign.json").read_text())
     assert report["budget_s"]["total"] == 540 and report["budget_s"]["steps"] + campaign.RESERVE_S <= 540
     head = (tmp_path / "out" / "campaign.md").read_text().splitlines()[:6]
     assert "- passed: none" in head
-    assert any(line.startswith("- skipped: verify (does not fit in --minutes 9") for line in head), head
+    assert any(line.startswith("- skipped: decode (does not fit in --minutes 9") for line in head), head
 
 
 def test_without_cuda_the_campaign_refuses(tmp_path, capsys, monkeypatch):
@@ -661,3 +676,48 @@ def test_capture_check_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert capture_check.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_shootout_runs_right_after_the_check_and_times_each_backward_path_with_four_configs_at_most():
+    """The shoot-out is ``flash-recipe tune`` of the three backward kernels and so of both paths
+    (``Tuner.best_path``), bf16 at head dims 64 and 128 at the training shapes, with at most 4
+    configurations per kernel, writing its file apart from every other step's tune cache."""
+    assert ORDER.index("shootout") == ORDER.index("check") + 1
+    step = PLAN["shootout"]
+    assert step.budget_s == campaign.BUDGETS_S["shootout"] == 150
+    argv = step.command("/scratch")
+    assert argv[1:4] == ["-m", "flash_recipe", "tune"]
+    args = _parse(tune.add_arguments, argv[4:])
+    assert args.kernel == ["bwd_dq", "bwd_dkdv", "bwd_onepass"] and args.head_dim == [64, 128]
+    assert args.dtype == ["bfloat16"] and args.seqlen == [4096, 16384] and args.causal == "both"
+    assert args.max_candidates == 4 and args.tokens == 16384 and args.nheads == 16
+    assert args.json == "/scratch/shootout.json" and not args.no_save
+    env = step.environment({"FLASH_RECIPE_TUNE_CACHE": "/scratch/tune-cache", "OTHER": "1"}, "/scratch")
+    assert env == {"FLASH_RECIPE_TUNE_CACHE": "/scratch/measured", "OTHER": "1"}
+    assert PLAN["bench"].environment({"FLASH_RECIPE_TUNE_CACHE": "x"}, "/scratch") == {"FLASH_RECIPE_TUNE_CACHE": "x"}
+
+
+def test_the_shootout_leaves_the_measured_file_to_commit_and_the_report_shows_what_it_chose(tmp_path):
+    """What the shoot-out wrote (a ``flash-recipe tune`` report and its file, made up here) lands in
+    ``measured/`` beside the report, and the report's section names the path kept per head dim."""
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    (scratch / "measured").mkdir(parents=True)
+    out.mkdir()
+    document = {"format": 1, "key": {"gpu": "NVIDIA H200", "target": "sm90", "triton": "3.6.0", "flash_recipe": "0"}}
+    (scratch / "measured" / "NVIDIA-H200.tune.json").write_text(json.dumps(document))
+    found = {
+        "backward": [
+            {"head_dim": 128, "element_size": 2, "path": "one_pass", "default": "three_kernels", "speedup": 1.2,
+             "ms": {"one_pass": {"a": 1.0, "b": 4.0}, "three_kernels": {"a": 1.2, "b": 4.8}}},
+        ],
+        "configs": [tuned.config_entry("bwd_dq", 128, 2, (64, 128, 8, 2), speedup=1.05, table=[128, 64, 8, 2])],
+    }  # fmt: skip
+    (scratch / "shootout.json").write_text(json.dumps(found))
+    record = {"name": "shootout", "status": "passed", "detail": "exit status 0", "output_tail": ""}
+    record = campaign.collect(PLAN["shootout"], record, scratch, out, io.BytesIO())
+    assert record["data"]["files"] == ["measured/NVIDIA-H200.tune.json"]
+    assert json.loads((out / "measured" / "NVIDIA-H200.tune.json").read_text()) == document
+    text = "\n".join(campaign.report._shootout_section(record))
+    assert "| 128 | 2 | one_pass | three_kernels | 1.2 | one_pass 2, three_kernels 2.4 |" in text
+    assert "bwd_dq d128: 64x128 w8 s2, 1.05x the table's [128, 64, 8, 2]" in text
+    assert "commit it as `flash_recipe/measured/NVIDIA-H200.tune.json`" in text

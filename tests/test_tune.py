@@ -24,6 +24,7 @@ from offline import compile_in_subprocess
 from flash_recipe.ops import choose, configs, forward, kvcache, splits, targets, tuned
 from flash_recipe.ops.configs import Config
 from flash_recipe.tools import cli, tune
+from flash_recipe.tools.tune.candidates import nearest
 
 H100 = "NVIDIA H100 80GB HBM3"
 CUDA0 = torch.device("cuda", 0)
@@ -883,3 +884,41 @@ def test_the_wheels_measured_files_are_valid_and_each_names_the_gpu_of_its_file_
         assert tuned.file_name(found.key["gpu"]) == path.name
         limit = configs.FAMILY_SHARED_MEMORY[configs.arch_family(found.key["target"])]
         assert tuned.fits(found, limit, found.key["gpu"])[1] == []
+
+
+def test_nearest_keeps_the_table_and_the_candidates_closest_to_it():
+    table = Config(64, 64, 4, 2)
+    found = [Config(128, 128, 8, 3), Config(64, 32, 4, 2), table, Config(64, 64, 4, 3), Config(32, 64, 4, 1)]
+    assert nearest(found, table, None) == found
+    assert nearest(found, table, 1) == [table]
+    # one step each (a halved block, one stage more) before two (a halved block and a stage less)
+    assert nearest(found, table, 3) == [table, Config(64, 32, 4, 2), Config(64, 64, 4, 3)]
+    everything = [table, Config(64, 32, 4, 2), Config(64, 64, 4, 3), Config(32, 64, 4, 1), Config(128, 128, 8, 3)]
+    assert nearest(found, table, 9) == everything
+    pruned_table = [c for c in found if c != table]  # the table pruned away: the nearest others only
+    assert nearest(pruned_table, table, 2) == [Config(64, 32, 4, 2), Config(64, 64, 4, 3)]
+
+
+def test_the_tuner_times_at_most_max_candidates_and_keeps_the_fastest_of_them(launches, fake_gpu, monkeypatch):
+    """``max_candidates`` (the campaign's shoot-out: 4) times the table's configuration and the
+    nearest others; a faster candidate farther away is never timed, and the fastest timed wins."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    table = configs.get_config("interpreter", "fwd", 32, 2)
+    near, far = table._replace(num_stages=table.num_stages + 1), Config(16, 16, 1, 1)
+    speed = {table: 1.0, near: 0.8, far: 0.1}
+    timed = []
+
+    def timer(fn, trial):
+        fn()
+        timed.append(trial.config)
+        return speed[trial.config]
+
+    report = tune.tune(
+        ["fwd"], [32], ["float16"], [32], device="cpu", timer=timer, check=SMALL, nheads=2, tokens=32,
+        causal=(False,), grid={"fwd": [far, near]}, max_candidates=2, key=tuned.make_key(H100, "sm90"),
+    )  # fmt: skip
+    assert set(timed) == {table, near}
+    assert {tuple(t["config"]): t["status"] for t in report["trials"]} == {table: "ok", near: "ok", far: "skipped"}
+    (entry,) = report["configs"]
+    assert Config(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"]) == near
+    assert tuned.read(report["path"]).configs == {("fwd", 32, 2): tuple(near)}

@@ -65,18 +65,22 @@ Output, kept to a few files in one folder, so that it is easy to carry off a mac
 ``campaign.md``
 (the report), ``campaign.json`` (everything, machine readable), ``campaign.log`` (every step's
 command and full output, in order), ``bench-fwd.png`` and ``bench-bwd.png`` (TFLOP/s against
-sequence length per peer; they need matplotlib) and the tuned-configuration file ``tune`` wrote,
+sequence length per peer; they need matplotlib), the tuned-configuration file ``tune`` wrote,
 if any (``*.tune.json``, one per GPU model; ``FLASH_RECIPE_TUNE_CACHE=DIR`` makes flash_recipe
-use it): six at most. ``campaign.md`` and ``campaign.json`` are rewritten after every step, so a campaign that is
-itself interrupted still leaves its report. Step results travel through a temporary folder,
+use it) and the measured-defaults file the shoot-out wrote (``measured/<GPU>.tune.json``, to
+commit to ``flash_recipe/measured/``, where the wheel ships it): seven at most. ``campaign.md``
+and ``campaign.json`` are rewritten after every step, so a campaign that is itself interrupted
+still leaves its report. Step results travel through a temporary folder,
 ``{scratch}`` in the commands, removed at the end.
 
 Every step runs with ``FLASH_RECIPE_TUNE_CACHE`` pointing to an empty folder of the scratch, so
-the measurements use the configurations flash_recipe ships, never a tuned file left on the
-machine; ``tune`` runs last and writes there (``--tune-first`` runs it first, so that verify,
-bench, memory and tests use what it found). ``TRITON_INTERPRET`` and ``FLASH_RECIPE_BACKEND`` are
-removed from the steps' environment, and the folder flash_recipe was imported from is put first
-on their ``PYTHONPATH``, so every step runs this same flash_recipe.
+the measurements use the configurations flash_recipe ships (its tables, and its measured file
+for this GPU model if it has one), never a tuned file left on the machine; the shoot-out writes
+into a folder of its own (``{scratch}/measured``); ``tune`` runs last and writes into the empty
+one (``--tune-first`` runs it first, so that verify, bench, memory and tests use what it found).
+``TRITON_INTERPRET`` and ``FLASH_RECIPE_BACKEND`` are removed from the steps' environment, and the
+folder flash_recipe was imported from is put first on their ``PYTHONPATH``, so every step runs
+this same flash_recipe.
 
 ``--dry-run`` prints and writes the plan (steps, commands, budgets, shapes) and runs nothing; it
 works without a GPU. Without it, a machine with no CUDA device is refused (exit status 2).

@@ -44,6 +44,16 @@ TUNE_HEAD_DIMS = (64, 128)
 TUNE_KERNELS = ("fwd", "decode")
 TUNE_JOBS = 12
 TUNE_SEQLEN = 8192
+# The shoot-out (``flash-recipe tune`` of the backward, right after the correctness check): every
+# backward path with at most SHOOTOUT_CANDIDATES configurations per kernel (the table's and those
+# nearest it that fit), each path then timed whole at the training shapes (bf16, head dims 64 and
+# 128, causal and not, about 16k tokens, 16 heads), the faster kept where it beats the table's
+# default. It writes the measured-defaults file for this GPU model (``tuned.MEASURED_DIR``'s format)
+# into ``measured/`` beside the report, to be committed to ``flash_recipe/measured/``.
+SHOOTOUT_KERNELS = ("bwd_dq", "bwd_dkdv", "bwd_onepass")
+SHOOTOUT_HEAD_DIMS = (64, 128)
+SHOOTOUT_SEQLENS = (4096, 16384)
+SHOOTOUT_CANDIDATES = 4
 # bf16, what training runs: fp16 shares its kernels, and fp32 (its own path) is verified by CI under
 # the interpreter; `flash-recipe verify --dtype float32` on the GPU covers it when time allows.
 VERIFY_DTYPES = ("bfloat16",)
@@ -78,19 +88,23 @@ DECODE_EAGER_RATIO = 0.9
 HOST_CASES = ("fwd", "fwd_autograd", "kvcache", "fwd_bwd")
 CAPTURE_CHECKS = ("kvcache", "kvcache_paged", "varlen", "fwd", "fwd_bwd", "compile")
 
-# The steps in the order of value (after ``env``): compiling ahead, correctness on the GPU, training
-# speed, decoding speed, memory, the decoding path's host cost and CUDA-graph capture, verify's
-# grids, the GPU tests, tuning.
-STEP_NAMES = ("warmup", "check", "bench", "decode", "memory", "host", "capture", "verify", "tests", "tune")
+# The steps in the order of value (after ``env``): compiling ahead, correctness on the GPU, the
+# backward's shoot-out (what ships as measured defaults), training speed, decoding speed, memory,
+# the decoding path's host cost and CUDA-graph capture, verify's grids, the GPU tests, tuning.
+STEP_NAMES = (
+    "warmup", "check", "shootout", "bench", "decode", "memory", "host", "capture", "verify", "tests", "tune"
+)  # fmt: skip
 # Seconds per step (``--budget STEP=SECONDS`` changes one). Measured on one H200 on 2026-11-27:
 # env 10 s, bench 132 s, memory 17 s, decode 16 s (eager only; the CUDA-graph replay about doubles
 # it), verify (bf16, full and KV grids) unfinished after 90 s of compiling; on an H100 on
 # 2026-11-25 bench took 189 s and memory 33 s. host and capture are planned, not yet measured: host
-# times 3 cases 2 ways with SDPA beside, capture compiles 6 small variants. warmup's budget is
+# times 3 cases 2 ways with SDPA beside, capture compiles 6 small variants; shootout is planned, not
+# yet measured (compiling and timing at most 4 configurations of 3 kernels at 2 head dims, then the
+# 2 paths whole, with the pruning in TUNE_JOBS processes). warmup's budget is
 # ``warmup_budget`` of the steps it compiles for that run (below); the figure here is for all of them.
 BUDGETS_S = {
-    "env": 20, "warmup": 0, "check": 60, "bench": 190, "decode": 60, "memory": 35, "host": 30, "capture": 60,
-    "verify": 120, "tests": 210, "tune": 270,
+    "env": 20, "warmup": 0, "check": 60, "shootout": 150, "bench": 190, "decode": 60, "memory": 35, "host": 30,
+    "capture": 60, "verify": 120, "tests": 210, "tune": 270,
 }  # fmt: skip
 
 # ``check`` (``flash_recipe.tools.gpu_check``): its table (19 rows in bf16 and fp16: 38 checks)
@@ -141,7 +155,7 @@ class Step:
     file under the scratch where the step leaves its JSON result; with ``stdout_is_result`` the
     step's standard output is that file (its standard error goes to the log). ``cwd`` None runs
     it in the scratch. ``skip`` is why a planned step does not run. ``params`` describe what it
-    covers, for the plan and the report.
+    covers, for the plan and the report. ``env``: variables set for this step alone.
     """
 
     name: str
@@ -153,9 +167,14 @@ class Step:
     stdout_is_result: bool = False
     cwd: Optional[str] = None
     skip: Optional[str] = None
+    env: dict = dataclasses.field(default_factory=dict)
 
     def command(self, scratch: str = "{scratch}") -> list:
         return [arg.replace("{scratch}", scratch) for arg in self.argv]
+
+    def environment(self, base: dict, scratch: str) -> dict:
+        """``base`` with the step's own variables (``env``, which may contain ``{scratch}``) over it."""
+        return {**base, **{name: value.replace("{scratch}", scratch) for name, value in self.env.items()}}
 
     def as_dict(self) -> dict:
         return {
@@ -166,6 +185,7 @@ class Step:
             "params": self.params,
             "cwd": self.cwd,
             "skip": self.skip,
+            "env": self.env,
         }
 
 
@@ -343,6 +363,25 @@ def build_plan(
         },
         result="tune.json",
     )
+    shootout = Step(
+        "shootout",
+        "the backward's shoot-out: each path with at most 4 configurations per kernel, bf16, head dims 64 "
+        "and 128, writing the measured defaults for this GPU model",
+        [python, "-m", "flash_recipe", "tune", "--head-dim", joined(SHOOTOUT_HEAD_DIMS), "--dtype", "bfloat16"]
+        + ["--kernel", joined(SHOOTOUT_KERNELS), "--seqlen", joined(SHOOTOUT_SEQLENS), "--causal", "both"]
+        + ["--tokens", str(TARGET["tokens"]), "--nheads", str(TARGET["nheads"])]
+        + ["--max-candidates", str(SHOOTOUT_CANDIDATES), "--jobs", str(TUNE_JOBS), "--json", "{scratch}/shootout.json"],
+        budgets["shootout"],
+        params={
+            "kernels": list(SHOOTOUT_KERNELS),
+            "head_dims": list(SHOOTOUT_HEAD_DIMS),
+            "seqlens": list(SHOOTOUT_SEQLENS),
+            "candidates": SHOOTOUT_CANDIDATES,
+            "dtype": "bfloat16",
+        },
+        result="shootout.json",
+        env={"FLASH_RECIPE_TUNE_CACHE": "{scratch}/measured"},  # its file, apart from every other step's
+    )
     host = Step(
         "host",
         "host cost per call: Python calls and microseconds, launches stubbed and real, beside torch SDPA",
@@ -386,7 +425,7 @@ def build_plan(
         result="warmup.json",
     )
     warm = with_warmup_for(warm, names)
-    steps = [warm, check, bench, decode, memory, host, capture, verify, tests]
+    steps = [warm, check, shootout, bench, decode, memory, host, capture, verify, tests]
     return [env, tune, *steps] if tune_first else [env, *steps, tune]
 
 

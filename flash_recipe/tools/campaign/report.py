@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -177,6 +178,7 @@ def render_markdown(report: dict) -> str:
             lines.append(f"![{name}]({name})" if problem is None else f"{name}: not drawn ({problem})")
         lines.append("")
     lines += _check_section((steps.get("check") or {}).get("data") or {})
+    lines += _shootout_section(steps.get("shootout"))
     lines += _warmup_section((steps.get("warmup") or {}).get("data") or {})
     host_data = (steps.get("host") or {}).get("data") or {}
     if host_data.get("rows"):
@@ -251,6 +253,42 @@ def render_markdown(report: dict) -> str:
             lines += ["", "```", tune["output_tail"], "```"]
         lines.append("")
     return "\n".join(lines)
+
+
+def _shootout_section(step: Optional[dict]) -> list:
+    """``## Backward shoot-out``: per head dim, the path kept and each path's time, then the
+    configurations kept, and the measured-defaults file to commit."""
+    if not step:
+        return []
+    data = step.get("data") or {}
+    found = data.get("report") or {}
+    lines = ["## Backward shoot-out", "", f"{step['status']}: {step.get('detail', '')}", ""]
+    if found.get("backward"):
+        lines += [
+            "| head dim | bytes | kept | table's default | speed-up | ms per path (geomean) |",
+            "|---:|---:|---|---|---:|---|",
+        ]
+        for entry in found["backward"]:
+            times = ", ".join(
+                f"{path} {math.exp(sum(math.log(v) for v in ms.values()) / len(ms)):.4g}"
+                for path, ms in sorted((entry.get("ms") or {}).items())
+                if ms
+            )
+            lines.append(
+                f"| {entry['head_dim']} | {entry['element_size']} | {entry['path']} | {entry.get('default', '-')} "
+                f"| {entry.get('speedup', '-')} | {times} |"
+            )
+        lines.append("")
+    for entry in found.get("configs") or []:
+        lines.append(
+            f"- {entry['kernel']} d{entry['head_dim']}: {entry['block_m']}x{entry['block_n']} w{entry['num_warps']} "
+            f"s{entry['num_stages']}, {entry.get('speedup', '-')}x the table's {entry.get('table')}"
+        )
+    for name in data.get("files") or []:
+        lines.append(f"\nMeasured defaults: `{name}`; commit it as `flash_recipe/{name}` to ship it for this GPU.")
+    if step["status"] != "passed" and step.get("output_tail"):
+        lines += ["", "```", step["output_tail"], "```"]
+    return lines + [""]
 
 
 def _check_section(data: dict) -> list:

@@ -76,7 +76,7 @@ def run_step(step: Step, scratch: Path, log, env: dict) -> dict:
         proc = subprocess.Popen(
             command,
             cwd=step.cwd or str(scratch),
-            env=env,
+            env=step.environment(env, str(scratch)),
             stdin=subprocess.DEVNULL,
             stdout=stdout,
             stderr=log,
@@ -159,8 +159,8 @@ def collect(step: Step, record: dict, scratch: Path, out: Path, log) -> dict:
                 f"{data['skipped']} skipped ({record['detail']})"
             )
         return record
-    if step.name == "tune":
-        record["data"] = {"files": _copy_tune_files(scratch, out)}
+    if step.name in ("tune", "shootout"):
+        record["data"] = {"files": _copy_tune_files(scratch, out, step.name)}
         if path is not None and path.is_file() and path.stat().st_size:
             try:
                 record["data"]["report"] = json.loads(path.read_text())
@@ -237,12 +237,16 @@ def collect(step: Step, record: dict, scratch: Path, out: Path, log) -> dict:
     return record
 
 
-def _copy_tune_files(scratch: Path, out: Path) -> list:
-    """Copy the tuned-configuration file ``tune`` wrote (one per GPU model: the first) next to the report."""
+def _copy_tune_files(scratch: Path, out: Path, step: str) -> list:
+    """Copy the file ``tune`` wrote (one per GPU model: the first) next to the report, or the one
+    ``shootout`` wrote into ``measured/`` there (the file to commit to ``flash_recipe/measured/``);
+    the paths copied, relative to ``out``."""
+    source, target = (scratch / "tune-cache", out) if step == "tune" else (scratch / "measured", out / "measured")
     copied = []
-    for path in sorted((scratch / "tune-cache").glob("*.tune.json"))[:1]:
-        shutil.copy(path, out / path.name)
-        copied.append(path.name)
+    for path in sorted(source.glob("*.tune.json"))[:1]:
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target / path.name)
+        copied.append(str((target / path.name).relative_to(out)))
     return copied
 
 

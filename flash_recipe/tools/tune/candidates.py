@@ -4,6 +4,7 @@ the launch-specialised shared-memory fit (``flash_recipe.tools.compile_check``).
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Optional
 
 from ...ops import choose, configs, targets
@@ -23,6 +24,21 @@ def candidates(kernel: str, table: Config, grid: Optional[dict] = None) -> list[
             Config(*c) for c in itertools.product(*GRID[kernel]) if c[2] < 8 or c[0] * c[1] >= EIGHT_WARPS_MIN_TILE
         ]
     return list(dict.fromkeys([Config(*table)] + found))
+
+
+def nearest(found: list, table: Config, limit: Optional[int]) -> list[Config]:
+    """``table`` (when among ``found``) and the ``limit - 1`` other configurations of ``found``
+    nearest to it: fewest doublings or halvings of the blocks and warps plus the difference in
+    stages, ties in ``found``'s order. ``limit`` None keeps all of ``found``."""
+    if limit is None:
+        return list(found)
+
+    def distance(config: Config) -> float:
+        steps = sum(abs(math.log2(a / b)) for a, b in zip(config[:3], table[:3]))
+        return steps + abs(config[3] - table[3])
+
+    others = sorted((c for c in found if c != table), key=distance)  # sorted() keeps ties in order
+    return ([table] if table in found else []) + others[: max(limit - 1, 0) if table in found else limit]
 
 
 def _compile_one(job: tuple) -> list[dict]:

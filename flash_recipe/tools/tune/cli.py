@@ -107,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replace it, in [0, 1) (default 0.02)",
     )
     parser.add_argument(
+        "--max-candidates",
+        type=_positive("--max-candidates"),
+        default=None,
+        metavar="N",
+        help="time at most N configurations per kernel that fit: the table's and the N-1 nearest it "
+        "(default: every one)",
+    )
+    parser.add_argument(
         "--jobs",
         type=_positive("--jobs"),
         default=min(8, os.cpu_count() or 1),
@@ -236,6 +244,7 @@ def run(args) -> int:
             prune=not args.no_prune,
             jobs=args.jobs,
             min_gain=args.min_gain,
+            max_candidates=args.max_candidates,
             save=not args.no_save,
             progress=progress,
         )

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from ...ops import choose, configs, limits, targets, tuned
 from ...ops.configs import Config
-from .candidates import candidates, prune
+from .candidates import candidates, nearest, prune
 from .problem import (
     BACKWARD,
     DTYPES,
@@ -114,6 +114,7 @@ class Tuner:
     splits: tuple
     min_gain: float
     progress: Optional[Callable[[str], None]]
+    max_candidates: Optional[int] = None
 
     def say(self, text: str) -> None:
         if self.progress is not None:
@@ -172,6 +173,10 @@ class Tuner:
         kept, compile_rows = self.pruned(kernel, head_dim, dtypes[0], found, table)
         label = f"{kernel} d{head_dim} {'/'.join(dtypes)}"
         dropped = f", {len(found) - len(kept)} pruned by {self.target}'s shared memory" if compile_rows else ""
+        fitting = kept
+        kept = nearest(fitting, table, self.max_candidates)
+        if len(kept) < len(fitting):
+            dropped += f", {len(fitting) - len(kept)} beyond the {len(kept)} nearest the table's"
         self.say(f"{label}: {len(found)} candidates{dropped}, table {describe(table)}")
         checks, timed = self.checks(kernel, head_dim, dtypes, self.causal), self.timed(kernel, head_dim, dtypes)
         trials = [
@@ -184,6 +189,11 @@ class Tuner:
                 next(r["problem"] for r in compile_rows if tuple(r["config"]) == c and not r["fits"]),
             )
             for c in found
+            if c not in fitting
+        ]
+        trials += [
+            _row(kernel, head_dim, element_size, c, "skipped", f"not among the {len(kept)} nearest the table's")
+            for c in fitting
             if c not in kept
         ]
         results = {}
@@ -342,6 +352,7 @@ def tune(
     jobs: int = 1,
     check: CheckSizes = CheckSizes(),  # noqa: B008 (frozen: one shared default is safe)
     min_gain: float = 0.02,
+    max_candidates: Optional[int] = None,
     save: bool = True,
     key: Optional[dict] = None,
     directory=None,
@@ -365,6 +376,8 @@ def tune(
         check: the sizes every candidate's output is checked on.
         min_gain: a candidate must be this much faster (0.02: 2%) than the table's configuration
             (or the split heuristic) to replace it.
+        max_candidates: time at most this many configurations per kernel that fit: the table's
+            and those nearest it (``candidates.nearest``); None times every one.
         save: write the winners to the cache file of ``key`` (default: this GPU's, ``tuned.make_key``)
             in ``directory`` (default ``tuned.cache_dir()``).
         progress: called with one line of text per step.
@@ -372,9 +385,9 @@ def tune(
     Returns:
         ``{"key", "path" (None unless saved), "configs" (the ``tuned.config_entry`` rows written),
         "num_splits" (the ``tuned.splits_entry`` rows), "backward" (the ``tuned.path_entry`` rows),
-        "trials" (one row per candidate: kernel,
-        head_dim, element_size, config, status ok/pruned/wrong/error, detail, ms per timing
-        shape), "pruned" (the compile rows)}``.
+        "trials" (one row per candidate: kernel, head_dim, element_size, config, status
+        ok/pruned/skipped (past ``max_candidates``)/wrong/error, detail, ms per timing shape),
+        "pruned" (the compile rows)}``.
 
     Raises:
         TuneError: no GPU and no timer, a GPU without configuration tables, or nothing to key the
@@ -417,6 +430,7 @@ def tune(
         splits=tuple(splits),
         min_gain=min_gain,
         progress=progress,
+        max_candidates=max_candidates,
     )
     if prune and target not in configs.SHARED_MEMORY_LIMIT:
         run.say(
