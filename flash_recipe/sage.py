@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from . import reference_int8, validate
+from ._ops import add_op_namespace_prefix
 from .dispatch import capabilities
 
 # The names ``import sageattention`` gives (diffusers 0.42 imports all of them).
@@ -117,10 +118,14 @@ def triton_problem(q: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _pv_fp8(q: torch.Tensor, pv_dtype: Optional[str], name: str) -> bool:
-    """Whether P.V runs in FP8: ``pv_dtype`` ("fp16", "fp8"), or None for the GPU's fastest."""
+def _check_pv_dtype(name: str, pv_dtype: Optional[str]) -> None:
     if pv_dtype is not None and pv_dtype not in PV_DTYPES:
         raise ValueError(f"{name}: pv_dtype must be one of {PV_DTYPES} or None, got {pv_dtype!r}")
+
+
+def _pv_fp8(q: torch.Tensor, pv_dtype: Optional[str], name: str) -> bool:
+    """Whether P.V runs in FP8: ``pv_dtype`` ("fp16", "fp8"), or None for the GPU's fastest."""
+    _check_pv_dtype(name, pv_dtype)
     if q.device.type != "cuda" or triton_problem(q) is not None:
         if pv_dtype == "fp8":
             raise NotImplementedError(
@@ -148,6 +153,45 @@ def _run(q, k, v, scale: float, causal: bool, smooth_k: bool, fp8: bool, need_ls
     return out, lse if need_lse else None
 
 
+def _attend(name, q, k, v, scale, causal, smooth_k, pv_dtype, need_lse, varlen: tuple = ()):
+    """P.V's format for this device, then the kernels (``_run``): ``(out, lse or None)``. Under
+    torch.compile through the op ``int8_attn``, which Dynamo does not trace into (the kernels'
+    launch path and the device checks are not traceable), eagerly without it."""
+    if torch.compiler.is_compiling():
+        cu_q, cu_k, max_q, max_k = varlen or (None, None, 0, 0)
+        out, lse = int8_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, smooth_k, pv_dtype or "", need_lse, name)
+        return out, lse if need_lse else None
+    return _run(q, k, v, scale, causal, smooth_k, _pv_fp8(q, pv_dtype, name), need_lse, varlen)
+
+
+def _int8_attn(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, smooth_k, pv_dtype, need_lse, name
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's body: ``_attend`` outside torch.compile; ``pv_dtype`` "" for None, and an empty lse
+    unless ``need_lse``."""
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) if cu_seqlens_q is not None else ()
+    out, lse = _run(q, k, v, scale, causal, smooth_k, _pv_fp8(q, pv_dtype or None, name), need_lse, varlen)
+    return out.contiguous(), lse.contiguous() if lse is not None else q.new_empty(0, dtype=torch.float32)
+
+
+int8_attn = torch.library.custom_op(
+    add_op_namespace_prefix("int8_attn"),
+    _int8_attn,
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+    "SymInt max_seqlen_k, float scale, bool causal, bool smooth_k, str pv_dtype, bool need_lse, str name) "
+    "-> (Tensor, Tensor)",
+)
+
+
+@int8_attn.register_fake
+def _int8_attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):
+    """``out`` shaped as q and ``lse (B, H, Sq)`` float32 where asked for (dense only), both contiguous."""
+    need_lse = rest[4]
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if need_lse and cu_seqlens_q is None else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
 def _sage(name: str, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, pv_dtype, kwargs) -> Any:
     smooth_k = _check_kwargs(name, kwargs)
     if tensor_layout not in LAYOUTS:
@@ -164,8 +208,8 @@ def _sage(name: str, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, pv
     causal = validate.check_bool("is_causal", is_causal)
     need_lse = validate.check_bool("return_lse", return_lse)
     scale = validate.check_scale(sm_scale, q.shape[-1], "sm_scale")
-    fp8 = _pv_fp8(q, pv_dtype, name)
-    out, lse = _run(q, k, v, scale, causal, smooth_k, fp8, need_lse)
+    _check_pv_dtype(name, pv_dtype)
+    out, lse = _attend(name, q, k, v, scale, causal, smooth_k, pv_dtype, need_lse)
     if tensor_layout == "HND":
         out = out.transpose(1, 2)
     return (out, lse) if need_lse else out
@@ -266,6 +310,6 @@ def sageattn_varlen(
     varlen = validate.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     causal = validate.check_bool("is_causal", is_causal)
     scale = validate.check_scale(sm_scale, q.shape[-1], "sm_scale")
-    fp8 = _pv_fp8(q, pv_dtype, name)
-    out, _ = _run(q, k, v, scale, causal, smooth, fp8, False, varlen)
+    _check_pv_dtype(name, pv_dtype)
+    out, _ = _attend(name, q, k, v, scale, causal, smooth, pv_dtype, False, varlen)
     return out

@@ -38,8 +38,10 @@ def on_host(t: torch.Tensor) -> bool:
 
     Only host memory is read: reading a GPU tensor's values would synchronise the device on every
     call and could not be captured in a CUDA graph, so there the kernels bound every access instead.
-    The one place this decision is made."""
-    return t.device.type == "cpu"
+    Nor under torch.compile, whose traced tensors have no values yet (a read would be a
+    data-dependent guard); the kernels bound the accesses there too. The one place this decision
+    is made."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _dtype_fix(name: str) -> str:

@@ -229,6 +229,43 @@ def test_kernels_run_and_fallback_agrees(device, monkeypatch):
     assert len(launches) == 1
 
 
+@pytest.mark.parametrize("call", ["hnd-causal", "nhd-lse", "varlen"])
+def test_torch_compile_fullgraph_runs_the_8bit_kernel_and_equals_eager(call, device, monkeypatch):
+    """``torch.compile(fullgraph=True)`` (Inductor, as ComfyUI's TorchCompileModel node uses it)
+    traces ``sageattn`` and ``sageattn_varlen`` whole: the kernels run inside the op
+    ``flash_recipe::int8_attn``, which Dynamo does not trace into, once per call (counted), and the
+    compiled call returns eager's output (and lse) bit for bit."""
+    q, k, v = (t.to(device) for t in realistic_inputs(2, 40, 56, 4, 2, 64, torch.float16, seed=3))
+    if call == "hnd-causal":
+        args = [t.transpose(1, 2) for t in (q, k, v)]
+
+        def fn(q, k, v):
+            return flash_recipe.sageattn(q, k, v, is_causal=True) * 2.0  # an op of the graph's own after it
+    elif call == "nhd-lse":
+        args = [q, k, v]
+
+        def fn(q, k, v):
+            return flash_recipe.sageattn(q, k, v, tensor_layout="NHD", return_lse=True, smooth_k=False)
+    else:
+        lengths, key_lengths = [40, 17], [56, 9]
+        cu_q, cu_k = _cu(lengths, device), _cu(key_lengths, device)
+        args = [_pack(q, lengths), _pack(k, key_lengths), _pack(v, key_lengths)]
+
+        def fn(q, k, v):
+            return flash_recipe.sageattn_varlen(q, k, v, cu_q, cu_k, 40, 56, is_causal=True)
+
+    launches = []
+    kernel = int8_attention.attn_int8_kernel.fn
+    monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **kw: launches.append(1) or _run(*a, **kw))
+    torch._dynamo.reset()
+    eager = fn(*args)
+    compiled = torch.compile(fn, fullgraph=True)(*args)
+    assert len(launches) == 2  # eager's launch, then the compiled call's
+    for got, want in zip(*(x if isinstance(x, tuple) else (x,) for x in (compiled, eager))):
+        assert got.shape == want.shape and torch.equal(got, want)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("path", ["kernels", "fallback"])
 def test_empty_and_keyless_inputs(path, device, monkeypatch):
     """No queries, no keys, and a packed sequence without keys: rows of 0 with lse = +inf, on the
