@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import re
@@ -105,13 +106,32 @@ def is_installed(package: str = "flash_attn") -> bool:
     return getattr(sys.modules.get(stand_in.package), "__flash_recipe__", False)
 
 
+def _other_packages(package: str) -> list:
+    """The folders named ``package`` on ``sys.path`` that hold no ``__init__.py``: parts of a
+    namespace package that other distributions install there (flash-attn-4 installs
+    ``flash_attn/cute`` alone), which the stand-in leaves reachable."""
+    found = []
+    for entry in sys.path:
+        folder = Path(entry or ".") / package
+        if folder.is_dir() and not (folder / "__init__.py").exists():
+            found.append(str(folder))
+    return found
+
+
 class _MissingModules(importlib.abc.MetaPathFinder):
-    """Raises a clear ImportError for a submodule that an installed stand-in does not provide."""
+    """Finds a subpackage of an installed stand-in's package that another distribution installs
+    beside it (``_other_packages``: flash-attn-4's ``flash_attn.cute``); raises a clear ImportError
+    for any other submodule that the stand-in does not provide."""
 
     def find_spec(self, fullname, path=None, target=None):
-        package = fullname.partition(".")[0]
+        package, _, rest = fullname.partition(".")
         stand_in = STAND_INS.get(package)
         if stand_in is not None and fullname != package and is_installed(package):
+            if "." in rest:  # inside a subpackage: the stand-in's own are imported, others have their own path
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, _other_packages(package))
+            if spec is not None:
+                return spec
             raise ModuleNotFoundError(
                 f"flash_recipe's stand-in for {stand_in.distribution} does not provide the module {fullname}; it "
                 f"provides {', '.join(stand_in.provided)} (install the {stand_in.distribution} package for the rest)",
@@ -178,8 +198,11 @@ METADATA_FINDER = _Metadata()
 def _upstream_problem(stand_in: StandIn) -> tuple:
     """``(found, error)``: whether the upstream package is installed, and why it fails to import
     (None if it imports)."""
-    if importlib.util.find_spec(stand_in.package) is None:
+    spec = importlib.util.find_spec(stand_in.package)
+    if spec is None:
         return False, None
+    if spec.origin is None and importlib.util.find_spec(stand_in.probe) is None:
+        return False, None  # a namespace of other distributions' subpackages (flash-attn-4's flash_attn.cute)
     try:
         importlib.import_module(stand_in.probe)
     except Exception as exc:  # a broken build raises anything from ImportError to OSError

@@ -37,6 +37,15 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    # A subpackage another distribution installs beside the stand-in (flash-attn-4's ``flash_attn.cute``,
+    # found by ``alias._MissingModules``) is bound here under the name code imports it by: Python binds
+    # it under this module's own name (flash_recipe.flash_attn), so ``import flash_attn.cute.x as y``
+    # inside it would not find it.
+    import sys  # not at the top, where `sys` would become a name of the stand-in
+
+    found = sys.modules.get(f"flash_attn.{name}")
+    if found is not None and not name.startswith("__"):
+        return found
     from ..alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn", name, __all__)
