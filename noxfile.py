@@ -149,8 +149,9 @@ def yunchang(session: nox.Session) -> None:
     )
 
 
-# The diffusers release the attention-backend tests run.
-DIFFUSERS = ("diffusers==0.42.1",)
+# The diffusers release the attention-backend tests run, and the xformers release a diffusion
+# environment often holds beside it (diffusers imports xformers.ops at import when it is installed).
+DIFFUSERS = ("diffusers==0.42.1", "xformers==0.0.35")
 
 
 @nox.session(default=False)
@@ -164,15 +165,18 @@ def diffusers(session: nox.Session) -> None:
     ``flash``. ``tests/test_diffusers_sage.py``: Flux, Wan and HunyuanVideo on the ``sage`` and
     ``sage_varlen`` backends (stand-in for SageAttention, 8-bit attention), forward in fp16 and
     bf16, each attention call and the output against ``native`` in float32 by the 8-bit method's
-    bounds, and the 8-bit kernel launched once per call. Extra arguments go to pytest."""
+    bounds, and the 8-bit kernel launched once per call. ``tests/test_xformers.py``: xformers and
+    diffusers import with the stand-ins active, and xformers' flash operator bodies run on the
+    stand-in's ``flash_attn_gpu``. Extra arguments go to pytest."""
     install_built_wheel(session, pins=DIFFUSERS)
     session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
     run_pytest(
         session,
         str(ROOT / "tests" / "test_diffusers.py"),
         str(ROOT / "tests" / "test_diffusers_sage.py"),
+        str(ROOT / "tests" / "test_xformers.py"),
         *session.posargs,
-        env={"FLASH_RECIPE_REQUIRE_DIFFUSERS": "1"},
+        env={"FLASH_RECIPE_REQUIRE_DIFFUSERS": "1", "FLASH_RECIPE_REQUIRE_XFORMERS": "1"},
     )
 
 

@@ -16,6 +16,7 @@ them by name through ``inspect.getfullargspec``), return tuples and layouts:
   ``(B, H, round128(Sq))``, varlen ``(H, total_q + 128 * B)`` with sequence ``b`` at column
   offset ``cu_seqlens_q[b] + 128 * b``.
 - ``_wrapped_*``: the same functions (upstream's torch.library entry points).
+- ``flash_attn_gpu``: the compiled extension's four functions on these (``extension``).
 
 The backward follows FlashAttention-2: it uses the given ``out`` and ``softmax_lse`` as they are, so
 when they are a larger attention's (ring attention's merged result), the gradients are this
@@ -384,6 +385,10 @@ _wrapped_flash_attn_varlen_backward = _flash_attn_varlen_backward
 
 
 def __getattr__(name: str):
+    if name == "flash_attn_gpu":  # the compiled extension's stand-in, imported by the first who asks (xformers)
+        from . import extension
+
+        return extension
     from ..alias import missing  # not at the top, where `missing` would become a name of the stand-in
 
     raise missing("flash_attn.flash_attn_interface", name, __all__)
