@@ -127,11 +127,13 @@ class _MissingModules(importlib.abc.MetaPathFinder):
         package, _, rest = fullname.partition(".")
         stand_in = STAND_INS.get(package)
         if stand_in is not None and fullname != package and is_installed(package):
-            if "." in rest:  # inside a subpackage: the stand-in's own are imported, others have their own path
-                return None
-            spec = importlib.machinery.PathFinder.find_spec(fullname, _other_packages(package))
-            if spec is not None:
-                return spec
+            parent = sys.modules.get(fullname.rpartition(".")[0])
+            if not getattr(parent, "__name__", "").startswith(f"{__package__}."):
+                return None  # inside another distribution's subpackage: found on its own path
+            if "." not in rest:
+                spec = importlib.machinery.PathFinder.find_spec(fullname, _other_packages(package))
+                if spec is not None:
+                    return spec
             raise ModuleNotFoundError(
                 f"flash_recipe's stand-in for {stand_in.distribution} does not provide the module {fullname}; it "
                 f"provides {', '.join(stand_in.provided)} (install the {stand_in.distribution} package for the rest)",
