@@ -118,14 +118,9 @@ def triton_problem(q: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _check_pv_dtype(name: str, pv_dtype: Optional[str]) -> None:
-    if pv_dtype is not None and pv_dtype not in PV_DTYPES:
-        raise ValueError(f"{name}: pv_dtype must be one of {PV_DTYPES} or None, got {pv_dtype!r}")
-
-
 def _pv_fp8(q: torch.Tensor, pv_dtype: Optional[str], name: str) -> bool:
-    """Whether P.V runs in FP8: ``pv_dtype`` ("fp16", "fp8"), or None for the GPU's fastest."""
-    _check_pv_dtype(name, pv_dtype)
+    """Whether P.V runs in FP8: ``pv_dtype`` ("fp16", "fp8", checked by ``_attend``), or None for
+    the GPU's fastest."""
     if q.device.type != "cuda" or triton_problem(q) is not None:
         if pv_dtype == "fp8":
             raise NotImplementedError(
@@ -157,6 +152,8 @@ def _attend(name, q, k, v, scale, causal, smooth_k, pv_dtype, need_lse, varlen: 
     """P.V's format for this device, then the kernels (``_run``): ``(out, lse or None)``. Under
     torch.compile through the op ``int8_attn``, which Dynamo does not trace into (the kernels'
     launch path and the device checks are not traceable), eagerly without it."""
+    if pv_dtype is not None and pv_dtype not in PV_DTYPES:
+        raise ValueError(f"{name}: pv_dtype must be one of {PV_DTYPES} or None, got {pv_dtype!r}")
     if torch.compiler.is_compiling():
         cu_q, cu_k, max_q, max_k = varlen or (None, None, 0, 0)
         out, lse = int8_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, smooth_k, pv_dtype or "", need_lse, name)
@@ -167,8 +164,8 @@ def _attend(name, q, k, v, scale, causal, smooth_k, pv_dtype, need_lse, varlen: 
 def _int8_attn(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, smooth_k, pv_dtype, need_lse, name
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's body: ``_attend`` outside torch.compile; ``pv_dtype`` "" for None, and an empty lse
-    unless ``need_lse``."""
+    """The op's body, run eagerly where the compiled graph calls it: P.V's format for the device,
+    then ``_run``; ``pv_dtype`` "" for None, and an empty lse unless ``need_lse``."""
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) if cu_seqlens_q is not None else ()
     out, lse = _run(q, k, v, scale, causal, smooth_k, _pv_fp8(q, pv_dtype or None, name), need_lse, varlen)
     return out.contiguous(), lse.contiguous() if lse is not None else q.new_empty(0, dtype=torch.float32)
@@ -208,7 +205,6 @@ def _sage(name: str, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, pv
     causal = validate.check_bool("is_causal", is_causal)
     need_lse = validate.check_bool("return_lse", return_lse)
     scale = validate.check_scale(sm_scale, q.shape[-1], "sm_scale")
-    _check_pv_dtype(name, pv_dtype)
     out, lse = _attend(name, q, k, v, scale, causal, smooth_k, pv_dtype, need_lse)
     if tensor_layout == "HND":
         out = out.transpose(1, 2)
@@ -310,6 +306,5 @@ def sageattn_varlen(
     varlen = validate.check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     causal = validate.check_bool("is_causal", is_causal)
     scale = validate.check_scale(sm_scale, q.shape[-1], "sm_scale")
-    _check_pv_dtype(name, pv_dtype)
     out, _ = _attend(name, q, k, v, scale, causal, smooth, pv_dtype, False, varlen)
     return out

@@ -287,6 +287,16 @@ _TABLE: dict[tuple[str, str], Rows] = {
 # takes Hopper's tile, measured for sm100 itself.
 ONE_PASS_TRITON = {("sm90", 128): ((3, 4), (3, 5), (3, 9)), ("sm100", 128): ((3, 4), (3, 5), (3, 8), (3, 9))}
 
+# The defaults of ``BACKWARD_PATHS`` that a GPU measured, which win over the instruction counts:
+# (target, head-dim bucket) -> (the faster path, the measurement: GPU, Triton, date, each path's speed), whose
+# tables and command are in docs/performance.md. Every other default is the proxy's
+# (``tools.backward_paths``); a GPU model's shipped measured file (``tuned.MEASURED_DIR``) or the
+# user's ``flash-recipe tune`` file overrides either for that model.
+MEASURED_BACKWARD_PATHS = {
+    ("sm90", 128): ("three_kernels", "H200, Triton 3.6, bf16, 16 heads, 16k tokens: the three kernels 276-322 "
+                                     "TFLOP/s (2026-11-27), the one pass 247-286 (2026-11-28, 48a30fd)"),
+}
+
 # The backward each family runs unless a call is deterministic (``choose.backward_path``), by
 # head-dim bucket: "one_pass" (the dK/dV kernel adds dQ with atomic adds: 5 products per block
 # pair) or "three_kernels" (a dQ kernel, then dK/dV: 7). Each is the path whose main loops issue
@@ -305,24 +315,14 @@ BACKWARD_PATHS: dict[str, dict[int, str]] = {
     "sm80": {**_ONE_PASS, 64: _THREE, 128: _THREE, 256: _THREE},
     # but where the three kernels spill with packed sequences (``backward_paths.SPILLING``)
     "sm86": {**_ONE_PASS, 128: _THREE, 256: _THREE},
-    # a GPU measured the three kernels faster at 128 (``MEASURED_BACKWARD_PATHS``)
-    "sm90": {**_ONE_PASS, 128: _THREE, 256: _THREE},
+    # at 128 what a GPU measured faster (``MEASURED_BACKWARD_PATHS``)
+    "sm90": {**_ONE_PASS, 128: MEASURED_BACKWARD_PATHS[("sm90", 128)][0], 256: _THREE},
     "sm100": {**_ONE_PASS, 256: _THREE},
     "sm120": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "amd": _ONE_PASS,  # gfx942, and AMD targets the tables do not know
     "gfx90a": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "gfx950": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     "interpreter": _ONE_PASS,
-}
-
-# The defaults of ``BACKWARD_PATHS`` that a GPU measured, which win over the instruction counts:
-# (target, head-dim bucket) -> (the faster path, the measurement: GPU, Triton, date, each path's speed), whose
-# tables and command are in docs/performance.md. Every other default is the proxy's
-# (``tools.backward_paths``); a GPU model's shipped measured file (``tuned.MEASURED_DIR``) or the
-# user's ``flash-recipe tune`` file overrides either for that model.
-MEASURED_BACKWARD_PATHS = {
-    ("sm90", 128): ("three_kernels", "H200, Triton 3.6, bf16, 16 heads, 16k tokens: the three kernels 276-322 "
-                                     "TFLOP/s (2026-11-27), the one pass 247-286 (2026-11-28, 48a30fd)"),
 }
 
 # The fewest rows (the product's M) the fast matrix instruction of a family takes: Hopper's wgmma
