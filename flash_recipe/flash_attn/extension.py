@@ -3,7 +3,7 @@ extension as code that calls it directly sees it (xformers' ``fa2F``/``fa2B`` op
 whenever ``flash_attn`` imports).
 
 Its four functions take the extension's positional arguments, in its order, and return its lists;
-each runs the stand-in's internal function of the same job (``flash_attn_interface``), so on
+each runs the stand-in's internal function of the same job (``internal``), so on
 flash_recipe's backends:
 
 - ``fwd(q, k, v, out, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left,
@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from .flash_attn_interface import (
+from .internal import (
     _flash_attn_backward,
     _flash_attn_forward,
     _flash_attn_varlen_backward,
