@@ -8,6 +8,7 @@ Public names::
     scaled_dot_product_attention                                          # torch SDPA layout
     use_backend, explain, available_backends, BackendUnavailableError     # backend selection
     install_as_flash_attn                                                 # `import flash_attn` gives flash_recipe
+    install_as_flash_attn_3                                               # FlashAttention-3's API
     sageattn, sageattn_varlen                                             # 8-bit attention (inference)
     install_as_sageattention                                              # `import sageattention`: 8-bit attention
 
@@ -53,6 +54,7 @@ _EXPORTS = {
     "use_backend": ".dispatch",
     "BackendUnavailableError": ".dispatch",
     "install_as_flash_attn": ".alias",
+    "install_as_flash_attn_3": ".alias",
     "sageattn": ".sage",
     "sageattn_varlen": ".sage",
     "install_as_sageattention": ".alias",
@@ -61,7 +63,7 @@ _EXPORTS = {
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
-    from .alias import install_as_flash_attn, install_as_sageattention
+    from .alias import install_as_flash_attn, install_as_flash_attn_3, install_as_sageattention
     from .api import (
         explain,
         flash_attn_func,

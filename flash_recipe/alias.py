@@ -1,10 +1,12 @@
-"""Stand-ins: let code that imports ``flash_attn`` or ``sageattention`` run on flash_recipe.
+"""Stand-ins: let code that imports ``flash_attn``, ``flash_attn_interface`` (FlashAttention-3) or
+``sageattention`` run on flash_recipe.
 
-Many libraries import flash-attn by name (ring-flash-attn, yunchang, ColossalAI, Unsloth, ...), and
-diffusion code imports SageAttention by name (diffusers' ``sage`` backends, ComfyUI's
-``--use-sage-attention``). After ``install_as_flash_attn()`` or ``install_as_sageattention()``
-these imports resolve to flash_recipe's stand-in packages, the way ``pymysql.install_as_MySQLdb()``
-stands in for MySQLdb::
+Many libraries import flash-attn by name (ring-flash-attn, yunchang, ColossalAI, Unsloth, ...),
+others ask for FlashAttention-3 (transformers' ``flash_attention_3``, diffusers' ``_flash_3``),
+and diffusion code imports SageAttention by name (diffusers' ``sage`` backends, ComfyUI's
+``--use-sage-attention``). After ``install_as_flash_attn()``, ``install_as_flash_attn_3()`` or
+``install_as_sageattention()`` these imports resolve to flash_recipe's stand-in packages, the way
+``pymysql.install_as_MySQLdb()`` stands in for MySQLdb::
 
     flash_attn                       -> flash_recipe.flash_attn (``__version__`` "2.8.3")
     flash_attn.flash_attn_interface  -> public and internal functions (``_flash_attn_forward``, ...)
@@ -12,6 +14,9 @@ stands in for MySQLdb::
     flash_attn.layers.rotary         -> apply_rotary_emb
     sageattention                    -> flash_recipe.sageattention (``__version__`` "2.2.0"):
                                         sageattn, sageattn_varlen, sageattn_qk_int8_pv_* (8-bit)
+    flash_attn_interface             -> flash_recipe.flash_attn_3.flash_attn_interface: FA3 3.0.0's
+                                        functions; flash_attn_3 (``__version__`` "3.0.0") and
+                                        flash_attn_config beside it
 
 One mechanism serves both (``StandIn`` below describes each). Any other module or name of the
 package raises ImportError (AttributeError for an attribute) naming what is missing and what is
@@ -48,6 +53,15 @@ class StandIn:
     distribution: str  # the distribution's name on PyPI (normalized): "flash-attn"
     probe: str  # the module whose import tells a working upstream install from a broken one
     installer: str  # the function that installs it, for messages
+    tops: tuple[str, ...] = ()  # other top-level modules the distribution installs, served from the package
+
+    def source(self, name: str) -> str:
+        """flash_recipe's module, relative to flash_recipe, that serves the provided module ``name``:
+        ``flash_attn.bert_padding`` -> ``.flash_attn.bert_padding``, a top-level ``flash_attn_interface``
+        of FA3 -> ``.flash_attn_3.flash_attn_interface``."""
+        if name.partition(".")[0] == self.package:
+            return self.module + name[len(self.package) :]
+        return f"{self.module}.{name}"
 
 
 FLASH_ATTN = StandIn(
@@ -72,7 +86,22 @@ SAGEATTENTION = StandIn(
     probe="sageattention",  # upstream's package imports its kernels' modules at import
     installer="install_as_sageattention",
 )
-STAND_INS = {stand_in.package: stand_in for stand_in in (FLASH_ATTN, SAGEATTENTION)}
+FLASH_ATTN_3 = StandIn(
+    package="flash_attn_3",
+    module=".flash_attn_3",
+    provided=(
+        "flash_attn_3",
+        "flash_attn_3.flash_attn_interface",
+        "flash_attn_3.flash_attn_config",
+        "flash_attn_interface",
+        "flash_attn_config",
+    ),
+    distribution="flash-attn-3",
+    probe="flash_attn_interface",
+    installer="install_as_flash_attn_3",
+    tops=("flash_attn_interface", "flash_attn_config"),
+)
+STAND_INS = {stand_in.package: stand_in for stand_in in (FLASH_ATTN, SAGEATTENTION, FLASH_ATTN_3)}
 
 # The INSTALLER text of the in-memory metadata: ``is_stand_in(dist)`` and the doctor
 # (``flash_recipe.env.distinfo``) tell the stand-ins from real installs by it.
@@ -92,7 +121,8 @@ def missing(module: str, name: str, provided) -> AttributeError:
     ImportError naming ``name``)."""
     if name.startswith("__") and name.endswith("__"):  # Python's own probes (__path__, __file__, ...)
         return AttributeError(f"module {module!r} has no attribute {name!r}")
-    stand_in = _stand_in(module.partition(".")[0])
+    top = module.partition(".")[0]
+    stand_in = next((s for s in STAND_INS.values() if top in s.tops), None) or _stand_in(top)
     return AttributeError(
         f"flash_recipe's stand-in for {stand_in.distribution} does not provide {module}.{name}; {module} provides: "
         f"{', '.join(sorted(provided))} (install the {stand_in.distribution} package for the rest)"
@@ -100,8 +130,8 @@ def missing(module: str, name: str, provided) -> AttributeError:
 
 
 def is_installed(package: str = "flash_attn") -> bool:
-    """Whether ``import <package>`` (``flash_attn`` unless given; or ``sageattention``) gives
-    flash_recipe's stand-in in this process."""
+    """Whether ``import <package>`` (``flash_attn`` unless given; ``sageattention`` or
+    ``flash_attn_3``) gives flash_recipe's stand-in in this process."""
     stand_in = STAND_INS.get(package) or _stand_in(package)  # the dispatcher asks on every call: no call on a hit
     return getattr(sys.modules.get(stand_in.package), "__flash_recipe__", False)
 
@@ -163,7 +193,7 @@ class StandInDistribution(importlib.metadata.Distribution):
                 f"({self.stand_in.installer})\n"
             ),
             "INSTALLER": INSTALLER + "\n",
-            "top_level.txt": self.stand_in.package + "\n",
+            "top_level.txt": "".join(f"{top}\n" for top in (self.stand_in.package, *self.stand_in.tops)),
         }
         return files.get(str(filename))
 
@@ -244,11 +274,11 @@ def install(stand_in: StandIn, force: bool = False) -> bool:
                 f"{stand_in.distribution} is installed but fails to import ({error}); flash_recipe stands in for it",
                 stacklevel=3,
             )
-    prefix = stand_in.package + "."
-    for name in [n for n in sys.modules if n == stand_in.package or n.startswith(prefix)]:
+    tops = (stand_in.package, *stand_in.tops)
+    for name in [n for n in sys.modules if n.partition(".")[0] in tops]:
         del sys.modules[name]
     for name in stand_in.provided:
-        sys.modules[name] = importlib.import_module(stand_in.module + name[len(stand_in.package) :], __package__)
+        sys.modules[name] = importlib.import_module(stand_in.source(name), __package__)
     for finder in (_FINDER, METADATA_FINDER):
         if finder not in sys.meta_path:
             sys.meta_path.insert(0, finder)
@@ -293,3 +323,32 @@ def install_as_sageattention(force: bool = False) -> bool:
     module loads). It affects this process only.
     """
     return install(SAGEATTENTION, force)
+
+
+def install_as_flash_attn_3(force: bool = False, beta_returns: bool = False) -> bool:
+    """Make FlashAttention-3's modules (``flash_attn_interface``, ``flash_attn_3``,
+    ``flash_attn_config``) resolve to flash_recipe's stand-in: FA3 3.0.0's functions
+    (``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_qkvpacked_func``,
+    ``flash_attn_with_kvcache``) on flash_recipe's backends, on every GPU flash_recipe runs on;
+    ``importlib.metadata`` answers for ``flash-attn-3`` ``3.0.0`` in this process.
+
+    Arguments:
+        force: install even when an upstream FA3 imports and works (as ``install_as_flash_attn``).
+        beta_returns: ``flash_attn_func`` and ``flash_attn_varlen_func`` return ``(out,
+            softmax_lse)`` whatever ``return_attn_probs`` says, as FA3's beta did before 2025-07;
+            code written for it (Wan2.x) indexes ``[0]``. False follows 3.0.0: ``out``, or ``(out,
+            softmax_lse)`` with ``return_attn_probs=True``.
+
+    Returns:
+        True when the stand-in is installed (now or before); False when a working upstream FA3
+        was found and left in place (a warning says so).
+
+    Call it before importing the library that looks for FA3: transformers and diffusers decide at
+    import, or at their first check, and remember the answer. It affects this process only.
+    """
+    if not isinstance(beta_returns, bool):
+        raise TypeError(f"beta_returns must be a bool, got {type(beta_returns).__name__}")
+    installed = install(FLASH_ATTN_3, force)
+    if installed:
+        vars(sys.modules["flash_attn_interface"])["beta_returns"] = beta_returns
+    return installed

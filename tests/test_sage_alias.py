@@ -273,7 +273,9 @@ def test_a_broken_sageattention_is_replaced(tmp_path):
 def test_arguments_are_checked():
     with pytest.raises(TypeError, match="force must be a bool, got str"):
         flash_recipe.install_as_sageattention(force="yes")
-    with pytest.raises(ValueError, match="package must be one of flash_attn, sageattention, got 'xformers'"):
+    with pytest.raises(
+        ValueError, match="package must be one of flash_attn, flash_attn_3, sageattention, got 'xformers'"
+    ):
         alias.is_installed("xformers")
 
 
