@@ -165,7 +165,9 @@ def diffusers(session: nox.Session) -> None:
     ``flash``. ``tests/test_diffusers_sage.py``: Flux, Wan and HunyuanVideo on the ``sage`` and
     ``sage_varlen`` backends (stand-in for SageAttention, 8-bit attention), forward in fp16 and
     bf16, each attention call and the output against ``native`` in float32 by the 8-bit method's
-    bounds, and the 8-bit kernel launched once per call. ``tests/test_xformers.py``: xformers and
+    bounds, and the 8-bit kernel launched once per call. ``tests/test_diffusers_fa3.py``: Flux and
+    Wan on the ``_flash_3`` and ``_flash_varlen_3`` backends (stand-in for FlashAttention-3).
+    ``tests/test_xformers.py``: xformers and
     diffusers import with the stand-ins active, and xformers' flash operator bodies run on the
     stand-in's ``flash_attn_gpu``. Extra arguments go to pytest."""
     install_built_wheel(session, pins=DIFFUSERS)
@@ -174,6 +176,7 @@ def diffusers(session: nox.Session) -> None:
         session,
         str(ROOT / "tests" / "test_diffusers.py"),
         str(ROOT / "tests" / "test_diffusers_sage.py"),
+        str(ROOT / "tests" / "test_diffusers_fa3.py"),
         str(ROOT / "tests" / "test_xformers.py"),
         *session.posargs,
         env={"FLASH_RECIPE_REQUIRE_DIFFUSERS": "1", "FLASH_RECIPE_REQUIRE_XFORMERS": "1"},

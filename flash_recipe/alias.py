@@ -54,6 +54,9 @@ class StandIn:
     probe: str  # the module whose import tells a working upstream install from a broken one
     installer: str  # the function that installs it, for messages
     tops: tuple[str, ...] = ()  # other top-level modules the distribution installs, served from the package
+    # Submodules that other code probes for with ``importlib.util.find_spec`` (xformers asks for
+    # ``flash_attn_3._C``): not found, as Python answers a probe, rather than refused.
+    probed: tuple[str, ...] = ()
 
     def source(self, name: str) -> str:
         """flash_recipe's module, relative to flash_recipe, that serves the provided module ``name``:
@@ -100,6 +103,7 @@ FLASH_ATTN_3 = StandIn(
     probe="flash_attn_interface",
     installer="install_as_flash_attn_3",
     tops=("flash_attn_interface", "flash_attn_config"),
+    probed=("flash_attn_3._C",),
 )
 STAND_INS = {stand_in.package: stand_in for stand_in in (FLASH_ATTN, SAGEATTENTION, FLASH_ATTN_3)}
 
@@ -164,6 +168,8 @@ class _MissingModules(importlib.abc.MetaPathFinder):
                 spec = importlib.machinery.PathFinder.find_spec(fullname, _other_packages(package))
                 if spec is not None:
                     return spec
+            if fullname in stand_in.probed:
+                return None
             raise ModuleNotFoundError(
                 f"flash_recipe's stand-in for {stand_in.distribution} does not provide the module {fullname}; it "
                 f"provides {', '.join(stand_in.provided)} (install the {stand_in.distribution} package for the rest)",

@@ -4,8 +4,9 @@ forward and backward) and, for 8-bit attention (``test_diffusers_sage.py``: forw
 Wan and HunyuanVideo.
 
 diffusers decides at import time whether flash-attn and SageAttention are usable, so importing
-this module installs both stand-ins (``install_as_flash_attn()``, ``install_as_sageattention()``)
-before it imports diffusers: import it before anything imports diffusers.
+this module installs the stand-ins (``install_as_flash_attn()``, ``install_as_flash_attn_3()``,
+``install_as_sageattention()``) before it imports diffusers: import it before anything imports
+diffusers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ import torch
 
 import flash_recipe
 
-for _install in (flash_recipe.install_as_flash_attn, flash_recipe.install_as_sageattention):
+for _install in (
+    flash_recipe.install_as_flash_attn,
+    flash_recipe.install_as_flash_attn_3,
+    flash_recipe.install_as_sageattention,
+):
     if not _install():
         raise RuntimeError(f"{_install.__name__}() left an upstream package in place; these tests need the stand-in")
 

@@ -109,6 +109,7 @@ def test_what_the_stand_in_cannot_take_is_refused_by_name():
 XFORMERS_CHECK = """
 import json, torch, flash_recipe
 flash_recipe.install_as_flash_attn()
+flash_recipe.install_as_flash_attn_3()
 flash_recipe.install_as_sageattention()
 import xformers.ops
 from xformers.ops.fmha import flash
