@@ -19,9 +19,9 @@ What stays out of the Hub copy (``LEFT_OUT``): the command line and its tools, t
 install recipes (they read the pip distribution and the environment's installs), the campaign, and
 the integrations (transformers' ``recipe_attention`` and torch's SDPA registry register
 process-wide names: the pip package is their route). The stand-ins stay in:
-``install_as_flash_attn()`` and ``install_as_sageattention()`` of a Hub copy make ``import
-flash_attn`` and ``import sageattention`` give that copy, their metadata held in memory as from
-the wheel.
+``install_as_flash_attn()``, ``install_as_flash_attn_3()`` and ``install_as_sageattention()`` of a
+Hub copy make ``import flash_attn``, ``import flash_attn_interface`` and ``import sageattention``
+give that copy, their metadata held in memory as from the wheel.
 """
 
 from __future__ import annotations
