@@ -203,7 +203,7 @@ def test_each_familys_default_backward_is_the_documented_path_with_fewer_instruc
     ]
     assert backward_paths.markdown(table) in text  # the table reads back as it was printed
     for row in table:
-        sums = {path: sum(row[path]) for path in limits.BACKWARD_PATH_NAMES}
+        sums = {path: sum(row[path]) for path in backward_paths.PATH_KERNELS}
         assert row["fewer"] == min(sums, key=sums.__getitem__), row
         assert row["default"] == configs.backward_path(row["target"], row["head_dim"]), row
         measured = configs.MEASURED_BACKWARD_PATHS.get((row["target"], row["head_dim"]))
@@ -212,7 +212,7 @@ def test_each_familys_default_backward_is_the_documented_path_with_fewer_instruc
         elif (row["target"], row["head_dim"]) in backward_paths.SPILLING:  # the fewer spills: the other
             assert (row["source"], row["default"]) == (
                 "spills",
-                next(path for path in limits.BACKWARD_PATH_NAMES if path != row["fewer"]),
+                next(path for path in backward_paths.PATH_KERNELS if path != row["fewer"]),
             ), row
         else:
             assert (row["source"], row["default"]) == ("instructions", row["fewer"]), row

@@ -252,7 +252,7 @@ def test_dry_run_prints_and_writes_the_plan_and_runs_nothing(tmp_path, capsys, m
     for text in ("verify", "--kvcache", "4096,8192,16384", "32768,65536", "sdpa_flash", "total budget", "20 min"):
         assert text in out
     assert "--kernel fwd,decode" not in out  # the tune step's; the shoot-out runs flash-recipe tune too
-    assert "--kernel bwd_dq,bwd_dkdv,bwd_onepass" in out
+    assert "--kernel bwd_dq,bwd_dkdv,bwd_onepass,bwd_onelaunch" in out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["campaign.json", "campaign.md"]
     report = json.loads((tmp_path / "out" / "campaign.json").read_text())
     assert report["dry_run"] and report["steps"] == {} and report["targets"] == []
@@ -688,7 +688,7 @@ def test_the_shootout_runs_right_after_the_check_and_times_each_backward_path_wi
     argv = step.command("/scratch")
     assert argv[1:4] == ["-m", "flash_recipe", "tune"]
     args = _parse(tune.add_arguments, argv[4:])
-    assert args.kernel == ["bwd_dq", "bwd_dkdv", "bwd_onepass"] and args.head_dim == [64, 128]
+    assert args.kernel == ["bwd_dq", "bwd_dkdv", "bwd_onepass", "bwd_onelaunch"] and args.head_dim == [64, 128]
     assert args.dtype == ["bfloat16"] and args.seqlen == [4096, 16384] and args.causal == "both"
     assert args.max_candidates == 4 and args.tokens == 16384 and args.nheads == 16
     assert args.json == "/scratch/shootout.json" and not args.no_save

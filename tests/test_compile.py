@@ -106,7 +106,9 @@ def test_the_table_is_one_literal_that_nothing_changes():
     assert isinstance(bound[names.index("_FAMILY_ROWS")].value, ast.Dict)
     view = bound[names.index("_TABLE")].value
     assert isinstance(view, ast.DictComp) and ast.unparse(view.generators[0].iter) == "_FAMILY_ROWS.items()"
-    assert set(configs._TABLE) == {(family, kernel) for family in configs.ARCHS for kernel in configs.KERNELS}
+    every = {(family, kernel) for family in configs.ARCHS for kernel in configs.KERNELS}
+    candidates = {(family, configs.ONE_LAUNCH) for family in configs.ONE_LAUNCH_FAMILIES}
+    assert set(configs._TABLE) == every | candidates  # every kernel in every family; the one launch where offered
 
 
 def test_the_mutation_check_finds_each_kind():
@@ -506,7 +508,8 @@ def test_the_presets_select_what_ci_and_compat_compile():
     ragged, in bf16: every head-dim bucket is compiled. Packed sequences and paged caches
     (``varlen``, ``paged``): every head dim aligned in bf16 on one target per family. Attention
     sinks (``sinks``): head dim 128 on every target, 64 on one per family, aligned in bf16. Folded
-    grids (``folded``): head dim 128 aligned in bf16 on sm80, sm90, sm100 and gfx942. ``--preset
+    grids (``folded``): head dim 128 aligned in bf16 on sm80, sm90, sm100 and gfx942. The one-launch
+    backward (``one_launch``): head dims up to 128, both forms, bf16, on sm90 and sm100. ``--preset
     ci`` is part of full: the forward, backward and decode step at head dim 128 on every target, the
     other configuration rows on each family target, every call, dtype, form, head-dim bucket and
     target of full, each family target in fp32 and ragged. ``--preset compat``: 4 calls at
@@ -551,7 +554,12 @@ def test_the_presets_select_what_ci_and_compat_compile():
     assert {(c.head_dim, c.form, c.dtype, t) for c, t in folded} == {
         (128, "aligned", "bfloat16", t) for t in ("sm80", "sm90", "sm100", "gfx942")
     }
-    rest = [(c, t) for c, t in rest if c.call not in ("sinks", "int8", "fwd_ws", "folded")]
+    one_launch = [(c, t) for c, t in rest if c.call == "one_launch"]  # where it is a candidate
+    assert {(c.head_dim, c.form, c.dtype, t) for c, t in one_launch} == {
+        (d, f, "bfloat16", t) for d in (16, 32, 64, 128) for f in ("aligned", "ragged") for t in ("sm90", "sm100")
+    }
+    assert {(c.head_dim, t) for c, t in ci if c.call == "one_launch"} == {(128, "sm90"), (128, "sm100"), (64, "sm90")}
+    rest = [(c, t) for c, t in rest if c.call not in ("sinks", "int8", "fwd_ws", "folded", "one_launch")]
     packed = [(c, t) for c, t in rest if c.call in ("varlen", "paged")]
     assert len(packed) == 2 * 5 * len(compile_check.FAMILY_TARGETS)
     assert {t for _, t in packed} == set(compile_check.FAMILY_TARGETS)

@@ -589,7 +589,7 @@ def test_tune_is_a_subcommand_and_parses_its_options():
     assert cli.SUBCOMMANDS["tune"][0] == ".tune"
     args = _parse()
     assert (args.kernel, args.head_dim, args.dtype, args.seqlen) == (
-        list(configs.KERNELS),
+        [*configs.KERNELS, configs.ONE_LAUNCH],
         [64, 128],
         ["bfloat16"],
         [1024, 4096],
@@ -729,21 +729,29 @@ def test_the_backward_path_is_the_blocks_then_the_tuned_then_the_familys(fake_gp
 
 
 def test_the_tuner_keeps_the_faster_backward_path_and_launches_then_take_it(fake_gpu, monkeypatch):
-    """Both paths are checked, then timed as the whole backward; the other path replaces the
-    family's default when it is at least ``min_gain`` faster."""
+    """Every path (the one launch too, which the interpreter's table offers) is checked, then timed
+    as the whole backward; another path replaces the family's default when it is at least
+    ``min_gain`` faster."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     default = configs.backward_path("interpreter", 32)
     other = next(p for p in ("one_pass", "three_kernels") if p != default)
-    from flash_recipe.ops import backward
+    from flash_recipe.ops import backward, backward_one_launch
 
     ran = []
     original = backward.attn_bwd_dkdv_kernel.fn.run
+    original_one_launch = backward_one_launch.attn_bwd_one_launch_kernel.fn.run
 
     def run(*args, **kwargs):
         ran.append("one_pass" if kwargs.get("ATOMIC_DQ") else "three_kernels")
         return original(*args, **kwargs)
 
+    def run_one_launch(*args, **kwargs):
+        ran.append("one_launch")
+        return original_one_launch(*args, **kwargs)
+
     monkeypatch.setattr(backward.attn_bwd_dkdv_kernel.fn, "run", run)
+    monkeypatch.setattr(backward_one_launch.attn_bwd_one_launch_kernel.fn, "run", run_one_launch)
+    timed = set()
 
     def timer(fn, trial):
         before = len(ran)
@@ -751,6 +759,7 @@ def test_the_tuner_keeps_the_faster_backward_path_and_launches_then_take_it(fake
         if trial.path is None:  # the dQ kernel's own configuration, tuned first
             return 1.0
         assert ran[before:] == [trial.path]  # the timed launch ran the path it names
+        timed.add(trial.path)
         return 0.5 if trial.path == other else 1.0
 
     report = tune.tune(
@@ -768,6 +777,7 @@ def test_the_tuner_keeps_the_faster_backward_path_and_launches_then_take_it(fake
         key=tuned.make_key(H100, "sm90"),
     )
     (entry,) = report["backward"]
+    assert timed == {"one_pass", "three_kernels", "one_launch"}
     assert (entry["head_dim"], entry["element_size"], entry["path"], entry["default"]) == (32, 2, other, default)
     assert entry["speedup"] == pytest.approx(2.0)
     assert tuned.read(report["path"]).paths == {(32, 2): other}

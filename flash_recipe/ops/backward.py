@@ -259,30 +259,9 @@ _DQ_DKDV_FLAGS = {
 }
 
 
-@triton.heuristics(
-    {
-        **_DQ_DKDV_FLAGS,
-        "EVEN_N": lambda a: not a["IS_VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
-        # Exact one-key rows (``_dkdv_inner``) in fp32, whose accuracy rule the rounding exceeds, and
-        # in any dtype where no row sees more than one key (a single key, a window of width one, one
-        # causal query row aligned top-left), where torch's own dQ and dK are exactly 0 and so is the
-        # bound's factor term. Otherwise fp16/bf16 bounds absorb the rounding, and their registers
-        # are kept for the main loop (sm100 spilled).
-        "ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
-            a["seqlen_q"], a["seqlen_k"], a["diag_offset"], a["window_left"], a["window_right"], a["MASK_LEFT"],
-            a["MASK_RIGHT"], a["IS_VARLEN"])),
-        # fp32 logits recomputed as the forward computed them (q . k, then transposed): P = exp(S -
-        # lse) is exact only where S rounds as the forward's did; k . q rounds otherwise, which left
-        # fp32 dV up to 6x torch's error at large logits. fp16/bf16 keep the direct product.
-        "SAME_ORDER": lambda a: a["Q"].element_size() == 4,
-        # The one-pass backward: dQ added to the fp32 workspace DQ_ACC (None: the dQ kernel computes it).
-        "ATOMIC_DQ": lambda a: a["DQ_ACC"] is not None,
-        # GQA/MQA: more than one query head per kv head, walked in ``_dkdv_inner``'s loop.
-        "GROUPED": lambda a: a["group_size"] > 1,
-    }
-)
 @triton.jit
-def attn_bwd_dkdv_kernel(
+def dkdv_program(
+    i_n, i_hk, i_b,
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, DQ_ACC, SINK_DELTA, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -293,31 +272,16 @@ def attn_bwd_dkdv_kernel(
     stride_dqab, stride_dqam, stride_dqah,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
-    window_left, window_right, dropout_p, rng_stride, fold_batch,
+    window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
     ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr, GRID_FOLD: tl.constexpr,
+    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)`` (folded: ``tiles.grid_id``); sums over the
-    ``group_size`` query heads of each kv head. Key block 0, which a causal mask shows to every
-    query block, launches first: heaviest first without reordering.
-
-    With ``RENORM`` it runs after ``attn_bwd_dq_kernel``, which stored in ``LSE_FIX`` (laid out as
-    ``LSE``) the log of each row's recomputed probability sum, and takes ``P = exp((S - lse) - fix)``.
-    With ``ATOMIC_DQ`` (the one-pass backward, no ``RENORM``) it also adds every query row's dQ share
-    from this key block into ``DQ_ACC``, fp32 laid out as ``Q`` (zeroed by the launcher); with
-    ``DQ_TRANSPOSED`` as ``dQ^T = K^T dS^T``, whose M is the head dim rather than the query tile
-    (the launcher's choice: ``configs.MMA_MIN_ROWS``).
-    """
+    """dK and dV of key block ``i_n`` of kv head ``i_hk`` in sequence ``i_b``: the body of
+    ``attn_bwd_dkdv_kernel`` (its docstring), and of the one-launch backward's key-block programs."""
     tl.static_assert(not (ATOMIC_DQ and RENORM), "RENORM needs the dQ kernel's row sums first")
-    i_n = grid_id(0, GRID_FOLD)
-    i_hk = grid_id(1, GRID_FOLD)
-    i_b = grid_id(2, GRID_FOLD)
-    if GRID_FOLD > 1:  # a folded grid's padding
-        if i_b >= fold_batch:
-            return
     bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(
         CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN)
     k_start = i_n * BLOCK_N
@@ -385,6 +349,76 @@ def attn_bwd_dkdv_kernel(
     store_tile(dv_base, k_start, stride_dvn, seqlen_k, head_dim, o_c, o_d, b_dv, not EVEN_N, MASK_D)
 
 
+@triton.heuristics(
+    {
+        **_DQ_DKDV_FLAGS,
+        "EVEN_N": lambda a: not a["IS_VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
+        # Exact one-key rows (``_dkdv_inner``) in fp32, whose accuracy rule the rounding exceeds, and
+        # in any dtype where no row sees more than one key (a single key, a window of width one, one
+        # causal query row aligned top-left), where torch's own dQ and dK are exactly 0 and so is the
+        # bound's factor term. Otherwise fp16/bf16 bounds absorb the rounding, and their registers
+        # are kept for the main loop (sm100 spilled).
+        "ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
+            a["seqlen_q"], a["seqlen_k"], a["diag_offset"], a["window_left"], a["window_right"], a["MASK_LEFT"],
+            a["MASK_RIGHT"], a["IS_VARLEN"])),
+        # fp32 logits recomputed as the forward computed them (q . k, then transposed): P = exp(S -
+        # lse) is exact only where S rounds as the forward's did; k . q rounds otherwise, which left
+        # fp32 dV up to 6x torch's error at large logits. fp16/bf16 keep the direct product.
+        "SAME_ORDER": lambda a: a["Q"].element_size() == 4,
+        # The one-pass backward: dQ added to the fp32 workspace DQ_ACC (None: the dQ kernel computes it).
+        "ATOMIC_DQ": lambda a: a["DQ_ACC"] is not None,
+        # GQA/MQA: more than one query head per kv head, walked in ``_dkdv_inner``'s loop.
+        "GROUPED": lambda a: a["group_size"] > 1,
+    }
+)
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, DQ_ACC, SINK_DELTA, SLOPES, CU_Q, CU_K, SEED,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_dqab, stride_dqam, stride_dqah,
+    stride_lb, stride_lh, stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+    window_left, window_right, dropout_p, rng_stride, fold_batch,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
+    ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr, GRID_FOLD: tl.constexpr,
+):
+    """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)`` (folded: ``tiles.grid_id``); sums over the
+    ``group_size`` query heads of each kv head. Key block 0, which a causal mask shows to every
+    query block, launches first: heaviest first without reordering.
+
+    With ``RENORM`` it runs after ``attn_bwd_dq_kernel``, which stored in ``LSE_FIX`` (laid out as
+    ``LSE``) the log of each row's recomputed probability sum, and takes ``P = exp((S - lse) - fix)``.
+    With ``ATOMIC_DQ`` (the one-pass backward, no ``RENORM``) it also adds every query row's dQ share
+    from this key block into ``DQ_ACC``, fp32 laid out as ``Q`` (zeroed by the launcher); with
+    ``DQ_TRANSPOSED`` as ``dQ^T = K^T dS^T``, whose M is the head dim rather than the query tile
+    (the launcher's choice: ``configs.MMA_MIN_ROWS``).
+    """
+    i_n = grid_id(0, GRID_FOLD)
+    i_hk = grid_id(1, GRID_FOLD)
+    i_b = grid_id(2, GRID_FOLD)
+    if GRID_FOLD > 1:  # a folded grid's padding
+        if i_b >= fold_batch:
+            return
+    dkdv_program(
+        i_n, i_hk, i_b, Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, DQ_ACC, SINK_DELTA, SLOPES, CU_Q, CU_K, SEED,
+        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+        stride_dvh, stride_dqab, stride_dqam, stride_dqah, stride_lb, stride_lh, stride_sb, nheads, group_size,
+        seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset, window_left,
+        window_right, dropout_p, rng_stride, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, IS_VARLEN,
+        BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M, EVEN_N, MASK_D, ONE_KEY, SAME_ORDER, RENORM, ATOMIC_DQ,
+        SINK_ROWS, GROUPED, DQ_TRANSPOSED,
+    )
+
+
 @triton.jit
 def _dq_inner(
     b_dq, b_psum, b_pdp, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
@@ -420,11 +454,9 @@ def _dq_inner(
     return b_dq, b_psum, b_pdp
 
 
-@triton.heuristics(
-    {**_DQ_DKDV_FLAGS, "HAS_SINK": lambda a: a["SINKS"] is not None, "SECTIONS": lambda a: a["head_section"] > 1}
-)
-@triton.jit(do_not_specialize=["head_section"])  # a runtime count: no variant per value
-def attn_bwd_dq_kernel(
+@triton.jit
+def dq_program(
+    i_m, i_h, i_b,
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS, SINK_DELTA,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -433,32 +465,14 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
-    window_left, window_right, dropout_p, rng_stride, head_section, fold_batch,
+    window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, RENORM: tl.constexpr,
-    SINK_ROWS: tl.constexpr, HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr,
+    SINK_ROWS: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
-    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``, its programs in ``schedule.launch_order``'s order, as
-    the forward's.
-
-    With ``RENORM`` (fp32, own lse) it also stores in ``LSE_FIX`` (laid out as ``LSE``) the log of
-    each row's sum of ``exp(S - lse)``: 0 up to the rounding of the stored lse, which at logits in
-    the hundreds is an ulp of a few 1e-5, a row-wide factor on P. ``attn_bwd_dkdv_kernel`` divides
-    it out, so its P sums to 1 as the forward's softmax did and fp32 dV keeps torch's accuracy;
-    rows with no probability (no key, or one key with ``OWN_LSE``) store 0. With ``HAS_SINK``
-    (``SINKS (H,)``, passed with ``RENORM`` only, the one use of it here) each row's sum starts at
-    its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
-
-    With ``SINK_ROWS`` (attention sinks, the three kernels' path) it stores in ``SINK_DELTA`` (laid
-    out as ``LSE``) each row's ``sum_j P dP`` over all the row's keys, for the sinks' gradient
-    (``backward_launch._sink_grad``): one store per row, no atomics. With ``RENORM`` that sum is of
-    the renormalised P, ``P / psum``, as ``attn_bwd_dkdv_kernel``'s.
-    """
-    i_m, _, i_h, i_b = launch_order(1, head_section, SECTIONS, GRID_FOLD)
-    if GRID_FOLD > 1:  # a folded grid's padding (``tiles.grid_id``)
-        if i_b >= fold_batch:
-            return
+    """dQ of query block ``i_m`` of head ``i_h`` in sequence ``i_b``: the body of
+    ``attn_bwd_dq_kernel`` (its docstring), and of the one-launch backward's query-block programs."""
     bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(
         CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN)
     q_start = i_m * BLOCK_M
@@ -531,3 +545,53 @@ def attn_bwd_dq_kernel(
             tl.store(SINK_DELTA + row_base + o_m, b_pdp)
         else:
             tl.store(SINK_DELTA + row_base + o_m, b_pdp, mask=o_m < seqlen_q)
+
+
+@triton.heuristics(
+    {**_DQ_DKDV_FLAGS, "HAS_SINK": lambda a: a["SINKS"] is not None, "SECTIONS": lambda a: a["head_section"] > 1}
+)
+@triton.jit(do_not_specialize=["head_section"])  # a runtime count: no variant per value
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS, SINK_DELTA,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_sb,
+    nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+    window_left, window_right, dropout_p, rng_stride, head_section, fold_batch,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, RENORM: tl.constexpr,
+    SINK_ROWS: tl.constexpr, HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr,
+):
+    """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``, its programs in ``schedule.launch_order``'s order, as
+    the forward's.
+
+    With ``RENORM`` (fp32, own lse) it also stores in ``LSE_FIX`` (laid out as ``LSE``) the log of
+    each row's sum of ``exp(S - lse)``: 0 up to the rounding of the stored lse, which at logits in
+    the hundreds is an ulp of a few 1e-5, a row-wide factor on P. ``attn_bwd_dkdv_kernel`` divides
+    it out, so its P sums to 1 as the forward's softmax did and fp32 dV keeps torch's accuracy;
+    rows with no probability (no key, or one key with ``OWN_LSE``) store 0. With ``HAS_SINK``
+    (``SINKS (H,)``, passed with ``RENORM`` only, the one use of it here) each row's sum starts at
+    its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
+
+    With ``SINK_ROWS`` (attention sinks, the three kernels' path) it stores in ``SINK_DELTA`` (laid
+    out as ``LSE``) each row's ``sum_j P dP`` over all the row's keys, for the sinks' gradient
+    (``backward_launch._sink_grad``): one store per row, no atomics. With ``RENORM`` that sum is of
+    the renormalised P, ``P / psum``, as ``attn_bwd_dkdv_kernel``'s.
+    """
+    i_m, _, i_h, i_b = launch_order(1, head_section, SECTIONS, GRID_FOLD)
+    if GRID_FOLD > 1:  # a folded grid's padding (``tiles.grid_id``)
+        if i_b >= fold_batch:
+            return
+    dq_program(
+        i_m, i_h, i_b, Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS, SINK_DELTA,
+        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
+        stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap,
+        diag_offset, window_left, window_right, dropout_p, rng_stride,
+        MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, IS_VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
+        MASK_D, RENORM, SINK_ROWS, HAS_SINK,
+    )

@@ -9,7 +9,8 @@ Shapes (legend as in ``forward``)::
 Varlen: ``(total_q, H, D)``, ``(total_k, Hk, D)`` and ``(H, total_q)``. The buffers a launch
 allocates, by name: ``DELTA`` (``rowsum(dout * out)``), ``LSE_FIX`` (fp32 with its own lse:
 ``log`` of each row's sum of P, ``RENORM``), ``SINK_DELTA`` (with sinks: each row's sum of P dP,
-stored by the dQ kernel on the three kernels' path, added into by the dK/dV kernel in one pass)
+stored by the dQ kernel on the three kernels' path and the dQ programs in one launch, added into by the
+dK/dV kernel in one pass)
 and ``DQ_ACC`` (one pass: the fp32 workspace dQ is added to).
 """
 
@@ -23,6 +24,7 @@ import triton
 from ..signatures import Memo, signature
 from . import choose, configs, targets, tiles
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from .backward_one_launch import attn_bwd_one_launch_kernel
 from .launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
 from .options import SCORE_FIELDS, VARLEN_FIELDS, ScoreOptions, Varlen
 from .schedule import launch_section
@@ -33,8 +35,8 @@ class BackwardPlan(NamedTuple):
 
     delta_shape: tuple  # the shape of DELTA, LSE_FIX and SINK_DELTA: lse's
     preprocess: Plan
-    dq: Optional[Plan]  # the three kernels' dQ kernel; None in one pass
-    dkdv: Plan
+    dq: Optional[Plan]  # the three kernels' dQ kernel; None in one pass and in one launch
+    dkdv: Plan  # the dK/dV kernel, or the one-launch kernel (dK, dV and dQ)
     renorm: bool  # LSE_FIX is allocated (fp32 with its own lse)
     one_pass: bool  # DQ_ACC is allocated, and becomes dq
     tuned: tuple  # the tuned configurations it took (``choose.tuned_fallback``)
@@ -57,7 +59,7 @@ def attention_backward(
     own_lse: bool = True,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Launch the backward: one pass, or the three kernels of the deterministic path.
+    """Launch the backward: one pass, one launch, or the three kernels of the deterministic path.
 
     Args:
         dout, q, out: ``(B, Sq, H, D)`` (varlen: ``(total_q, H, D)``); k, v: ``(B, Sk, Hk, D)``
@@ -75,7 +77,9 @@ def attention_backward(
             where the device's path is one pass (``choose.backward_path``: the target's default per
             head dim, ``configs.BACKWARD_PATHS``, or what ``flash-recipe tune`` measured); where
             it is not, or the installed Triton spills the one-pass tile (``choose.one_pass_fits``:
-            Hopper at head dim 128 before Triton 3.4), the three kernels run.
+            Hopper at head dim 128 before Triton 3.4), the three kernels run. Where the device's
+            path is one launch (``backward_one_launch``: a tuned choice, never a family default),
+            that runs, deterministic or not: it uses no atomics either.
 
     Returns:
         ``dq``, ``dk``, ``dv`` shaped like q, k, v, contiguous, in q's dtype, and with
@@ -139,8 +143,10 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
     renorm = own_lse and q.element_size() == 4  # fp32: dK/dV renormalise P by dQ's row sums
     lse_fix = delta if renorm else None
     own_lse = own_lse and sinks is None  # the one-key rules assume P sums to 1 (see ``backward``)
-    one_pass = (not deterministic and not renorm
-                and choose.backward_path(q.device, dims.head_dim, q.element_size()) == "one_pass")
+    path = "three_kernels" if renorm else choose.backward_path(q.device, dims.head_dim, q.element_size())
+    if deterministic and path == "one_pass":  # the other two use no atomics
+        path = "three_kernels"
+    one_pass = path == "one_pass"
     # The sinks' gradient weighs each row's sum of P dP (``_sink_grad``): stored once per row by the
     # dQ kernel on the three kernels' path (no atomics), added per key block by the dK/dV kernel's
     # atomics in one pass.
@@ -164,6 +170,10 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
         seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim,
         IS_VARLEN=varlen is not None, BLOCK_M=pre_m, BLOCK_D=block_d,
     ), q.device)
+    if path == "one_launch":
+        fused = _one_launch_plan(q, k, v, dims, common, sink_delta)
+        taken = tuple(used[before:]) if used is not None else ()
+        return BackwardPlan(tuple(delta.shape), preprocess, None, fused, renorm, False, taken)
     dq_plan = None
     if not one_pass:  # dQ first: with RENORM it writes the row sums dK/dV divide out.
         cfg = choose.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())
@@ -193,6 +203,22 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
     ), q.device)
     taken = tuple(used[before:]) if used is not None else ()
     return BackwardPlan(tuple(delta.shape), preprocess, dq_plan, dkdv, renorm, one_pass, taken)
+
+
+def _one_launch_plan(q, k, v, dims, common: dict, sink_delta) -> Plan:
+    """The one-launch kernel's plan (``backward_one_launch``): ``cdiv(Sk, BLOCK_N)`` key-block
+    programs, then ``group_size`` query-block programs of ``BLOCK_N`` rows per block, per kv head."""
+    cfg = choose.launch_config(q.device, configs.ONE_LAUNCH, dims.head_dim, q.element_size())
+    key_programs = triton.cdiv(dims.seqlen_k, cfg.block_n)
+    query_programs = common["group_size"] * triton.cdiv(dims.seqlen_q, cfg.block_n)
+    dq = torch.empty(q.shape, dtype=q.dtype, device="meta")
+    dk = torch.empty(k.shape, dtype=k.dtype, device="meta")
+    dv = torch.empty(v.shape, dtype=v.dtype, device="meta")
+    return plan(attn_bwd_one_launch_kernel, (key_programs + query_programs, dims.nheads_k, dims.batch), dict(
+        DQ=dq, DK=dk, DV=dv, SINK_DELTA=sink_delta, **dims.stride_args(dq, "dq", "m"),
+        **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"), **common, key_programs=key_programs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    ), q.device)
 
 
 def run_backward(p: BackwardPlan, dout, q, k, v, out, lse, options: ScoreOptions, varlen: Optional[Varlen]):

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Callable, Optional, TypeVar
 
 from . import configs, features, targets, tuned
-from .configs import KERNELS, Config, head_dim_bucket
+from .configs import KERNELS, ONE_LAUNCH, Config, head_dim_bucket
 from .limits import BACKWARD_PATH_NAMES
 
 T = TypeVar("T")
@@ -53,8 +53,8 @@ _TUNED_USED: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("fl
 def overriding(kernel: str, head_dim: int, element_size: int, config: Config) -> Iterator[None]:
     """Launches of ``kernel`` at ``head_dim``'s bucket and ``element_size`` use ``config`` inside the block
     (this thread or asyncio task only)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel not in KERNELS + (ONE_LAUNCH,):
+        raise ValueError(f"kernel must be one of {KERNELS + (ONE_LAUNCH,)}, got {kernel!r}")
     token = _OVERRIDES.set({**_OVERRIDES.get(), (kernel, head_dim_bucket(head_dim), element_size): Config(*config)})
     try:
         yield
@@ -64,9 +64,9 @@ def overriding(kernel: str, head_dim: int, element_size: int, config: Config) ->
 
 @contextlib.contextmanager
 def taking_path(path: str) -> Iterator[None]:
-    """Backward launches that are not deterministic take ``path`` (``"one_pass"`` or
-    ``"three_kernels"``) inside the block (this thread or asyncio task only): what ``flash-recipe
-    tune`` times, and tests use."""
+    """Backward launches that are not deterministic take ``path`` (``"one_pass"``,
+    ``"three_kernels"`` or ``"one_launch"``, where offered: ``backward_path``) inside the block (this
+    thread or asyncio task only): what ``flash-recipe tune`` times, and tests use."""
     if path not in BACKWARD_PATH_NAMES:
         raise ValueError(f"path must be one of {BACKWARD_PATH_NAMES}, got {path!r}")
     token = _PATH.set(path)
@@ -123,22 +123,27 @@ def launch_config(device, kernel: str, head_dim: int, element_size: int) -> Conf
 
 
 def backward_path(device, head_dim: int, element_size: int) -> str:
-    """The backward a launch on ``device`` runs unless it is deterministic: ``"one_pass"`` or
-    ``"three_kernels"``. A ``taking_path`` block's, else the one ``flash-recipe tune`` measured
-    faster on this GPU model (``tuned.path_for``: a GPU only), else the target's (or its family's) default at the
-    head dim's bucket (``configs.BACKWARD_PATHS``), which is one pass only where the installed
-    Triton compiles that tile without spilling (``one_pass_fits``)."""
+    """The backward a launch on ``device`` runs unless it is deterministic: ``"one_pass"``,
+    ``"three_kernels"`` or ``"one_launch"``. A ``taking_path`` block's, else the one ``flash-recipe
+    tune`` measured fastest on this GPU model (``tuned.path_for``: a GPU only), else the target's
+    (or its family's) default at the head dim's bucket (``configs.BACKWARD_PATHS``). Of these, one
+    pass only where the installed Triton compiles that tile without spilling (``one_pass_fits``),
+    one launch only where the table has its tiles (``configs.has_config``); else the three kernels."""
     taken = _PATH.get()
     if taken is not None:
         return taken
     bucket = head_dim_bucket(head_dim)
     target = targets.target_of(device)
+    path = None
     if target != "interpreter" and device.type == "cuda":
-        found = tuned.path_for(device, target, bucket, element_size)
-        if found is not None:
-            return found
-    path = configs.backward_path(target, bucket)
-    return path if path != "one_pass" or one_pass_fits(device, head_dim) else "three_kernels"
+        path = tuned.path_for(device, target, bucket, element_size)
+    if path is None:
+        path = configs.backward_path(target, bucket)
+    if path == "one_pass" and not one_pass_fits(device, head_dim):
+        return "three_kernels"
+    if path == "one_launch" and not configs.has_config(target, ONE_LAUNCH, head_dim, element_size):
+        return "three_kernels"
+    return path
 
 
 def one_pass_fits(device, head_dim: int) -> bool:

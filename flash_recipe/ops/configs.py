@@ -14,7 +14,8 @@ A configuration is chosen by ``(arch, kernel, head-dim bucket, element size)``:
   the dense forward's largest tiles cannot hold),
   ``"bwd_dkdv"``, ``"bwd_dq"`` (the deterministic backward's two kernels), ``"bwd_onepass"`` (the
   dK/dV kernel adding dQ with atomics: the default backward, whose dQ tile needs registers of its
-  own), ``"decode"`` (the forward kernel on a KV cache with few query rows).
+  own), ``"decode"`` (the forward kernel on a KV cache with few query rows); and, in the families
+  of ``ONE_LAUNCH_FAMILIES`` only, ``"bwd_onelaunch"`` (the one-launch backward, a candidate).
 - head-dim bucket: the padded head dim, a power of two from 16 to 256 (``HEAD_DIM_BUCKETS``).
 - element size: 2 for fp16/bf16, 4 for fp32 (fp32 tiles need twice the shared memory).
 
@@ -62,7 +63,12 @@ class Config(NamedTuple):
     num_stages: int
 
 
-KERNELS = ("fwd", "fwd_general", "bwd_dkdv", "bwd_dq", "bwd_onepass", "decode")
+KERNELS = ("fwd", "fwd_general", "bwd_dkdv", "bwd_dq", "bwd_onepass", "decode")  # every family has rows
+# The one-launch backward (``ops.backward_one_launch``): a candidate that ``flash-recipe tune`` and
+# the campaign's shoot-out time against the other paths, the default of no family until a GPU
+# measures it faster; rows only in these families, at fp16/bf16 and head dims up to 128.
+ONE_LAUNCH = "bwd_onelaunch"
+ONE_LAUNCH_FAMILIES = ("sm90", "sm100", "interpreter")
 ARCHS = ("sm80", "sm86", "sm90", "sm100", "sm120", "amd", "interpreter")
 
 Rows = tuple[tuple[int, int, Config], ...]  # (max head-dim bucket, max element size, Config)
@@ -176,6 +182,15 @@ _SM90: dict[str, Rows] = {
         (256, 4, Config(16, 32, 4, 1)),
     ),
     "decode": _DECODE,
+    # The one-launch backward, Config(key step, key block = the dQ programs' rows, ...). torch's
+    # defaults for FlexAttention's backward on sm90 (``get_flex_attn_bwd_configs``, torch 2.13:
+    # M1/N1/M2/N2 64/128/128/64 with 8 warps and 3 stages at head dim 128, 64/64/64/64 with 4 warps
+    # below) spill with this kernel's registers; these are the nearest tiles the compile check
+    # (``--call one_launch``) finds without spills (at head dim 128, dK/dV's own).
+    ONE_LAUNCH: (
+        (64, 2, Config(32, 128, 8, 2)),
+        (128, 2, Config(32, 128, 8, 2)),
+    ),
 }
 _AMD_FWD: Rows = (
     (128, 2, Config(64, 64, 4, 1)),
@@ -241,6 +256,12 @@ _FAMILY_ROWS: dict[str, dict[str, Rows]] = {
             (128, 4, Config(32, 64, 4, 1)),
             (256, 4, Config(16, 32, 4, 1)),
         ),
+        # torch's FlexAttention default on sm100 (64/128/128/64, 4 warps, 3 stages) spills here; sm100's
+        # dK/dV tile at head dim 128 does not
+        ONE_LAUNCH: (
+            (64, 2, Config(64, 128, 8, 1)),
+            (128, 2, Config(64, 128, 8, 1)),
+        ),
     },
     # amd (CDNA: 64-wide wavefronts, 64 KiB LDS, one stage: no software pipelining needed)
     "amd": {
@@ -269,6 +290,7 @@ _FAMILY_ROWS: dict[str, dict[str, Rows]] = {
         "bwd_dq": _INTERPRETER,
         "bwd_onepass": _INTERPRETER,
         "decode": ((256, 4, Config(16, 32, 1, 1)),),
+        ONE_LAUNCH: _INTERPRETER,
     },
 }
 # (family, kernel) -> rows: the lookup's view of the blocks above.
@@ -405,12 +427,20 @@ def head_dim_bucket(head_dim: int) -> int:
     return bucket
 
 
+def has_config(target: str, kernel: str, head_dim: int, element_size: int) -> bool:
+    """Whether the table has a row for the call (every family has one for each of ``KERNELS``; the
+    one-launch backward's families, for fp16/bf16 up to head dim 128)."""
+    bucket = head_dim_bucket(head_dim)
+    rows = _TABLE.get((arch_family(target), kernel), ())
+    return any(bucket <= max_bucket and element_size <= max_size for max_bucket, max_size, _ in rows)
+
+
 def get_config(target: str, kernel: str, head_dim: int, element_size: int) -> Config:
     """Look up the launch configuration; ``head_dim`` may be unpadded (59 uses the 64 bucket)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel not in KERNELS + (ONE_LAUNCH,):
+        raise ValueError(f"kernel must be one of {KERNELS + (ONE_LAUNCH,)}, got {kernel!r}")
     bucket = head_dim_bucket(head_dim)
-    for max_bucket, max_size, config in _TABLE[(arch_family(target), kernel)]:
+    for max_bucket, max_size, config in _TABLE.get((arch_family(target), kernel), ()):
         if bucket <= max_bucket and element_size <= max_size:
             return config
     raise ValueError(

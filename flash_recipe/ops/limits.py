@@ -14,8 +14,9 @@ MAX_SPLITS = 128
 # keys of the configuration table (``ops.configs``) and of a tuned file.
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
 
-# The backward's two paths: "one_pass" (the dK/dV kernel adds dQ to an fp32 workspace with atomic
-# adds) and "three_kernels" (preprocess, dQ kernel, dK/dV kernel; ``deterministic=True``). A
-# family's default per head-dim bucket is ``ops.configs.BACKWARD_PATHS``; a tuned file may hold
-# another for its GPU (``ops.tuned``).
-BACKWARD_PATH_NAMES = ("one_pass", "three_kernels")
+# The backward's paths: "one_pass" (the dK/dV kernel adds dQ to an fp32 workspace with atomic
+# adds), "three_kernels" (preprocess, dQ kernel, dK/dV kernel; ``deterministic=True``) and
+# "one_launch" (preprocess, then dK/dV and dQ programs in one launch, no atomics: a candidate where
+# ``ops.configs.ONE_LAUNCH`` has its tiles). A family's default per head-dim bucket is
+# ``ops.configs.BACKWARD_PATHS``; a tuned file may hold another for its GPU (``ops.tuned``).
+BACKWARD_PATH_NAMES = ("one_pass", "three_kernels", "one_launch")

@@ -32,6 +32,9 @@ from . import compile_check
 # One target per NVIDIA family (the families' own compile targets), and every AMD target: their
 # family ("amd") shares one table of tiles across three generations of matrix cores.
 TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950")
+# The paths the proxy compares, by the kernels whose loops it counts. The one launch
+# (``ops.backward_one_launch``) runs the three kernels' loops in one launch, so instruction counts
+# cannot tell it from them: only a GPU's timing can choose it (``flash-recipe tune``).
 PATH_KERNELS = {"one_pass": ("bwd_onepass",), "three_kernels": ("bwd_dq", "bwd_dkdv")}
 # Where the path with fewer instructions spills in a call the compile check budgets, the other is
 # the default: (target, head dim) -> why (``python -m flash_recipe.tools.compile_check --call varlen``).
@@ -63,7 +66,7 @@ def path_rows(rows: list) -> list[dict]:
             )
         fewer = None
         if None not in counts["one_pass"] + counts["three_kernels"]:
-            fewer = min(limits.BACKWARD_PATH_NAMES, key=lambda path: float(sum(counts[path])))
+            fewer = min(PATH_KERNELS, key=lambda path: float(sum(counts[path])))
         default = configs.backward_path(target, head_dim)
         table.append(
             {

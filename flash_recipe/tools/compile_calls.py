@@ -172,6 +172,23 @@ def run_call(case: Case) -> dict[str, str]:
             with choose.taking_path("one_pass"):
                 backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, with_sinks)
         return dict(BACKWARD_LABELS)
+    if case.call == "one_launch":  # the one-launch backward where the table offers it: as "one_pass", with sinks too
+        from ..ops import configs, targets  # imports Triton: importing compile_calls loads none
+
+        size = 4 if case.dtype == "float32" else 2
+        if not configs.has_config(targets.target_of(torch.device("cpu")), configs.ONE_LAUNCH, case.head_dim, size):
+            return {}
+        seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
+        var = _variant(dataclasses.replace(case, call="bwd"), nheads, seqlen_k - seqlen_q, scale)
+        for heads, sinks in itertools.product(
+            ((nheads, nheads_k),) if ragged else ((nheads, nheads_k), (8, 2)), (False, True)
+        ):
+            q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, *heads)
+            out, lse = torch.randn_like(q), torch.randn(2, heads[0], seqlen_q, dtype=torch.float32)
+            with_sinks = var._replace(sinks=torch.randn(heads[0], dtype=torch.float32) if sinks else None)
+            with choose.taking_path("one_launch"):
+                backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, with_sinks)
+        return {**BACKWARD_LABELS, "attn_bwd_one_launch_kernel": "bwd_onelaunch"}
     if case.call == "one_key":  # the backward of a window of width one: every row sees one key (exact dS = 0)
         seqlen_q = seqlen_k = 113 if ragged else 1024
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)

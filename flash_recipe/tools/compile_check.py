@@ -84,9 +84,11 @@ HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # (``choose.one_pass_fits``), MHA and GQA, each without and with attention sinks ("-sinks" rows):
 # what ``configs.ONE_PASS_TRITON`` is measured from, not in a preset; "folded" the "fwd" call's
 # forward, the "bwd" call's backward (the target's path) and the "int8" call with the batch past the
-# grid's axis-2 limit, folded into axis 0 (``ops.launch.fold_grid``; ``compile_calls.FOLD_BATCH``).
+# grid's axis-2 limit, folded into axis 0 (``ops.launch.fold_grid``; ``compile_calls.FOLD_BATCH``);
+# "one_launch" the one-launch backward (``ops.backward_one_launch``) where the table has its tiles
+# (``configs.ONE_LAUNCH_FAMILIES``; elsewhere it compiles nothing), as "one_pass" ("-sinks" rows).
 CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8", "fwd_ws")
-CALLS += ("one_key", "one_pass", "folded")
+CALLS += ("one_key", "one_pass", "folded", "one_launch")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
@@ -134,6 +136,9 @@ PRESETS = {
         (("int8",), ("bfloat16",), (128,), ("ragged",), FAMILY_TARGETS),
         (("folded",), ("bfloat16",), (128,), ("aligned",), ("sm80", "sm90", "sm100", "gfx942")),
         (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
+        # The one-launch backward where it is a candidate (``configs.ONE_LAUNCH_FAMILIES``).
+        (("one_launch",), ("bfloat16",), (128,), ("aligned",), ("sm90", "sm100")),
+        (("one_launch",), ("bfloat16",), (64,), ("aligned",), ("sm90",)),
     ],
     "full": [
         (_CI_CALLS, ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), TARGETS),
@@ -155,6 +160,7 @@ PRESETS = {
         (("folded",), ("bfloat16",), (128,), ("aligned",), ("sm80", "sm90", "sm100", "gfx942")),
         # The warp-specialised forward where it is offered (``ops.features.WARP_SPEC_FAMILIES``).
         (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
+        (("one_launch",), ("bfloat16",), (16, 32, 64, 128), FORMS, ("sm90", "sm100")),
     ],
     "compat": [
         (("fwd", "bwd", "decode", "decode_paged"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90")),
@@ -170,13 +176,15 @@ ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine", "quantize")
 # The deterministic backward's kernels (``deterministic=True``: the preprocess, dQ and dK/dV
 # kernels, the last adding no dQ), whose TTIR must hold none of ``ATOMIC_OPS``: gradients, the
 # sinks' included, bit-identical from run to run.
-DETERMINISTIC_KERNELS = ("bwd_preprocess", "bwd_dq", "bwd_dkdv")
+DETERMINISTIC_KERNELS = ("bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_onelaunch")
 ATOMIC_OPS = ("tt.atomic_rmw", "tt.atomic_cas")
 # The forward's compile-time flags that make a launch take the ``"fwd_general"`` configuration
 # (``forward.attention_forward``: key ranges, score options, masked head-dim columns).
 SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
 # The kernels a GQA launch compiles apart (``group_size`` above 1), whose rows say so ("-gqa").
-GROUPED_KERNELS = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+# The kernel of the calls that launch it with and without attention sinks ("-sinks" rows).
+SINKS_KERNEL = {"one_pass": "attn_bwd_dkdv_kernel", "one_launch": "attn_bwd_one_launch_kernel"}
+GROUPED_KERNELS = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_bwd_one_launch_kernel")
 GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
 # The rows one iteration of a tiled kernel's main loop advances by: keys for the forward, decode and
 # dQ kernels, queries for dK/dV.
@@ -188,6 +196,7 @@ LOOP_STEP = {
     "bwd_dq": "BLOCK_N",
     "bwd_dkdv": "BLOCK_M",
     "bwd_onepass": "BLOCK_M",
+    "bwd_onelaunch": "BLOCK_M",  # both kinds of its programs step BLOCK_M rows
     "int8": "BLOCK_N",
     "int8_fp8": "BLOCK_N",
 }
@@ -205,7 +214,7 @@ PRODUCT_TARGETS = ("sm80", "sm90")
 # backward at head dim 256 has 32-key blocks, its 64-key ones compiling to a trap, and so runs
 # the key-side products on mma.sync: reported, not failed.)
 FAST_MMA_TARGETS = ("sm90", "sm100")
-FAST_MMA_KERNELS = ("bwd_onepass", "bwd_dkdv", "bwd_dq")
+FAST_MMA_KERNELS = ("bwd_onepass", "bwd_dkdv", "bwd_dq", "bwd_onelaunch")
 FAST_MMA_HEAD_DIMS = (64, 128)
 # The speed proxy: SASS instructions per key in the forward's main loop (``loop_per_row``), at most
 # those of Triton's own tutorial fused-attention forward (python/tutorials/06-fused-attention.py)
@@ -265,8 +274,9 @@ def check_case(case: Case, target: str) -> list[dict]:
         label = labels[name]
         # The backward kernels' GQA specialisation (group_size above 1) is a row of its own.
         grouped = name in GROUPED_KERNELS and _constants(kernel).get("group_size") != 1
-        # The "one_pass" call's launches with attention sinks pass SINK_DELTA (None, a constant, without).
-        sinks = case.call == "one_pass" and name == "attn_bwd_dkdv_kernel" and "SINK_DELTA" not in _constants(kernel)
+        # The "one_pass" and "one_launch" calls' launches with attention sinks pass SINK_DELTA (None,
+        # a constant, without).
+        sinks = SINKS_KERNEL.get(case.call) == name and "SINK_DELTA" not in _constants(kernel)
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
         if label == "fwd" and _constants(kernel).get("WARP_SPEC"):

@@ -50,7 +50,7 @@ TUNE_SEQLEN = 8192
 # 128, causal and not, about 16k tokens, 16 heads), the faster kept where it beats the table's
 # default. It writes the measured-defaults file for this GPU model (``tuned.MEASURED_DIR``'s format)
 # into ``measured/`` beside the report, to be committed to ``flash_recipe/measured/``.
-SHOOTOUT_KERNELS = ("bwd_dq", "bwd_dkdv", "bwd_onepass")
+SHOOTOUT_KERNELS = ("bwd_dq", "bwd_dkdv", "bwd_onepass", "bwd_onelaunch")
 SHOOTOUT_HEAD_DIMS = (64, 128)
 SHOOTOUT_SEQLENS = (4096, 16384)
 SHOOTOUT_CANDIDATES = 4

@@ -15,7 +15,7 @@ from ...ops.options import ScoreOptions
 from ...reference import attention_reference, compute_dtype
 from ...testing import FACTORS, accuracy_bound, max_error
 
-KERNELS = configs.KERNELS
+KERNELS = configs.KERNELS + (configs.ONE_LAUNCH,)  # the last where the target's table offers it
 HEAD_DIMS = limits.HEAD_DIM_BUCKETS
 DTYPES = ("float16", "bfloat16", "float32")
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -27,6 +27,7 @@ COMPILE_CALL = {
     "bwd_dkdv": "bwd",
     "bwd_dq": "bwd",
     "bwd_onepass": "bwd",
+    "bwd_onelaunch": "one_launch",
     "decode": "decode",
 }
 # The candidate grid per kernel: block_m, block_n, num_warps, num_stages. Decoding has one to
@@ -37,10 +38,14 @@ GRID = {
     "bwd_dkdv": ((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)),
     "bwd_dq": ((32, 64, 128), (16, 32, 64), (4, 8), (1, 2, 3)),
     "bwd_onepass": ((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)),
+    "bwd_onelaunch": ((32, 64), (64, 128), (4, 8), (1, 2, 3)),  # key step x key block (= the dQ programs' rows)
     "decode": ((16,), (32, 64, 128, 256), (4, 8), (1, 2, 3, 4)),
 }
-# The backward's kernels: the deterministic path's two, and the one-pass dK/dV kernel adding dQ.
-BACKWARD = ("bwd_dkdv", "bwd_dq", "bwd_onepass")
+# The backward's kernels: the deterministic path's two, the one-pass dK/dV kernel adding dQ, and
+# the one-launch kernel; and the path each one's problem runs.
+BACKWARD = ("bwd_dkdv", "bwd_dq", "bwd_onepass", "bwd_onelaunch")
+PATH_OF_KERNEL = {"bwd_onepass": "one_pass", "bwd_onelaunch": "one_launch"}  # else the three kernels
+KERNEL_OF_PATH = {"one_pass": "bwd_onepass", "three_kernels": "bwd_dkdv", "one_launch": "bwd_onelaunch"}
 # Eight warps only on tiles of at least this many elements: on smaller ones most of them idle.
 EIGHT_WARPS_MIN_TILE = 64 * 64
 GENERAL_SOFTCAP = 50.0
@@ -144,7 +149,7 @@ class Problem:
     launcher and returns the outputs the kernel decides (fwd, decode: ``out``; the backward kernels:
     ``dq, dk, dv``), and ``reference(upcast)`` the same from ``flash_recipe.reference``. A backward
     kernel's problem runs the path of that kernel, or ``path`` when given (``"one_pass"``,
-    ``"three_kernels"``: the whole backward, timed to choose between them)."""
+    ``"three_kernels"``, ``"one_launch"``: the whole backward, timed to choose among them)."""
 
     def __init__(self, kernel: str, dtype: str, shape: Shape, device, seed: int = 0, path: Optional[str] = None):
         import torch
@@ -199,7 +204,7 @@ class Problem:
             return (
                 kvcache.attention_kvcache(self.q, None, None, self.cache, None, self.options, num_splits=splits)[0],
             )
-        path = self.path or ("one_pass" if self.kernel == "bwd_onepass" else "three_kernels")
+        path = self.path or PATH_OF_KERNEL.get(self.kernel, "three_kernels")
         with choose.taking_path(path):  # the path timed, else the one whose kernel this tunes
             return backward_launch.attention_backward(
                 self.dout, self.q, self.k, self.v, self.out, self.lse, self.options

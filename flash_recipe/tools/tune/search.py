@@ -17,6 +17,7 @@ from .problem import (
     DTYPES,
     ELEMENT_SIZE,
     HEAD_DIMS,
+    KERNEL_OF_PATH,
     KERNELS,
     SPLITS,
     Check,
@@ -168,6 +169,10 @@ class Tuner:
         ``table``, ``winner`` (None when the table's configuration itself fails), ``speedup``,
         ``ms`` and ``table_ms`` (per timing shape), ``trials`` (one row per candidate) and
         ``pruned`` (the compile rows)."""
+        if not configs.has_config(self.target, kernel, head_dim, element_size):  # the one launch, where not offered
+            label = f"{kernel} d{head_dim} {'/'.join(dtypes)}"
+            self.say(f"{label}: not offered on {self.target} (configs.ONE_LAUNCH_FAMILIES), not tuned")
+            return dict(table=None, winner=None, speedup=1.0, ms={}, table_ms={}, trials=[], pruned=[])
         table = configs.get_config(self.target, kernel, head_dim, element_size)
         found = candidates(kernel, table, self.grid)
         kept, compile_rows = self.pruned(kernel, head_dim, dtypes[0], found, table)
@@ -225,13 +230,16 @@ class Tuner:
     def best_path(self, head_dim: int, element_size: int, dtypes: list) -> Optional[dict]:
         """Check, then time, the whole backward on each path with the configurations it launches
         now; one ``tuned.path_entry``: the other path where it beats the family's
-        (``configs.BACKWARD_PATHS``) by ``min_gain``, else the family's; None when either fails."""
+        (``configs.BACKWARD_PATHS``) by ``min_gain``, else the family's; None when one fails. The
+        one launch is timed where the target's table offers it (``configs.ONE_LAUNCH_FAMILIES``)."""
         label = f"backward path d{head_dim} {'/'.join(dtypes)}"
         default = configs.backward_path(self.target, configs.head_dim_bucket(head_dim))
         shapes = timing_shapes("bwd_onepass", head_dim, self.seqlens, self.causal, self.tokens, self.nheads, ())
         results = {}
         for path in limits.BACKWARD_PATH_NAMES:
-            kernel = "bwd_onepass" if path == "one_pass" else "bwd_dkdv"
+            kernel = KERNEL_OF_PATH[path]
+            if not configs.has_config(self.target, kernel, head_dim, element_size):
+                continue  # the one launch, where the table does not offer it
             config = choose.launch_config(self.device, kernel, head_dim, element_size)
             checks = [
                 Check(Problem(kernel, dtype, shape, self.device, seed=i, path=path))
