@@ -78,7 +78,8 @@ def flash_attn_func(
         deterministic: the backward bit-identical from run to run. The Triton kernels' default
             backward adds dQ with fp32 atomics in one pass over the keys (5 matrix products per
             block pair, not 7), so dQ's last bits vary with the order the adds land in; with
-            ``deterministic=True`` they run the two-pass backward, as flash-attn does with its flag.
+            ``deterministic=True`` they run the two-pass backward, as flash-attn does with its flag
+            (or the one-launch backward where ``flash-recipe tune`` chose it: no atomics either).
         return_attn_probs: also return the log-sum-exp and, with dropout, the attention
             probabilities ``(batch_size, nheads, seqlen_q, seqlen_k)``, negative where dropped
             (testing only).
