@@ -40,6 +40,7 @@ import torch
 
 import flash_recipe
 import flash_recipe.sage
+from flash_recipe.ops import choose, limits
 from flash_recipe.reference import compute_dtype
 from flash_recipe.testing import FLOOR, accuracy_bound, max_error
 
@@ -65,6 +66,9 @@ EIGHT_BIT_KINDS = {"sage": 9, "sage_varlen": 5}
 EIGHT_BIT_SHARE = 4
 # The interpreter computes bf16 dot products wrongly: bf16 runs on a GPU only.
 DTYPES = ("float16", "float32", "bfloat16") if HAS_CUDA else ("float16", "float32")
+# A Triton case's backward path, drawn: each of the three (the one launch runs the three kernels
+# where the device's table lacks its tiles: ``choose.backward_path``).
+BACKWARD_PATHS = limits.BACKWARD_PATH_NAMES
 # 8-bit attention takes 16-bit inputs; its only 16-bit products take fp16 operands, so bf16 runs
 # under the interpreter too.
 SAGE_DTYPES = ("float16", "bfloat16")
@@ -137,6 +141,8 @@ class Case:
             parts.append("nosmooth")
         if p.get("k_offset"):
             parts.append(f"koffset{p['k_offset']:g}")
+        if p.get("path"):
+            parts.append(p["path"].replace("_", ""))
         for key in ("leftpad", "batch_idx", "lse", "backward", "grad"):
             if p.get(key):
                 parts.append(key.replace("_", ""))
@@ -412,6 +418,8 @@ def draw_case(seed: int, index: int) -> Case:
         backend = "reference"
     elif r < 0.2 and not p.get("softcap") and not p.get("lse") and not p.get("sink"):
         backend = "sdpa"
+    if backend == "triton":  # the backward path, drawn last so that every earlier choice replays as it did
+        p["path"] = rng.choice(BACKWARD_PATHS)
     return Case(seed, index, kind, dtype, None if backend == "auto" else backend, p)
 
 
@@ -1106,8 +1114,10 @@ def test_fuzz_8bit(fuzz_8bit_case: Case, device, nan_outputs, bounds_checked, in
 def _check(case: Case, device, bounds_checked) -> None:
     inputs, report = Inputs(case, device), Report()
     crash = ""
+    path = case.params.get("path")
     try:
-        RUNNERS[case.kind](case, inputs, report)
+        with choose.taking_path(path) if path else contextlib.nullcontext():  # the backward runs at its grad
+            RUNNERS[case.kind](case, inputs, report)
     except Exception as exc:  # noqa: BLE001 - any exception on a valid call is a finding
         trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-8:])
         crash = f"unexpected {type(exc).__name__}: {exc}\n{trace}"

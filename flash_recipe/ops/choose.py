@@ -65,8 +65,9 @@ def overriding(kernel: str, head_dim: int, element_size: int, config: Config) ->
 @contextlib.contextmanager
 def taking_path(path: str) -> Iterator[None]:
     """Backward launches that are not deterministic take ``path`` (``"one_pass"``,
-    ``"three_kernels"`` or ``"one_launch"``, where offered: ``backward_path``) inside the block (this
-    thread or asyncio task only): what ``flash-recipe tune`` times, and tests use."""
+    ``"three_kernels"`` or ``"one_launch"``; the last where the table has its tiles, else the three
+    kernels: ``backward_path``) inside the block (this thread or asyncio task only): what
+    ``flash-recipe tune`` times, and tests use."""
     if path not in BACKWARD_PATH_NAMES:
         raise ValueError(f"path must be one of {BACKWARD_PATH_NAMES}, got {path!r}")
     token = _PATH.set(path)
@@ -126,21 +127,20 @@ def backward_path(device, head_dim: int, element_size: int) -> str:
     """The backward a launch on ``device`` runs unless it is deterministic: ``"one_pass"``,
     ``"three_kernels"`` or ``"one_launch"``. A ``taking_path`` block's, else the one ``flash-recipe
     tune`` measured fastest on this GPU model (``tuned.path_for``: a GPU only), else the target's
-    (or its family's) default at the head dim's bucket (``configs.BACKWARD_PATHS``). Of these, one
-    pass only where the installed Triton compiles that tile without spilling (``one_pass_fits``),
-    one launch only where the table has its tiles (``configs.has_config``); else the three kernels."""
-    taken = _PATH.get()
-    if taken is not None:
-        return taken
-    bucket = head_dim_bucket(head_dim)
+    (or its family's) default at the head dim's bucket (``configs.BACKWARD_PATHS``). Of the last
+    two, one pass only where the installed Triton compiles that tile without spilling
+    (``one_pass_fits``); of all three, one launch only where the table has its tiles
+    (``configs.has_config``). Where not, the three kernels."""
     target = targets.target_of(device)
-    path = None
-    if target != "interpreter" and device.type == "cuda":
-        path = tuned.path_for(device, target, bucket, element_size)
+    path = _PATH.get()
     if path is None:
-        path = configs.backward_path(target, bucket)
-    if path == "one_pass" and not one_pass_fits(device, head_dim):
-        return "three_kernels"
+        bucket = head_dim_bucket(head_dim)
+        if target != "interpreter" and device.type == "cuda":
+            path = tuned.path_for(device, target, bucket, element_size)
+        if path is None:
+            path = configs.backward_path(target, bucket)
+        if path == "one_pass" and not one_pass_fits(device, head_dim):
+            return "three_kernels"
     if path == "one_launch" and not configs.has_config(target, ONE_LAUNCH, head_dim, element_size):
         return "three_kernels"
     return path
