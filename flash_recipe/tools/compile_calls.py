@@ -18,6 +18,7 @@ BACKWARD_LABELS = {
     "attn_bwd_dkdv_kernel": "bwd_dkdv",
     "attn_bwd_dq_kernel": "bwd_dq",
 }
+ONE_LAUNCH_LABEL = {"attn_bwd_one_launch_kernel": "bwd_onelaunch"}
 # The GQA groups of the aligned decode steps (``decode``: a dense cache; ``decode_paged``: pages).
 DECODE_GROUPS = {"decode": 4, "decode_paged": 8}
 
@@ -112,13 +113,19 @@ def run_call(case: Case) -> dict[str, str]:
         forward.attention_forward(q, k, v, var)
         out, lse = torch.randn_like(q), torch.randn(2, nheads, seqlen_q, dtype=torch.float32)
         dout = torch.randn_like(q)
-        # Both paths, as the "bwd" call compiles them, whichever the target runs by default: the
-        # three kernels' dQ kernel stores the sinks' row sums, the one pass adds them with atomics.
+        # Every path, as the "bwd" call compiles them, whichever the target runs by default: the
+        # three kernels' dQ kernel stores the sinks' row sums, the one pass adds them with atomics,
+        # the one launch's dQ programs store them (where the table offers it).
+        from ..ops import configs, targets  # imports Triton: importing compile_calls loads none
+
         one_pass = case.dtype != "float32" and choose.one_pass_fits(torch.device("cpu"), case.head_dim)
-        for path in ("one_pass", "three_kernels") if one_pass else ("three_kernels",):
+        size = 4 if case.dtype == "float32" else 2
+        one_launch = configs.has_config(targets.target_of(torch.device("cpu")), configs.ONE_LAUNCH, case.head_dim, size)
+        paths = ("one_pass",) * one_pass + ("three_kernels",) + ("one_launch",) * one_launch
+        for path in paths:
             with choose.taking_path(path):
                 backward_launch.attention_backward(dout, q, k, v, out, lse, var)
-        return {"attn_fwd_kernel": "fwd", **BACKWARD_LABELS}
+        return {"attn_fwd_kernel": "fwd", **BACKWARD_LABELS, **ONE_LAUNCH_LABEL}
     if case.call == "fwd_ws":  # the plain forward with warp specialisation asked for, causal and not
         from ..ops import features  # imports Triton: importing compile_calls loads none
 
@@ -188,7 +195,7 @@ def run_call(case: Case) -> dict[str, str]:
             with_sinks = var._replace(sinks=torch.randn(heads[0], dtype=torch.float32) if sinks else None)
             with choose.taking_path("one_launch"):
                 backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, with_sinks)
-        return {**BACKWARD_LABELS, "attn_bwd_one_launch_kernel": "bwd_onelaunch"}
+        return {**BACKWARD_LABELS, **ONE_LAUNCH_LABEL}
     if case.call == "one_key":  # the backward of a window of width one: every row sees one key (exact dS = 0)
         seqlen_q = seqlen_k = 113 if ragged else 1024
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)

@@ -71,8 +71,8 @@ HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # (rotary/append, the forward with decode tiles and the group packed into one query tile, split-KV
 # merge); "decode_paged" the same over a paged cache; "paged" the forward over a paged cache with
 # more query rows than a decode step; "sinks" the forward and backward
-# with attention sinks (aligned: the "bwd" call's causal tensors; ragged: every score option; the
-# target's backward path and, where that is the one pass, the deterministic three kernels too);
+# with attention sinks (aligned: the "bwd" call's causal tensors; ragged: every score option; every
+# backward path: the one pass where the release compiles it, the three kernels, the one launch where offered);
 # "int8" 8-bit attention (the quantizer, then the kernel with fp16 P.V and, on targets with FP8
 # tensor cores, FP8 P.V: ``ops.int8_attention``), causal; "fwd_ws" the "fwd" call's forward, causal
 # and not, with warp specialisation asked for (``ops.features.warp_specialization``: a kernel of its
