@@ -1,7 +1,8 @@
 """``flash-recipe tune``: time launch configurations on the local GPU and keep the fastest.
 
-For each kernel (``fwd``, ``fwd_general``, ``bwd_dkdv``, ``bwd_dq``, ``bwd_onepass``, ``decode``; the general forward
-is timed and checked on a softcapped call), head-dim bucket and element size
+For each kernel (``fwd``, ``fwd_general``, ``bwd_dkdv``, ``bwd_dq``, ``bwd_onepass``, ``decode``, and
+``bwd_onelaunch`` where the target's table offers it; the general forward is timed and checked on a
+softcapped call), head-dim bucket and element size
 (2 for fp16 and bf16, which share their tiles; 4 for fp32), the tuner
 
 1. takes the candidates: the table's own configuration, then a small grid (``GRID``);
@@ -22,6 +23,11 @@ is timed and checked on a softcapped call), head-dim bucket and element size
    configurations are timed as the whole backward with only the tuned kernel changed;
 5. keeps the candidate with the least geometric mean, over the timing shapes and dtypes, of its
    time divided by the table's, if that is at most ``1 - min_gain``; else the table's.
+
+The backward's path is chosen after its kernels: each path the target offers (the one pass, the
+three kernels, and the one launch where its tiles are in the table) is checked, then timed whole
+with the winners of its kernels, and the fastest kept when it beats the family's default
+(``configs.BACKWARD_PATHS``) by ``min_gain`` (``Tuner.best_path``; the file's ``backward`` section).
 
 Decoding's split-KV count is tuned after the decode configuration: each of ``splits`` is checked,
 then timed per batch size and cache length, and the fastest is kept per bucket of programs
