@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from rule_checks import SCALE, check, tensors, truths
 
 from flash_recipe.flash_attn_3 import flash_attn_interface as fa3
-from flash_recipe.reference import attention_reference
-from flash_recipe.testing import FACTORS, assert_accurate
 
-SCALE = 0.25
 UNSET = inspect.Parameter.empty
 
 # FA3 3.0.0's public functions (Dao-AILab/flash-attention, hopper/flash_attn_interface.py):
@@ -67,32 +65,6 @@ def test_each_function_takes_fa3s_arguments_in_fa3s_order(name):
     assert sorted(fa3.__all__) == sorted(FA3_SIGNATURES)
 
 
-def _tensors(shape_q, shape_k, seed=0, dtype=torch.float16):
-    gen = torch.Generator().manual_seed(seed)
-    q, dout = (torch.randn(*shape_q, generator=gen).to(dtype) for _ in range(2))
-    k, v = (torch.randn(*shape_k, generator=gen).to(dtype) for _ in range(2))
-    return q, k, v, dout
-
-
-def _truths(q, k, v, dout, causal=False, window=(-1, -1), sinks=None):
-    """fp32 math (``truth``) and the same in the input dtype (``same``): out, lse, dq, dk, dv."""
-    results = []
-    for dtype in (torch.float32, q.dtype):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out, lse = attention_reference(
-            *leaves, softmax_scale=SCALE, causal=causal, window=window, sinks=sinks, upcast=False
-        )
-        out.backward(dout.to(dtype))
-        results.append((out.detach(), lse.detach(), *(t.grad for t in leaves)))
-    return results
-
-
-def _check(got: dict, truth, same) -> None:
-    for index, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-        if name in got:
-            assert_accurate(name, got[name].float(), truth[index].float(), same[index].float(), FACTORS[name])
-
-
 def _grads(out, dout, leaves):
     out.backward(dout)
     return {name: t.grad for name, t in zip(("dq", "dk", "dv"), leaves)}
@@ -100,32 +72,32 @@ def _grads(out, dout, leaves):
 
 def test_dense_calls_by_position_and_by_keyword_meet_the_rule():
     """GQA, causal with a window, forward and backward; FA3's 4th positional is ``softmax_scale``."""
-    q, k, v, dout = _tensors((2, 19, 4, 32), (2, 23, 2, 32))
-    truth, same = _truths(q, k, v, dout, causal=True, window=(7, 0))
+    q, k, v, dout = tensors((2, 19, 4, 32), (2, 23, 2, 32))
+    truth, same = truths(q, k, v, dout, causal=True, window=(7, 0))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = fa3.flash_attn_func(*leaves, SCALE, True, None, None, None, None, (7, -1))
     assert isinstance(out, torch.Tensor) and out.shape == q.shape
-    _check({"out": out.detach(), **_grads(out, dout, leaves)}, truth, same)
+    check({"out": out.detach(), **_grads(out, dout, leaves)}, truth, same)
     out, lse = fa3.flash_attn_func(
         q, k, v, softmax_scale=SCALE, causal=True, window_size=(7, -1), num_splits=3, pack_gqa=True, sm_margin=4,
         deterministic=True, return_attn_probs=True,
     )  # fmt: skip
     assert lse.shape == (2, 4, 19) and lse.dtype == torch.float32
-    _check({"out": out, "lse": lse}, truth, same)
+    check({"out": out, "lse": lse}, truth, same)
 
 
 def test_sinks_as_s_aux_meet_the_rule():
-    q, k, v, dout = _tensors((1, 13, 4, 16), (1, 13, 4, 16), seed=3)
+    q, k, v, dout = tensors((1, 13, 4, 16), (1, 13, 4, 16), seed=3)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
-    truth, same = _truths(q, k, v, dout, causal=True, sinks=sinks)
+    truth, same = truths(q, k, v, dout, causal=True, sinks=sinks)
     out, lse = fa3.flash_attn_func(q, k, v, SCALE, True, return_attn_probs=True, s_aux=sinks)
-    _check({"out": out, "lse": lse}, truth, same)
+    check({"out": out, "lse": lse}, truth, same)
 
 
 @pytest.mark.parametrize("layout", ["3-stacked", "heads-split"])
 def test_packed_qkv_in_both_of_fa3s_layouts(layout):
-    q, k, v, dout = _tensors((2, 17, 2, 16), (2, 17, 2, 16), seed=1)
-    truth, same = _truths(q, k, v, dout)
+    q, k, v, dout = tensors((2, 17, 2, 16), (2, 17, 2, 16), seed=1)
+    truth, same = truths(q, k, v, dout)
     if layout == "3-stacked":
         qkv = torch.stack([q, k, v], dim=2).requires_grad_()
         out = fa3.flash_attn_qkvpacked_func(qkv, SCALE)
@@ -136,7 +108,7 @@ def test_packed_qkv_in_both_of_fa3s_layouts(layout):
         out = fa3.flash_attn_qkvpacked_func(qkv, SCALE, num_heads_q=2)
         out.backward(dout)
         dq, dk, dv = qkv.grad.split([2, 2, 2], dim=2)
-    _check({"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}, truth, same)
+    check({"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}, truth, same)
     with pytest.raises(ValueError, match="num_heads_q"):
         fa3.flash_attn_qkvpacked_func(torch.cat([q, k, v], dim=2), num_heads_q=3)
 
@@ -145,7 +117,7 @@ def test_varlen_with_seqused_uses_only_the_first_rows_of_each_sequence():
     """Two packed sequences (11 and 14 queries, 9 and 16 keys); ``seqused_q`` keeps 6 and 14,
     ``seqused_k`` 9 and 14. The kept rows meet the rule against each sequence's own attention;
     the others output 0 with lse +inf and get zero gradients."""
-    q, k, v, dout = _tensors((25, 4, 16), (25, 2, 16), seed=2)
+    q, k, v, dout = tensors((25, 4, 16), (25, 2, 16), seed=2)
     cu_q, cu_k = torch.tensor([0, 11, 25], dtype=torch.int32), torch.tensor([0, 9, 25], dtype=torch.int32)
     used_q, used_k = torch.tensor([6, 14], dtype=torch.int32), torch.tensor([9, 14], dtype=torch.int32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -160,10 +132,10 @@ def test_varlen_with_seqused_uses_only_the_first_rows_of_each_sequence():
         keys = slice(int(cu_k[b]), int(cu_k[b]) + int(used_k[b]))
         kept_q += list(range(rows.start, rows.stop))
         kept_k += list(range(keys.start, keys.stop))
-        truth, same = _truths(q[rows][None], k[keys][None], v[keys][None], dout[rows][None], causal=True)
+        truth, same = truths(q[rows][None], k[keys][None], v[keys][None], dout[rows][None], causal=True)
         got = {"out": out[rows][None].detach(), "lse": lse[:, rows][None].detach(), "dq": grads["dq"][rows][None],
                "dk": grads["dk"][keys][None], "dv": grads["dv"][keys][None]}  # fmt: skip
-        _check(got, truth, same)
+        check(got, truth, same)
     unused_q = [i for i in range(25) if i not in kept_q]
     unused_k = [i for i in range(25) if i not in kept_k]
     assert unused_q and unused_k
@@ -200,8 +172,8 @@ def test_kvcache_with_a_page_table_appends_and_meets_the_rule():
         keys = torch.cat([history_k[b], k_new[b]])[None]
         values = torch.cat([history_v[b], v_new[b]])[None]
         assert torch.equal(k_cache[page_table[b, n // page], n % page], k_new[b, 0])
-        truth, same = _truths(q[b : b + 1], keys, values, torch.zeros_like(q[b : b + 1]), causal=True)
-        _check({"out": out[b : b + 1], "lse": lse[b : b + 1]}, truth, same)
+        truth, same = truths(q[b : b + 1], keys, values, torch.zeros_like(q[b : b + 1]), causal=True)
+        check({"out": out[b : b + 1], "lse": lse[b : b + 1]}, truth, same)
 
 
 @pytest.mark.parametrize(

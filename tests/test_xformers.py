@@ -19,51 +19,25 @@ import sys
 
 import pytest
 import torch
+from rule_checks import SCALE, check, tensors, truths
 
 import flash_recipe
 from flash_recipe.flash_attn import extension
-from flash_recipe.reference import attention_reference
-from flash_recipe.testing import FACTORS, assert_accurate
 
 REQUIRED = os.environ.get("FLASH_RECIPE_REQUIRE_XFORMERS") == "1"
-SCALE = 0.25
-
-
-def _tensors(shape_q, shape_k, seed=0, dtype=torch.float16):
-    gen = torch.Generator().manual_seed(seed)
-    q, dout = (torch.randn(*shape_q, generator=gen).to(dtype) for _ in range(2))
-    k, v = (torch.randn(*shape_k, generator=gen).to(dtype) for _ in range(2))
-    return q, k, v, dout
-
-
-def _truths(q, k, v, dout, causal, window):
-    """fp32 math (``truth``) and the same in the input dtype (``same``): out, lse, dq, dk, dv."""
-    results = []
-    for dtype in (torch.float32, q.dtype):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out, lse = attention_reference(*leaves, softmax_scale=SCALE, causal=causal, window=window, upcast=False)
-        out.backward(dout.to(dtype))
-        results.append((out.detach(), lse.detach(), *(t.grad for t in leaves)))
-    return results
-
-
-def _check(got: dict, truth, same) -> None:
-    for index, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-        if name in got:
-            assert_accurate(name, got[name].float(), truth[index].float(), same[index].float(), FACTORS[name])
 
 
 def test_the_extensions_dense_forward_and_backward_meet_the_rule():
     """``fwd`` then ``bwd`` with xformers' arguments (``out``, ``gen`` None; ``dq, dk, dv`` given)."""
-    q, k, v, dout = _tensors((2, 37, 4, 32), (2, 45, 2, 32))
-    truth, same = _truths(q, k, v, dout, True, (-1, -1))
+    q, k, v, dout = tensors((2, 37, 4, 32), (2, 45, 2, 32))
+    truth, same = truths(q, k, v, dout, True, (-1, -1))
     with torch.no_grad():
         out, lse, probs, rng = extension.fwd(q, k, v, None, None, 0.0, SCALE, True, -1, 0, 0.0, False, None)
         assert lse.shape == (2, 4, 37) and probs.numel() == 0 and rng.shape == (2,)
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         grads = extension.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, 0.0, SCALE, True, -1, 0, 0.0, False, None, rng)
     assert grads[0] is dq and grads[1] is dk and grads[2] is dv and grads[3].shape == (2, 4, 128)
-    _check({"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, truth, same)
+    check({"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, truth, same)
     mine = torch.full_like(q, float("nan"))
     assert extension.fwd(q, k, v, mine, None, 0.0, SCALE, True, -1, 0, 0.0, False, None)[0] is mine
     assert torch.equal(mine, out)
@@ -72,7 +46,7 @@ def test_the_extensions_dense_forward_and_backward_meet_the_rule():
 def test_the_extensions_varlen_forward_and_backward_meet_the_rule():
     """``varlen_fwd`` then ``varlen_bwd`` (``dq, dk, dv`` None: allocated), two packed sequences."""
     lengths, key_lengths = [13, 24], [20, 24]
-    q, k, v, dout = _tensors((37, 4, 32), (44, 2, 32), seed=1)
+    q, k, v, dout = tensors((37, 4, 32), (44, 2, 32), seed=1)
     cu_q, cu_k = (torch.tensor([0, n[0], sum(n)], dtype=torch.int32) for n in (lengths, key_lengths))
     with torch.no_grad():
         out, lse, _, rng = extension.varlen_fwd(
@@ -86,14 +60,14 @@ def test_the_extensions_varlen_forward_and_backward_meet_the_rule():
     assert lse.shape == (4, 37) and softmax_d.shape == (4, 37 + 128 * 2)
     for b in range(2):
         rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        truth, same = _truths(q[rows][None], k[keys][None], v[keys][None], dout[rows][None], True, (-1, -1))
+        truth, same = truths(q[rows][None], k[keys][None], v[keys][None], dout[rows][None], True, (-1, -1))
         got = {"out": out[rows][None], "lse": lse[:, rows][None], "dq": dq[rows][None], "dk": dk[keys][None],
                "dv": dv[keys][None]}  # fmt: skip
-        _check(got, truth, same)
+        check(got, truth, same)
 
 
 def test_what_the_stand_in_cannot_take_is_refused_by_name():
-    q, k, v, _ = _tensors((1, 8, 2, 16), (1, 8, 2, 16))
+    q, k, v, _ = tensors((1, 8, 2, 16), (1, 8, 2, 16))
     with pytest.raises(NotImplementedError, match="gen must be None"):
         extension.fwd(q, k, v, None, None, 0.0, SCALE, False, -1, -1, 0.0, False, torch.Generator())
     cu = torch.tensor([0, 8], dtype=torch.int32)
@@ -139,11 +113,11 @@ def xformers_operator_bodies() -> None:
 
     assert flash._flash_attn_cuda is extension
     forward, backward = flash._flash_fwd._init_fn, flash._flash_bwd._init_fn
-    q, k, v, dout = _tensors((2, 29, 4, 32), (2, 29, 2, 32), seed=2)
-    truth, same = _truths(q, k, v, dout, True, (-1, -1))
+    q, k, v, dout = tensors((2, 29, 4, 32), (2, 29, 2, 32), seed=2)
+    truth, same = truths(q, k, v, dout, True, (-1, -1))
     out, lse, rng = forward(q, k, v, None, None, None, 29, 29, 0.0, SCALE, True, -1, 0, False, None)
     dq, dk, dv = backward(False, dout, q, k, v, out, lse, None, None, 29, 29, 0.0, SCALE, True, -1, 0, rng)
-    _check({"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, truth, same)
+    check({"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, truth, same)
 
 
 @pytest.mark.skipif(not REQUIRED, reason="xformers is not installed here (nox -s diffusers installs it)")

@@ -214,31 +214,15 @@ def flash_attn_varlen_func(
     """FA3's attention over packed sequences (module docstring): ``out (total_q, H, D)``, or
     ``(out, softmax_lse (H, total_q))``."""
     _check_fa3_only(qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa, sm_margin)
-    if seqused_q is None and seqused_k is None:
-        out, lse, _ = api.flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            deterministic=deterministic,
-            return_attn_probs=True,
-            learnable_sink=s_aux,
+    q_rows = None
+    if seqused_q is not None or seqused_k is not None:  # the rows kept (their offsets read: a synchronisation)
+        validate.check_qkv(q, k, v, varlen=True)
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validate.check_varlen(
+            q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         )
-        return _returns(out, lse, return_attn_probs)
-    validate.check_qkv(q, k, v, varlen=True)
-    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = validate.check_varlen(
-        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
-    )
-    q_rows, total_q = None, q.shape[0]
     if seqused_q is not None:
-        q_rows, cu_seqlens_q = _used_rows("seqused_q", seqused_q, cu_seqlens_q, q.shape[0])
+        total_q = q.shape[0]
+        q_rows, cu_seqlens_q = _used_rows("seqused_q", seqused_q, cu_seqlens_q, total_q)
         q = q.index_select(0, q_rows)
     if seqused_k is not None:
         k_rows, cu_seqlens_k = _used_rows("seqused_k", seqused_k, cu_seqlens_k, k.shape[0])

@@ -94,6 +94,16 @@ def _variant(case: Case, nheads: int, diag_offset: int, scale: float):
     )
 
 
+def _one_launch_offered(case: Case) -> bool:
+    """Whether the target being compiled for (the offline driver's) has the one-launch tiles for ``case``."""
+    import torch
+
+    from ..ops import configs, targets  # imports Triton: importing compile_calls loads none
+
+    size = 4 if case.dtype == "float32" else 2
+    return configs.has_config(targets.target_of(torch.device("cpu")), configs.ONE_LAUNCH, case.head_dim, size)
+
+
 def run_call(case: Case) -> dict[str, str]:
     """Run the launcher(s) of ``case``; returns which kernel label each launched jit function gets."""
     import torch
@@ -116,12 +126,8 @@ def run_call(case: Case) -> dict[str, str]:
         # Every path, as the "bwd" call compiles them, whichever the target runs by default: the
         # three kernels' dQ kernel stores the sinks' row sums, the one pass adds them with atomics,
         # the one launch's dQ programs store them (where the table offers it).
-        from ..ops import configs, targets  # imports Triton: importing compile_calls loads none
-
         one_pass = case.dtype != "float32" and choose.one_pass_fits(torch.device("cpu"), case.head_dim)
-        size = 4 if case.dtype == "float32" else 2
-        one_launch = configs.has_config(targets.target_of(torch.device("cpu")), configs.ONE_LAUNCH, case.head_dim, size)
-        paths = ("one_pass",) * one_pass + ("three_kernels",) + ("one_launch",) * one_launch
+        paths = ("one_pass",) * one_pass + ("three_kernels",) + ("one_launch",) * _one_launch_offered(case)
         for path in paths:
             with choose.taking_path(path):
                 backward_launch.attention_backward(dout, q, k, v, out, lse, var)
@@ -167,23 +173,10 @@ def run_call(case: Case) -> dict[str, str]:
                 with choose.taking_path(path):
                     backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, var)
         return dict(BACKWARD_LABELS)
-    if case.call == "one_pass":  # the "bwd" call's one pass whatever the release rule says, then with sinks
-        seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
-        var = _variant(dataclasses.replace(case, call="bwd"), nheads, seqlen_k - seqlen_q, scale)
-        for heads, sinks in itertools.product(
-            ((nheads, nheads_k),) if ragged else ((nheads, nheads_k), (8, 2)), (False, True)
-        ):
-            q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, *heads)
-            out, lse = torch.randn_like(q), torch.randn(2, heads[0], seqlen_q, dtype=torch.float32)
-            with_sinks = var._replace(sinks=torch.randn(heads[0], dtype=torch.float32) if sinks else None)
-            with choose.taking_path("one_pass"):
-                backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, with_sinks)
-        return dict(BACKWARD_LABELS)
-    if case.call == "one_launch":  # the one-launch backward where the table offers it: as "one_pass", with sinks too
-        from ..ops import configs, targets  # imports Triton: importing compile_calls loads none
-
-        size = 4 if case.dtype == "float32" else 2
-        if not configs.has_config(targets.target_of(torch.device("cpu")), configs.ONE_LAUNCH, case.head_dim, size):
+    # "one_pass": the "bwd" call's one pass whatever the release rule says; "one_launch": the one-launch
+    # backward where the table offers it (elsewhere nothing); each without and then with sinks.
+    if case.call in ("one_pass", "one_launch"):
+        if case.call == "one_launch" and not _one_launch_offered(case):
             return {}
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         var = _variant(dataclasses.replace(case, call="bwd"), nheads, seqlen_k - seqlen_q, scale)
@@ -193,7 +186,7 @@ def run_call(case: Case) -> dict[str, str]:
             q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, *heads)
             out, lse = torch.randn_like(q), torch.randn(2, heads[0], seqlen_q, dtype=torch.float32)
             with_sinks = var._replace(sinks=torch.randn(heads[0], dtype=torch.float32) if sinks else None)
-            with choose.taking_path("one_launch"):
+            with choose.taking_path(case.call):
                 backward_launch.attention_backward(torch.randn_like(q), q, k, v, out, lse, with_sinks)
         return {**BACKWARD_LABELS, **ONE_LAUNCH_LABEL}
     if case.call == "one_key":  # the backward of a window of width one: every row sees one key (exact dS = 0)
