@@ -87,8 +87,8 @@ HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # grid's axis-2 limit, folded into axis 0 (``ops.launch.fold_grid``; ``compile_calls.FOLD_BATCH``);
 # "one_launch" the one-launch backward (``ops.backward_one_launch``) where the table has its tiles
 # (``configs.ONE_LAUNCH_FAMILIES``; elsewhere it compiles nothing), as "one_pass" ("-sinks" rows).
-CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8", "fwd_ws")
-CALLS += ("one_key", "one_pass", "folded", "one_launch")
+CALLS = ("fwd", "options", "bwd", "varlen", "decode", "decode_paged", "paged", "sinks", "int8", "fwd_ws", "one_key")
+CALLS += ("one_pass", "folded", "one_launch")
 FORMS = ("aligned", "ragged")
 TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "sm121", "gfx90a", "gfx942", "gfx950")
 # Spilled bytes per thread allowed in the tiled kernels (forward, decode, dK/dV, dQ) in fp16/bf16,
@@ -181,9 +181,8 @@ ATOMIC_OPS = ("tt.atomic_rmw", "tt.atomic_cas")
 # The forward's compile-time flags that make a launch take the ``"fwd_general"`` configuration
 # (``forward.attention_forward``: key ranges, score options, masked head-dim columns).
 SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
+SINKS_KERNEL = {"one_pass": "attn_bwd_dkdv_kernel", "one_launch": "attn_bwd_one_launch_kernel"}  # "-sinks" rows
 # The kernels a GQA launch compiles apart (``group_size`` above 1), whose rows say so ("-gqa").
-# The kernel of the calls that launch it with and without attention sinks ("-sinks" rows).
-SINKS_KERNEL = {"one_pass": "attn_bwd_dkdv_kernel", "one_launch": "attn_bwd_one_launch_kernel"}
 GROUPED_KERNELS = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_bwd_one_launch_kernel")
 GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
 # The rows one iteration of a tiled kernel's main loop advances by: keys for the forward, decode and
@@ -274,8 +273,7 @@ def check_case(case: Case, target: str) -> list[dict]:
         label = labels[name]
         # The backward kernels' GQA specialisation (group_size above 1) is a row of its own.
         grouped = name in GROUPED_KERNELS and _constants(kernel).get("group_size") != 1
-        # The "one_pass" and "one_launch" calls' launches with attention sinks pass SINK_DELTA (None,
-        # a constant, without).
+        # Those calls' launches with attention sinks pass SINK_DELTA (None, a constant, without).
         sinks = SINKS_KERNEL.get(case.call) == name and "SINK_DELTA" not in _constants(kernel)
         if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
             label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
