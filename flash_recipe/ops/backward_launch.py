@@ -102,9 +102,9 @@ def attention_backward(
 def _no_keys(dout, q, k, v, out, lse, sinks):
     """No key or no element: P = 0 and dS = 0, zero gradients; the sinks still see delta (0 where
     out is, as a row with no key's)."""
-    dq = tiles.output_buffer(q.shape, q.dtype, q.device).zero_()
-    dk = tiles.output_buffer(k.shape, k.dtype, k.device).zero_()
-    dv = tiles.output_buffer(v.shape, v.dtype, v.device).zero_()
+    dq = tiles.output_buffer(q.shape, dtype=q.dtype, device=q.device).zero_()
+    dk = tiles.output_buffer(k.shape, dtype=k.dtype, device=k.device).zero_()
+    dv = tiles.output_buffer(v.shape, dtype=v.dtype, device=v.device).zero_()
     if sinks is None:
         return dq, dk, dv, None
     if q.numel() == 0:
@@ -223,16 +223,16 @@ def _one_launch_plan(q, k, v, dims, common: dict, sink_delta) -> Plan:
 
 def run_backward(p: BackwardPlan, dout, q, k, v, out, lse, options: ScoreOptions, varlen: Optional[Varlen]):
     """Allocate the gradients and buffers and launch a planned backward with this call's tensors."""
-    delta = tiles.output_buffer(p.delta_shape, torch.float32, q.device)
-    lse_fix = tiles.output_buffer(p.delta_shape, torch.float32, q.device) if p.renorm else None
+    delta = tiles.output_buffer(p.delta_shape, dtype=torch.float32, device=q.device)
+    lse_fix = tiles.output_buffer(p.delta_shape, dtype=torch.float32, device=q.device) if p.renorm else None
     sink_delta = None
     if options.sinks is not None:  # one pass adds into it; the dQ kernel writes every row
         sink_delta = (torch.zeros(p.delta_shape, dtype=torch.float32, device=q.device) if p.one_pass
-                      else tiles.output_buffer(p.delta_shape, torch.float32, q.device))
+                      else tiles.output_buffer(p.delta_shape, dtype=torch.float32, device=q.device))
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if p.one_pass else None
-    dq = None if p.one_pass else tiles.output_buffer(q.shape, q.dtype, q.device)
-    dk = tiles.output_buffer(k.shape, k.dtype, k.device)
-    dv = tiles.output_buffer(v.shape, v.dtype, v.device)
+    dq = None if p.one_pass else tiles.output_buffer(q.shape, dtype=q.dtype, device=q.device)
+    dk = tiles.output_buffer(k.shape, dtype=k.dtype, device=k.device)
+    dv = tiles.output_buffer(v.shape, dtype=v.dtype, device=v.device)
     cu_q, cu_k = (varlen.cu_seqlens_q, varlen.cu_seqlens_k) if varlen is not None else (None, None)
     given = dict(
         O=out, DO=dout, Q=q, K=k, V=v, LSE=lse, DELTA=delta, LSE_FIX=lse_fix, SINK_DELTA=sink_delta, DQ_ACC=dq_acc,

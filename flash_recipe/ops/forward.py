@@ -572,15 +572,15 @@ def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -
 
 def run_forward(p: ForwardPlan, q, k, v, options: ScoreOptions, varlen, keys) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the outputs and launch a planned forward with this call's tensors."""
-    out = tiles.output_buffer(p.out_shape, q.dtype, q.device)
-    lse = tiles.output_buffer(p.lse_shape, torch.float32, q.device)
+    out = tiles.output_buffer(p.out_shape, dtype=q.dtype, device=q.device)
+    lse = tiles.output_buffer(p.lse_shape, dtype=torch.float32, device=q.device)
     if p.main is None:
         lse.fill_(float("inf"))
         return out.zero_(), lse
     o_split, lse_split = out, lse
     if p.combine is not None:
-        o_split = tiles.output_buffer((p.num_splits,) + p.out_shape, torch.float32, q.device)
-        lse_split = tiles.output_buffer((p.num_splits,) + p.lse_shape, torch.float32, q.device)
+        o_split = tiles.output_buffer((p.num_splits,) + p.out_shape, dtype=torch.float32, device=q.device)
+        lse_split = tiles.output_buffer((p.num_splits,) + p.lse_shape, dtype=torch.float32, device=q.device)
     k_tiles = v_tiles = None
     if p.tma:
         k_tiles, v_tiles = features.rebased(p.tma, k, v)

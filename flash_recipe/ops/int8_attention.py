@@ -252,14 +252,14 @@ def attention_quantized(
     # lost: 1.999 becomes 1.0), so there the kernel stores fp32 and torch rounds.
     interpreted_bf16 = targets.target_of(q8.device) == "interpreter" and out_dtype == torch.bfloat16
     out_shape = q8.shape[:-1] + (x.v.shape[-1],)
-    out = tiles.output_buffer(out_shape, torch.float32 if interpreted_bf16 else out_dtype, q8.device)
+    out = tiles.output_buffer(out_shape, dtype=torch.float32 if interpreted_bf16 else out_dtype, device=q8.device)
     if cu_seqlens_q is not None and max_seqlen_q is not None and max_seqlen_k is not None:
         batch, seqlen_q, seqlen_k = cu_seqlens_q.numel() - 1, int(max_seqlen_q), int(max_seqlen_k)
-        lse = tiles.output_buffer((q8.shape[1], q8.shape[0]), torch.float32, q8.device)
+        lse = tiles.output_buffer((q8.shape[1], q8.shape[0]), dtype=torch.float32, device=q8.device)
         stride_lb, stride_lh = 0, lse.stride(0)
     else:
         batch, seqlen_q, seqlen_k = q8.shape[0], q8.shape[1], k8.shape[1]
-        lse = tiles.output_buffer((batch, q8.shape[2], seqlen_q), torch.float32, q8.device)
+        lse = tiles.output_buffer((batch, q8.shape[2], seqlen_q), dtype=torch.float32, device=q8.device)
         stride_lb, stride_lh = lse.stride(0), lse.stride(1)
     if q8.numel() == 0 or seqlen_q == 0:
         return out.zero_().to(out_dtype), lse.fill_(float("inf"))

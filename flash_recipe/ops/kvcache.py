@@ -231,7 +231,7 @@ def _plan_step(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], options:
     if k_new is not None and k_new.shape[1] > 0:
         append = _plan_copy(k_new, cache.k, cache.seqlens, 1, rotary, cache, (v_new, cache.v))
     if rotary is not None and q.shape[1] > 0:
-        q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)  # as each step allocates its own
+        q_rot = tiles.output_buffer(q.shape, dtype=q.dtype, device=q.device)  # as each step allocates its own
         rotate_q = _plan_copy(q, q_rot, cache.seqlens, 1 if q_moves else 0, rotary, None)
         q = q_rot
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -371,7 +371,7 @@ def attention_kvcache(
     if step.append is not None:
         _launch_copy(step.append, _copy_tensors(k_new, cache.k, cache.seqlens, rotary, cache, (v_new, cache.v)))
     if step.rotate_q is not None:
-        q_rot = tiles.output_buffer(q.shape, q.dtype, q.device)
+        q_rot = tiles.output_buffer(q.shape, dtype=q.dtype, device=q.device)
         _launch_copy(step.rotate_q, _copy_tensors(q, q_rot, cache.seqlens, rotary, None))
         q = q_rot
     return run_forward(step.forward, q, cache.k, cache.v, options, None, keys)

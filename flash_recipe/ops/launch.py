@@ -127,9 +127,9 @@ def packed_rows(q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen], page
 def lse_buffer(q: torch.Tensor, varlen: Optional[Varlen], dims: Layout) -> tuple[torch.Tensor, int, int]:
     """The log-sum-exp buffer, ``(B, H, Sq)`` dense or ``(H, total_q)`` varlen, and its (batch, head) strides."""
     if varlen is None:
-        lse = tiles.output_buffer((dims.batch, dims.nheads, dims.seqlen_q), torch.float32, q.device)
+        lse = tiles.output_buffer((dims.batch, dims.nheads, dims.seqlen_q), dtype=torch.float32, device=q.device)
         return lse, lse.stride(0), lse.stride(1)
-    lse = tiles.output_buffer((dims.nheads, q.shape[0]), torch.float32, q.device)
+    lse = tiles.output_buffer((dims.nheads, q.shape[0]), dtype=torch.float32, device=q.device)
     return lse, 0, lse.stride(0)
 
 

@@ -33,9 +33,11 @@ LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
 
 
-def output_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocate a kernel output; every element is written by the kernel (tests fill it with NaN)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+# Allocates a kernel output, ``output_buffer(shape, dtype=..., device=...)``: every element is written by
+# the kernel. Tests replace it with a NaN fill (``tests/conftest.py``'s ``nan_outputs``); it is
+# ``torch.empty`` itself, not a function around it, so that an allocation adds no Python frame to a
+# repeated call (``flash_recipe.tools.host_cost``).
+output_buffer = torch.empty
 
 
 @triton.jit
