@@ -284,6 +284,17 @@ def install_matrix_report(session: nox.Session) -> None:
     session.run(*HARNESS, "report", "--run-id", RUN_ID, *session.posargs, external=True)
 
 
+def run_devtool(session: nox.Session, module: str, *args: str) -> None:
+    """``python -m devtools.MODULE ARGS`` (with ``TRITON_INTERPRET=0``) against the installed
+    wheel: the checkout's root joins the end of ``sys.path``, where ``devtools`` is found and
+    ``flash_recipe`` is not (site-packages comes first)."""
+    code = (
+        f"import runpy, sys; sys.path.append({str(ROOT)!r}); "
+        f"runpy.run_module('devtools.{module}', run_name='__main__', alter_sys=True)"
+    )
+    session.run("python", "-W", "ignore", "-c", code, *args, env={"TRITON_INTERPRET": "0"})
+
+
 @nox.session(default=False)
 def compile_check(session: nox.Session) -> None:
     """Compile the kernels for every GPU target as a real launch compiles them, no GPU needed.
@@ -292,14 +303,11 @@ def compile_check(session: nox.Session) -> None:
     fit its architecture's shared memory, use the matrix units, and (aligned form, head dim up to
     128, plain scores) not spill. Default (what CI runs): the tool's ``ci`` preset (its
     ``PRESETS`` say what it covers). Arguments after ``--`` replace it
-    (``python -m flash_recipe.tools.compile_check --help``).
+    (``python -m devtools.compile_check --help``).
     """
     install_built_wheel(session)
     session.chdir(session.create_tmp())
-    args = session.posargs or ["--preset", "ci", "--jobs", "2"]
-    session.run(
-        "python", "-W", "ignore", "-m", "flash_recipe.tools.compile_check", *args, env={"TRITON_INTERPRET": "0"}
-    )
+    run_devtool(session, "compile_check", *(session.posargs or ["--preset", "ci", "--jobs", "2"]))
 
 
 # Triton releases that torch pairs pin (``TORCH_PAIRS``) and CI covers in no ``torch_compat`` run,
@@ -333,10 +341,7 @@ def compile_check_triton(session: nox.Session, release: str) -> None:
         f"import sys, triton; print('triton', triton.__version__); sys.exit(triton.__version__ != {triton_version!r})",
     )
     session.chdir(session.create_tmp())
-    args = session.posargs or ["--preset", "triton", "--jobs", "2"]
-    session.run(
-        "python", "-W", "ignore", "-m", "flash_recipe.tools.compile_check", *args, env={"TRITON_INTERPRET": "0"}
-    )
+    run_devtool(session, "compile_check", *(session.posargs or ["--preset", "triton", "--jobs", "2"]))
     if not session.posargs:  # Triton's own launch path under this release, on the stub driver
         session.install(*nox.project.dependency_groups(PYPROJECT, "test"))
         run_pytest(session, *(str(ROOT / "tests" / name) for name in STUB_DRIVER_TESTS))
@@ -414,8 +419,7 @@ def torch_compat(session: nox.Session, minor: str) -> None:
         run_pytest(session, *(str(ROOT / "tests" / name) for name in TORCH_COMPAT_TESTS))
         verify = "flash-recipe verify --backend triton --grid small --dtype float16 --dtype float32"
         session.run(*verify.split(), env={"TRITON_INTERPRET": "1"})
-        compile_check = "python -W ignore -m flash_recipe.tools.compile_check --preset compat --jobs 2"
-        session.run(*compile_check.split(), env={"TRITON_INTERPRET": "0"})
+        run_devtool(session, "compile_check", "--preset", "compat", "--jobs", "2")
     finally:
         shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 

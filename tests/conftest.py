@@ -21,15 +21,16 @@ HAS_CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _import_recipes():
-    """Make the checkout's ``recipes`` package (the install-matrix harness) importable without
-    putting the checkout on sys.path, which would shadow the installed flash_recipe under test."""
-    if "recipes" not in sys.modules:
+def _import_from_checkout(name: str) -> None:
+    """Make the checkout's package ``name`` (``recipes``, the install-matrix harness; ``devtools``,
+    the developers' tools) importable without putting the checkout on sys.path, which would shadow
+    the installed flash_recipe under test."""
+    if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            "recipes", ROOT / "recipes" / "__init__.py", submodule_search_locations=[str(ROOT / "recipes")]
+            name, ROOT / name / "__init__.py", submodule_search_locations=[str(ROOT / name)]
         )
         module = importlib.util.module_from_spec(spec)
-        sys.modules["recipes"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
 
 
@@ -54,7 +55,8 @@ def pytest_configure(config):
         # Triton fixes interpreter-or-compiler when first imported: import it now, so no test that
         # changes TRITON_INTERPRET (or runs a tool that does) can leave it in the other mode.
         import triton  # noqa: F401
-    _import_recipes()
+    _import_from_checkout("recipes")
+    _import_from_checkout("devtools")
 
 
 @pytest.fixture

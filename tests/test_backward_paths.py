@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import flash_recipe
+from devtools import backward_paths
 from flash_recipe.ops import backward, choose, configs, limits
-from flash_recipe.tools import backward_paths
 
 # Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
 pytestmark = pytest.mark.usefixtures("bounds_checked")
@@ -189,7 +189,7 @@ def test_dq_is_transposed_where_the_query_tile_has_fewer_rows_than_the_fast_unit
 
 def test_each_familys_default_backward_is_the_documented_path_with_fewer_instructions():
     """docs/performance.md's table ("The backward path per family", printed by
-    ``flash_recipe.tools.backward_paths``) covers every NVIDIA family, every AMD target and every
+    ``devtools.backward_paths``) covers every NVIDIA family, every AMD target and every
     head-dim bucket, each
     row's ``fewer`` is the path with fewer warp-instructions per element (MHA and GQA summed), and
     ``configs.BACKWARD_PATHS`` runs it, but where it spills (``backward_paths.SPILLING``: then the

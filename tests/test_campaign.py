@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The plan with this checkout's test tree (the package may be an installed wheel, with none beside it).
+from devtools import campaign, gpu_check_cases
 from flash_recipe.ops import tuned
-from flash_recipe.tools import bench, campaign, gpu_check_cases, tune, verify
+from flash_recipe.tools import bench, tune, verify
 
 # The plan with this checkout's test tree (the package may be an installed wheel, with none beside it).
 PLAN = {step.name: step for step in campaign.build_plan(test_tree=Path(__file__).resolve().parent)}
@@ -96,11 +98,13 @@ def test_bench_step_measures_the_target_shapes_with_the_peers():
 
 
 def _warmup_args(step: campaign.Step):
+    from devtools import warmup as campaign_warmup
     from flash_recipe.tools import warmup
 
     argv = step.command("/scratch")
-    assert argv[1:4] == ["-m", "flash_recipe", "warmup"]
-    args = _parse(warmup.add_arguments, argv[4:])
+    assert argv[1:3] == ["-m", "devtools.warmup"]
+    campaign_warmup.add_steps()  # what the module adds before it parses --for
+    args = _parse(warmup.add_arguments, argv[3:])
     return args, warmup.parse_for(args.step)
 
 
@@ -132,10 +136,10 @@ def test_warmup_compiles_ahead_for_the_steps_that_run_with_a_budget_sized_for_th
 
 
 def test_check_step_runs_the_gpu_check_within_its_budget():
-    from flash_recipe.tools import gpu_check
+    from devtools import gpu_check
 
     argv = PLAN["check"].command("/scratch")
-    assert argv[1:3] == ["-m", "flash_recipe.tools.gpu_check"]
+    assert argv[1:3] == ["-m", "devtools.gpu_check"]
     args = gpu_check.build_parser().parse_args(argv[3:])
     assert args.json == "/scratch/check.json" and args.fuzz and args.grid is None and args.dtype is None
     assert args.seconds == PLAN["check"].budget_s - campaign.plan.CHECK_MARGIN_S > 0
@@ -149,9 +153,9 @@ def test_check_step_runs_the_gpu_check_within_its_budget():
 def test_check_and_warmup_results_lead_the_report(tmp_path):
     """A real (tiny, interpreter) check result and a warmup summary, collected: the check's line
     opens the report, and both have their tables."""
-    from flash_recipe.tools import gpu_check
-    from flash_recipe.tools.campaign import report as campaign_report
-    from flash_recipe.tools.campaign import steps as campaign_steps
+    from devtools import gpu_check
+    from devtools.campaign import report as campaign_report
+    from devtools.campaign import steps as campaign_steps
 
     scratch, out = tmp_path / "scratch", tmp_path / "out"
     scratch.mkdir(), out.mkdir()
@@ -360,7 +364,7 @@ def test_a_campaign_on_the_cpu_end_to_end(tmp_path, monkeypatch):
     python = sys.executable
     bench_args = "--seqlen 32,64 --head-dim 16 --dtype float32 --nheads 2 --tokens 64 --gqa no --reps 2 --warmup 1"
     verify_args = "--json --kvcache --grid small --dtype float32 --backend reference"
-    check_argv = [python, "-m", "flash_recipe.tools.gpu_check", "--json", "{scratch}/check.json", "--fuzz-cases", "2"]
+    check_argv = [python, "-m", "devtools.gpu_check", "--json", "{scratch}/check.json", "--fuzz-cases", "2"]
     plan = [
         campaign.build_plan()[0],  # env
         # The steps run without TRITON_INTERPRET; the check needs it without a GPU.
@@ -630,17 +634,18 @@ def test_host_and_capture_steps_run_their_tools_and_reach_the_report(tmp_path):
     """The host step runs the campaign's own worker (host_cost, launches stubbed and real, a
     torch.profiler trace per case), the capture step capture_check; what they leave is collected
     and shown in the report."""
-    from flash_recipe.tools import capture_check, host_cost
-    from flash_recipe.tools.campaign import report as campaign_report
-    from flash_recipe.tools.campaign import steps as campaign_steps
-    from flash_recipe.tools.campaign import workers
+    from devtools import capture_check
+    from devtools.campaign import report as campaign_report
+    from devtools.campaign import steps as campaign_steps
+    from devtools.campaign import workers
+    from flash_recipe.tools import host_cost
 
     host_argv = PLAN["host"].command("/scratch")
-    assert host_argv[1:] == ["-m", "flash_recipe.tools.campaign", "--step", "host", "--result", "/scratch/host.json"]
+    assert host_argv[1:] == ["-m", "devtools.campaign", "--step", "host", "--result", "/scratch/host.json"]
     assert workers.worker_parser().parse_args(host_argv[3:]).step == "host"
     assert PLAN["host"].params["cases"] == list(host_cost.CASES)
     capture_argv = PLAN["capture"].command("/scratch")
-    assert capture_argv[1:] == ["-m", "flash_recipe.tools.capture_check", "--json", "/scratch/capture.json"]
+    assert capture_argv[1:] == ["-m", "devtools.capture_check", "--json", "/scratch/capture.json"]
     assert PLAN["capture"].params["checks"] == list(capture_check.CHECKS)
 
     scratch, out = tmp_path / "scratch", tmp_path / "out"
@@ -671,7 +676,7 @@ def test_host_and_capture_steps_run_their_tools_and_reach_the_report(tmp_path):
 
 
 def test_capture_check_needs_a_gpu(capsys, monkeypatch):
-    from flash_recipe.tools import capture_check
+    from devtools import capture_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert capture_check.main([]) == 2

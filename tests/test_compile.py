@@ -1,6 +1,6 @@
 """The offline compile check compiles what a launch compiles, and it can fail.
 
-``flash_recipe.tools.compile_check`` runs the real launchers with CPU tensors and lets Triton's own
+``devtools.compile_check`` runs the real launchers with CPU tensors and lets Triton's own
 launch path specialise and compile each kernel for a named GPU target; the GPU driver is the one
 thing replaced (by an offline stand-in that launches nothing), because this machine has none.
 Triton picks the interpreter or the compiler when it is imported, so every compile here runs in a
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from offline import compile_in_subprocess
 
+from devtools import backward_paths, compile_check, compiled_code
 from flash_recipe.ops import choose, configs, features, targets
-from flash_recipe.tools import backward_paths, compile_check, compiled_code
+from flash_recipe.tools import compile_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -315,7 +316,7 @@ def test_backward_products_per_block_pair_are_five_in_one_pass_and_seven_in_two(
     rows = compile_in_subprocess("""
         import json
         from flash_recipe.ops import configs
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         case = compile_check.Case("bwd", "bfloat16", 128, "aligned")
         for target in ("sm80", "sm90", "sm100", "gfx90a", "gfx942"):
             for row in compile_check.check_case(case, target):
@@ -365,7 +366,7 @@ def test_the_speed_proxy_holds_for_the_table_and_fails_for_the_old_tile():
     rows = compile_in_subprocess("""
         import json
         from flash_recipe.ops import configs, features
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         case = compile_check.Case("fwd", "bfloat16", 128, "aligned")
         for row in compile_check.check_case(case, "sm90"):
             print(json.dumps(row))
@@ -388,7 +389,7 @@ def test_an_oversized_config_is_rejected():
     rows = compile_in_subprocess("""
         import json
         from flash_recipe.ops import configs
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         oversized = configs.Config(128, 128, 8, 3)
         configs._TABLE[("sm120", "fwd")] = [(256, 4, oversized)]
         for row in compile_check.check_case(compile_check.Case("fwd", "bfloat16", 256, "aligned"), "sm120"):
@@ -406,7 +407,7 @@ def test_a_kernel_compiled_to_a_trap_is_rejected():
     rows = compile_in_subprocess("""
         import json
         from flash_recipe.ops import configs
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         configs._TABLE[("sm100", "bwd_dkdv")] = [(256, 4, configs.Config(32, 64, 4, 1))]
         for row in compile_check.check_case(compile_check.Case("bwd", "bfloat16", 256, "ragged"), "sm100"):
             print(json.dumps(row))
@@ -433,7 +434,7 @@ def test_the_warp_specialised_forward_splits_its_loops_and_the_check_sees_a_whol
         import json
         from flash_recipe import signatures
         from flash_recipe.ops import features
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         for target in ("sm100", "sm90"):
             for head_dim in (64, 128):
                 case = compile_check.Case("fwd_ws", "bfloat16", head_dim, "aligned")
@@ -464,7 +465,7 @@ def test_launch_specialisation_is_applied():
     (49,152 bytes), and a kernel compiled for one target is never reused for another."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         for target in ("sm90", "sm120", "gfx942"):
             for row in compile_check.check_case(compile_check.Case("fwd", "bfloat16", 128, "aligned"), target):
                 print(json.dumps(row))
@@ -494,7 +495,7 @@ def test_a_decode_step_over_a_dense_cache_compiles():
     only there, the most common decoding call)."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         for row in compile_check.check_case(compile_check.Case("decode", "bfloat16", 128, "aligned"), "sm90"):
             print(json.dumps(row))
     """)
@@ -600,7 +601,7 @@ def test_decoding_stays_bound_by_bytes_not_instructions(target):
     one (group 8); and it packs the group into one program, without spilling."""
     rows = compile_in_subprocess(f"""
         import json
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         for call in ("decode", "decode_paged"):
             for row in compile_check.check_case(compile_check.Case(call, "bfloat16", 128, "aligned"), "{target}"):
                 print(json.dumps(row))
@@ -619,7 +620,7 @@ def test_the_instruction_bound_fails_without_packing():
     rows = compile_in_subprocess("""
         import json
         from flash_recipe.ops import forward
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         packing = forward.gqa_packing
         forward.gqa_packing = lambda *args, **kwargs: packing(*args[:7], pack_gqa=False)
         for row in compile_check.check_case(compile_check.Case("decode", "bfloat16", 128, "aligned"), "sm90"):
@@ -639,7 +640,7 @@ def test_constexpr_arguments_are_read_in_both_of_tritons_forms():
     fn = SimpleNamespace(arg_names=["Q", "BLOCK_N", "PACK_GQA"])
     by_name = SimpleNamespace(src=SimpleNamespace(fn=fn, constants={"BLOCK_N": 64, "PACK_GQA": True}))
     by_index = SimpleNamespace(src=SimpleNamespace(fn=fn, constants={(1,): 64, (2,): True}))
-    assert compile_check._constants(by_name) == compile_check._constants(by_index) == {"BLOCK_N": 64, "PACK_GQA": True}
+    assert compile_calls.constants(by_name) == compile_calls.constants(by_index) == {"BLOCK_N": 64, "PACK_GQA": True}
 
 
 def _int8_row(**changes) -> dict:
@@ -691,7 +692,7 @@ def test_int8_kernels_compile_on_integer_and_fp8_tensor_cores():
     FP8 P.V (IGMMA, then QGMMA), 0 spills, 2 products per block pair."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         for row in compile_check.check_case(compile_check.Case("int8", "bfloat16", 128, "aligned"), "sm90"):
             print(json.dumps(row))
     """)

@@ -16,10 +16,10 @@ import torch
 from offline import compile_in_subprocess
 
 import flash_recipe
+from devtools import compile_check
 from flash_recipe.ops import backward
 from flash_recipe.reference import attention_reference, compute_dtype
 from flash_recipe.testing import FACTORS, assert_accurate
-from flash_recipe.tools import compile_check
 
 # Every kernel launch here stays inside its tensors (checked under the interpreter: tests/bounds.py).
 pytestmark = pytest.mark.usefixtures("bounds_checked")
@@ -37,7 +37,7 @@ def test_the_deterministic_backward_with_sinks_compiles_without_atomics():
         import json
         from flash_recipe import signatures
         from flash_recipe.ops import backward, backward_launch
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         case = compile_check.Case("sinks", "bfloat16", 64, "aligned")
         for row in compile_check.check_case(case, "sm90"):
             print(json.dumps(row))

@@ -180,8 +180,65 @@ def test_gpu_figures_name_their_device_date_versions_and_command():
         "2026-11-25",
         "torch 2.11.0+cu130",
         "Triton 3.6.0",
-        "python -m flash_recipe.campaign",
+        "python -m devtools.campaign",
         "python -m flash_recipe.tools.bench_decode",
     ):
         assert needed in section, needed
     assert not any(re.search(r"No GPU figure exists yet", page.read_text()) for page in PAGES)
+
+
+def python_modules(line: str) -> list[str]:
+    """The modules a command line runs with ``python -m MODULE`` (after any ``VAR=value``)."""
+    words = line.rstrip("\\").split()
+    return [words[i + 1] for i, word in enumerate(words[:-1]) if word == "-m" and "python" in words[max(i - 1, 0)]]
+
+
+def module_exists(module: str) -> bool:
+    """A module of the checkout (a file or a package with ``__main__``), else an installed one."""
+    import importlib.util
+
+    path = ROOT / Path(*module.split("."))
+    if (ROOT / module.split(".")[0]).is_dir():
+        return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
+    return importlib.util.find_spec(module.split(".")[0]) is not None
+
+
+def test_every_python_module_a_block_runs_exists():
+    """Each ``python -m MODULE`` of every shell block, the GPU-only ones included, names a module of
+    the checkout (``devtools``, ``flash_recipe``) or an installed one: a moved tool leaves no stale
+    command behind."""
+    missing = [
+        f"{param.id}: {module}"
+        for param in SHELL_BLOCKS
+        for line in commands(param.values[1].group("body"))
+        for module in python_modules(line)
+        if not module_exists(module)
+    ]
+    assert not missing, missing
+
+
+def test_the_module_check_reads_the_module_after_the_environment():
+    assert python_modules("TRITON_INTERPRET=0 python -m devtools.compile_check --preset ci") == [
+        "devtools.compile_check"
+    ]
+    assert python_modules("python3 -m pip install nox && nox -s tests") == ["pip"]
+    assert module_exists("devtools.campaign") and module_exists("flash_recipe.tools.host_cost")
+    assert not module_exists("flash_recipe.campaign") and not module_exists("devtools.nothing_here")
+
+
+def test_the_documented_campaign_commands_plan_without_a_gpu(tmp_path):
+    """The GPU-only campaign commands of the docs, each with ``--dry-run`` added, make a plan here:
+    the command a GPU machine is given is the one that runs."""
+    lines = [
+        line
+        for param in SHELL_BLOCKS
+        if (param.values[1].group("marker") or "").startswith("gpu-only")
+        for line in commands(param.values[1].group("body"))
+        if python_modules(line) == ["devtools.campaign"]
+    ]
+    assert len(lines) >= 3, lines
+    env = dict(user_environment(), PYTHONPATH=str(ROOT))
+    for line in lines:
+        argv = [sys.executable if w.startswith("python") else w for w in shlex.split(line)] + ["--dry-run"]
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "warmup" in proc.stdout, f"{line}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"

@@ -1,4 +1,4 @@
-"""The campaign's correctness step (``flash_recipe.tools.gpu_check`` and its cases,
+"""The campaign's correctness step (``devtools.gpu_check`` and its cases,
 ``gpu_check_cases``) on the CPU.
 
 The real step logic runs the interpreter's table (float16 and float32; bfloat16 skipped and said
@@ -14,15 +14,17 @@ import json
 import os
 import random
 import subprocess
-import sys
 
 import pytest
 import torch
+from offline import devtool_argv
 
+from devtools import gpu_check, gpu_check_cases
+from devtools import warmup as campaign_warmup
 from flash_recipe import api, decoding
 from flash_recipe.ops.configs import head_dim_bucket
 from flash_recipe.testing import max_error
-from flash_recipe.tools import gpu_check, gpu_check_cases, warmup, warmup_calls
+from flash_recipe.tools import warmup
 
 CPU = torch.device("cpu")
 DTYPES = ["float16", "float32"]  # what the interpreter computes correctly
@@ -57,11 +59,11 @@ def test_rows_are_validated():
 
 def test_the_step_passes_on_the_interpreters_table_as_the_campaign_runs_it(tmp_path):
     """The campaign's own command, in a subprocess on the CPU through the interpreter."""
-    from flash_recipe.tools import campaign
+    from devtools import campaign
 
     result = tmp_path / "check.json"
     argv = {s.name: s for s in campaign.build_plan()}["check"].command(str(tmp_path))
-    assert argv[1:5] == ["-m", "flash_recipe.tools.gpu_check", "--json", str(result)]
+    assert argv[1:5] == ["-m", "devtools.gpu_check", "--json", str(result)]
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([*argv, "--fuzz-cases", "3"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -251,14 +253,12 @@ def test_warmup_lists_exactly_what_the_step_launches():
     with warmup.recorded_launches() as launches:
         gpu_check.run(gpu_check.TINY_TABLE, DTYPES, CPU, 300, fuzz=False, progress=lambda line: None)
     truth = {warmup.to_variant(fn, args, kwargs, "truth").key for fn, args, kwargs in launches}
-    listed, skipped = warmup.variants(warmup_calls.step_calls("check", grid="small"), CPU)
+    listed, skipped = warmup.variants(campaign_warmup.check_calls("small", None), CPU)
     assert not skipped and truth == {v.key for v in listed}
-    gpu_calls = warmup_calls.step_calls("check")
+    gpu_calls = campaign_warmup.check_calls("full", None)
     assert len(gpu_calls) == 2 * len(gpu_check.GPU_TABLE) and {c.dtype for c in gpu_calls} == {"bfloat16", "float16"}
 
 
 def test_the_module_runs_as_a_script_and_documents_its_options():
-    done = subprocess.run(
-        [sys.executable, "-m", "flash_recipe.tools.gpu_check", "--help"], capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run(devtool_argv("gpu_check", "--help"), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--seconds" in done.stdout and "--no-fuzz" in done.stdout

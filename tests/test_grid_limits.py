@@ -272,11 +272,11 @@ def test_the_compile_check_compiles_the_folded_launches():
     fits, and a kernel compiled unfolded for that call fails its row (planted)."""
     from offline import compile_in_subprocess
 
-    from flash_recipe.tools import compile_check
+    from devtools import compile_check
 
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         for row in compile_check.check_case(compile_check.Case("folded", "bfloat16", 128, "aligned"), "sm90"):
             print(json.dumps(row))
     """)

@@ -2,7 +2,7 @@
 is what the compile check measured: the releases listed for a (family, head-dim bucket) compile
 its one-pass tile without spilling, the others run the three kernels. The table's rows are pinned
 below; the compile test checks the installed release's row against a compile of the tile itself
-(``python -m flash_recipe.tools.compile_check --call one_pass``), so a wrong entry for the installed
+(``python -m devtools.compile_check --call one_pass``), so a wrong entry for the installed
 release fails."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_the_installed_release_spills_the_tile_exactly_where_the_table_says(monk
     ``one_pass_fits`` answers True for that release."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         case = compile_check.Case("one_pass", "bfloat16", 128, "aligned")
         for target in ("sm90", "sm100"):
             for row in compile_check.check_case(case, target):

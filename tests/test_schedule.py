@@ -12,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from offline import devtool_argv
 
 import flash_recipe
+from devtools import schedule_report
 from flash_recipe import signatures
 from flash_recipe.ops import backward_launch, forward, schedule
-from flash_recipe.tools import schedule_report
 
 pytestmark = pytest.mark.usefixtures("bounds_checked")
 
@@ -176,10 +177,7 @@ def test_the_model_finds_the_order_no_slower_than_the_plain_one():
 
 def test_the_module_prints_the_model_table():
     import subprocess
-    import sys
 
-    printed = subprocess.run(
-        [sys.executable, "-m", "flash_recipe.tools.schedule_report"], capture_output=True, text=True, check=True
-    ).stdout
+    printed = subprocess.run(devtool_argv("schedule_report"), capture_output=True, text=True, check=True).stdout
     assert "A model, not a timing" in printed
     assert "| B2 S8192 H16 | 2048 | 6 |" in printed

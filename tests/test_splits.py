@@ -18,12 +18,13 @@ import types
 
 import pytest
 import torch
+from offline import devtool_argv
 
+from devtools import splits_report
+from devtools.campaign import plan
 from flash_recipe import decoding
 from flash_recipe.ops import configs, kvcache, limits, splits, targets, tuned
 from flash_recipe.ops.splits import GOOD_WAVE_EFFICIENCY, MAX_SPLITS, PROGRAMS_PER_SM, choose_splits
-from flash_recipe.tools import splits_report
-from flash_recipe.tools.campaign import plan
 
 H, HK, D, SIZE = 32, 8, 128, 2  # Llama-3-8B, bf16
 GPUS = {
@@ -185,7 +186,7 @@ def test_the_caps_agree():
 
 # -- the table ----------------------------------------------------------------------------------
 
-# The splits column of ``python -m flash_recipe.tools.splits_report`` for the grid, per SM count, in the
+# The splits column of ``python -m devtools.splits_report`` for the grid, per SM count, in the
 # order batch x cache (1024, 8192, 32768). Regenerate it there when the rule changes on purpose.
 TABLE = {
     108: [16, 27, 27, 6, 6, 6, 1, 1, 1, 1, 1, 1],
@@ -213,10 +214,9 @@ def test_the_table_is_the_campaign_grid_and_says_what_the_rule_chooses():
 
 def test_the_module_prints_the_table():
     import subprocess
-    import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "flash_recipe.tools.splits_report"],
+        devtool_argv("splits_report"),
         capture_output=True,
         text=True,
         timeout=120,

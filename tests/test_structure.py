@@ -451,9 +451,9 @@ def script_entries(source: str) -> list[int]:
 
 
 def test_the_kernels_package_holds_no_script():
-    """``flash_recipe.ops`` holds kernels, their launchers and what a launch needs: a report or a
-    model with a command of its own lives in ``flash_recipe.tools`` (the import-linter contract keeps
-    ``ops`` from importing ``tools``)."""
+    """``flash_recipe.ops`` holds kernels, their launchers and what a launch needs: a command of its
+    own lives in ``flash_recipe.tools``, or in the checkout's ``devtools/`` where only developers
+    run it (the import-linter contracts keep ``ops`` from importing either)."""
     found = {path.name: script_entries(path.read_text()) for path in sorted((PACKAGE / "ops").glob("*.py"))}
     assert not {name: lines for name, lines in found.items() if lines}
 
@@ -461,3 +461,37 @@ def test_the_kernels_package_holds_no_script():
 def test_the_script_check_finds_a_main_block():
     assert script_entries('def f():\n    pass\n\n\nif __name__ == "__main__":\n    f()\n') == [5]
     assert script_entries("def f():\n    return __name__\n") == []
+
+
+# What only developers run, kept in the checkout's devtools/ and out of the wheel: a module or
+# package of one of these names, or any ``*_report`` module.
+DEVELOPER_TOOLS = (
+    "campaign", "compile_check", "compiled_code", "gpu_check", "gpu_check_cases", "capture_check",
+    "backward_paths", "schedule_report", "splits_report",
+)  # fmt: skip
+
+
+def developer_tools_in(package: Path) -> list[str]:
+    """The modules and packages under ``package`` that are developer tools (``DEVELOPER_TOOLS``)."""
+    found = []
+    for path in sorted(package.rglob("*")):
+        name = path.stem if path.suffix == ".py" else path.name if path.is_dir() else None
+        if name and (name in DEVELOPER_TOOLS or name.endswith("_report")):
+            found.append(path.relative_to(package).as_posix())
+    return found
+
+
+def test_the_package_holds_no_developer_tool_and_devtools_holds_them_all():
+    """The installed package (under ``nox -s tests``, the wheel's files) holds no campaign, compile
+    check, GPU check or report; the checkout's ``devtools/`` holds each of them."""
+    assert developer_tools_in(PACKAGE) == []
+    devtools = Path(__file__).resolve().parents[1] / "devtools"
+    missing = [n for n in DEVELOPER_TOOLS if not ((devtools / f"{n}.py").is_file() or (devtools / n).is_dir())]
+    assert not missing, missing
+
+
+def test_the_developer_tool_check_finds_a_module_a_package_and_a_report(tmp_path):
+    for relative in ("tools/campaign/plan.py", "tools/gpu_check.py", "ops/speed_report.py", "ops/forward.py"):
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text("")
+    assert developer_tools_in(tmp_path) == ["ops/speed_report.py", "tools/campaign", "tools/gpu_check.py"]

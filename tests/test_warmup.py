@@ -16,10 +16,35 @@ import pytest
 import torch
 from offline import compile_in_subprocess
 
-from flash_recipe.tools import cli, splits_report, verify, warmup, warmup_calls
+from devtools import splits_report
+from devtools import warmup as campaign_warmup
+from flash_recipe.tools import cli, verify, warmup, warmup_calls
 
 CPU = torch.device("cpu")
 TESTS = Path(__file__).resolve().parent  # ``nox -s tests`` imports the installed wheel: no tests/ beside it
+
+
+@pytest.fixture(autouse=True)
+def campaign_steps():
+    """The campaign's steps (``devtools.warmup``) added to ``--for``, as the campaign runs it; the
+    package's own list restored afterwards."""
+    package_steps = dict(warmup_calls.STEP_CALLS)
+    campaign_warmup.add_steps()
+    yield
+    warmup_calls.STEP_CALLS.clear()
+    warmup_calls.STEP_CALLS.update(package_steps)
+
+
+def test_the_package_alone_warms_what_users_run():
+    """``flash-recipe warmup`` of an installed wheel: ``common`` and ``verify``; the campaign's
+    steps come only from the checkout's ``devtools.warmup``."""
+    added = set(warmup_calls.STEP_CALLS) - {"common", "verify"}
+    assert added == {"tests", "bench", "check"}
+    for name in added:
+        del warmup_calls.STEP_CALLS[name]
+    assert warmup_calls.steps() == ("common", "verify", "all")
+    with pytest.raises(ValueError, match="--for takes steps of common, verify, all .* got 'check'"):
+        warmup.parse_for("check")
 
 
 def _keys(variants) -> set:
@@ -87,8 +112,8 @@ def test_the_gpu_test_dtypes_are_those_test_gpu_runs():
     import test_gpu
 
     marks = [m for m in test_gpu.test_accuracy_at_scale.pytestmark if m.args and m.args[0] == "dtype"]
-    assert [str(d).replace("torch.", "") for d in marks[0].args[1]] == list(warmup_calls.TEST_GPU_DTYPES)
-    assert {file for file, _, _ in warmup_calls.gpu_test_tables(TESTS)} == {"test_gpu", "test_kernels"}
+    assert [str(d).replace("torch.", "") for d in marks[0].args[1]] == list(campaign_warmup.TEST_GPU_DTYPES)
+    assert {file for file, _, _ in campaign_warmup.gpu_test_tables(TESTS)} == {"test_gpu", "test_kernels"}
 
 
 def test_for_takes_several_steps_each_narrowed_to_its_dtypes(capsys):
@@ -115,8 +140,8 @@ def test_offline_targets_are_those_with_a_known_multiprocessor_count():
 
 
 def test_without_a_test_tree_tests_says_why(tmp_path, monkeypatch):
-    """An installed wheel has no tests/ folder next to the package."""
-    monkeypatch.setattr(warmup_calls, "__file__", str(tmp_path / "flash_recipe" / "tools" / "warmup_calls.py"))
+    """A devtools folder without the checkout's tests/ beside it."""
+    monkeypatch.setattr(campaign_warmup, "TESTS", tmp_path / "tests")
     with pytest.raises(FileNotFoundError, match="checkout's tests/ folder.*name the folder with --tests"):
         warmup_calls.step_calls("tests")
     with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no test_gpu.py"):
@@ -240,7 +265,7 @@ def test_a_replayed_variant_is_the_kernel_the_real_launch_compiles(tmp_path):
         from flash_recipe.ops import offline
         from flash_recipe.tools import warmup, warmup_calls
         from flash_recipe.tools.verify import Case
-        call = warmup_calls._dense("t", Case(1, 33, 47, 2, 1, 24, True), "float16")
+        call = warmup_calls.dense_call("t", Case(1, 33, 47, 2, 1, 24, True), "float16")
         found, _ = warmup.variants([call], torch.device("cpu"), "sm90")
         warmup.init_worker("sm90", "cpu")
         for variant in found:

@@ -15,8 +15,8 @@ import torch
 from offline import compile_in_subprocess
 
 import flash_recipe
+from devtools import compile_check
 from flash_recipe.ops import configs, features, forward, targets
-from flash_recipe.tools import compile_check
 
 needs_warp_spec = pytest.mark.skipif(
     not (features.descriptors_available() and features.warp_specialization_available()),
@@ -204,7 +204,7 @@ def test_the_compile_check_fails_a_warp_specialised_forward_the_rule_enables_and
     rows = compile_in_subprocess(f"""
         import json
         from triton.runtime.jit import JITFunction
-        from flash_recipe.tools import compile_check
+        from devtools import compile_check
         run = JITFunction.run
 
         def failing(self, *args, **kwargs):

@@ -28,9 +28,9 @@
 - ``features``: where the kernels use compiler features such as TMA tensor descriptors;
 - ``offline``: launches that compile for a named GPU target and run nothing, without that GPU.
 
-The offline compile of every variant for GPU targets is a tool: ``flash_recipe.tools.compile_check``;
-so are the reports of the split rule and the launch order (``tools.splits_report``,
-``tools.schedule_report``).
+The offline compile of every variant for GPU targets is a tool: ``devtools.compile_check``;
+so are the reports of the split rule and the launch order (``devtools.splits_report``,
+``devtools.schedule_report``).
 
 Importing a kernel module (``forward``, ``backward``, ``kvcache``, ``decode``, ``dropout``, ``tiles``,
 ``attention``), ``backward_launch``, ``schedule``, ``launch`` or ``offline`` imports Triton; ``configs``, ``targets``,

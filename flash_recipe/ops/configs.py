@@ -23,7 +23,7 @@ The table (``_TABLE``) is one literal, every family and kernel written out: a ro
 bucket, max element size, Config)``, and the first row that covers the call wins. Each row says
 in a line why it differs from its neighbours; docs/performance.md ("Where the table's tiles come
 from") gives the measurements behind them. Every entry is compiled for its targets, as a launch
-compiles it, by ``nox -s compile_check`` (``flash_recipe.tools.compile_check``), which checks each
+compiles it, by ``nox -s compile_check`` (``devtools.compile_check``), which checks each
 kernel against ``SHARED_MEMORY_LIMIT``.
 
 Which configuration a launch on a device takes (an override, a tuned entry, else this table) is
@@ -299,7 +299,7 @@ _TABLE: dict[tuple[str, str], Rows] = {
 }
 
 # The Triton releases that compile the one-pass backward's tile at (family, head-dim bucket)
-# without spills: ``python -m flash_recipe.tools.compile_check --call one_pass --target sm90
+# without spills: ``python -m devtools.compile_check --call one_pass --target sm90
 # --target sm100 --dtype bfloat16 --head-dim 128 --form aligned`` (MHA and GQA, with and without
 # attention sinks) prints the installed release's registers and spills; run under 3.4.0, 3.5.1,
 # 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (3.2 and 3.3 spilled too, and no other wgmma tile tried was clean
@@ -312,7 +312,7 @@ ONE_PASS_TRITON = {("sm90", 128): ((3, 4), (3, 5), (3, 9)), ("sm100", 128): ((3,
 # The defaults of ``BACKWARD_PATHS`` that a GPU measured, which win over the instruction counts:
 # (target, head-dim bucket) -> (the faster path, the measurement: GPU, Triton, date, each path's speed), whose
 # tables and command are in docs/performance.md. Every other default is the proxy's
-# (``tools.backward_paths``); a GPU model's shipped measured file (``tuned.MEASURED_DIR``) or the
+# (``devtools.backward_paths``); a GPU model's shipped measured file (``tuned.MEASURED_DIR``) or the
 # user's ``flash-recipe tune`` file overrides either for that model.
 MEASURED_BACKWARD_PATHS = {
     ("sm90", 128): ("three_kernels", "H200, Triton 3.6, bf16, 16 heads, 16k tokens: the three kernels 276-322 "
@@ -323,7 +323,7 @@ MEASURED_BACKWARD_PATHS = {
 # head-dim bucket: "one_pass" (the dK/dV kernel adds dQ with atomic adds: 5 products per block
 # pair) or "three_kernels" (a dQ kernel, then dK/dV: 7). Each is the path whose main loops issue
 # fewer warp-instructions per score element, averaged over MHA and GQA, in the compile check
-# (bf16, aligned, Triton 3.9; ``python -m flash_recipe.tools.backward_paths``, its table in
+# (bf16, aligned, Triton 3.9; ``python -m devtools.backward_paths``, its table in
 # docs/performance.md, which a test pins to these), until a GPU measures otherwise (``flash-recipe
 # tune`` keeps the faster per GPU model). AMD's family shares its tiles across three generations
 # of matrix cores that do not agree (CDNA2's and CDNA4's three kernels issue fewer at head dims 128
@@ -335,7 +335,7 @@ BACKWARD_PATHS: dict[str, dict[int, str]] = {
     # mma.sync families at head dims of 64 and more: the one-pass tiles, which hold the dQ tile's
     # registers too, are smaller, and issue more per element than the two kernels' 7 products
     "sm80": {**_ONE_PASS, 64: _THREE, 128: _THREE, 256: _THREE},
-    # but where the three kernels spill with packed sequences (``backward_paths.SPILLING``)
+    # but where the three kernels spill with packed sequences (``devtools.backward_paths.SPILLING``)
     "sm86": {**_ONE_PASS, 128: _THREE, 256: _THREE},
     # at 128 what a GPU measured faster (``MEASURED_BACKWARD_PATHS``)
     "sm90": {**_ONE_PASS, 128: MEASURED_BACKWARD_PATHS[("sm90", 128)][0], 256: _THREE},

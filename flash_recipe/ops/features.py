@@ -6,7 +6,7 @@
   newer do; found by looking for the module, not by the version number). A
   descriptor moves a whole tile with one instruction where pointers cost per-thread address
   arithmetic (on sm90 at head dim 128 the main loop drops from 557 to 518 instructions per 128 keys;
-  ``python -m flash_recipe.tools.compile_check --target sm90 --call fwd``). Q and O are read and
+  ``python -m devtools.compile_check --target sm90 --call fwd``). Q and O are read and
   written once per program and stay on pointers (a descriptor-loaded Q is held in registers, where
   ptxas serialises the matrix instructions), as do the masked edge blocks and every other launch.
 
@@ -176,7 +176,7 @@ def rebased(form: tuple, k, v) -> tuple:
 
 
 # Where the forward's warp-specialised loops compile cleanly (Triton 3.9, ``python -m
-# flash_recipe.tools.compile_check --call fwd_ws``): sm100, causal or not, at head dims up to 128
+# devtools.compile_check --call fwd_ws``): sm100, causal or not, at head dims up to 128
 # (at 256 the partitions spilled 440-544 bytes per thread). Hopper's partitioner
 # takes 4 warps a loop and no second loop beside it, which the three-stage forward cannot offer
 # without masking every block (docs/performance.md, "Warp specialisation").

@@ -12,7 +12,7 @@ constants), exactly as a launch on the GPU compiles it. Two things stand in for 
 
 Each launch of a kernel of ``jit_kernels()`` is recorded as ``(kernel name, compiled kernel)``;
 ``compiled.metadata.shared`` is the shared memory the launch needs, ``compiled.asm`` the code.
-The compile check (``flash_recipe.tools.compile_check``), the offline warm-up and the doctor's
+The compile check (``devtools.compile_check``), the offline warm-up and the doctor's
 compile probe make their launcher calls inside it.
 """
 

@@ -21,9 +21,9 @@ kernel (``attn_bwd_dq_kernel``) therefore map their program ids through ``launch
 
 The dK/dV kernel needs none of this: its key block 0, which every query block sees under a
 causal mask, already launches first. Which order is faster on a given GPU is for its timings to
-say (``python -m flash_recipe.campaign``); the order never changes a result, since every program
+say (``python -m devtools.campaign``); the order never changes a result, since every program
 computes what it computed before, only at another time. ``launch_sequence`` states the order in
-Python (the tests hold the kernels to it); ``python -m flash_recipe.tools.schedule_report`` prints
+Python (the tests hold the kernels to it); ``python -m devtools.schedule_report`` prints
 what a model of a launch says of it for the campaign's causal shapes.
 """
 

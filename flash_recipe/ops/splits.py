@@ -8,7 +8,7 @@ the forward launches after the shares).
 (``tests/test_splits.py``); ``kvcache.heuristic_splits`` feeds it the launch's numbers and
 ``sm_count`` the GPU's (asked of torch). The module imports no Triton.
 
-``python -m flash_recipe.tools.splits_report`` prints the choice for the campaign's decode grid.
+``python -m devtools.splits_report`` prints the choice for the campaign's decode grid.
 """
 
 from __future__ import annotations

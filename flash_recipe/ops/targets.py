@@ -3,6 +3,7 @@
 - ``target_of(device)``: ``"sm90"``, ``"gfx942"`` or ``"interpreter"`` for tensors on ``device``
   (the key ``ops.configs.arch_family`` maps to a table); ``gpu_target(index)`` for one GPU.
 - ``triton_release()``: the installed Triton's ``(major, minor)``, read without importing it.
+- ``OFFLINE_GPUS``: the multiprocessor counts of the GPUs that planning without one models;
 - ``interpreter_enabled()``: whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter, the
   one reading of that variable in flash_recipe; ``interpreter_imported_late()``: whether Triton
   was imported before it was set.
@@ -19,6 +20,10 @@ import sys
 from importlib import metadata
 
 from ..environ import getenv
+
+# The GPUs that planning without one models, as (multiprocessor count, compile target): A100,
+# H100/H200 and RTX 4090. The offline warm-up takes its split-KV counts from them.
+OFFLINE_GPUS = ((108, "sm80"), (132, "sm90"), (128, "sm89"))
 
 
 def interpreter_enabled() -> bool:

@@ -32,7 +32,7 @@ batch is chosen so that each shape holds about ``--tokens`` tokens.
 
 ``--json FILE`` writes the context line and every row, rewritten after each row, so an
 interrupted run keeps what it measured. ``peak_memory`` measures what one training step of a peer
-allocates (used by ``python -m flash_recipe.tools.campaign``).
+allocates (used by ``python -m devtools.campaign``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""The launcher calls the compile check makes (``flash_recipe.tools.compile_check``): for each
-``Case`` (a call, a dtype, a head-dim bucket, a form), ``run_call`` makes the call on CPU tensors
-through the package's launchers, whose launches the check compiles for a GPU target instead of
-running them. ``aligned``: head dims equal to their bucket, block-multiple lengths, MHA, causal
+"""The launcher calls that compile the kernels for a GPU target without a GPU: for each ``Case``
+(a call, a dtype, a head-dim bucket, a form), ``run_call`` makes the call on CPU tensors through
+the package's launchers, and ``compile_case`` compiles what they launch for the target instead of
+running it (``ops.offline``). ``flash-recipe tune`` prunes its candidates with it; the compile
+check of a checkout (``devtools.compile_check``) reports on every kernel it compiles.
+``aligned``: head dims equal to their bucket, block-multiple lengths, MHA, causal
 (the ``bwd`` call also with GQA groups of 4: ``group_size`` 1 and larger are two specialisations);
 ``ragged``: an odd head dim below the bucket, ragged lengths, GQA, every score option, q/k/v as
 views of one packed tensor with odd strides."""
@@ -11,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import re
+from typing import Any
 
 # The backward's kernels (one pass or three) and the labels their report rows carry.
 BACKWARD_LABELS = {
@@ -19,6 +23,14 @@ BACKWARD_LABELS = {
     "attn_bwd_dq_kernel": "bwd_dq",
 }
 ONE_LAUNCH_LABEL = {"attn_bwd_one_launch_kernel": "bwd_onelaunch"}
+# The forward's score options, and every flag that makes the launcher choose the forward's general
+# configuration over the plain one (``forward.attention_forward``).
+SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
+GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
+# A global store in the compiled code: Triton lowers what it cannot lower properly to a trap, which
+# stores nothing.
+NVIDIA_STORE = re.compile(r"\bst\.global|\bcp\.async\.bulk\.global")
+AMD_STORE = re.compile(r"\b(global|buffer)_store")
 # The GQA groups of the aligned decode steps (``decode``: a dense cache; ``decode_paged``: pages).
 DECODE_GROUPS = {"decode": 4, "decode_paged": 8}
 
@@ -141,7 +153,7 @@ def run_call(case: Case) -> dict[str, str]:
             softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, sinks=None, window_left=-1
         )
         # Asked for where tl.range takes warp_specialize; under an older Triton no launch can ask
-        # (where it would be taken, ``compile_check.warp_spec_not_enabled`` compiles nothing).
+        # (where it would be taken, ``devtools.compile_check.warp_spec_not_enabled`` compiles nothing).
         asking = features.warp_specialization_available()
         with features.using_warp_specialization(True) if asking else contextlib.nullcontext():
             for var in (causal, causal._replace(window_right=-1)):
@@ -275,3 +287,49 @@ def _folded(case: Case, scale: float) -> dict[str, str]:
         fp8 = not int8_attention.fp8_problem(targets.target_of(q.device))
         int8_attention.int8_attention(q, k, v, scale, causal=True, fp8=fp8)
     return {"attn_fwd_kernel": "fwd", **BACKWARD_LABELS, "quantize_kernel": "quantize", "attn_int8_kernel": "int8"}
+
+
+def constants(kernel) -> dict:
+    """The constexpr arguments a compiled kernel was compiled with, by name (empty where Triton
+    keeps none). Triton 3.2 keys them by name, later releases by ``(argument index,)``."""
+    src = getattr(kernel, "src", None)
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    if src is None or names is None:
+        return {}
+    found = {}
+    for key, value in src.constants.items():
+        if isinstance(key, str):
+            found[key] = value
+        elif isinstance(key, tuple) and len(key) == 1:
+            found[names[key[0]]] = value
+    return found
+
+
+def kernel_label(label: str, kernel) -> str:
+    """``run_call``'s label of a compiled kernel, refined by the flags its launcher chose."""
+    flags = constants(kernel)
+    if label == "fwd" and any(flags.get(flag) for flag in GENERAL_FLAGS):
+        return "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
+    if label == "fwd" and flags.get("WARP_SPEC"):
+        return "fwd_ws"  # the unmasked key loop warp-specialised (ops.features)
+    if label == "int8" and flags.get("PV_FP8"):
+        return "int8_fp8"  # P.V in FP8 (ops.int8_attention)
+    if label == "bwd_dkdv" and flags.get("ATOMIC_DQ"):
+        return "bwd_onepass"  # the dK/dV kernel adding dQ too (backward_launch.attention_backward)
+    return label
+
+
+def compile_case(case: Case, target: str) -> list[tuple[str, str, Any]]:
+    """Compile ``case`` for ``target`` through Triton's launch path: ``(label, function name,
+    compiled kernel)`` per kernel launched, labelled by ``kernel_label``. Needs Triton's compiler
+    (``TRITON_INTERPRET`` unset)."""
+    from ..ops.offline import offline_launches  # imports Triton: importing compile_calls loads none
+
+    with offline_launches(target) as compiled:
+        labels = run_call(case)
+    return [(kernel_label(labels[name], kernel), name, kernel) for name, kernel in compiled]
+
+
+def stores(kernel, amd: bool) -> bool:
+    """Whether the compiled kernel stores to global memory (a kernel lowered to a trap does not)."""
+    return bool((AMD_STORE if amd else NVIDIA_STORE).search(kernel.asm.get("amdgcn", "") if amd else kernel.asm["ptx"]))

@@ -16,7 +16,7 @@ package is relative, so the copy never reaches for a pip-installed flash_recipe;
 ``<id>::attn_fwd`` and ``<id>::attn_bwd``, beside the wheel's ``flash_recipe::`` ones.
 
 What stays out of the Hub copy (``LEFT_OUT``): the command line and its tools, the doctor and the
-install recipes (they read the pip distribution and the environment's installs), the campaign, and
+install recipes (they read the pip distribution and the environment's installs), and
 the integrations (transformers' ``recipe_attention`` and torch's SDPA registry register
 process-wide names: the pip package is their route). The stand-ins stay in:
 ``install_as_flash_attn()``, ``install_as_flash_attn_3()`` and ``install_as_sageattention()`` of a
@@ -42,7 +42,7 @@ PYTHON_NAME = "flash_recipe"
 BACKENDS = ("cuda", "rocm", "cpu")
 LICENSE = "BSD-3-Clause"
 # Relative to the package: whole folders, then single files, that the Hub copy leaves out.
-LEFT_OUT = ("tools", "env", "integrations", "__main__.py", "campaign.py")
+LEFT_OUT = ("tools", "env", "integrations", "__main__.py")
 # Kept from what LEFT_OUT drops: the version floors the dispatcher reads (dispatch.capabilities).
 KEPT = ("env/__init__.py", "env/versions.py")
 USAGE = """\

@@ -129,7 +129,7 @@ KV_FULL_GRID = KV_SMALL_GRID + (
 )
 
 
-def _kv_inputs(case: KVCase, dtype, device, seed: int):
+def kv_inputs(case: KVCase, dtype, device, seed: int):
     """Deterministic inputs of one KV case: ``(q, k_cache, v_cache, k_new, v_new, kwargs)``, where
     ``kwargs`` are the remaining arguments of ``flash_attn_with_kvcache``. Drawn on the CPU."""
     import torch
@@ -268,7 +268,7 @@ def check_kvcache_case(case: KVCase, dtype, device, backend: str, seed: int) -> 
     # imports torch: importing verify_kvcache loads none
     from ..testing import FORWARD_FACTOR, accuracy_bound, max_error
 
-    q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case, dtype, device, seed)
+    q, k_cache, v_cache, k_new, v_new, kwargs = kv_inputs(case, dtype, device, seed)
     k_got, v_got = k_cache.clone(), v_cache.clone()
     with use_backend(backend):
         out = flash_attn_with_kvcache(q, k_got, v_got, k_new, v_new, **kwargs)

@@ -22,20 +22,12 @@ package's launchers make is recorded with its arguments, after its heuristics. T
 - ``verify``: what ``flash-recipe verify --kvcache --grid full`` calls on the ``triton`` backend:
   the forward and backward of each ``FULL_GRID`` case and ``flash_attn_with_kvcache`` on each
   ``KV_FULL_GRID`` case, each in every dtype (narrow with ``--dtype bfloat16`` for the campaign's step);
-- ``tests``: the accuracy tables of the checkout's GPU test files, read from ``tests/`` next to the
-  package: ``test_gpu.CASES`` in fp16 and bf16 and ``test_kernels.CASES`` in its ``DTYPES``, each
-  forward and backward as ``verify.check_case`` calls them. The other calls of the GPU test files
-  (test_kvcache, test_varlen, test_dropout, test_torch_compile, the one-off tests) are not listed:
-  their variants still compile on first use;
-- ``bench``: the campaign's bench step (``campaign.plan.bench_shapes``): the forward without
-  gradients, then forward and backward, of the ``flash_recipe`` and ``flash_recipe_pointers`` peers;
-- ``check``: the campaign's correctness step (``flash_recipe.tools.gpu_check``): each row of its
-  ``GPU_TABLE`` in bf16 and fp16, as ``gpu_check.run_subject`` calls it (its fuzz only runs variants
-  the table launched);
-- ``all``: every step above.
+- ``all``: every step above; a checkout's ``python -m devtools.warmup`` adds the GPU campaign's
+  steps (``tests``, ``bench``, ``check``).
 
 ``--for`` takes several, comma-separated, each narrowed to its own dtypes with ``STEP:DTYPE``
-(``--for check,bench,verify:bfloat16``, what the campaign passes); ``--dtype`` narrows them all.
+(``--for common,verify:bfloat16``; the campaign passes ``check,bench,verify:bfloat16``); ``--dtype``
+narrows them all.
 
 On a GPU the calls run on it, so the tuned configurations, split counts and tensor descriptors are
 the GPU's own. Each worker replays recorded launches through the kernel's own ``JITFunction.run``
@@ -45,7 +37,7 @@ cache entry, is the one the real launch compiles (tests/test_warmup.py checks it
 
 ``--offline TARGET`` does the same without a GPU, for measuring the compile part: the calls are
 made with CPU tensors on the Triton backend with the target's launch configurations, split-KV
-counts from the target's multiprocessor count (``splits_report.TABLE_GPUS``; tuned files are not read),
+counts from the target's multiprocessor count (``targets.OFFLINE_GPUS``; tuned files are not read),
 and the workers compile for the target with the stub driver of ``flash_recipe.ops.offline``, into
 a fresh temporary cache, so they measure compiling, not loading. It needs ``TRITON_INTERPRET`` unset.
 """
@@ -69,6 +61,7 @@ from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 from ..ops import targets
+from .compile_calls import GENERAL_FLAGS
 from .warmup_calls import (
     DTYPES,
     HEAD_DIMS,
@@ -92,8 +85,8 @@ FAMILIES = {
 }
 # The tensor whose dtype names a kernel's variant: its first of these.
 _MAIN_TENSORS = ("Q", "X", "O")
-# --offline targets: those whose multiprocessor count ``splits_report.TABLE_GPUS`` holds (split-KV counts).
-OFFLINE_TARGETS = ("sm80", "sm89", "sm90")
+# --offline targets: those whose multiprocessor count ``targets.OFFLINE_GPUS`` holds (split-KV counts).
+OFFLINE_TARGETS = tuple(sorted(target for _, target in targets.OFFLINE_GPUS))
 
 
 def cache_dir() -> str:
@@ -178,9 +171,7 @@ def _name(dtype) -> str:
 def family(kernel: str, constants: dict, seqlen_q: Optional[int]) -> str:
     """The report's family of a launch of ``kernel`` (a function name) with ``constants``: the
     forward is "decode" over a KV cache with at most 16 query rows (as ``kvcache`` launches it),
-    "fwd_general" with any flag of ``compile_check.GENERAL_FLAGS``, else "fwd"."""
-    from .compile_check import GENERAL_FLAGS  # imports Triton: importing warmup loads none
-
+    "fwd_general" with any flag of ``compile_calls.GENERAL_FLAGS``, else "fwd"."""
     if kernel != "attn_fwd_kernel":
         return FAMILIES.get(kernel, kernel)
     if constants.get("KV_RANGES") and not constants.get("IS_VARLEN") and seqlen_q is not None and seqlen_q <= 16:
@@ -239,9 +230,8 @@ def offline_planning(target: str) -> Iterator[None]:
 
     from .. import dispatch  # imports torch: importing warmup loads none
     from ..ops import kvcache, splits  # imports Triton: importing warmup loads none
-    from .splits_report import TABLE_GPUS  # on use: importing warmup loads no torch
 
-    sms = dict((t, n) for n, t in TABLE_GPUS)[target]
+    sms = dict((t, n) for n, t in targets.OFFLINE_GPUS)[target]
     triton_backend = dispatch.TritonBackend()
 
     def auto_splits(batch, nheads, seqlen_q, capacity, device, head_dim, element_size):
@@ -429,8 +419,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="common",
         metavar="STEP[:DTYPE],...",
         help="whose variants: common (forward and backward per dtype, head dim, causal, aligned/ragged), the "
-        "calls of verify (full and KV grids), of the GPU tests' tables, of the campaign's bench or correctness "
-        "check, or all; several comma-separated, each optionally narrowed to a dtype (verify:bfloat16)",
+        "calls of verify (full and KV grids), or all; several comma-separated, each optionally narrowed to a "
+        "dtype (verify:bfloat16)",
     )
     parser.add_argument(
         "--jobs",
@@ -455,7 +445,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the compile part)",
     )
     parser.add_argument(
-        "--tests", metavar="DIR", help="the checkout's tests folder for --for tests (default: next to the package)"
+        "--tests", metavar="DIR", help="the tests folder a step that reads a checkout's tests reads (devtools.warmup)"
     )
     parser.add_argument("--json", metavar="FILE", help="write the per-variant rows and the summary to FILE")
 

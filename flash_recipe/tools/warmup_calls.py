@@ -1,28 +1,26 @@
 """The calls each step of ``flash-recipe warmup`` makes (``flash_recipe.tools.warmup``): ``step_calls``
 gives them for a step, ``parse_for`` reads ``--for``, ``narrow`` keeps some dtypes and head dims.
-Each ``Call`` makes a step's launches through the package's launchers, as the step itself does."""
+Each ``Call`` makes a step's launches through the package's launchers, as the step itself does.
+
+``STEP_CALLS`` maps each step to the function that lists its calls: the package's own steps are
+``common`` and ``verify``; a checkout's ``devtools.warmup`` adds the GPU campaign's steps
+(``tests``, ``bench``, ``check``) with ``add_step`` before it runs the command."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..ops import features
 from ..ops.configs import head_dim_bucket
-from . import gpu_check_cases as gpu_check
 from . import verify
 from .verify import Case
-from .verify_kvcache import _kv_inputs
+from .verify_kvcache import kv_inputs
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (16, 32, 64, 128, 256)
-STEPS = ("common", "verify", "tests", "bench", "check", "all")
-# test_gpu.py's test_accuracy_at_scale runs its CASES in these dtypes (its parametrize).
-TEST_GPU_DTYPES = ("float16", "bfloat16")
 
 
 # -- the calls each step makes -----------------------------------------------------------------
@@ -38,7 +36,7 @@ class Call:
     make: Callable[[Any], None]
 
 
-def _dense(
+def dense_call(
     step: str, case, dtype: str, descriptors: Optional[bool] = None, no_grad_first: bool = False, both: bool = False
 ) -> Call:
     """``flash_attn_func`` forward and backward of a ``verify.Case`` on the ``triton`` backend, on
@@ -73,7 +71,7 @@ def _dense(
     return Call(f"{step}:{case.id}{suffix}:{dtype}", dtype, head_dim_bucket(case.head_dim), make)
 
 
-def _kv(step: str, case, dtype: str) -> Call:
+def kv_call(step: str, case, dtype: str) -> Call:
     """``flash_attn_with_kvcache`` on a ``KVCase``, with the tensors ``check_kvcache_case`` makes."""
 
     def make(device) -> None:
@@ -82,95 +80,58 @@ def _kv(step: str, case, dtype: str) -> Call:
         from ..decoding import flash_attn_with_kvcache  # imports torch: importing warmup_calls loads none
         from ..dispatch import use_backend  # imports torch: importing warmup_calls loads none
 
-        q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case, getattr(torch, dtype), device, 0)
+        q, k_cache, v_cache, k_new, v_new, kwargs = kv_inputs(case, getattr(torch, dtype), device, 0)
         with use_backend("triton"):
             flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, **kwargs)
 
     return Call(f"{step}:{case.id}:{dtype}", dtype, head_dim_bucket(case.head_dim), make)
 
 
-def gpu_test_tables(tests: Optional[Path] = None) -> list[tuple]:
-    """``(file, case, dtype)`` of the accuracy tables ``--for tests`` covers (see the module doc),
-    read from the checkout's ``tests`` folder: by default next to the package (where the campaign
-    finds it)."""
-    tests = Path(tests) if tests else Path(__file__).resolve().parents[2] / "tests"  # the package's parent
-    if not (tests / "test_gpu.py").is_file():
-        raise FileNotFoundError(
-            f"--for tests reads the GPU tests' tables from the checkout's tests/ folder, and {tests} has no "
-            "test_gpu.py (an installed wheel has no tests next to it): run it from a checkout or name the "
-            "folder with --tests"
-        )
-    modules = []
-    for name in ("test_gpu", "test_kernels"):
-        spec = importlib.util.spec_from_file_location(f"_flash_recipe_warmup_{name}", tests / f"{name}.py")
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {tests / name}.py")
-        modules.append(importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(modules[-1])
-    gpu, kernels = modules
-    rows = [("test_gpu", case, dtype) for case in gpu.CASES for dtype in TEST_GPU_DTYPES]
-    dtypes = [str(d).replace("torch.", "") for d in kernels.DTYPES]
-    return rows + [("test_kernels", case, dtype) for case in kernels.CASES for dtype in dtypes]
+def _common(grid: str, tests: Optional[Path]) -> list[Call]:
+    """``common``: ``flash_attn_func`` forward and backward at every dtype, head-dim bucket and
+    causal setting, at sequence length 128 (block-aligned) and 127 (ragged)."""
+    return [
+        dense_call("common", Case(1, seqlen, seqlen, 2, 2, head_dim, causal), dtype)
+        for dtype in DTYPES
+        for head_dim in HEAD_DIMS
+        for causal in (False, True)
+        for seqlen in (128, 127)  # a multiple of every block, and ragged
+    ]
+
+
+def _verify(grid: str, tests: Optional[Path]) -> list[Call]:
+    """``verify``: what ``flash-recipe verify --kvcache`` calls in every dtype (``grid`` "small":
+    its CPU grids), the dense cases with both backward paths, as ``verify.check_case`` runs them."""
+    dense, kv = (
+        (verify.SMALL_GRID, verify.KV_SMALL_GRID) if grid == "small" else (verify.FULL_GRID, verify.KV_FULL_GRID)
+    )
+    return [dense_call("verify", case, dtype, both=True) for case in dense for dtype in DTYPES] + [
+        kv_call("verify", case, dtype) for case in kv for dtype in DTYPES
+    ]
+
+
+# step -> the function listing its calls, ``(grid, tests folder) -> [Call]``; "all" is every step.
+STEP_CALLS: dict[str, Callable[[str, Optional[Path]], list[Call]]] = {"common": _common, "verify": _verify}
+
+
+def add_step(name: str, calls: Callable[[str, Optional[Path]], list[Call]]) -> None:
+    """Make ``--for name`` list ``calls(grid, tests)`` (a checkout's tools add their steps so)."""
+    STEP_CALLS[name] = calls
+
+
+def steps() -> tuple[str, ...]:
+    """The names ``--for`` takes: every step of ``STEP_CALLS``, then "all"."""
+    return (*STEP_CALLS, "all")
 
 
 def step_calls(step: str, grid: str = "full", tests: Optional[Path] = None) -> list[Call]:
-    """The calls ``step`` makes (see the module doc); ``grid`` "small" takes verify's CPU grids;
-    ``tests``: the test folder ``--for tests`` reads (``gpu_test_tables``)."""
-    if step not in STEPS:
-        raise ValueError(f"step must be one of {STEPS}, got {step!r}")
+    """The calls ``step`` makes (see ``STEP_CALLS``); ``grid`` "small" takes verify's CPU grids;
+    ``tests``: the test folder a step reading the checkout's tests reads."""
+    if step not in steps():
+        raise ValueError(f"step must be one of {steps()}, got {step!r}")
     if step == "all":
-        return [call for name in STEPS[:-1] for call in step_calls(name, grid, tests)]
-    if step == "common":
-        return [
-            _dense(step, Case(1, seqlen, seqlen, 2, 2, head_dim, causal), dtype)
-            for dtype in DTYPES
-            for head_dim in HEAD_DIMS
-            for causal in (False, True)
-            for seqlen in (128, 127)  # a multiple of every block, and ragged
-        ]
-    if step == "verify":
-        dense, kv = (
-            (verify.SMALL_GRID, verify.KV_SMALL_GRID) if grid == "small" else (verify.FULL_GRID, verify.KV_FULL_GRID)
-        )
-        return [_dense(step, case, dtype, both=True) for case in dense for dtype in DTYPES] + [
-            _kv(step, case, dtype) for case in kv for dtype in DTYPES
-        ]
-    if step == "tests":
-        # test_kernels checks its cases with ``verify.check_case``: both backward paths.
-        return [
-            _dense(f"tests:{file}", case, dtype, both=file == "test_kernels")
-            for file, case, dtype in gpu_test_tables(tests)
-        ]
-    if step == "check":
-        return _check_calls(grid)
-    # a cycle: the campaign package imports gpu_check, which imports warmup and so this module
-    from .campaign import plan
-
-    calls = []
-    for shape in plan.bench_shapes():
-        case = Case(shape.batch, shape.seqlen, shape.seqlen, shape.nheads, shape.nheads_k, shape.head_dim, shape.causal)
-        for descriptors in (None, False):  # the flash_recipe and flash_recipe_pointers peers
-            calls.append(_dense(step, case, shape.dtype, descriptors, no_grad_first=True))
-    return calls
-
-
-def _check_calls(grid: str) -> list[Call]:
-    """The correctness step's calls: ``gpu_check``'s table in its dtypes (``grid`` "small": the
-    interpreter's table and dtypes)."""
-    small = grid == "small"
-    table, dtypes = (
-        (gpu_check.TINY_TABLE, gpu_check.INTERPRETER_DTYPES) if small else (gpu_check.GPU_TABLE, gpu_check.GPU_DTYPES)
-    )
-
-    def call(case, dtype: str) -> Call:
-        def make(device) -> None:
-            import torch
-
-            gpu_check.run_subject(case, getattr(torch, dtype), device)
-
-        return Call(f"check:{case.id}:{dtype}", dtype, head_dim_bucket(case.head_dim), make)
-
-    return [call(case, dtype) for case in table for dtype in dtypes]
+        return [call for name in STEP_CALLS for call in STEP_CALLS[name](grid, tests)]
+    return STEP_CALLS[step](grid, tests)
 
 
 def parse_for(text: str) -> list[tuple]:
@@ -181,8 +142,8 @@ def parse_for(text: str) -> list[tuple]:
         if not part:
             continue
         step, _, dtype = part.partition(":")
-        if step not in STEPS:
-            raise ValueError(f"--for takes steps of {', '.join(STEPS)} (optionally STEP:DTYPE), got {step!r}")
+        if step not in steps():
+            raise ValueError(f"--for takes steps of {', '.join(steps())} (optionally STEP:DTYPE), got {step!r}")
         if dtype and dtype not in DTYPES:
             raise ValueError(f"--for {part}: the dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if not dtype:
@@ -194,7 +155,7 @@ def parse_for(text: str) -> list[tuple]:
             if known is not None:
                 items[step] = [*known, dtype]
     if not items:
-        raise ValueError(f"--for needs at least one step of {', '.join(STEPS)}, got {text!r}")
+        raise ValueError(f"--for needs at least one step of {', '.join(steps())}, got {text!r}")
     return list(items.items())
 
 

@@ -7,7 +7,7 @@ softcapped call), head-dim bucket and element size
 
 1. takes the candidates: the table's own configuration, then a small grid (``GRID``);
 2. prunes them by the launch-specialised shared-memory fit: each candidate is compiled for the
-   GPU's own compile target through the real launchers, as ``flash_recipe.tools.compile_check``
+   GPU's own compile target through the real launchers, as ``devtools.compile_check``
    compiles a launch (``aligned`` and ``ragged`` forms), and dropped when its kernel needs more
    shared memory per block than the architecture offers (``configs.SHARED_MEMORY_LIMIT``) or
    compiles to a trap;

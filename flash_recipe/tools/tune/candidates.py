@@ -1,5 +1,5 @@
 """The candidates of one kernel (the table's configuration, then ``GRID``) and their pruning by
-the launch-specialised shared-memory fit (``flash_recipe.tools.compile_check``)."""
+the launch-specialised shared-memory fit (``devtools.compile_check``)."""
 
 from __future__ import annotations
 
@@ -43,31 +43,31 @@ def nearest(found: list, table: Config, limit: Optional[int]) -> list[Config]:
 
 def _compile_one(job: tuple) -> list[dict]:
     """Compile one candidate in one form for a target; one row per compiled launch of the kernel."""
-    from .. import compile_check  # imports Triton: importing tune loads none
+    from ..compile_calls import Case, compile_case, stores  # imports Triton: importing tune loads none
 
     kernel, head_dim, dtype, config, target, form = job
     row = {"kernel": kernel, "config": list(config), "form": form, "target": target}
     try:
         with choose.overriding(kernel, head_dim, ELEMENT_SIZE[dtype], Config(*config)):
-            compiled = compile_check.check_case(compile_check.Case(COMPILE_CALL[kernel], dtype, head_dim, form), target)
+            compiled = compile_case(Case(COMPILE_CALL[kernel], dtype, head_dim, form), target)
     except Exception as exc:  # a candidate the compiler refuses is dropped, with the reason
         return [{**row, "fits": False, "problem": f"does not compile: {type(exc).__name__}: {exc}"[:500]}]
     rows = []
-    for found in compiled:
-        if found["kernel"] != kernel:
+    limit = configs.SHARED_MEMORY_LIMIT[target]
+    for label, _name, compiled_kernel in compiled:
+        if label != kernel:
             continue
         problems = []
-        if found["shared_bytes"] > found["shared_limit"]:
-            problems.append(
-                f"needs {found['shared_bytes']} B of shared memory, {target} offers {found['shared_limit']} B"
-            )
-        if not found["stores"]:
+        shared = compiled_kernel.metadata.shared
+        if shared > limit:
+            problems.append(f"needs {shared} B of shared memory, {target} offers {limit} B")
+        if not stores(compiled_kernel, amd=target.startswith("gfx")):
             problems.append("compiles to a trap")
         rows.append(
             {
                 **row,
-                "shared_bytes": found["shared_bytes"],
-                "shared_limit": found["shared_limit"],
+                "shared_bytes": shared,
+                "shared_limit": limit,
                 "fits": not problems,
                 "problem": "; ".join(problems) or None,
             }
@@ -85,7 +85,7 @@ def prune(
     jobs: int = 1,
 ) -> tuple[list[Config], list[dict]]:
     """Keep the candidates that fit ``target``: compiled through the real launchers with a launch's
-    specialisation (``compile_check.check_case``, in each of ``forms``), none may need more shared
+    specialisation (``compile_calls.compile_case``, in each of ``forms``), none may need more shared
     memory than ``configs.SHARED_MEMORY_LIMIT[target]`` or compile to a trap.
 
     Returns the kept configurations (in the given order) and one row per compiled kernel:

@@ -20,7 +20,7 @@ HEAD_DIMS = limits.HEAD_DIM_BUCKETS
 DTYPES = ("float16", "bfloat16", "float32")
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
-# The call ``compile_check`` makes to compile each kernel.
+# The call of ``compile_calls.compile_case`` that compiles each kernel.
 COMPILE_CALL = {
     "fwd": "fwd",
     "fwd_general": "options",

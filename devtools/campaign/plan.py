@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import bench
+from flash_recipe.tools import bench
+from flash_recipe.tools.bench import Shape
+
 from .. import gpu_check_cases as gpu_check
-from ..bench import Shape
 
 # The whole plan, with every step, fits in TOTAL_BUDGET_S (warmup compiling for check, bench,
 # verify and the tests included); a run fits what it can in ``--minutes`` (DEFAULT_MINUTES unless
@@ -84,7 +85,7 @@ DECODE_LONG, DECODE_WIDE = 8192, 8
 DECODE_REPLAY_OF_COPY = {True: 0.8, False: 0.5}
 DECODE_EAGER_RATIO = 0.9
 # The host cost step (``flash_recipe.tools.host_cost``) and the capture step's checks
-# (``flash_recipe.tools.capture_check``).
+# (``devtools.capture_check``).
 HOST_CASES = ("fwd", "fwd_autograd", "kvcache", "fwd_bwd")
 CAPTURE_CHECKS = ("kvcache", "kvcache_paged", "varlen", "fwd", "fwd_bwd", "compile")
 
@@ -107,9 +108,9 @@ BUDGETS_S = {
     "capture": 60, "verify": 120, "tests": 210, "tune": 270,
 }  # fmt: skip
 
-# ``check`` (``flash_recipe.tools.gpu_check``): its table (19 rows in bf16 and fp16: 38 checks)
-# launches 98 kernel variants (recorded for sm90 by ``flash-recipe warmup --offline sm90 --for
-# check``); compiled on first call one after another they take WARMUP_SERIAL_S["check"] (1.7
+# ``check`` (``devtools.gpu_check``): its table (19 rows in bf16 and fp16: 38 checks)
+# launches 98 kernel variants (recorded for sm90 by ``python -m devtools.warmup --offline sm90
+# --for check``); compiled on first call one after another they take WARMUP_SERIAL_S["check"] (1.7
 # minutes on the CPU machine), so the campaign compiles them ahead in ``warmup``. With its
 # variants in Triton's cache the step is the interpreter's and CUDA's start (about 10 s), the 38
 # checks (each loads its variants and runs a small forward and backward beside fp32 math and its
@@ -118,7 +119,7 @@ BUDGETS_S = {
 # (``--skip warmup``) the table is cut at that time and the report lists the checks not reached.
 CHECK_MARGIN_S = 15
 # ``warmup`` compiles, in ``warmup_jobs()`` processes, the variants of the steps that run among
-# WARMUP_FOR (``flash-recipe warmup --for``). Its budget (``warmup_budget``): WARMUP_START_S
+# WARMUP_FOR (``python -m devtools.warmup --for``). Its budget (``warmup_budget``): WARMUP_START_S
 # (spawning the workers, each importing torch and Triton), plus per step (``warmup_share``) the
 # seconds to record its calls with launches stubbed (WARMUP_RECORD_S) and its serial compile seconds
 # (WARMUP_SERIAL_S) divided among MAX_WARMUP_JOBS processes and multiplied by WARMUP_SAFETY (the GPU
@@ -127,8 +128,8 @@ WARMUP_FOR = {
     "check": ["check"], "bench": ["bench"], "verify": [f"verify:{dtype}" for dtype in VERIFY_DTYPES], "tests": ["tests"]
 }  # fmt: skip
 # Measured on the 2-core CPU machine with Triton 3.9 and the compile check's stub driver for sm90,
-# each step alone and with an empty Triton cache (``TRITON_CACHE_DIR=$(mktemp -d) flash-recipe
-# warmup --offline sm90 --for STEP --jobs 2``, the sum of the per-variant first-call seconds):
+# each step alone and with an empty Triton cache (``TRITON_CACHE_DIR=$(mktemp -d) python -m
+# devtools.warmup --offline sm90 --for STEP --jobs 2``, the sum of the per-variant first-call seconds):
 # check 101.2 s (98 variants: bwd 41.9 s, fwd 27.7 s, fwd_general 20.5 s, the rest 11.1 s); bench
 # 8.2 s (7 variants); verify in bf16, full and KV grids, both backward paths, 137.5 s (140
 # variants: bwd 82.5 s); the GPU tests' tables 554.2 s (287 variants: bwd 367.4 s, the longest an
@@ -190,8 +191,9 @@ class Step:
 
 
 def package_root() -> Path:
-    """The folder flash_recipe was imported from (its parent): a checkout or site-packages."""
-    return Path(__file__).resolve().parents[3]  # flash_recipe/tools/campaign/plan.py
+    """The checkout's root (the folder holding ``devtools/`` and ``flash_recipe/``), which every
+    step gets on its ``PYTHONPATH``."""
+    return Path(__file__).resolve().parents[2]  # devtools/campaign/plan.py
 
 
 def find_test_tree(root: Optional[Path] = None) -> Optional[Path]:
@@ -266,7 +268,7 @@ def build_plan(
     env = Step(
         "env",
         "device, driver and versions",
-        [python, "-m", "flash_recipe.tools.campaign", "--step", "env", "--result", "{scratch}/env.json"],
+        [python, "-m", "devtools.campaign", "--step", "env", "--result", "{scratch}/env.json"],
         budgets["env"],
         result="env.json",
     )
@@ -306,7 +308,7 @@ def build_plan(
         "memory",
         "peak memory of a training step at 32k and 64k",
         [
-            python, "-m", "flash_recipe.tools.campaign", "--step", "memory", "--result", "{scratch}/memory.json",
+            python, "-m", "devtools.campaign", "--step", "memory", "--result", "{scratch}/memory.json",
             "--seqlen", joined(MEMORY_SEQLENS),
         ]
         + [arg for peer in MEMORY_PEERS for arg in ("--peer", peer)],
@@ -385,7 +387,7 @@ def build_plan(
     host = Step(
         "host",
         "host cost per call: Python calls and microseconds, launches stubbed and real, beside torch SDPA",
-        [python, "-m", "flash_recipe.tools.campaign", "--step", "host", "--result", "{scratch}/host.json"],
+        [python, "-m", "devtools.campaign", "--step", "host", "--result", "{scratch}/host.json"],
         budgets["host"],
         params={"cases": list(HOST_CASES)},
         result="host.json",
@@ -393,7 +395,7 @@ def build_plan(
     capture = Step(
         "capture",
         "CUDA-graph capture: kvcache (dense, paged), varlen, forward, forward + backward, reduce-overhead",
-        [python, "-m", "flash_recipe.tools.capture_check", "--json", "{scratch}/capture.json"],
+        [python, "-m", "devtools.capture_check", "--json", "{scratch}/capture.json"],
         budgets["capture"],
         params={"checks": list(CAPTURE_CHECKS)},
         result="capture.json",
@@ -402,7 +404,7 @@ def build_plan(
         "check",
         "correctness on the GPU: forward and dq/dk/dv against fp32 math by the accuracy rule, bf16 and fp16, "
         "then a seeded fuzz",
-        [python, "-m", "flash_recipe.tools.gpu_check", "--json", "{scratch}/check.json"]
+        [python, "-m", "devtools.gpu_check", "--json", "{scratch}/check.json"]
         + ["--seconds", str(max(budgets["check"] - CHECK_MARGIN_S, 1))],
         budgets["check"],
         params={
@@ -417,7 +419,7 @@ def build_plan(
     warm = Step(
         "warmup",
         "compile ahead, in parallel, the kernel variants of the steps after it (first-call seconds per family)",
-        [python, "-m", "flash_recipe", "warmup", "--jobs", str(warmup_jobs()), "--for", ""]
+        [python, "-m", "devtools.warmup", "--jobs", str(warmup_jobs()), "--for", ""]
         + (["--tests", str(test_tree)] if test_tree is not None and tests.skip is None else [])
         + ["--json", "{scratch}/warmup.json"],
         budgets["warmup"],

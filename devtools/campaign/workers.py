@@ -1,4 +1,4 @@
-"""The steps the campaign runs in itself (``python -m flash_recipe.tools.campaign --step ...``):
+"""The steps the campaign runs in itself (``python -m devtools.campaign --step ...``):
 the environment probe, the host cost per call and the peak-memory rows."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import json
 import os
 from typing import Optional
 
-from ...files import write_json
-from .. import bench
-from ..verify import versions
+from flash_recipe.files import write_json
+from flash_recipe.tools import bench
+from flash_recipe.tools.verify import versions
+
 from .plan import HOST_CASES, MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shapes
 
 # ----------------------------------------------------------------------------- the workers
@@ -23,7 +24,7 @@ def env_probe() -> dict:
 
     import torch
 
-    from ...api import explain  # imports torch: importing the campaign loads none
+    from flash_recipe.api import explain  # imports torch: importing the campaign loads none
 
     info = {"cuda": torch.cuda.is_available(), "versions": versions(), "platform": platform.platform()}
     info["variables"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FLASH_RECIPE_", "TRITON_"))}
@@ -83,7 +84,7 @@ def host_rows(cases=HOST_CASES, progress=print) -> dict:
     ``torch.profiler`` trace per case (``host_cost.profile_case``: the top entries by self CPU time)."""
     import torch
 
-    from .. import host_cost  # imports torch: importing the campaign loads none
+    from flash_recipe.tools import host_cost  # imports torch: importing the campaign loads none
 
     device = torch.device("cuda")
     rows = []
@@ -108,7 +109,7 @@ def host_rows(cases=HOST_CASES, progress=print) -> dict:
 
 def worker_parser() -> argparse.ArgumentParser:
     """Options of ``--step env|host|memory``: the in-process part of a step, run in its subprocess."""
-    parser = argparse.ArgumentParser(prog="python -m flash_recipe.tools.campaign --step")
+    parser = argparse.ArgumentParser(prog="python -m devtools.campaign --step")
     parser.add_argument("--step", choices=("env", "host", "memory"), required=True)
     parser.add_argument("--result", required=True, help="write the step's JSON result here")
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""The correctness step's cases and the check of one (``flash_recipe.tools.gpu_check`` runs them).
+"""The correctness step's cases and the check of one (``devtools.gpu_check`` runs them).
 
 Each check runs one call on the ``triton`` backend and compares its output and its gradients
 ``dq, dk, dv`` with the truth (``flash_recipe.testing``: the reference in fp32, fp64 for fp32
@@ -38,7 +38,7 @@ import math
 import time
 from typing import Any, Callable, Optional
 
-from .verify_kvcache import KVCase, _kv_inputs, check_kvcache_case
+from flash_recipe.tools.verify_kvcache import KVCase, check_kvcache_case, kv_inputs
 
 KINDS = ("dense", "varlen", "dropout", "kvcache")
 GRADIENTS = ("dq", "dk", "dv")
@@ -215,8 +215,11 @@ def grads(fn: Callable, q, k, v, dout, *more) -> tuple:
 
 def subject(case: Case, options: dict, extra: dict) -> Callable:
     """``fn(q, k, v[, sinks]) -> out``: the call under test, on the ``triton`` backend."""
-    from ..api import flash_attn_func, flash_attn_varlen_func  # imports torch: importing gpu_check_cases loads none
-    from ..dispatch import use_backend  # imports torch: importing gpu_check_cases loads none
+    from flash_recipe.api import (  # imports torch: importing gpu_check_cases loads none
+        flash_attn_func,
+        flash_attn_varlen_func,
+    )
+    from flash_recipe.dispatch import use_backend  # imports torch: importing gpu_check_cases loads none
 
     def fn(q, k, v, *sinks):
         sink = sinks[0] if sinks else None
@@ -251,7 +254,7 @@ def _per_sequence(case: Case, attend: Callable, extra: dict) -> Callable:
 def torch_math(case: Case, options: dict, extra: dict, upcast: bool, keep=None) -> Callable:
     """The reference (``flash_recipe.testing.attention``) in fp32/fp64 (``upcast``) or in the input
     dtype; ``keep``: dropout's kept entries ``(B, H, Sq, Sk)``."""
-    from ..testing import attention  # imports torch: importing gpu_check_cases loads none
+    from flash_recipe.testing import attention  # imports torch: importing gpu_check_cases loads none
 
     slopes = options["alibi_slopes"]
 
@@ -312,7 +315,7 @@ def sdpa_flash(case: Case, extra: dict) -> Callable:
 def _judge(names: tuple, got: tuple, truth: tuple, peer: tuple) -> tuple:
     """Errors of ``got`` and the rule's bounds from ``peer``, both against ``truth``, per name."""
     # imports torch: importing gpu_check_cases loads none
-    from ..testing import FACTORS, accuracy_bound, max_error
+    from flash_recipe.testing import FACTORS, accuracy_bound, max_error
 
     errors = {n: max_error(g, t) for n, g, t in zip(names, got, truth)}
     bounds = {n: accuracy_bound(max_error(p, t), FACTORS[n]) for n, p, t in zip(names, peer, truth)}
@@ -324,8 +327,8 @@ def _replayed_mask(case: Case, q, k, v, options: dict, seed: int):
     again with ``return_attn_probs=True`` (negative probabilities were dropped)."""
     import torch
 
-    from ..api import flash_attn_func  # imports torch: importing gpu_check_cases loads none
-    from ..dispatch import use_backend  # imports torch: importing gpu_check_cases loads none
+    from flash_recipe.api import flash_attn_func  # imports torch: importing gpu_check_cases loads none
+    from flash_recipe.dispatch import use_backend  # imports torch: importing gpu_check_cases loads none
 
     torch.manual_seed(seed)
     with torch.no_grad(), use_backend("triton"):
@@ -338,7 +341,7 @@ def check(case: Case, dtype, device, seed: int = 0) -> dict:
     [torch_math_bounds], passed}`` (see the module docstring for what each kind compares)."""
     import torch
 
-    from ..testing import compute_dtype  # imports torch: importing gpu_check_cases loads none
+    from flash_recipe.testing import compute_dtype  # imports torch: importing gpu_check_cases loads none
 
     row: dict[str, Any] = {"case": case.id, "kind": case.kind, "features": case.features}
     row["dtype"] = str(dtype).replace("torch.", "")
@@ -384,7 +387,7 @@ def check(case: Case, dtype, device, seed: int = 0) -> dict:
 
 def truth_probs(case: Case, q, k, options: dict, dtype):
     """The reference's probabilities ``(B, H, Sq, Sk)`` before dropout (zero where not visible)."""
-    from ..testing import attention  # imports torch: importing gpu_check_cases loads none
+    from flash_recipe.testing import attention  # imports torch: importing gpu_check_cases loads none
 
     _, probs = attention(
         q.to(dtype), k.to(dtype), k.to(dtype), None, case.causal, window=options["window_size"],
@@ -419,10 +422,10 @@ def run_subject(case: Case, dtype, device, seed: int = 0) -> None:
     """The calls the check of ``case`` makes on the ``triton`` backend, and only those (what
     ``flash-recipe warmup --for check`` records)."""
     if case.kind == "kvcache":
-        from ..decoding import flash_attn_with_kvcache  # imports torch: importing gpu_check_cases loads none
-        from ..dispatch import use_backend  # imports torch: importing gpu_check_cases loads none
+        from flash_recipe.decoding import flash_attn_with_kvcache  # imports torch: importing gpu_check_cases loads none
+        from flash_recipe.dispatch import use_backend  # imports torch: importing gpu_check_cases loads none
 
-        q, k_cache, v_cache, k_new, v_new, kwargs = _kv_inputs(case.kv_case(), dtype, device, seed)
+        q, k_cache, v_cache, k_new, v_new, kwargs = kv_inputs(case.kv_case(), dtype, device, seed)
         with use_backend("triton"):
             flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
         return

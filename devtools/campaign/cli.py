@@ -1,4 +1,4 @@
-"""``python -m flash_recipe.tools.campaign``: the command line, and the run of a plan."""
+"""``python -m devtools.campaign``: the command line, and the run of a plan."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def _minutes(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m flash_recipe.tools.campaign",
+        prog="python -m devtools.campaign",
         description="The GPU campaign: compiling ahead, correctness on the GPU, bench with peers, decoding, peak "
         "memory, host cost and CUDA-graph capture, verify, GPU tests and tune, fitted to --minutes; writes "
         "campaign.md, campaign.json, campaign.log and PNGs into --out.",
@@ -145,7 +145,7 @@ def main(argv: Optional[list] = None) -> int:
     if argv and argv[0].split("=")[0] == "--step":
         return run_worker(argv)
     args = build_parser().parse_args(argv)
-    command = shlex.join([sys.executable, "-m", "flash_recipe.tools.campaign", *argv])
+    command = shlex.join([sys.executable, "-m", "devtools.campaign", *argv])
     try:
         plan = build_plan(test_tree=find_test_tree(), tune_first=args.tune_first, budgets=dict(args.budget or []))
         plan = fit(select(plan, args.only, args.skip), args.minutes)

@@ -7,10 +7,11 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from ... import __version__
-from ...files import write_json
-from ..bench import to_markdown
-from ..bench_decode import markdown
+from flash_recipe import __version__
+from flash_recipe.files import write_json
+from flash_recipe.tools.bench import to_markdown
+from flash_recipe.tools.bench_decode import markdown
+
 from .plan import BENCH_MODES, REFERENCE, SUBJECT, TARGET, TOTAL_BUDGET_S, bench_shapes
 from .targets import (
     decode_targets,

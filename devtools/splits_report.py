@@ -1,7 +1,7 @@
 """What the split-KV rule (``flash_recipe.ops.splits.choose_splits``) chooses for the campaign's
 decode grid, as a markdown table::
 
-    python -m flash_recipe.tools.splits_report
+    python -m devtools.splits_report
 
 One row per GPU (A100, H100/H200, RTX 4090 by multiprocessor count and compile target), batch and
 cache length of a one-row decoding step of Llama-3-8B's shape (32 query heads over 8 kv heads,
@@ -16,17 +16,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from ..ops import configs
-from ..ops.splits import PROGRAMS_PER_SM, choose_splits, wave_efficiency
+from flash_recipe.ops import configs, targets
+from flash_recipe.ops.splits import PROGRAMS_PER_SM, choose_splits, wave_efficiency
 
-# The campaign's decode grid (``flash_recipe.tools.campaign.plan``: DECODE_BATCHES, DECODE_CACHES;
+# The campaign's decode grid (``devtools.campaign.plan``: DECODE_BATCHES, DECODE_CACHES;
 # tests/test_splits.py keeps them equal) and its shape, Llama-3-8B: 32 query heads over 8 kv heads
 # of head dim 128, bf16, one query row per step.
 TABLE_BATCHES = (1, 8, 32, 64)
 TABLE_CACHES = (1024, 8192, 32768)
 TABLE_SHAPE = {"nheads": 32, "nheads_k": 8, "head_dim": 128, "element_size": 2}
 # GPUs by multiprocessor count and compile target: A100 (sm80), H100/H200 (sm90), RTX 4090 (sm89).
-TABLE_GPUS = ((108, "sm80"), (132, "sm90"), (128, "sm89"))
+TABLE_GPUS = targets.OFFLINE_GPUS
 
 
 def critical_path(programs: int, splits: int, key_blocks: int, sms: int) -> int:

@@ -1,4 +1,4 @@
-"""``python -m flash_recipe.tools.gpu_check``: the Triton kernels' forward and every gradient against
+"""``python -m devtools.gpu_check``: the Triton kernels' forward and every gradient against
 float32 math, case by case from a table, then a seeded fuzz, within a time bound.
 
 The cases, their kinds and how one is checked (the accuracy rule, the peer: SDPA's flash kernel
@@ -28,10 +28,11 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from ..files import write_json
-from ..ops import targets
-from ..ops.configs import head_dim_bucket
-from . import warmup
+from flash_recipe.files import write_json
+from flash_recipe.ops import targets
+from flash_recipe.ops.configs import head_dim_bucket
+from flash_recipe.tools import warmup
+
 from .gpu_check_cases import (
     GPU_DTYPES,
     GPU_TABLE,
@@ -218,7 +219,7 @@ def summary(doc: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m flash_recipe.tools.gpu_check",
+        prog="python -m devtools.gpu_check",
         description="The Triton kernels' forward and gradients against fp32 math by the accuracy rule: a table of "
         "cases, then a seeded fuzz, within --seconds.",
     )

@@ -1,5 +1,5 @@
 """What the compiled code of a kernel says: its registers, spills and stores, the matrix unit its
-dots use, and the instructions of its main loop (``flash_recipe.tools.compile_check`` reads each
+dots use, and the instructions of its main loop (``devtools.compile_check`` reads each
 kernel it compiles through these)."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Optional
+
+from flash_recipe.tools.compile_calls import stores
 
 
 def nvidia_usage(kernel) -> dict:
@@ -37,7 +39,7 @@ def nvidia_usage(kernel) -> dict:
         "spill_bytes": int(found.group(2)),
         "fma_dots": units.get("fma", 0),
         "sync_dots": units.get("mma.sync", 0),
-        "stores": bool(re.search(r"\bst\.global|\bcp\.async\.bulk\.global", ptx)),
+        "stores": stores(kernel, amd=False),
         "matrix_unit": next((unit for unit in ("tcgen05.mma", "wgmma", "mma.sync") if unit in ptx), None),
         "loop_instructions": len(body) if body is not None else None,  # ``main_loop``, parsed once
         "loop_matrix_macs": loop_matrix_macs(sass.stdout, kernel.metadata.num_warps),
@@ -196,7 +198,7 @@ def amd_usage(kernel) -> dict:
         "registers": field("vgpr_count"),
         "spill_bytes": field("private_segment_fixed_size"),
         "fma_dots": dot_units(kernel.asm["ttgir"]).get("fma", 0),
-        "stores": bool(re.search(r"\b(global|buffer)_store", asm)),
+        "stores": stores(kernel, amd=True),
         "matrix_unit": "mfma" if "mfma" in asm else None,
         "loop_instructions": len(body) if body is not None else None,
         # int8 products: in the main loop, or the whole kernel's where no loop was found

@@ -1,7 +1,7 @@
 """What a model of a launch says of the order the forward and the dQ kernel start their programs in
 (``flash_recipe.ops.schedule``), for the campaign's causal shapes, as a markdown table::
 
-    python -m flash_recipe.tools.schedule_report
+    python -m devtools.schedule_report
 
 A model, not a timing (``model_time``): programs dispatched greedily to 132 slots (one 128 x 128
 program per multiprocessor of an H100), each costing one unit plus one per key block it visits, no
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 
-from ..ops.schedule import launch_sequence, section_heads
+from flash_recipe.ops.schedule import launch_sequence, section_heads
 
 # The model's launches: the campaign's causal bench shapes (16k tokens, 16 heads) and one with 8
 # heads; bf16 at head dim 128 in 128 x 128 blocks, one program per multiprocessor of an H100.

@@ -40,7 +40,7 @@ above all) and a head dim whose mask Triton cannot vectorise cost registers that
 do not avoid, and fp32 (full-precision dots on the FMA units) is the slow path by design. Run it
 as::
 
-    python -m flash_recipe.tools.compile_check --target sm90 --target sm120 [--json]
+    python -m devtools.compile_check --target sm90 --target sm120 [--json]
 
 It must run with ``TRITON_INTERPRET`` unset (the interpreter replaces the compiler).
 """
@@ -57,10 +57,10 @@ import warnings
 from collections.abc import Iterator
 from typing import Optional
 
-from ..ops import configs, features, limits, targets
-from ..ops.offline import offline_launches
+from flash_recipe.ops import configs, features, limits, targets
+from flash_recipe.tools.compile_calls import DECODE_GROUPS, SCORE_OPTIONS, Case, compile_case, constants
+
 from . import compiled_code
-from .compile_calls import DECODE_GROUPS, Case, run_call
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
@@ -178,13 +178,9 @@ ELEMENTWISE = ("bwd_preprocess", "rotary_append", "split_combine", "quantize")
 # sinks' included, bit-identical from run to run.
 DETERMINISTIC_KERNELS = ("bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_onelaunch")
 ATOMIC_OPS = ("tt.atomic_rmw", "tt.atomic_cas")
-# The forward's compile-time flags that make a launch take the ``"fwd_general"`` configuration
-# (``forward.attention_forward``: key ranges, score options, masked head-dim columns).
-SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
 SINKS_KERNEL = {"one_pass": "attn_bwd_dkdv_kernel", "one_launch": "attn_bwd_one_launch_kernel"}  # "-sinks" rows
 # The kernels a GQA launch compiles apart (``group_size`` above 1), whose rows say so ("-gqa").
 GROUPED_KERNELS = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_bwd_one_launch_kernel")
-GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
 # The rows one iteration of a tiled kernel's main loop advances by: keys for the forward, decode and
 # dQ kernels, queries for dK/dV.
 LOOP_STEP = {
@@ -262,35 +258,26 @@ def check_case(case: Case, target: str) -> list[dict]:
         row = {"case": case.id, "kernel": case.call, "target": target, "dtype": case.dtype, "head_dim": case.head_dim}
         return [{**row, "form": case.form, "call": case.call, "not_enabled": reason, "ok": True, "problems": []}]
     start = time.perf_counter()
-    with offline_launches(target) as compiled, warnings.catch_warnings():
+    with warnings.catch_warnings():
         if case.call == "fwd_ws":
             features.forget_warp_specialization_failures()  # an earlier case's fall back hides nothing
             warnings.simplefilter("error", features.WarpSpecializationWarning)
-        labels = run_call(case)
+        compiled = compile_case(case, target)
     seconds = round(time.perf_counter() - start, 2)
     rows = []
-    for name, kernel in compiled:
-        label = labels[name]
+    for label, name, kernel in compiled:
         # The backward kernels' GQA specialisation (group_size above 1) is a row of its own.
-        grouped = name in GROUPED_KERNELS and _constants(kernel).get("group_size") != 1
+        grouped = name in GROUPED_KERNELS and constants(kernel).get("group_size") != 1
         # Those calls' launches with attention sinks pass SINK_DELTA (None, a constant, without).
-        sinks = SINKS_KERNEL.get(case.call) == name and "SINK_DELTA" not in _constants(kernel)
-        if label == "fwd" and any(_constants(kernel).get(flag) for flag in GENERAL_FLAGS):
-            label = "fwd_general"  # the configuration the launcher chose (forward.attention_forward)
-        if label == "fwd" and _constants(kernel).get("WARP_SPEC"):
-            label = "fwd_ws"  # the unmasked key loop warp-specialised (ops.features)
-        if label == "int8" and _constants(kernel).get("PV_FP8"):
-            label = "int8_fp8"  # P.V in FP8 (ops.int8_attention)
-        if label == "bwd_dkdv" and _constants(kernel).get("ATOMIC_DQ"):
-            label = "bwd_onepass"  # the dK/dV kernel adding dQ too (backward_launch.attention_backward)
+        sinks = SINKS_KERNEL.get(case.call) == name and "SINK_DELTA" not in constants(kernel)
         usage = compiled_code.amd_usage(kernel) if target.startswith("gfx") else compiled_code.nvidia_usage(kernel)
-        step = _constants(kernel).get(LOOP_STEP.get(label, ""))
+        step = constants(kernel).get(LOOP_STEP.get(label, ""))
         loop, warps = usage.get("loop_instructions"), kernel.metadata.num_warps
         if usage.get("warp_partitions"):  # per row and element: the softmax partition's loop, the busiest
             loop, warps = usage["softmax_loop_instructions"], usage["softmax_warps"]
         per_kv_head = None
         if label == "decode" and loop and step and case.form == "aligned":
-            programs = 1 if _constants(kernel).get("PACK_GQA") else DECODE_GROUPS[case.call]
+            programs = 1 if constants(kernel).get("PACK_GQA") else DECODE_GROUPS[case.call]
             per_kv_head = round(loop * kernel.metadata.num_warps / step * programs, 2)
         rows.append(
             _verdict(
@@ -307,7 +294,7 @@ def check_case(case: Case, target: str) -> list[dict]:
                     "num_stages": kernel.metadata.num_stages,
                     **usage,
                     "loop_step": step,
-                    "score_options": any(_constants(kernel).get(flag) for flag in SCORE_OPTIONS),
+                    "score_options": any(constants(kernel).get(flag) for flag in SCORE_OPTIONS),
                     "loop_per_row": round(loop / step, 3) if loop and step else None,
                     "loop_per_element": _per_element(kernel, loop, warps),
                     "loop_products": _products(kernel, usage.get("loop_matrix_macs")),
@@ -315,7 +302,7 @@ def check_case(case: Case, target: str) -> list[dict]:
                     "call": case.call,
                     "per_key_per_kv_head": per_kv_head,
                     "atomic_ops": atomic_ops(kernel),
-                    "grid_fold": _constants(kernel).get("GRID_FOLD", 1),
+                    "grid_fold": constants(kernel).get("GRID_FOLD", 1),
                 }
             )
         )
@@ -332,7 +319,7 @@ def _per_element(kernel, loop: Optional[int], warps: int) -> Optional[float]:
     """Warp-instructions per score element of a tiled kernel's main loop: its instructions, issued
     by each of ``warps`` warps, over the ``BLOCK_M x BLOCK_N`` scores of the block pair one
     iteration covers."""
-    blocks = [_constants(kernel).get(name) for name in ("BLOCK_M", "BLOCK_N")]
+    blocks = [constants(kernel).get(name) for name in ("BLOCK_M", "BLOCK_N")]
     if not loop or not all(blocks):
         return None
     return round(loop * warps / (blocks[0] * blocks[1]), 4)
@@ -340,7 +327,7 @@ def _per_element(kernel, loop: Optional[int], warps: int) -> Optional[float]:
 
 def _products(kernel, macs: Optional[int]) -> Optional[float]:
     """Block-pair matrix products in one main-loop iteration: its multiply-adds over BM * BN * D."""
-    blocks = [_constants(kernel).get(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D")]
+    blocks = [constants(kernel).get(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D")]
     if not macs or not all(blocks):
         return None
     return round(macs / (blocks[0] * blocks[1] * blocks[2]), 3)
@@ -357,22 +344,6 @@ def products_expected(row: dict) -> Optional[int]:
     ):
         return PRODUCTS[row["kernel"]]
     return None
-
-
-def _constants(kernel) -> dict:
-    """The constexpr arguments a kernel was compiled with, by name (empty where Triton keeps none).
-    Triton 3.2 keys them by name, later releases by ``(argument index,)``."""
-    src = getattr(kernel, "src", None)
-    names = getattr(getattr(src, "fn", None), "arg_names", None)
-    if names is None:
-        return {}
-    found = {}
-    for key, value in src.constants.items():
-        if isinstance(key, str):
-            found[key] = value
-        elif isinstance(key, tuple) and len(key) == 1:
-            found[names[key[0]]] = value
-    return found
 
 
 def proxy_applies(row: dict) -> bool:
@@ -555,9 +526,7 @@ def run_jobs(jobs: list, processes: int = 1) -> Iterator[dict]:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m flash_recipe.tools.compile_check", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m devtools.compile_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", choices=TARGETS, help="architecture (repeatable); default: all")
     parser.add_argument("--call", action="append", choices=CALLS, help="launcher call (repeatable); default: all")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="dtype (repeatable); default: all")

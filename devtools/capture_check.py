@@ -1,4 +1,4 @@
-"""CUDA-graph capture of flash_recipe's calls: ``python -m flash_recipe.tools.capture_check [--json FILE]``.
+"""CUDA-graph capture of flash_recipe's calls: ``python -m devtools.capture_check [--json FILE]``.
 
 Serving engines and ``generate`` with a static cache hide the host cost of a decoding step by
 capturing it in a CUDA graph and replaying it. A call can be captured only if it never reads a
@@ -27,7 +27,7 @@ import argparse
 import sys
 from typing import Callable, Optional
 
-from .. import files
+from flash_recipe import files
 
 CHECKS = ("kvcache", "kvcache_paged", "varlen", "fwd", "fwd_bwd", "compile")
 # Llama-3-8B's attention shape at a small batch and cache: what a captured decoding step looks like.
@@ -71,7 +71,7 @@ def _decode_case(paged: bool):
     attention over the cache; the outputs include the cache rows it writes."""
     import torch
 
-    from ..decoding import flash_attn_with_kvcache  # imports torch: importing capture_check loads none
+    from flash_recipe.decoding import flash_attn_with_kvcache  # imports torch: importing capture_check loads none
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -145,7 +145,7 @@ def check_decode(paged: bool) -> dict:
 def check_varlen() -> dict:
     import torch
 
-    from ..api import flash_attn_varlen_func  # imports torch: importing capture_check loads none
+    from flash_recipe.api import flash_attn_varlen_func  # imports torch: importing capture_check loads none
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(1)
@@ -168,7 +168,7 @@ def check_varlen() -> dict:
 def check_dense(backward: bool) -> dict:
     import torch
 
-    from ..api import flash_attn_func  # imports torch: importing capture_check loads none
+    from flash_recipe.api import flash_attn_func  # imports torch: importing capture_check loads none
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(2)
@@ -228,7 +228,7 @@ def run(checks=CHECKS, report=print) -> list:
     failed or error)."""
     import torch
 
-    from ..dispatch import use_backend  # imports torch: importing capture_check loads none
+    from flash_recipe.dispatch import use_backend  # imports torch: importing capture_check loads none
 
     rows = []
     for name in checks:
@@ -244,9 +244,7 @@ def run(checks=CHECKS, report=print) -> list:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m flash_recipe.tools.capture_check", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m devtools.capture_check", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="append", choices=CHECKS, help="check to run (repeatable); default: all")
     parser.add_argument("--json", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)

@@ -10,8 +10,8 @@ in a call the check budgets (``SPILLING``) or a GPU measured the other faster
 The table in docs/performance.md ("The backward path per family") is this tool's output, and
 tests/test_backward_paths.py pins the defaults to it::
 
-    python -m flash_recipe.tools.backward_paths --jobs 2 [--target sm90] [--head-dim 128]
-    python -m flash_recipe.tools.backward_paths --rows rows.jsonl   # compile check --json output
+    python -m devtools.backward_paths --jobs 2 [--target sm90] [--head-dim 128]
+    python -m devtools.backward_paths --rows rows.jsonl   # compile check --json output
 
 On AMD a wavefront issues each instruction once, as a warp does, so the counts read the same
 (``compiled_code.amd_main_loop_body``); each AMD target has its row, since the family's three
@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..ops import configs, limits
+from flash_recipe.ops import configs, limits
+
 from . import compile_check
 
 # One target per NVIDIA family (the families' own compile targets), and every AMD target: their
@@ -37,7 +38,7 @@ TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950
 # cannot tell it from them: only a GPU's timing can choose it (``flash-recipe tune``).
 PATH_KERNELS = {"one_pass": ("bwd_onepass",), "three_kernels": ("bwd_dq", "bwd_dkdv")}
 # Where the path with fewer instructions spills in a call the compile check budgets, the other is
-# the default: (target, head dim) -> why (``python -m flash_recipe.tools.compile_check --call varlen``).
+# the default: (target, head dim) -> why (``python -m devtools.compile_check --call varlen``).
 SPILLING = {
     ("sm86", 64): "the three kernels' dQ kernel spills 8 B with packed sequences",
     ("sm100", 128): "the three kernels' dK/dV kernel spills 48 B with packed sequences",
@@ -140,9 +141,7 @@ def compile_rows(targets: list, head_dims: list, jobs: int = 1) -> list:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m flash_recipe.tools.backward_paths", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m devtools.backward_paths", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", choices=TARGETS, help="repeatable; default: every family's")
     parser.add_argument(
         "--head-dim",

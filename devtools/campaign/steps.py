@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .. import bench, gpu_check
-from ..verify import format_table
+from flash_recipe.tools import bench
+from flash_recipe.tools.verify import format_table
+
+from .. import gpu_check
 from .plan import STOP_GRACE_S, Step, package_root
 from .targets import parse_junit, summarize_verify
 

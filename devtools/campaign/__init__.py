@@ -1,4 +1,4 @@
-"""A GPU campaign in one command: ``python -m flash_recipe.tools.campaign --out DIR``.
+"""A GPU campaign in one command: ``python -m devtools.campaign --out DIR``.
 
 On a CUDA machine with whatever torch and Triton are installed, it runs these steps, in the order
 of value, each in its own subprocess with its own time budget (measured on an H100 and an H200
@@ -15,7 +15,7 @@ warmup   ``flash-recipe warmup --jobs N --for ...`` (N: the CPU count, at most 1
          in N processes, the kernel variants of the steps after it that run (check, bench, verify
          in its dtype, the GPU tests), and reports the first-call seconds per kernel family; its
          budget is sized from the variants of those steps (``plan.warmup_budget``)
-check    ``flash_recipe.tools.gpu_check``: correctness on the GPU: the forward and dq, dk, dv of a
+check    ``devtools.gpu_check``: correctness on the GPU: the forward and dq, dk, dv of a
          table of cases (MHA, GQA, MQA, causal, Sq != Sk, head dims 64/128/256, varlen, a paged KV
          cache with rows appended, window, softcap, ALiBi, dropout by its own replay) in bf16 and
          fp16 against fp32 math by the accuracy rule, SDPA flash the low-precision peer where it
@@ -32,7 +32,7 @@ memory   peak memory of one training step (forward; forward and backward) of fla
 host     the host cost per call at the decoding shape (``flash_recipe.tools.host_cost``): Python calls
          and microseconds of ``flash_attn_func`` (with and without autograd) and
          ``flash_attn_with_kvcache``, Triton's launch stubbed and real, torch SDPA's beside
-capture  CUDA-graph capture (``flash_recipe.tools.capture_check``): a KV-cache step (dense and paged),
+capture  CUDA-graph capture (``devtools.capture_check``): a KV-cache step (dense and paged),
          varlen, the forward and forward + backward, replayed against eager calls bit for bit, and a
          decoding step under ``torch.compile(mode="reduce-overhead")``
 verify   ``flash-recipe verify --kvcache --grid full`` in bf16: every backend against

@@ -1,0 +1,7 @@
+"""``python -m devtools.campaign``: see ``devtools.campaign``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
