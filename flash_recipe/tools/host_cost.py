@@ -42,6 +42,8 @@ import time
 from collections.abc import Iterator
 from typing import Callable, Optional
 
+import torch
+
 from .. import __version__, files, signatures, validate
 
 CASES = ("fwd", "fwd_autograd", "kvcache", "fwd_bwd")
@@ -141,8 +143,6 @@ def recorded_launches() -> Iterator[list]:
 def time_calls(fn: Callable[[], object], reps: int = 200, rounds: int = 5, device=None) -> float:
     """Median over ``rounds`` of the microseconds per call of ``reps`` calls issued back to back;
     a CUDA ``device`` is synchronised before and after each round, outside the clock."""
-    import torch
-
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     for _ in range(3):
         fn()
@@ -160,8 +160,6 @@ def time_calls(fn: Callable[[], object], reps: int = 200, rounds: int = 5, devic
 
 def make_case(name: str, device, dtype, cache: int, shape: tuple = SHAPE) -> tuple[Callable, Callable]:
     """``(flash_recipe call, torch SDPA call)`` of case ``name`` on new tensors."""
-    import torch
-
     from ..api import flash_attn_func  # loads the dispatch: importing host_cost does not
     from ..decoding import flash_attn_with_kvcache  # loads the dispatch: importing host_cost does not
 
@@ -239,8 +237,6 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
     the triton backend, the launches of one call and their arguments, and torch SDPA's microseconds
     beside it. ``stub``: Triton's launch replaced by a recorder (this package's own path alone);
     else Triton's launch runs (on a GPU, or on the stub driver: ``stub_driver.stub_cuda``)."""
-    import torch
-
     from ..dispatch import use_backend  # loads the dispatch: importing host_cost does not
 
     rows = []
@@ -289,7 +285,6 @@ def profile_case(name: str, device, dtype, cache: int, calls: int = 50, top: int
     ``torch.profiler`` (CPU activity, and CUDA's on a GPU), after the first call of the signature:
     what a call's host time goes to below Python (the autograd graph, allocations, the driver's
     launch), per call. Each entry: ``name``, ``calls`` (per call), ``self_cpu_us`` (per call)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from ..dispatch import use_backend  # loads the dispatch: importing host_cost does not
@@ -381,8 +376,6 @@ def gpu_route(target: str) -> Iterator[None]:
 
 def run(args, command: str = "python -m flash_recipe.tools.host_cost") -> int:
     """Measure and print the table (``command``: how it was invoked, for the context line)."""
-    import torch
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     stub_driver = device.type == "cpu" and args.launch == "driver"
     if device.type == "cpu":

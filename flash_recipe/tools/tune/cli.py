@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Callable, Optional
 
+import torch
+
 from ...ops import targets, tuned
 from .problem import DTYPES, HEAD_DIMS, KERNELS, SPLITS, TuneError, describe
 from .search import tune
@@ -200,7 +202,6 @@ def run(args) -> int:
         return show()
     if args.clear:
         return clear()
-    import torch
 
     if not torch.cuda.is_available():
         print(

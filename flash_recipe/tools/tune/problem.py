@@ -9,6 +9,8 @@ import dataclasses
 import itertools
 from typing import Any, Callable, NamedTuple, Optional
 
+import torch
+
 from ...ops import choose, configs, limits
 from ...ops.configs import Config
 from ...ops.options import ScoreOptions
@@ -128,8 +130,6 @@ def describe(config) -> str:
 def nan_outputs():
     """Kernel outputs start as NaN inside the block (``tiles.output_buffer``), so a tile a
     candidate leaves unwritten shows instead of reusing a previous launch's memory."""
-    import torch
-
     from ...ops import tiles  # imports Triton: importing tune loads none
 
     allocate = tiles.output_buffer
@@ -152,8 +152,6 @@ class Problem:
     ``"three_kernels"``, ``"one_launch"``: the whole backward, timed to choose among them)."""
 
     def __init__(self, kernel: str, dtype: str, shape: Shape, device, seed: int = 0, path: Optional[str] = None):
-        import torch
-
         from ...ops import forward, kvcache  # imports Triton: importing tune loads none
 
         self.kernel, self.dtype, self.shape, self.path = kernel, dtype, shape, path
@@ -211,8 +209,6 @@ class Problem:
             )[:3]
 
     def reference(self, upcast: bool) -> tuple:
-        import torch
-
         if self.kernel == "decode":
             rows = [
                 attention_reference(

@@ -9,6 +9,8 @@ import itertools
 import math
 from typing import Any, Callable, Optional
 
+import torch
+
 from ...ops import choose, configs, limits, targets, tuned
 from ...ops.configs import Config
 from .candidates import candidates, nearest, prune
@@ -402,8 +404,6 @@ def tune(
             cache by.
         ValueError: an argument outside its allowed values.
     """
-    import torch
-
     _check_arguments(kernels, head_dims, dtypes, seqlens, causal, decode_batches, splits, tokens, nheads, min_gain)
     device = torch.device(device)
     if timer is None:
