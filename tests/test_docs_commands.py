@@ -194,13 +194,16 @@ def python_modules(line: str) -> list[str]:
 
 
 def module_exists(module: str) -> bool:
-    """A module of the checkout (a file or a package with ``__main__``), else an installed one."""
-    import importlib.util
+    """A module of the checkout (a file or a package with ``__main__``), else an installed one.
+    Looked up on ``sys.path`` alone: ``importlib.util.find_spec("pip")`` would also ask setuptools'
+    distutils finder, which then stops shimming distutils, and a later first ``import setuptools``
+    in this process (torch.compile's CPU path makes one) fails its own assertion."""
+    import importlib.machinery
 
     path = ROOT / Path(*module.split("."))
     if (ROOT / module.split(".")[0]).is_dir():
         return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
-    return importlib.util.find_spec(module.split(".")[0]) is not None
+    return importlib.machinery.PathFinder.find_spec(module.split(".")[0]) is not None
 
 
 def test_every_python_module_a_block_runs_exists():

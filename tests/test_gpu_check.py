@@ -11,7 +11,6 @@ before a GPU runs it.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 
@@ -64,7 +63,8 @@ def test_the_step_passes_on_the_interpreters_table_as_the_campaign_runs_it(tmp_p
     result = tmp_path / "check.json"
     argv = {s.name: s for s in campaign.build_plan()}["check"].command(str(tmp_path))
     assert argv[1:5] == ["-m", "devtools.gpu_check", "--json", str(result)]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # The campaign's step environment (the checkout on PYTHONPATH), on the CPU through the interpreter.
+    env = {**campaign.step_environment(tmp_path), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([*argv, "--fuzz-cases", "3"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads(result.read_text())

@@ -24,9 +24,9 @@ import torch
 from test_grid_limits import FAMILIES
 
 from flash_recipe import signatures
-from flash_recipe.ops import backward_launch, decode, dropout, forward, int8_attention, kvcache, launch, quantize
+from flash_recipe.ops import backward_launch, dropout, forward, int8_attention, kvcache, launch, quantize, split_merge
 
-MODULES = (launch, forward, decode, backward_launch, kvcache, int8_attention, quantize, dropout)
+MODULES = (launch, forward, split_merge, backward_launch, kvcache, int8_attention, quantize, dropout)
 
 
 @pytest.fixture

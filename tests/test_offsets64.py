@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_recipe.ops import choose, decode, dropout, int8_attention, quantize
+from flash_recipe.ops import choose, dropout, int8_attention, quantize, split_merge
 from flash_recipe.ops.backward_launch import attention_backward
 from flash_recipe.ops.forward import attention_forward
 from flash_recipe.ops.kvcache import Cache, Rotary, attention_kvcache
@@ -216,8 +216,8 @@ def test_split_merge():
     for o_s, l_s in ((f_o, f_lse), (o_split, lse_split)):
         out = torch.empty(q.shape, dtype=torch.float16)
         lse, stride_lb, stride_lh = lse_buffer(out, None, dims)
-        merge = decode.plan_split_merge(o_s, l_s, out, lse, None, dims, stride_lb, stride_lh, 0, 16, q.device)
-        decode.launch_split_merge(merge, o_s, l_s, out, lse, None)
+        merge = split_merge.plan_split_merge(o_s, l_s, out, lse, None, dims, stride_lb, stride_lh, 0, 16, q.device)
+        split_merge.launch_split_merge(merge, o_s, l_s, out, lse, None)
         results.append((out, lse))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 

@@ -10,7 +10,7 @@
 - ``backward``: the recomputing backward's kernels (preprocess, dK/dV, dQ);
 - ``backward_launch``: their launcher, ``attention_backward``, planned and launched as the forward;
 - ``kvcache``: rotary embedding and in-place cache append, then the forward over the cache;
-- ``decode``: split-KV's merge of the shares' partial outputs, which the forward launches after them;
+- ``split_merge``: split-KV's merge of the shares' partial outputs, which the forward launches after them;
 - ``splits``: the split-KV rule (how many shares of the keys a launch over a cache splits into);
 - ``packing``: whether a launch packs a GQA group into one query tile per kv head;
 - ``schedule``: the order a launch's programs start in (``launch_order``, called inside the forward
@@ -32,7 +32,7 @@ The offline compile of every variant for GPU targets is a tool: ``devtools.compi
 so are the reports of the split rule and the launch order (``devtools.splits_report``,
 ``devtools.schedule_report``).
 
-Importing a kernel module (``forward``, ``backward``, ``kvcache``, ``decode``, ``dropout``, ``tiles``,
+Importing a kernel module (``forward``, ``backward``, ``kvcache``, ``split_merge``, ``dropout``, ``tiles``,
 ``attention``), ``backward_launch``, ``schedule``, ``launch`` or ``offline`` imports Triton; ``configs``, ``targets``,
 ``choose``, ``limits``, ``tuned``, ``features``, ``options``, ``splits`` and ``packing`` do not.
 ``flash_recipe`` itself imports Triton only when the ``triton`` backend first runs.

@@ -95,7 +95,7 @@ def attention_backward(
             return _no_keys(dout, q, k, v, out, lse, options.sinks)
         found = _PLANS.keep(key, plan_backward(dout, q, k, v, out, lse, options, varlen, own_lse, deterministic))
     elif found.tuned:
-        choose.took_tuned(found.tuned)
+        choose.record_tuned(found.tuned)
     return run_backward(found, dout, q, k, v, out, lse, options, varlen)
 
 
@@ -133,7 +133,7 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
                   deterministic: bool) -> BackwardPlan:
     """Decide a backward launch (the first call of its signature): path, configurations, grids and
     arguments; the buffers it allocates stand here as meta tensors, for their strides."""
-    used = choose.tuned_taken()
+    used = choose.tuned_recorded()
     before = len(used) if used is not None else 0
     dims = layout(q, k, varlen)
     block_d = configs.head_dim_bucket(dims.head_dim)

@@ -14,7 +14,7 @@ is dropped for the rest of the process and the launcher runs again on the table'
 warp-specialised forward that fails where the plain one runs falls back to the plain one (for its
 target and head dim, for the rest of the process, with one warning). Launchers that
 memoize a launch plan key it by ``plan_state()`` and report the tuned entries a reused plan took
-with ``took_tuned``.
+with ``record_tuned``.
 
 ``backward_path(device, head_dim, element_size)`` answers which backward a launch runs unless it
 is deterministic, in the same order: a ``taking_path`` block's, the path ``flash-recipe tune``
@@ -77,12 +77,12 @@ def taking_path(path: str) -> Iterator[None]:
         _PATH.reset(token)
 
 
-def tuned_taken() -> Optional[list]:
+def tuned_recorded() -> Optional[list]:
     """The tuned entries the running ``tuned_fallback`` call's launches took so far (None outside one)."""
     return _TUNED_USED.get()
 
 
-def took_tuned(entries: tuple) -> None:
+def record_tuned(entries: tuple) -> None:
     """Record that a launch took these tuned entries (a memoized plan that ``launch_config`` chose
     them for), so that ``tuned_fallback`` can reject them if the launch fails. Callers skip the
     call where a plan took none (one Python call less per launch)."""

@@ -36,11 +36,11 @@ import triton.language as tl
 
 from ..signatures import Memo, signature
 from . import choose, configs, features, limits, targets, tiles
-from .decode import launch_split_merge, plan_split_merge
 from .launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
 from .options import KEY_RANGE_FIELDS, SCORE_FIELDS, VARLEN_FIELDS, KeyRanges, ScoreOptions, Varlen
 from .packing import gqa_packing
 from .schedule import launch_order, launch_section
+from .split_merge import launch_split_merge, plan_split_merge
 from .tiles import (
     LN2,
     LOG2E,
@@ -244,7 +244,7 @@ def attn_fwd_kernel(
 
     Split-KV (``num_splits > 1``): program ``(i_m * num_splits + i_s)`` takes the ``i_s``-th of
     ``num_splits`` equal shares of the key blocks and writes its partial (normalised) output and
-    log-sum-exp at split offset ``i_s * stride_os`` / ``i_s * stride_ls``; ``decode.split_combine_kernel``
+    log-sum-exp at split offset ``i_s * stride_os`` / ``i_s * stride_ls``; ``split_merge.split_combine_kernel``
     merges them. A row with no key in a share stores lse = +inf and output 0.
 
     With ``TMA`` (dense calls only: no varlen, key ranges or splits), ``K_TILES`` and ``V_TILES``
@@ -435,7 +435,7 @@ def attention_forward(
         options: the scale, masks and score options (``ScoreOptions``).
         keys: per-batch key rows (a KV cache); each batch aligns its diagonal bottom-right.
         num_splits: > 1 (with ``keys``) splits every row's keys into that many shares run by
-            separate programs, then merges them (``decode.split_combine_kernel``): more parallelism for
+            separate programs, then merges them (``split_merge.split_combine_kernel``): more parallelism for
             few query rows.
         kernel: the launch configuration to use, ``"fwd"`` or ``"decode"`` (small query blocks);
             ``"fwd"`` becomes ``"fwd_general"`` with varlen, key ranges, softcap, ALiBi, dropout or a
@@ -458,7 +458,7 @@ def attention_forward(
         found = _PLANS.keep(key, plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa))
     else:  # what a failed launch would reject (``choose.tuned_fallback``), recorded where there is any
         if found.tuned:
-            choose.took_tuned(found.tuned)
+            choose.record_tuned(found.tuned)
         if found.warp_spec:
             features.took_warp_specialization(found.warp_spec)
     return run_forward(found, q, k, v, options, varlen, keys)
@@ -510,7 +510,7 @@ def plan_forward(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -
     """Decide a forward launch (the first call of its signature): configuration, grid and arguments."""
     dims = layout(q, k, varlen, keys)
     lse_shape = (dims.batch, dims.nheads, dims.seqlen_q) if varlen is None else (dims.nheads, q.shape[0])
-    used = choose.tuned_taken()
+    used = choose.tuned_recorded()
     before = len(used) if used is not None else 0
     if q.numel() == 0 or dims.seqlen_q == 0:
         return ForwardPlan(tuple(q.shape), lse_shape, None, None, num_splits, (), (), ())

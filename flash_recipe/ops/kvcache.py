@@ -367,7 +367,7 @@ def attention_kvcache(
         step = _STEPS.keep(key, _plan_step(q, k_new, v_new, cache, rotary, options, keys, num_splits, pack_gqa,
                                            q_moves))
     elif step.forward.tuned:
-        choose.took_tuned(step.forward.tuned)
+        choose.record_tuned(step.forward.tuned)
     if step.append is not None:
         _launch_copy(step.append, _copy_tensors(k_new, cache.k, cache.seqlens, rotary, cache, (v_new, cache.v)))
     if step.rotate_q is not None:

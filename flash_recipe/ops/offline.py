@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-from . import backward, backward_one_launch, decode, forward, int8_attention, kvcache, quantize, targets
+from . import backward, backward_one_launch, forward, int8_attention, kvcache, quantize, split_merge, targets
 
 
 def gpu_target(target: str) -> GPUTarget:
@@ -63,9 +63,9 @@ class OfflineDriver:
 
 def jit_kernels() -> dict:
     """The launchable jit functions of the kernel modules (``forward``, ``backward``,
-    ``backward_one_launch``, ``kvcache``, ``decode``, ``quantize``, ``int8_attention``), by name."""
+    ``backward_one_launch``, ``kvcache``, ``split_merge``, ``quantize``, ``int8_attention``), by name."""
     found = {}
-    for module in (forward, backward, backward_one_launch, kvcache, decode, quantize, int8_attention):
+    for module in (forward, backward, backward_one_launch, kvcache, split_merge, quantize, int8_attention):
         for name, obj in vars(module).items():
             fn = getattr(obj, "fn", obj)  # triton.heuristics wraps the jit function
             if isinstance(fn, JITFunction) and name.endswith("_kernel"):

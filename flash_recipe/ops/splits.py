@@ -2,7 +2,7 @@
 
 A decoding step launches few programs (one per batch entry, launched head and query block) that
 each stream a long cache. Split-KV gives every program ``splits`` programs, each streaming one
-share of the key blocks, and merges their partial outputs (``decode.split_combine_kernel``, which
+share of the key blocks, and merges their partial outputs (``split_merge.split_combine_kernel``, which
 the forward launches after the shares).
 ``choose_splits`` picks the count from three numbers, so it is tested as a table on the CPU
 (``tests/test_splits.py``); ``kvcache.heuristic_splits`` feeds it the launch's numbers and
