@@ -27,7 +27,12 @@ import argparse
 import sys
 from typing import Callable, Optional
 
+import torch
+
 from flash_recipe import files
+from flash_recipe.api import flash_attn_func, flash_attn_varlen_func
+from flash_recipe.decoding import flash_attn_with_kvcache
+from flash_recipe.dispatch import use_backend
 
 CHECKS = ("kvcache", "kvcache_paged", "varlen", "fwd", "fwd_bwd", "compile")
 # Llama-3-8B's attention shape at a small batch and cache: what a captured decoding step looks like.
@@ -37,8 +42,6 @@ BATCH, NHEADS, NHEADS_K, HEAD_DIM, CACHE, PAGE = 4, 32, 8, 128, 1024, 256
 def _captured(fn: Callable[[], object]):
     """Capture ``fn`` in a CUDA graph (after warm-up runs on a side stream, as torch asks); returns
     ``(graph, outputs of the captured call)``."""
-    import torch
-
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -53,8 +56,6 @@ def _captured(fn: Callable[[], object]):
 
 def _same(got, want) -> Optional[str]:
     """None if the tensors (or tuples of them) are equal bit for bit, else what differs."""
-    import torch
-
     got = got if isinstance(got, (tuple, list)) else (got,)
     want = want if isinstance(want, (tuple, list)) else (want,)
     for i, (a, b) in enumerate(zip(got, want)):
@@ -69,10 +70,6 @@ def _same(got, want) -> Optional[str]:
 def _decode_case(paged: bool):
     """A decoding step's state and ``step(state) -> outputs``: new keys appended (rotated), then
     attention over the cache; the outputs include the cache rows it writes."""
-    import torch
-
-    from flash_recipe.decoding import flash_attn_with_kvcache  # imports torch: importing capture_check loads none
-
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -143,10 +140,6 @@ def check_decode(paged: bool) -> dict:
 
 
 def check_varlen() -> dict:
-    import torch
-
-    from flash_recipe.api import flash_attn_varlen_func  # imports torch: importing capture_check loads none
-
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(1)
     lengths = [37, 1, 130, 64]
@@ -166,10 +159,6 @@ def check_varlen() -> dict:
 
 
 def check_dense(backward: bool) -> dict:
-    import torch
-
-    from flash_recipe.api import flash_attn_func  # imports torch: importing capture_check loads none
-
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(2)
     q, k, v = (torch.randn(2, 512, h, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
@@ -198,8 +187,6 @@ def check_dense(backward: bool) -> dict:
 def check_compile() -> dict:
     """A decoding step under ``torch.compile(mode="reduce-overhead")``: three steps, lengths growing
     in place, each against the eager step."""
-    import torch
-
     original, step = _decode_case(paged=False)
     compiled = torch.compile(step, mode="reduce-overhead")
     static = _clone(original)
@@ -226,10 +213,6 @@ RUNS: dict[str, Callable[[], dict]] = {
 def run(checks=CHECKS, report=print) -> list:
     """Run the checks; one row per check: ``{"check", "status", "detail"}`` (status passed,
     failed or error)."""
-    import torch
-
-    from flash_recipe.dispatch import use_backend  # imports torch: importing capture_check loads none
-
     rows = []
     for name in checks:
         try:
@@ -248,7 +231,6 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--check", action="append", choices=CHECKS, help="check to run (repeatable); default: all")
     parser.add_argument("--json", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
-    import torch
 
     if not torch.cuda.is_available():
         print("capture_check needs a CUDA GPU", file=sys.stderr)

@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import triton.backends.nvidia
+
 from flash_recipe.tools.compile_calls import stores
 
 
@@ -18,8 +20,6 @@ def nvidia_usage(kernel) -> dict:
     tool Triton ships), the matrix instruction its PTX uses, and the instructions of its main loop
     (``main_loop`` on ``cuobjdump -sass``). The kernels keep no arrays in local memory, so their
     stack frame is where spilled registers go."""
-    import triton.backends.nvidia
-
     cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+import torch
+
 from flash_recipe.files import write_json
 from flash_recipe.ops import targets
 from flash_recipe.ops.configs import head_dim_bucket
@@ -94,8 +96,6 @@ def variant_keys(case: Case, dtype, device) -> set:
 
 def default_dtypes(device, interpreter: bool) -> tuple:
     """``(dtypes, {skipped dtype: why})`` for this device."""
-    import torch
-
     if interpreter:
         return list(INTERPRETER_DTYPES), {"bfloat16": INTERPRETER_BF16}
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -110,8 +110,6 @@ def run(
     """Check every row of ``table`` in every dtype (row by row), then fuzz while time is left (at
     most ``fuzz_limit`` cases when > 0); stops starting checks after ``seconds``. Returns the
     result document (``write`` gets it after every check)."""
-    import torch
-
     begin = time.monotonic()
     deadline = begin + seconds
     doc: dict[str, Any] = {"device": str(device), "backend": "triton", "dtypes": [str(d) for d in dtypes]}
@@ -144,8 +142,6 @@ def run(
 
 def _fuzz(doc, table, templates, dtypes, device, deadline, seed, save, progress, limit) -> None:
     """The fuzz part of ``run``: cases whose variants the table launched, until the deadline."""
-    import torch
-
     rng = random.Random(seed)
     known = set()
     for case in table:
@@ -234,8 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    import torch
-
     args = build_parser().parse_args(argv)
     if args.seconds <= 0:
         print(f"gpu_check: --seconds must be positive, got {args.seconds:g}", file=sys.stderr)

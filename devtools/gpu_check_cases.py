@@ -38,6 +38,13 @@ import math
 import time
 from typing import Any, Callable, Optional
 
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_recipe.api import flash_attn_func, flash_attn_varlen_func
+from flash_recipe.decoding import flash_attn_with_kvcache
+from flash_recipe.dispatch import use_backend
+from flash_recipe.testing import FACTORS, accuracy_bound, attention, compute_dtype, max_error
 from flash_recipe.tools.verify_kvcache import KVCase, check_kvcache_case, kv_inputs
 
 KINDS = ("dense", "varlen", "dropout", "kvcache")
@@ -114,16 +121,12 @@ class Case:
 
     def sinks(self, dtype, device) -> tuple:
         """``()``, or ``(sinks,)``: the row's attention sinks ``(H,)`` in ``dtype``, an extra leaf."""
-        import torch
-
         if self.sink is None:
             return ()
         return ((self.sink + torch.linspace(-1.0, 1.0, self.nheads)).to(device=device, dtype=dtype),)
 
     def options(self, device) -> dict:
         """Keyword arguments of ``flash_attn_func`` / ``flash_attn_varlen_func`` for this row."""
-        import torch
-
         slopes = None
         if self.alibi:
             heads = torch.tensor([2.0 ** (-8.0 * (h + 1) / self.nheads) for h in range(self.nheads)])
@@ -187,8 +190,6 @@ def inputs(case: Case, dtype, device, seed: int) -> tuple:
     """``(q, k, v, dout, extra)``: drawn on the CPU in fp32 from ``seed``, then cast and moved.
     Dense: ``(B, S, H, D)``; varlen: ``(sum lens, H, D)`` with ``extra`` the ``cu_seqlens`` and
     maximum lengths of ``flash_attn_varlen_func``; else ``extra`` is empty."""
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     if case.kind == "varlen":
         rows_q, rows_k = [sum(case.lens_q)], [sum(case.lens_k)]  # (total, H, D)
@@ -215,11 +216,6 @@ def grads(fn: Callable, q, k, v, dout, *more) -> tuple:
 
 def subject(case: Case, options: dict, extra: dict) -> Callable:
     """``fn(q, k, v[, sinks]) -> out``: the call under test, on the ``triton`` backend."""
-    from flash_recipe.api import (  # imports torch: importing gpu_check_cases loads none
-        flash_attn_func,
-        flash_attn_varlen_func,
-    )
-    from flash_recipe.dispatch import use_backend  # imports torch: importing gpu_check_cases loads none
 
     def fn(q, k, v, *sinks):
         sink = sinks[0] if sinks else None
@@ -234,8 +230,6 @@ def subject(case: Case, options: dict, extra: dict) -> Callable:
 def _per_sequence(case: Case, attend: Callable, extra: dict) -> Callable:
     """``fn(q, k, v[, sinks])`` applying ``attend(q_b, k_b, v_b, b[, sinks])`` (each ``(1, S_b, H, D)``)
     to each sequence of a varlen row and packing the outputs back, or to the whole batch (``b`` None)."""
-    import torch
-
     if case.kind != "varlen":
         return lambda q, k, v, *sinks: attend(q, k, v, None, *sinks)
     cu_q, cu_k = (extra[f"cu_seqlens_{side}"].tolist() for side in "qk")
@@ -254,8 +248,6 @@ def _per_sequence(case: Case, attend: Callable, extra: dict) -> Callable:
 def torch_math(case: Case, options: dict, extra: dict, upcast: bool, keep=None) -> Callable:
     """The reference (``flash_recipe.testing.attention``) in fp32/fp64 (``upcast``) or in the input
     dtype; ``keep``: dropout's kept entries ``(B, H, Sq, Sk)``."""
-    from flash_recipe.testing import attention  # imports torch: importing gpu_check_cases loads none
-
     slopes = options["alibi_slopes"]
 
     def attend(q, k, v, b, *sinks):
@@ -298,8 +290,6 @@ def sdpa_flash_reason(case: Case, dtype, device) -> Optional[str]:
 
 def sdpa_flash(case: Case, extra: dict) -> Callable:
     """SDPA restricted to its flash backend, in flash-attn's layout, sequence by sequence for varlen."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def attend(q, k, v, b):
         gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
@@ -314,9 +304,6 @@ def sdpa_flash(case: Case, extra: dict) -> Callable:
 
 def _judge(names: tuple, got: tuple, truth: tuple, peer: tuple) -> tuple:
     """Errors of ``got`` and the rule's bounds from ``peer``, both against ``truth``, per name."""
-    # imports torch: importing gpu_check_cases loads none
-    from flash_recipe.testing import FACTORS, accuracy_bound, max_error
-
     errors = {n: max_error(g, t) for n, g, t in zip(names, got, truth)}
     bounds = {n: accuracy_bound(max_error(p, t), FACTORS[n]) for n, p, t in zip(names, peer, truth)}
     return errors, bounds
@@ -325,11 +312,6 @@ def _judge(names: tuple, got: tuple, truth: tuple, peer: tuple) -> tuple:
 def _replayed_mask(case: Case, q, k, v, options: dict, seed: int):
     """Dropout's kept entries ``(B, H, Sq, Sk)`` of the call made with ``seed``: the same seed run
     again with ``return_attn_probs=True`` (negative probabilities were dropped)."""
-    import torch
-
-    from flash_recipe.api import flash_attn_func  # imports torch: importing gpu_check_cases loads none
-    from flash_recipe.dispatch import use_backend  # imports torch: importing gpu_check_cases loads none
-
     torch.manual_seed(seed)
     with torch.no_grad(), use_backend("triton"):
         _, _, probs = flash_attn_func(q, k, v, case.dropout, return_attn_probs=True, **options)
@@ -339,10 +321,6 @@ def _replayed_mask(case: Case, q, k, v, options: dict, seed: int):
 def check(case: Case, dtype, device, seed: int = 0) -> dict:
     """One row in one dtype: ``{case, kind, features, dtype, peer, peer_note, errors, bounds,
     [torch_math_bounds], passed}`` (see the module docstring for what each kind compares)."""
-    import torch
-
-    from flash_recipe.testing import compute_dtype  # imports torch: importing gpu_check_cases loads none
-
     row: dict[str, Any] = {"case": case.id, "kind": case.kind, "features": case.features}
     row["dtype"] = str(dtype).replace("torch.", "")
     if case.kind == "kvcache":
@@ -387,8 +365,6 @@ def check(case: Case, dtype, device, seed: int = 0) -> dict:
 
 def truth_probs(case: Case, q, k, options: dict, dtype):
     """The reference's probabilities ``(B, H, Sq, Sk)`` before dropout (zero where not visible)."""
-    from flash_recipe.testing import attention  # imports torch: importing gpu_check_cases loads none
-
     _, probs = attention(
         q.to(dtype), k.to(dtype), k.to(dtype), None, case.causal, window=options["window_size"],
         softcap=options["softcap"], alibi_slopes=options["alibi_slopes"], return_probs=True,
@@ -422,9 +398,6 @@ def run_subject(case: Case, dtype, device, seed: int = 0) -> None:
     """The calls the check of ``case`` makes on the ``triton`` backend, and only those (what
     ``flash-recipe warmup --for check`` records)."""
     if case.kind == "kvcache":
-        from flash_recipe.decoding import flash_attn_with_kvcache  # imports torch: importing gpu_check_cases loads none
-        from flash_recipe.dispatch import use_backend  # imports torch: importing gpu_check_cases loads none
-
         q, k_cache, v_cache, k_new, v_new, kwargs = kv_inputs(case.kv_case(), dtype, device, seed)
         with use_backend("triton"):
             flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)

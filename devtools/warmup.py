@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from flash_recipe.ops.configs import head_dim_bucket
 from flash_recipe.tools import cli, warmup_calls
 from flash_recipe.tools.verify import Case
@@ -90,8 +92,6 @@ def check_calls(grid: str, tests: Optional[Path]) -> list[Call]:
 
     def call(case, dtype: str) -> Call:
         def make(device) -> None:
-            import torch
-
             gpu_check.run_subject(case, getattr(torch, dtype), device)
 
         return Call(f"check:{case.id}:{dtype}", dtype, head_dim_bucket(case.head_dim), make)

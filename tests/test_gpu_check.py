@@ -23,7 +23,7 @@ from devtools import warmup as campaign_warmup
 from flash_recipe import api, decoding
 from flash_recipe.ops.configs import head_dim_bucket
 from flash_recipe.testing import max_error
-from flash_recipe.tools import warmup
+from flash_recipe.tools import verify_kvcache, warmup
 
 CPU = torch.device("cpu")
 DTYPES = ["float16", "float32"]  # what the interpreter computes correctly
@@ -118,8 +118,8 @@ def test_a_planted_1_percent_error_fails_the_step(where, dtype, monkeypatch, dev
         pytest.skip("the interpreter's table; on a GPU the campaign runs the GPU table")
     table = gpu_check.TINY_TABLE
     cases = [table[0], next(c for c in table if c.kind == "varlen"), next(c for c in table if c.kind == "dropout")]
-    for name in ("flash_attn_func", "flash_attn_varlen_func"):
-        monkeypatch.setattr(api, name, _planted(getattr(api, name), where))
+    for name in ("flash_attn_func", "flash_attn_varlen_func"):  # the calls the check makes
+        monkeypatch.setattr(gpu_check_cases, name, _planted(getattr(api, name), where))
     lines = []
     doc = gpu_check.run(tuple(cases), [dtype], device, 300, fuzz=False, progress=lines.append)
     assert not doc["passed"] and len(doc["rows"]) == len(cases)
@@ -135,7 +135,7 @@ def test_a_planted_error_in_the_kv_cache_call_fails_its_row(monkeypatch, device)
         pytest.skip("the interpreter's table")
     case = next(c for c in gpu_check.TINY_TABLE if c.kind == "kvcache")
     real = decoding.flash_attn_with_kvcache
-    monkeypatch.setattr(decoding, "flash_attn_with_kvcache", lambda *a, **k: real(*a, **k) * 1.01)
+    monkeypatch.setattr(verify_kvcache, "flash_attn_with_kvcache", lambda *a, **k: real(*a, **k) * 1.01)
     row = gpu_check.safe_check(case, torch.float16, device)
     assert not row["passed"] and row["errors"]["out"] > row["bounds"]["out"]
     assert row["errors"]["k_cache"] == row["errors"]["cache_rest"] == 0.0
@@ -145,7 +145,7 @@ def test_a_check_that_raises_is_a_failed_row(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image\nmore lines")
 
-    monkeypatch.setattr(api, "flash_attn_func", broken)
+    monkeypatch.setattr(gpu_check_cases, "flash_attn_func", broken)
     row = gpu_check.safe_check(gpu_check.TINY_TABLE[0], torch.float16, CPU)
     assert row["passed"] is False and row["error"] == "RuntimeError: no kernel image"
     assert "FAIL" in gpu_check._line(row)

@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 from .plan import (
     BUDGETS_S,
     DEFAULT_MINUTES,
@@ -83,8 +85,6 @@ def run_campaign(
 
 def cuda_available() -> bool:
     """Whether torch sees a CUDA (or ROCm) device; creates no context on it."""
-    import torch
-
     return torch.cuda.is_available()
 
 

@@ -7,10 +7,14 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 from typing import Optional
 
+import torch
+
+from flash_recipe.api import explain
 from flash_recipe.files import write_json
-from flash_recipe.tools import bench
+from flash_recipe.tools import bench, host_cost
 from flash_recipe.tools.verify import versions
 
 from .plan import HOST_CASES, MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shapes
@@ -20,12 +24,6 @@ from .plan import HOST_CASES, MEMORY_PEERS, MEMORY_SEQLENS, TARGET, memory_shape
 
 def env_probe() -> dict:
     """The device and the software: what the report's header says."""
-    import platform
-
-    import torch
-
-    from flash_recipe.api import explain  # imports torch: importing the campaign loads none
-
     info = {"cuda": torch.cuda.is_available(), "versions": versions(), "platform": platform.platform()}
     info["variables"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FLASH_RECIPE_", "TRITON_"))}
     if info["cuda"]:
@@ -50,8 +48,6 @@ def env_probe() -> dict:
 def memory_rows(seqlens, peers, result: Optional[str] = None, progress=print) -> list:
     """Peak memory (``bench.peak_memory``) of each peer, forward and forward + backward, at each
     sequence length, causal and not; rows written to ``result`` after each one."""
-    import torch
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     available = bench.peers(device.type)
     rows = []
@@ -82,10 +78,6 @@ def host_rows(cases=HOST_CASES, progress=print) -> dict:
     Triton's launch stubbed (this package's own host work) and with real launches issued back to
     back (what a decoding loop's host spends per call); torch SDPA's beside each; then one
     ``torch.profiler`` trace per case (``host_cost.profile_case``: the top entries by self CPU time)."""
-    import torch
-
-    from flash_recipe.tools import host_cost  # imports torch: importing the campaign loads none
-
     device = torch.device("cuda")
     rows = []
     for stub in (True, False):

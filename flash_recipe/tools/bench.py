@@ -38,15 +38,26 @@ allocates (used by ``python -m devtools.campaign``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import io
+import platform
 import sys
 import time
 from typing import Callable, Optional
 
-from .. import __version__, files
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from .. import __version__, dispatch, files
+from ..api import flash_attn_func
+from ..dispatch import use_backend
 from ..ops import features
+from ..sage import sageattn
+from . import host_cost
 from .bench_timing import UNFUSED_PEERS, Timer, Timing, dynamo_counters, fresh_dynamo, grown, judge
 from .verify import versions
 
@@ -80,15 +91,11 @@ class Shape:
 
 
 def _sdpa(backend_name: Optional[str]):
-    import torch.nn.functional as F
-
     def run(q, k, v, causal):
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         gqa = qt.shape[1] != kt.shape[1]
         if backend_name is None:
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         with sdpa_kernel([getattr(SDPBackend, backend_name)]):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
 
@@ -99,10 +106,6 @@ def _flash_recipe(backend_name: Optional[str], descriptors: Optional[bool] = Non
     """flash_recipe on ``backend_name`` (None: automatic); ``descriptors`` False forces the Triton
     kernels' pointer loads where they would use TMA tensor descriptors, ``warp_spec`` asks for the
     forward's warp-specialised loops (``ops.features``)."""
-    import contextlib
-
-    from ..api import flash_attn_func  # imports torch: importing bench loads none
-    from ..dispatch import use_backend  # imports torch: importing bench loads none
 
     def run(q, k, v, causal):
         forced = features.using_descriptors(descriptors) if descriptors is not None else contextlib.nullcontext()
@@ -118,9 +121,6 @@ def _flex():
     shape, so each shape compiles once (a forward, and one more with autograd on): a compiled
     ``flex_attention`` that met more shapes would recompile per shape and, past dynamo's recompile
     limit, run its eager code, which materialises the S x S scores."""
-    import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     compiled = torch.compile(flex_attention, dynamic=False)
     masks = {}
 
@@ -143,7 +143,6 @@ def _flex():
 
 def _sage(pv_dtype: str):
     """flash_recipe's 8-bit attention (``sageattn``, forward only) with P.V in ``pv_dtype``."""
-    from ..sage import sageattn  # imports torch: importing bench loads none
 
     def run(q, k, v, causal):
         return sageattn(q, k, v, "NHD", is_causal=causal, pv_dtype=pv_dtype)
@@ -156,24 +155,18 @@ FORWARD_ONLY_PEERS = frozenset({"sage_fp16", "sage_fp8"})
 
 
 def _upstream_flash_attn():
-    import flash_attn
+    import flash_attn  # an optional peer, found by ``peers``
 
     return lambda q, k, v, causal: flash_attn.flash_attn_func(q, k, v, causal=causal)
 
 
 def peers(device_type: str) -> dict[str, Callable]:
     """The peers that can run on this machine, by name (availability only; shapes may still fail)."""
-    import importlib.util
-
-    from .. import dispatch  # imports torch: importing bench loads none
-
     if device_type != "cuda":
         return {"flash_recipe": _flash_recipe(None), "sdpa": _sdpa(None)}
     found = {}
     if dispatch.TritonBackend().is_available() is None:
-        import torch
-
-        from ..ops import int8_attention, targets  # imports Triton: on a GPU machine only
+        from ..ops import int8_attention, targets  # import Triton, which a CPU-only install may lack
 
         found["flash_recipe"] = _flash_recipe("triton")
         found["flash_recipe_pointers"] = _flash_recipe("triton", descriptors=False)  # the same without TMA
@@ -190,8 +183,7 @@ def peers(device_type: str) -> dict[str, Callable]:
         ("sdpa_math", "MATH"),
     ):
         found[name] = _sdpa(backend)
-    if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
-        found["flex"] = _flex()
+    found["flex"] = _flex()
     if dispatch.FlashAttnBackend().is_available() is None:
         found["flash_attn"] = _upstream_flash_attn()
     return found
@@ -202,8 +194,6 @@ def measure(
 ) -> dict:
     """Time one peer on one shape; returns ``judge``'s figures per mode and the first call's ms.
     ``forward_only``: the backward modes are not timed, and the row's error says so."""
-    import torch
-
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, shape.dtype)
 
@@ -262,8 +252,6 @@ def peak_memory(peer: Callable, shape: Shape, device, mode: str) -> dict:
     peak above that (the output, what is saved for the backward, the gradients, workspace); and
     ``total_mb``, the peak including ``before_mb``.
     """
-    import torch
-
     if device.type != "cuda":
         raise ValueError(f"peak memory needs a CUDA device, got {device.type!r}")
     if mode not in MEMORY_MODES:
@@ -318,8 +306,6 @@ def shapes(seqlens, head_dims, causal_values, gqa_values, dtypes, tokens: int, n
 
 def run_bench(args, progress=print, on_row: Optional[Callable[[list], None]] = None) -> list[dict]:
     """Measure every chosen peer on every shape of ``args``; ``on_row(rows)`` after each row."""
-    import torch
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     available = peers(device.type)
     chosen = args.peer or list(available)
@@ -432,9 +418,9 @@ def to_markdown(rows: list[dict], modes, context: str) -> str:
 def plot(rows: list[dict], mode: str, path: str) -> None:
     """TFLOP/s against sequence length, one line per peer, one panel per remaining shape key."""
     try:
-        import matplotlib
+        import matplotlib  # an optional dependency (the ``plot`` extra)
 
-        matplotlib.use("Agg")
+        matplotlib.use("Agg")  # before pyplot: no display is needed
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("--plot needs matplotlib: pip install 'flash-recipe[plot]'") from exc
@@ -460,10 +446,6 @@ def plot(rows: list[dict], mode: str, path: str) -> None:
 
 
 def context_line() -> str:
-    import platform
-
-    import torch
-
     v = versions()
     device = (
         torch.cuda.get_device_name()
@@ -529,8 +511,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.host is not None:
-        from . import host_cost  # imports torch: importing bench loads none
-
         return host_cost.main(args.host, prog="flash-recipe bench --host")
     bad = [m for m in args.mode if m not in MODES] or [
         d for d in args.dtype if d not in ("float16", "bfloat16", "float32")

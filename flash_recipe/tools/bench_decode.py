@@ -27,6 +27,13 @@ import json
 import sys
 from typing import Any, Callable, Optional
 
+import torch
+import triton.testing
+
+from ..decoding import flash_attn_with_kvcache
+from ..ops.kvcache import Cache, attention_kvcache
+from ..ops.options import ScoreOptions
+
 # Peak HBM bandwidth in bytes/s by GPU model name (vendor figures).
 PEAK_BANDWIDTH = {
     "H100 80GB HBM3": 3.35e12,
@@ -45,9 +52,6 @@ def peak_bandwidth(name: str) -> Optional[float]:
 
 def copy_bandwidth(device) -> float:
     """Bytes read and written per second by a 2 GiB device-to-device copy (median of timed runs)."""
-    import torch
-    import triton.testing
-
     src = torch.empty(2**30, dtype=torch.uint16, device=device)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50)
@@ -62,17 +66,10 @@ def _step(peer: str, q, k_cache, v_cache, seqlens) -> Callable[[], Any]:
 
 
 def _flash_recipe(q, k_cache, v_cache, seqlens):
-    from ..decoding import flash_attn_with_kvcache  # imports torch: importing bench_decode loads none
-
     return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
 
 
 def _flash_recipe_unpacked(q, k_cache, v_cache, seqlens):
-    import torch
-
-    from ..ops.kvcache import Cache, attention_kvcache  # imports Triton: importing bench_decode loads none
-    from ..ops.options import ScoreOptions  # imports torch: importing bench_decode loads none
-
     table = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)[:, None]
     cache = Cache(k_cache, v_cache, table, seqlens, None)
     options = ScoreOptions(
@@ -82,8 +79,6 @@ def _flash_recipe_unpacked(q, k_cache, v_cache, seqlens):
 
 
 def _sdpa(q, k_cache, v_cache, seqlens):
-    import torch
-
     qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     gqa = q.shape[2] != k_cache.shape[2]
     return lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=gqa)
@@ -108,9 +103,6 @@ def run(
 
     Each step is timed as Python calls it (``us``: the launch overhead of each call included), and
     with ``graph`` also replayed from a CUDA graph (``graph_us``: the GPU's time alone)."""
-    import torch
-    import triton.testing
-
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     peak = peak_bandwidth(name)
@@ -162,8 +154,6 @@ def run(
 def _captured(fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` captured in a CUDA graph (after a warm-up on a side stream, as torch asks); returns
     the graph's replay."""
-    import torch
-
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -235,7 +225,6 @@ def main(argv: Optional[list] = None) -> int:
         "--cuda-graph", action="store_true", help="also time each step replayed from a CUDA graph (GPU time alone)"
     )
     args = parser.parse_args(argv)
-    import torch
 
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU", file=sys.stderr)

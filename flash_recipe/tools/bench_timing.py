@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+import torch
+
 # The buffer overwritten before each timed repetition on a GPU, to flush L2: 256 MiB as
 # triton.testing.do_bench writes, or twice the L2 torch reports if that is more.
 FLUSH_BYTES = 256 * 2**20
@@ -31,30 +33,27 @@ class CudaClock:
     allocator's peak. Tests pass a recorder with the same methods instead."""
 
     def __init__(self) -> None:
-        import torch
-
         l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
-        self._torch = torch
         self._flush = torch.empty(max(FLUSH_BYTES, 2 * int(l2)), dtype=torch.int8, device="cuda")
         self._base = 0
 
     def event(self) -> Any:
-        return self._torch.cuda.Event(enable_timing=True)
+        return torch.cuda.Event(enable_timing=True)
 
     def flush(self) -> None:
         self._flush.zero_()
 
     def synchronize(self) -> None:
-        self._torch.cuda.synchronize()
+        torch.cuda.synchronize()
 
     def mark(self) -> None:
         """Start a peak-memory measurement from what is allocated now."""
-        self._torch.cuda.reset_peak_memory_stats()
-        self._base = self._torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        self._base = torch.cuda.memory_allocated()
 
     def peak(self) -> int:
         """The most bytes allocated above the mark since it was set."""
-        return self._torch.cuda.max_memory_allocated() - self._base
+        return torch.cuda.max_memory_allocated() - self._base
 
 
 def dynamo_counters() -> dict[str, int]:

@@ -15,6 +15,12 @@ import dataclasses
 import itertools
 import re
 from typing import Any
+from unittest import mock
+
+import torch
+
+from ..ops import choose, configs, features, options, targets
+from ..ops.options import ScoreOptions
 
 # The backward's kernels (one pass or three) and the labels their report rows carry.
 BACKWARD_LABELS = {
@@ -60,8 +66,6 @@ def _qkv(case: Case, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nhea
     """q ``(B, Sq, H, D)`` and k, v ``(B, Sk, Hk, D)`` on the CPU: separate contiguous tensors
     (aligned), or views of one packed ``(B, S, H + 2 Hk, D)`` tensor (ragged: odd strides, and k/v
     pointers off the 16-byte alignment); ``D`` is ``_head_dim(case)`` unless given."""
-    import torch
-
     dtype, head_dim = getattr(torch, case.dtype), head_dim or _head_dim(case)
     if case.form == "aligned":
         return (
@@ -81,10 +85,6 @@ def _variant(case: Case, nheads: int, diag_offset: int, scale: float):
     """Causal (aligned), or window + softcap + ALiBi + dropout (ragged), with attention sinks except
     in the ``bwd`` call, which keeps the backward of an attention's own lse without them (its
     one-key rules; ``varlen`` compiles the backward with sinks)."""
-    import torch
-
-    from ..ops.options import ScoreOptions  # imports torch: importing compile_calls loads none
-
     if case.form == "aligned":
         return ScoreOptions(
             softmax_scale=scale, diag_offset=diag_offset, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None
@@ -108,20 +108,14 @@ def _variant(case: Case, nheads: int, diag_offset: int, scale: float):
 
 def _one_launch_offered(case: Case) -> bool:
     """Whether the target being compiled for (the offline driver's) has the one-launch tiles for ``case``."""
-    import torch
-
-    from ..ops import configs, targets  # imports Triton: importing compile_calls loads none
-
     size = 4 if case.dtype == "float32" else 2
     return configs.has_config(targets.target_of(torch.device("cpu")), configs.ONE_LAUNCH, case.head_dim, size)
 
 
 def run_call(case: Case) -> dict[str, str]:
     """Run the launcher(s) of ``case``; returns which kernel label each launched jit function gets."""
-    import torch
-
-    # imports Triton: importing compile_calls loads none
-    from ..ops import backward_launch, choose, forward, kvcache, options
+    # The kernels import Triton: warmup imports this module (``GENERAL_FLAGS``) where it may be absent.
+    from ..ops import backward_launch, forward, kvcache
 
     ragged = case.form == "ragged"
     nheads, nheads_k = (6, 2) if ragged else (4, 4)
@@ -145,8 +139,6 @@ def run_call(case: Case) -> dict[str, str]:
                 backward_launch.attention_backward(dout, q, k, v, out, lse, var)
         return {"attn_fwd_kernel": "fwd", **BACKWARD_LABELS, **ONE_LAUNCH_LABEL}
     if case.call == "fwd_ws":  # the plain forward with warp specialisation asked for, causal and not
-        from ..ops import features  # imports Triton: importing compile_calls loads none
-
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim=case.head_dim)
         causal = _variant(case, nheads, seqlen_k - seqlen_q, scale)._replace(
@@ -211,7 +203,7 @@ def run_call(case: Case) -> dict[str, str]:
     if case.call == "folded":  # a batch past CUDA's grid limit: the "fwd" and "bwd" calls and 8-bit attention, folded
         return _folded(case, scale)
     if case.call == "int8":  # 8-bit attention: the quantizer and the kernel, fp16 P.V and, where the target has it, FP8
-        from ..ops import int8_attention, targets  # imports Triton: importing compile_calls loads none
+        from ..ops import int8_attention  # Triton on use, as in ``run_call``
 
         seqlen_q, seqlen_k = (113, 203) if ragged else (1024, 1024)
         q, k, v = _qkv(case, 2, seqlen_q, seqlen_k, nheads, nheads_k)
@@ -268,12 +260,7 @@ def _folded(case: Case, scale: float) -> dict[str, str]:
     """The "fwd" call's forward, the target's backward and the causal 8-bit attention with the
     batch folded into grid axis 0 (``GRID_FOLD`` 2): the kernels as a launch past CUDA's axis-2
     limit compiles them."""
-    from unittest import mock  # the fold's limit, for this call only
-
-    import torch
-
-    # imports Triton: importing compile_calls loads none
-    from ..ops import backward_launch, forward, int8_attention, launch, targets
+    from ..ops import backward_launch, forward, int8_attention, launch  # Triton on use, as in ``run_call``
 
     seqlen = 113 if case.form == "ragged" else 1024
     q, k, v = _qkv(case, FOLD_BATCH, seqlen, seqlen, 4, 4)
@@ -323,7 +310,7 @@ def compile_case(case: Case, target: str) -> list[tuple[str, str, Any]]:
     """Compile ``case`` for ``target`` through Triton's launch path: ``(label, function name,
     compiled kernel)`` per kernel launched, labelled by ``kernel_label``. Needs Triton's compiler
     (``TRITON_INTERPRET`` unset)."""
-    from ..ops.offline import offline_launches  # imports Triton: importing compile_calls loads none
+    from ..ops.offline import offline_launches  # Triton on use, as in ``run_call``
 
     with offline_launches(target) as compiled:
         labels = run_call(case)

@@ -43,8 +43,12 @@ from collections.abc import Iterator
 from typing import Callable, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from .. import __version__, files, signatures, validate
+from ..api import flash_attn_func
+from ..decoding import flash_attn_with_kvcache
+from ..dispatch import capabilities, use_backend
 
 CASES = ("fwd", "fwd_autograd", "kvcache", "fwd_bwd")
 # Shapes: (batch, nheads, nheads_k, head_dim); the cache rows differ on a GPU and on the CPU.
@@ -58,7 +62,7 @@ def stubbed_launches() -> Iterator[list]:
     function, args, kwargs)`` in the list this yields and returns at once. Replaces
     ``JITFunction.run`` (a GPU's launch) and the interpreter's ``InterpretedFunction.run``, the calls
     every launch ends in (``warmup`` lists the variants a step launches with it)."""
-    from triton.runtime import interpreter, jit
+    from triton.runtime import interpreter, jit  # on use: bench imports this module where Triton may be absent
 
     launches: list = []
 
@@ -122,9 +126,9 @@ def recorded_launches() -> Iterator[list]:
     ``ops.direct.ENABLED``), and is recorded as ``(kernel name, keyword arguments)`` in the list
     this yields (the wrapper's frames are never counted: the block holds no counted or timed
     call). Plans made in the block learn no direct launch: call it after a signature's first two."""
-    from triton.runtime import jit
+    from triton.runtime import jit  # on use: bench imports this module where Triton may be absent
 
-    from ..ops import direct  # imports Triton: importing host_cost does not
+    from ..ops import direct  # after ``run`` has set TRITON_INTERPRET (read as the kernels are jitted)
 
     launches: list = []
     run, enabled = jit.JITFunction.run, direct.ENABLED
@@ -160,9 +164,6 @@ def time_calls(fn: Callable[[], object], reps: int = 200, rounds: int = 5, devic
 
 def make_case(name: str, device, dtype, cache: int, shape: tuple = SHAPE) -> tuple[Callable, Callable]:
     """``(flash_recipe call, torch SDPA call)`` of case ``name`` on new tensors."""
-    from ..api import flash_attn_func  # loads the dispatch: importing host_cost does not
-    from ..decoding import flash_attn_with_kvcache  # loads the dispatch: importing host_cost does not
-
     if name not in CASES:
         raise ValueError(f"case must be one of {CASES}, got {name!r}")
     batch, nheads, nheads_k, head_dim = shape
@@ -237,8 +238,6 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
     the triton backend, the launches of one call and their arguments, and torch SDPA's microseconds
     beside it. ``stub``: Triton's launch replaced by a recorder (this package's own path alone);
     else Triton's launch runs (on a GPU, or on the stub driver: ``stub_driver.stub_cuda``)."""
-    from ..dispatch import use_backend  # loads the dispatch: importing host_cost does not
-
     rows = []
     for name in cases:
         ours, sdpa = make_case(name, device, dtype, cache)
@@ -285,10 +284,6 @@ def profile_case(name: str, device, dtype, cache: int, calls: int = 50, top: int
     ``torch.profiler`` (CPU activity, and CUDA's on a GPU), after the first call of the signature:
     what a call's host time goes to below Python (the autograd graph, allocations, the driver's
     launch), per call. Each entry: ``name``, ``calls`` (per call), ``self_cpu_us`` (per call)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from ..dispatch import use_backend  # loads the dispatch: importing host_cost does not
-
     ours, _ = make_case(name, device, dtype, cache)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with use_backend("triton"), device_metadata(device):
@@ -356,9 +351,9 @@ def gpu_route(target: str) -> Iterator[None]:
     (``capabilities.interpreter_problem``, answered None); a KV-cache step's split count is the
     rule's for the stub's multiprocessors (``kvcache.heuristic_splits``; no tuned table). Metadata
     is treated as device memory (``device_metadata``)."""
-    from ..dispatch import capabilities  # loads the dispatch: importing host_cost does not
-    from ..ops import kvcache, targets  # imports torch and Triton: importing host_cost does not
-    from .stub_driver import STUB_SMS, stub_cuda  # imports Triton when entered: importing host_cost does not
+    # Triton and the kernels, after ``run`` has set TRITON_INTERPRET (read as they are jitted)
+    from ..ops import kvcache, targets
+    from .stub_driver import STUB_SMS, stub_cuda
 
     def splits_as_on_the_stub(*args):
         return kvcache.heuristic_splits(*args, sms=STUB_SMS)
@@ -388,7 +383,7 @@ def run(args, command: str = "python -m flash_recipe.tools.host_cost") -> int:
         return 2
     cache = args.cache or (CACHE_GPU if device.type == "cuda" else CACHE_CPU)
     batch, nheads, nheads_k, head_dim = SHAPE
-    import triton
+    import triton  # after TRITON_INTERPRET is set, above
 
     launch = f"the stub driver as {args.target}" if stub_driver else args.launch
     context = (

@@ -35,6 +35,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
+import torch
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime.driver import driver
+
+from ..ops import targets
+
 # The multiprocessors the stub reports (an H100's, H200's): ``cuDeviceGetAttribute``'s answer 16.
 STUB_SMS = 132
 _SOURCE = r"""
@@ -195,7 +201,6 @@ def last_launch() -> dict:
 
 def stub_driver_class():
     """``StubDriver``: Triton's ``CudaDriver`` on the stub library, device 0, stream 0."""
-    from triton.backends.nvidia.driver import CudaDriver
 
     class StubDriver(CudaDriver):
         """Triton's CUDA driver with the stub library below it: device 0 and stream 0, answered by
@@ -212,8 +217,6 @@ def stub_driver_class():
             return None
 
         def get_active_torch_device(self):
-            import torch
-
             return torch.device("cpu")
 
     return StubDriver
@@ -224,8 +227,6 @@ def stub_cuda(target: str = "sm90") -> Iterator[object]:
     """Inside the block Triton's active driver is a ``StubDriver`` for ``target`` (``"sm80"`` to
     ``"sm121"``) on the stub library; yields the driver. ``TRITON_INTERPRET`` must be unset: the
     interpreter never reaches a driver."""
-    from ..ops import targets  # imports torch and Triton: importing stub_driver loads neither
-
     if targets.interpreter_enabled():
         raise RuntimeError(
             "unset TRITON_INTERPRET: the stub driver stands below Triton's compiler, not its interpreter"
@@ -233,8 +234,6 @@ def stub_cuda(target: str = "sm90") -> Iterator[object]:
     capability = (int(target[2:-1]), int(target[-1]))
     library = _library()
     library.stub_set_capability(*capability)
-    from triton.runtime.driver import driver
-
     saved_path = os.environ.get("TRITON_LIBCUDA_PATH")
     os.environ["TRITON_LIBCUDA_PATH"] = str(build_stub())
     saved = dict(vars(driver))  # the active driver's slot is named differently across Triton releases

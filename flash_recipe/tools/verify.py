@@ -32,8 +32,14 @@ import sys
 from importlib import metadata
 from typing import Optional
 
-from .. import __version__
+import torch
+
+from .. import __version__, dispatch
+from ..api import explain, flash_attn_func
+from ..dispatch import backend_names
 from ..env.distinfo import distribution_info
+from ..reference import attention_reference, compute_dtype
+from ..testing import FACTORS, accuracy_bound, max_error
 from .verify_kvcache import KV_FULL_GRID, KV_SMALL_GRID, check_kvcache_case
 
 
@@ -73,8 +79,6 @@ class Case:
     def options(self, device, dtype=None) -> dict:
         """The keyword arguments of ``flash_attn_func`` for this case (ALiBi slopes as ALiBi defines them;
         sinks in ``dtype``, float32 by default, as a model holds them in its own dtype)."""
-        import torch
-
         slopes = None
         if self.alibi:
             slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / self.nheads) for h in range(self.nheads)], device=device)
@@ -133,7 +137,6 @@ FULL_GRID = tuple(
 
 def versions() -> dict:
     """flash_recipe, torch (and its CUDA/HIP), Triton, flash-attn and Python versions, from metadata."""
-    import torch
 
     def dist_version(name: str) -> Optional[str]:
         try:
@@ -153,16 +156,12 @@ def versions() -> dict:
 
 
 def _device_name(device) -> str:
-    import torch
-
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.machine()})"
 
 
 def _dtypes(device, names: Optional[list]) -> list:
-    import torch
-
     if names:
         return [getattr(torch, name) for name in names]
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
@@ -173,8 +172,6 @@ def _dtypes(device, names: Optional[list]) -> list:
 
 def _inputs(case: Case, dtype, device, seed: int):
     """Deterministic inputs: drawn on the CPU in fp32 from ``seed``, then cast and moved."""
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     shape_q = (case.batch, case.seqlen_q, case.nheads, case.head_dim)
     shape_k = (case.batch, case.seqlen_k, case.nheads_k, case.head_dim)
@@ -192,13 +189,6 @@ def _forward_backward(fn, q, k, v, dout, *more):
 
 def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     """Verify one backend on one case; returns the errors, bounds, verdict and fingerprint."""
-    import torch
-
-    from .. import dispatch  # imports torch: importing verify loads none
-    from ..api import flash_attn_func  # imports torch: importing verify loads none
-    from ..reference import attention_reference, compute_dtype  # imports torch: importing verify loads none
-    from ..testing import FACTORS, accuracy_bound, max_error  # imports torch: importing verify loads none
-
     q, k, v, dout = _inputs(case, dtype, device, seed)
     options = case.options(device, dtype)
     scale = case.head_dim**-0.5 if case.softmax_scale is None else case.softmax_scale
@@ -268,11 +258,6 @@ def verify(
     ``kvcache``: also verify ``flash_attn_with_kvcache`` on the KV grid of the same size
     (``KV_SMALL_GRID`` or ``KV_FULL_GRID``); its rows follow the dense ones.
     """
-    import torch
-
-    from .. import dispatch  # imports torch: importing verify loads none
-    from ..api import explain  # imports torch: importing verify loads none
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cases = {"small": SMALL_GRID, "full": FULL_GRID}.get(grid) or (FULL_GRID if dev.type == "cuda" else SMALL_GRID)
     names = backends or dispatch.backend_names()
@@ -357,8 +342,6 @@ def format_table(report: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..dispatch import backend_names  # imports torch: importing verify loads none
-
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.add_argument(
         "--backend",

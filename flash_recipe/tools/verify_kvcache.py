@@ -8,6 +8,12 @@ import dataclasses
 import hashlib
 from typing import Optional
 
+import torch
+
+from ..decoding import flash_attn_with_kvcache
+from ..dispatch import use_backend
+from ..testing import FORWARD_FACTOR, accuracy_bound, attention, compute_dtype, max_error, rotary
+
 
 @dataclasses.dataclass(frozen=True)
 class KVCase:
@@ -132,8 +138,6 @@ KV_FULL_GRID = KV_SMALL_GRID + (
 def kv_inputs(case: KVCase, dtype, device, seed: int):
     """Deterministic inputs of one KV case: ``(q, k_cache, v_cache, k_new, v_new, kwargs)``, where
     ``kwargs`` are the remaining arguments of ``flash_attn_with_kvcache``. Drawn on the CPU."""
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -186,8 +190,6 @@ def kv_inputs(case: KVCase, dtype, device, seed: int):
 def _kv_slots(case: KVCase, kwargs: dict, b: int, start: int, end: int) -> tuple:
     """``(index0, index1)`` of rows ``[start, end)`` of batch element ``b``'s cache entry, for a
     cache tensor indexed ``cache[index0, index1]``: (page, row in page) or (cache row, position)."""
-    import torch
-
     device = kwargs["cache_seqlens"].device
     positions = torch.arange(start, end, device=device)
     if case.page:
@@ -203,11 +205,6 @@ def _kv_oracle(case: KVCase, q, k_cache, v_cache, k_new, v_new, kwargs: dict, up
     ``upcast``: the truth (rotation in fp64, attention in ``compute_dtype(dtype, True)``), else
     plain PyTorch in the input dtype throughout. The caches come back in the compute precision.
     """
-    import torch
-
-    # imports torch: importing verify_kvcache loads none
-    from ..testing import attention, compute_dtype, rotary
-
     dtype, device = q.dtype, q.device
     high = compute_dtype(dtype, upcast)
     rot_dtype = torch.float64 if upcast else dtype
@@ -260,14 +257,6 @@ def check_kvcache_case(case: KVCase, dtype, device, backend: str, seed: int) -> 
     over the written rows (exact, except rotated keys: the rule, 2x), ``cache_rest`` over every other
     row of both caches (exact).
     """
-    import torch
-
-    from ..decoding import flash_attn_with_kvcache  # imports torch: importing verify_kvcache loads none
-    from ..dispatch import use_backend  # imports torch: importing verify_kvcache loads none
-
-    # imports torch: importing verify_kvcache loads none
-    from ..testing import FORWARD_FACTOR, accuracy_bound, max_error
-
     q, k_cache, v_cache, k_new, v_new, kwargs = kv_inputs(case, dtype, device, seed)
     k_got, v_got = k_cache.clone(), v_cache.clone()
     with use_backend(backend):

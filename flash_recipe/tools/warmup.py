@@ -52,7 +52,9 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -60,7 +62,11 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
-from ..ops import targets
+import torch
+
+from .. import dispatch
+from ..dispatch import BackendUnavailableError
+from ..ops import splits, targets
 from .compile_calls import GENERAL_FLAGS
 from .warmup_calls import (
     DTYPES,
@@ -127,16 +133,12 @@ class Variant:
 
 def _constexprs(fn) -> set:
     """The names of ``fn``'s constexpr parameters (a JIT or interpreted function)."""
-    import inspect
-
     return {name for name, p in inspect.signature(fn.fn).parameters.items() if "constexpr" in str(p.annotation)}
 
 
 def _describe(value) -> Any:
     """A launch argument as ``compile_variant`` rebuilds it: a tensor by dtype and 16-byte
     alignment, a tensor descriptor by its base dtype, shape, strides and block; others as they are."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return ("tensor", _name(value.dtype), value.data_ptr() % 16 == 0)
     if hasattr(value, "base") and isinstance(value.base, torch.Tensor):
@@ -150,8 +152,6 @@ def _specialisation(value) -> Any:
     keys compile one kernel in every Triton release): a tensor's dtype and 16-byte alignment, an
     integer's width and whether it is 1 or divisible by 16, a descriptor's dtype, block and the same
     for its sizes and strides; a float is an fp32 whatever its value."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return (_name(value.dtype), value.data_ptr() % 16 == 0)
     if isinstance(value, int) and not isinstance(value, bool):
@@ -216,7 +216,7 @@ def to_variant(fn, args: tuple, kwargs: dict, call: str) -> Variant:
 def recorded_launches():
     """Inside the block no Triton kernel compiles or runs: each launch is recorded as ``(jit
     function, args, kwargs)`` in the list this yields (``host_cost.stubbed_launches``)."""
-    from .host_cost import stubbed_launches  # imports torch: importing warmup loads none
+    from .host_cost import stubbed_launches  # Triton on use: without a GPU ``run`` says why first
 
     return stubbed_launches()
 
@@ -226,10 +226,9 @@ def offline_planning(target: str) -> Iterator[None]:
     """CPU tensors planned as for ``target``: its launch configurations and tensor descriptors
     (``targets.target_of``), split-KV counts from its multiprocessor count, and the Triton backend
     for every call (on the CPU the dispatcher would take it only through the interpreter)."""
-    import triton
+    import triton  # Triton on use: without a GPU ``run`` says why first
 
-    from .. import dispatch  # imports torch: importing warmup loads none
-    from ..ops import kvcache, splits  # imports Triton: importing warmup loads none
+    from ..ops import kvcache  # Triton on use, as above
 
     sms = dict((t, n) for n, t in targets.OFFLINE_GPUS)[target]
     triton_backend = dispatch.TritonBackend()
@@ -251,8 +250,6 @@ def offline_planning(target: str) -> Iterator[None]:
 def variants(calls: list[Call], device, target: Optional[str] = None) -> tuple[list[Variant], dict]:
     """The distinct variants ``calls`` launch on ``device`` (offline for ``target`` if given), in
     the order first launched, and ``{call id: reason}`` for the calls the Triton backend refused."""
-    from ..dispatch import BackendUnavailableError  # imports torch: importing warmup loads none
-
     found: dict[tuple, Variant] = {}
     skipped = {}
     planning = offline_planning(target) if target else contextlib.nullcontext()
@@ -280,10 +277,8 @@ def init_worker(target: Optional[str], device: str, cache: Optional[str] = None)
     on a GPU, ``device`` made current; ``cache``: the Triton cache directory to compile into."""
     if cache:
         os.environ["TRITON_CACHE_DIR"] = cache
-    import torch
-
     if target:
-        from ..ops.offline import offline_launches  # on use: importing warmup loads no Triton
+        from ..ops.offline import offline_launches  # Triton on use, as in ``offline_planning``
 
         context = offline_launches(target)
         _WORKER.update(context=context, compiled=context.__enter__())  # compiled: (name, kernel) pairs
@@ -293,14 +288,12 @@ def init_worker(target: Optional[str], device: str, cache: Optional[str] = None)
 
 
 def _rebuild(description, device):
-    import torch
-
     if not isinstance(description, tuple) or description[:1] not in (("tensor",), ("descriptor",)):
         return description
     base = torch.empty(64, dtype=getattr(torch, description[1]), device=device)
     if description[0] == "tensor":
         return base if description[2] else base[1:]  # one element off: not 16-byte aligned
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor  # Triton on use, as in ``offline_planning``
 
     _, _, shape, strides, block, padding = description
     extra = {} if padding == "zero" else {"padding": padding}  # the default; older releases lack the field
@@ -347,8 +340,6 @@ def run_jobs(
     Returns the rows in job order, each ``work``'s dict with ``index``, ``seconds``, ``worker``
     (its process id) and ``error`` where it raised, and the wall seconds, worker start-up included.
     """
-    import multiprocessing
-
     if not isinstance(n_jobs, int) or isinstance(n_jobs, bool):
         raise TypeError(f"n_jobs must be an int, got {type(n_jobs).__name__}")
     if n_jobs < 1:
@@ -466,8 +457,6 @@ def _report(result: dict) -> str:
 
 
 def run(args) -> int:
-    import torch
-
     if args.offline:
         if targets.interpreter_enabled():
             print("flash-recipe warmup: unset TRITON_INTERPRET: --offline needs Triton's compiler", file=sys.stderr)

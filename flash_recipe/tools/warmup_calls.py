@@ -13,6 +13,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+
+from ..api import flash_attn_func
+from ..decoding import flash_attn_with_kvcache
+from ..dispatch import use_backend
 from ..ops import features
 from ..ops.configs import head_dim_bucket
 from . import verify
@@ -45,11 +50,6 @@ def dense_call(
     ``both``: the deterministic backward too, as ``verify.check_case`` runs it beside the default."""
 
     def make(device) -> None:
-        import torch
-
-        from ..api import flash_attn_func  # imports torch: importing warmup_calls loads none
-        from ..dispatch import use_backend  # imports torch: importing warmup_calls loads none
-
         sizes = [(case.seqlen_q, case.nheads), (case.seqlen_k, case.nheads_k), (case.seqlen_k, case.nheads_k)]
         q, k, v = (
             torch.empty(case.batch, *s, case.head_dim, dtype=getattr(torch, dtype), device=device) for s in sizes
@@ -75,11 +75,6 @@ def kv_call(step: str, case, dtype: str) -> Call:
     """``flash_attn_with_kvcache`` on a ``KVCase``, with the tensors ``check_kvcache_case`` makes."""
 
     def make(device) -> None:
-        import torch
-
-        from ..decoding import flash_attn_with_kvcache  # imports torch: importing warmup_calls loads none
-        from ..dispatch import use_backend  # imports torch: importing warmup_calls loads none
-
         q, k_cache, v_cache, k_new, v_new, kwargs = kv_inputs(case, getattr(torch, dtype), device, 0)
         with use_backend("triton"):
             flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, **kwargs)

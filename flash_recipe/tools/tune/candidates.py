@@ -3,8 +3,10 @@ the launch-specialised shared-memory fit (``devtools.compile_check``)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import math
+import multiprocessing
 from typing import Optional
 
 from ...ops import choose, configs, targets
@@ -43,7 +45,7 @@ def nearest(found: list, table: Config, limit: Optional[int]) -> list[Config]:
 
 def _compile_one(job: tuple) -> list[dict]:
     """Compile one candidate in one form for a target; one row per compiled launch of the kernel."""
-    from ..compile_calls import Case, compile_case, stores  # imports Triton: importing tune loads none
+    from ..compile_calls import Case, compile_case, stores  # Triton on use: without it ``flash-recipe tune`` says why
 
     kernel, head_dim, dtype, config, target, form = job
     row = {"kernel": kernel, "config": list(config), "form": form, "target": target}
@@ -100,9 +102,6 @@ def prune(
     kept, rows = [Config(*c) for c in found], []
     pool = None
     if jobs > 1 and len(found) > 1:
-        import concurrent.futures
-        import multiprocessing
-
         # Fresh processes: a forked copy of a process that has used the GPU must not touch it.
         pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
     try:

@@ -130,7 +130,7 @@ def describe(config) -> str:
 def nan_outputs():
     """Kernel outputs start as NaN inside the block (``tiles.output_buffer``), so a tile a
     candidate leaves unwritten shows instead of reusing a previous launch's memory."""
-    from ...ops import tiles  # imports Triton: importing tune loads none
+    from ...ops import tiles  # Triton on use: without it ``flash-recipe tune`` says why
 
     allocate = tiles.output_buffer
 
@@ -152,7 +152,7 @@ class Problem:
     ``"three_kernels"``, ``"one_launch"``: the whole backward, timed to choose among them)."""
 
     def __init__(self, kernel: str, dtype: str, shape: Shape, device, seed: int = 0, path: Optional[str] = None):
-        from ...ops import forward, kvcache  # imports Triton: importing tune loads none
+        from ...ops import forward, kvcache  # Triton on use: without it ``flash-recipe tune`` says why
 
         self.kernel, self.dtype, self.shape, self.path = kernel, dtype, shape, path
         gen = torch.Generator().manual_seed(seed)
@@ -193,7 +193,7 @@ class Problem:
             self.out, self.lse = forward.attention_forward(self.q, self.k, self.v, self.options)
 
     def launch(self, num_splits: Optional[int] = None) -> tuple:
-        from ...ops import backward_launch, forward, kvcache  # imports Triton: importing tune loads none
+        from ...ops import backward_launch, forward, kvcache  # Triton on use: without it ``flash-recipe tune`` says why
 
         if self.kernel in ("fwd", "fwd_general"):
             return (forward.attention_forward(self.q, self.k, self.v, self.options)[0],)

@@ -39,7 +39,7 @@ def gpu_timer(warmup_ms: int = 25, rep_ms: int = 100) -> Timer:
     """The default timer: ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs), median ms."""
 
     def timer(fn: Callable[[], Any], trial: Trial) -> float:
-        from triton.testing import do_bench
+        from triton.testing import do_bench  # Triton on use: without it ``flash-recipe tune`` says why
 
         return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
@@ -59,7 +59,7 @@ def timing_shapes(kernel: str, head_dim: int, seqlens, causal, tokens: int, nhea
 def _programs_per_batch(timing, shape) -> int:
     """Programs per batch entry of a decoding step, as ``kvcache.auto_splits`` counts them (a GQA
     group packed into one program per kv head: ``kvcache.program_heads``)."""
-    from ...ops import kvcache  # imports Triton: importing tune loads none
+    from ...ops import kvcache  # Triton on use: without it ``flash-recipe tune`` says why
 
     heads, rows = kvcache.program_heads(timing.q, shape.nheads_k)
     return heads * -(-rows // 16)
