@@ -78,10 +78,10 @@ def fuzz_case(rng: random.Random, templates: list, longest: int) -> Case:
         same = t.causal and all(a == b for a, b in zip(t.lens_q, t.lens_k))
         lens_k = lens_q if same else tuple(rng.randint(1, longest) for _ in range(batch))
         shape = (max(lens_q), max(lens_k), nheads_k * group, nheads_k, head_dim)
-        return Case("varlen", batch, *shape, **features, lens_q=lens_q, lens_k=lens_k)
+        return Case(batch, *shape, kind="varlen", **features, lens_q=lens_q, lens_k=lens_k)
     seqlen_q = rng.randint(1, longest)
     seqlen_k = seqlen_q if t.seqlen_q == t.seqlen_k and rng.random() < 0.5 else rng.randint(1, longest)
-    return Case("dense", rng.randint(1, 3), seqlen_q, seqlen_k, nheads_k * group, nheads_k, head_dim, **features)
+    return Case(rng.randint(1, 3), seqlen_q, seqlen_k, nheads_k * group, nheads_k, head_dim, **features)
 
 
 def variant_keys(case: Case, dtype, device) -> set:

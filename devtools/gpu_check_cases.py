@@ -45,6 +45,7 @@ from flash_recipe.api import flash_attn_func, flash_attn_varlen_func
 from flash_recipe.decoding import flash_attn_with_kvcache
 from flash_recipe.dispatch import use_backend
 from flash_recipe.testing import FACTORS, accuracy_bound, attention, compute_dtype, max_error
+from flash_recipe.tools.sizes import Sizes
 from flash_recipe.tools.verify_kvcache import KVCase, check_kvcache_case, kv_inputs
 
 KINDS = ("dense", "varlen", "dropout", "kvcache")
@@ -55,21 +56,16 @@ KEPT_SIGMAS = 6.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    """One row: a call of ``kind`` (see the module docstring for the shapes of each kind).
+class Case(Sizes):
+    """One row: a call of ``kind`` (default ``"dense"``; see the module docstring for the shapes of
+    each kind) on its sizes (``Sizes``).
 
     ``lens_q``/``lens_k``: varlen sequence lengths (``batch`` of each); ``cache``: kvcache rows
     already filled per entry, ``seqlen_k`` its capacity, ``new`` rows appended, ``page`` > 0 its
     page size. ``alibi``: slopes per batch entry and head ``(B, H)``.
     """
 
-    kind: str
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    nheads: int
-    nheads_k: int
-    head_dim: int
+    kind: str = "dense"
     causal: bool = False
     window: tuple = (-1, -1)
     softcap: float = 0.0
@@ -83,10 +79,9 @@ class Case:
     sink: Optional[float] = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.nheads % self.nheads_k:
-            raise ValueError(f"nheads ({self.nheads}) must be a multiple of nheads_k ({self.nheads_k})")
         if self.kind == "varlen" and not (len(self.lens_q) == len(self.lens_k) == self.batch):
             raise ValueError(f"varlen needs {self.batch} lengths each side, got {self.lens_q} and {self.lens_k}")
 
@@ -100,14 +95,12 @@ class Case:
             f"new{self.new}-page{self.page}" if self.kind == "kvcache" else "",
             f"sink{self.sink:g}" if self.sink is not None else "",
         ]
-        base = f"{self.kind}-B{self.batch}-Sq{self.seqlen_q}-Sk{self.seqlen_k}-H{self.nheads}-Hk{self.nheads_k}"
-        return "-".join([base, f"D{self.head_dim}", "causal" if self.causal else "full", *filter(None, extras)])
+        return "-".join([self.kind, self.sizes_id, "causal" if self.causal else "full", *filter(None, extras)])
 
     @property
     def features(self) -> list:
         """What the row covers, for the report's summary."""
-        group = self.nheads // self.nheads_k
-        names = ["MHA" if group == 1 else "MQA" if self.nheads_k == 1 else "GQA", f"D{self.head_dim}"]
+        names = [self.heads, f"D{self.head_dim}"]
         names += ["causal"] if self.causal else []
         names += ["Sq!=Sk"] if self.seqlen_q != self.seqlen_k and self.kind != "kvcache" else []
         names += {"varlen": ["varlen"], "dropout": ["dropout"], "kvcache": ["KV cache"]}.get(self.kind, [])
@@ -136,9 +129,8 @@ class Case:
     def kv_case(self):
         """The ``verify_kvcache.KVCase`` of a kvcache row."""
         return KVCase(
-            self.batch, self.seqlen_q, self.new, self.nheads, self.nheads_k, self.head_dim, seqlens=self.cache,
-            capacity=self.seqlen_k, causal=self.causal, page=self.page, window=self.window, softcap=self.softcap,
-            alibi=self.alibi, sink=self.sink,
+            **self.sizes(), new=self.new, seqlens=self.cache, causal=self.causal, page=self.page,
+            window=self.window, softcap=self.softcap, alibi=self.alibi, sink=self.sink,
         )  # fmt: skip
 
 
@@ -146,40 +138,42 @@ class Case:
 # Sq > Sk has rows that see no key); varlen; a paged cache (pages of 256 rows, as upstream requires)
 # with rows appended; window, softcap, ALiBi and dropout. Run in bf16 and fp16.
 GPU_TABLE = (
-    Case("dense", 2, 512, 512, 8, 8, 128),
-    Case("dense", 2, 512, 512, 8, 8, 128, causal=True),
-    Case("dense", 2, 113, 203, 8, 2, 64),
-    Case("dense", 2, 203, 113, 8, 2, 64, causal=True),
-    Case("dense", 2, 128, 384, 4, 1, 256, causal=True),
-    Case("dense", 1, 256, 256, 4, 4, 256),
-    Case("dense", 1, 1024, 1024, 8, 2, 128, causal=True, window=(128, 0)),
-    Case("dense", 2, 300, 500, 4, 4, 64, window=(64, 32)),
-    Case("dense", 2, 512, 512, 8, 8, 128, causal=True, softcap=30.0),
-    Case("dense", 2, 333, 333, 8, 4, 128, causal=True, alibi=True),
-    Case("dense", 2, 200, 333, 4, 4, 64, alibi=True),
-    Case("varlen", 4, 517, 517, 8, 2, 128, causal=True, lens_q=(1, 100, 517, 256), lens_k=(1, 100, 517, 256)),
-    Case("varlen", 3, 400, 450, 4, 4, 64, lens_q=(64, 400, 7), lens_k=(450, 3, 129)),
-    Case("kvcache", 3, 4, 2048, 16, 2, 128, causal=True, cache=(300, 2000, 1093), new=4, page=256),
-    Case("kvcache", 2, 1, 2048, 8, 8, 64, causal=True, cache=(511, 1500), new=1, page=256),
-    Case("dropout", 2, 256, 256, 8, 2, 128, causal=True, dropout=0.17),
-    Case("dropout", 2, 200, 300, 4, 4, 64, dropout=0.1),
+    Case(2, 512, 512, 8, 8, 128),
+    Case(2, 512, 512, 8, 8, 128, causal=True),
+    Case(2, 113, 203, 8, 2, 64),
+    Case(2, 203, 113, 8, 2, 64, causal=True),
+    Case(2, 128, 384, 4, 1, 256, causal=True),
+    Case(1, 256, 256, 4, 4, 256),
+    Case(1, 1024, 1024, 8, 2, 128, causal=True, window=(128, 0)),
+    Case(2, 300, 500, 4, 4, 64, window=(64, 32)),
+    Case(2, 512, 512, 8, 8, 128, causal=True, softcap=30.0),
+    Case(2, 333, 333, 8, 4, 128, causal=True, alibi=True),
+    Case(2, 200, 333, 4, 4, 64, alibi=True),
+    Case(4, 517, 517, 8, 2, 128, kind="varlen", causal=True, lens_q=(1, 100, 517, 256), lens_k=(1, 100, 517, 256)),
+    Case(3, 400, 450, 4, 4, 64, kind="varlen", lens_q=(64, 400, 7), lens_k=(450, 3, 129)),
+    Case(3, 4, 2048, 16, 2, 128, kind="kvcache", causal=True, cache=(300, 2000, 1093), new=4, page=256),
+    Case(2, 1, 2048, 8, 8, 64, kind="kvcache", causal=True, cache=(511, 1500), new=1, page=256),
+    Case(2, 256, 256, 8, 2, 128, kind="dropout", causal=True, dropout=0.17),
+    Case(2, 200, 300, 4, 4, 64, kind="dropout", dropout=0.1),
     # gpt-oss: GQA 64/8 heads at head dim 64, a window of 128 with sinks; and its decoding step.
-    Case("dense", 1, 1024, 1024, 64, 8, 64, causal=True, window=(127, 0), sink=0.0),
-    Case("kvcache", 2, 1, 2048, 64, 8, 64, causal=True, cache=(1500, 90), new=1, page=256, window=(127, 0), sink=0.0),
+    Case(1, 1024, 1024, 64, 8, 64, causal=True, window=(127, 0), sink=0.0),
+    Case(
+        2, 1, 2048, 64, 8, 64, kind="kvcache", causal=True, cache=(1500, 90), new=1, page=256, window=(127, 0), sink=0.0
+    ),
 )
 
 # For the interpreter on a CPU: the same kinds and features at sizes it runs in seconds.
 TINY_TABLE = (
-    Case("dense", 1, 32, 32, 2, 2, 32, causal=True),
-    Case("dense", 2, 17, 29, 4, 2, 16),
-    Case("dense", 1, 29, 17, 2, 1, 64, causal=True),
-    Case("dense", 1, 40, 40, 2, 2, 32, causal=True, window=(8, 0)),
-    Case("dense", 1, 21, 33, 2, 2, 16, window=(5, 3), softcap=5.0, alibi=True),
-    Case("varlen", 3, 19, 23, 2, 1, 32, causal=True, lens_q=(1, 19, 6), lens_k=(1, 23, 6)),
-    Case("kvcache", 2, 3, 64, 4, 2, 32, causal=True, cache=(10, 27), new=3, page=16),
-    Case("dropout", 1, 24, 24, 4, 2, 32, causal=True, dropout=0.17),
-    Case("dense", 1, 30, 30, 4, 2, 16, causal=True, window=(7, 0), sink=0.0),
-    Case("kvcache", 2, 1, 64, 4, 2, 16, causal=True, cache=(40, 3), new=1, page=16, window=(7, 0), sink=0.0),
+    Case(1, 32, 32, 2, 2, 32, causal=True),
+    Case(2, 17, 29, 4, 2, 16),
+    Case(1, 29, 17, 2, 1, 64, causal=True),
+    Case(1, 40, 40, 2, 2, 32, causal=True, window=(8, 0)),
+    Case(1, 21, 33, 2, 2, 16, window=(5, 3), softcap=5.0, alibi=True),
+    Case(3, 19, 23, 2, 1, 32, kind="varlen", causal=True, lens_q=(1, 19, 6), lens_k=(1, 23, 6)),
+    Case(2, 3, 64, 4, 2, 32, kind="kvcache", causal=True, cache=(10, 27), new=3, page=16),
+    Case(1, 24, 24, 4, 2, 32, kind="dropout", causal=True, dropout=0.17),
+    Case(1, 30, 30, 4, 2, 16, causal=True, window=(7, 0), sink=0.0),
+    Case(2, 1, 64, 4, 2, 16, kind="kvcache", causal=True, cache=(40, 3), new=1, page=16, window=(7, 0), sink=0.0),
 )
 
 

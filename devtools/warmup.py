@@ -76,7 +76,7 @@ def bench_calls(grid: str, tests: Optional[Path]) -> list[Call]:
     """``bench``: the campaign's bench shapes, for the ``flash_recipe`` and ``flash_recipe_pointers`` peers."""
     calls = []
     for shape in plan.bench_shapes():
-        case = Case(shape.batch, shape.seqlen, shape.seqlen, shape.nheads, shape.nheads_k, shape.head_dim, shape.causal)
+        case = Case(**shape.sizes(), causal=shape.causal)
         for descriptors in (None, False):  # the flash_recipe and flash_recipe_pointers peers
             calls.append(dense_call("bench", case, shape.dtype, descriptors, no_grad_first=True))
     return calls

@@ -17,9 +17,9 @@ from flash_recipe.tools import bench, bench_timing, cli
 
 
 def test_flop_count_is_the_standard_one():
-    shape = bench.Shape(2, 1024, 16, 16, 128, False, "float16")
+    shape = bench.Shape(2, 1024, 1024, 16, 16, 128, False, "float16")
     assert shape.flops("fwd") == 4 * 2 * 16 * 1024 * 1024 * 128
-    assert bench.Shape(2, 1024, 16, 16, 128, True, "float16").flops("fwd") == shape.flops("fwd") / 2
+    assert bench.Shape(2, 1024, 1024, 16, 16, 128, True, "float16").flops("fwd") == shape.flops("fwd") / 2
     assert shape.flops("bwd") == 2.5 * shape.flops("fwd")
     assert shape.flops("fwd_bwd") == 3.5 * shape.flops("fwd")
 
@@ -184,7 +184,7 @@ def test_bench_json_is_rewritten_after_every_row(tmp_path, capsys, monkeypatch):
 
 
 def test_peak_memory_needs_cuda_and_a_known_mode():
-    shape = bench.Shape(1, 64, 2, 2, 16, False, "float32")
+    shape = bench.Shape(1, 64, 64, 2, 2, 16, False, "float32")
     with pytest.raises(ValueError, match="needs a CUDA device, got 'cpu'"):
         bench.peak_memory(bench.peers("cpu")["sdpa"], shape, torch.device("cpu"), "fwd")
     if torch.cuda.is_available():
@@ -203,7 +203,7 @@ def test_peak_memory_of_the_kernels_is_linear_in_the_sequence_length():
     for mode, tensors in (("fwd", 1), ("fwd_bwd", 4)):
         peaks = []
         for seqlen in (4096, 8192):
-            shape = bench.Shape(1, seqlen, 8, 8, 128, True, "bfloat16")
+            shape = bench.Shape(1, seqlen, seqlen, 8, 8, 128, True, "bfloat16")
             result = bench.peak_memory(peer, shape, device, mode)
             q_mb = seqlen * 8 * 128 * 2 / 2**20
             assert result["before_mb"] >= 4 * q_mb  # q, k, v, dout
@@ -291,7 +291,7 @@ def test_memory_bound_parts_fused_kernels_from_materialised_scores(seqlen, head_
     """The bound itself is the edge: at it a row passes, a byte above it fails. The scores and
     their softmax, two half-precision S x S matrices, always exceed it from S = 4096; sixteen
     half-precision tensors the size of q (what a fused kernel is allowed) never do."""
-    shape = bench.Shape(max(1, 16384 // seqlen), seqlen, 16, 4, head_dim, True, "bfloat16")
+    shape = bench.Shape(max(1, 16384 // seqlen), seqlen, seqlen, 16, 4, head_dim, True, "bfloat16")
     bound = bench_timing.memory_bound(shape)
     assert bench_timing.memory_verdict(int(bound), shape) is None
     error = bench_timing.memory_verdict(int(bound) + 1, shape)
@@ -304,7 +304,7 @@ def test_memory_bound_parts_fused_kernels_from_materialised_scores(seqlen, head_
 
 
 def test_judge_keeps_no_figure_for_a_failed_mode():
-    shape = bench.Shape(1, 4096, 16, 16, 128, True, "bfloat16")
+    shape = bench.Shape(1, 4096, 4096, 16, 16, 128, True, "bfloat16")
     fine = bench_timing.Timing(2.0, 40.0, 64 * 2**20, {})
     heavy = bench_timing.Timing(1.0, 40.0, int(2 * bench_timing.scores_bytes(shape)), {})
     recompiled = bench_timing.Timing(1.0, 40.0, 64 * 2**20, {"frames compiled": 1, "graphs": 1})

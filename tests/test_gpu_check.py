@@ -49,11 +49,11 @@ def test_the_gpu_table_covers_every_feature_in_head_dims_64_128_256():
 
 def test_rows_are_validated():
     with pytest.raises(ValueError, match="kind must be one of"):
-        gpu_check.Case("sparse", 1, 8, 8, 2, 2, 16)
+        gpu_check.Case(1, 8, 8, 2, 2, 16, kind="sparse")
     with pytest.raises(ValueError, match=r"nheads \(3\) must be a multiple of nheads_k \(2\)"):
-        gpu_check.Case("dense", 1, 8, 8, 3, 2, 16)
+        gpu_check.Case(1, 8, 8, 3, 2, 16)
     with pytest.raises(ValueError, match="varlen needs 2 lengths each side"):
-        gpu_check.Case("varlen", 2, 8, 8, 2, 2, 16, lens_q=(8,), lens_k=(8, 8))
+        gpu_check.Case(2, 8, 8, 2, 2, 16, kind="varlen", lens_q=(8,), lens_k=(8, 8))
 
 
 def test_the_step_passes_on_the_interpreters_table_as_the_campaign_runs_it(tmp_path):
@@ -201,8 +201,8 @@ def test_sdpa_flash_is_the_peer_only_where_it_computes_the_same_attention():
     [
         gpu_check.TINY_TABLE[0],
         gpu_check.TINY_TABLE[1],
-        gpu_check.Case("varlen", 3, 17, 12, 4, 2, 32, lens_q=(5, 17, 1), lens_k=(9, 3, 12)),
-        gpu_check.Case("varlen", 2, 17, 17, 2, 1, 16, causal=True, lens_q=(17, 4), lens_k=(17, 4)),
+        gpu_check.Case(3, 17, 12, 4, 2, 32, kind="varlen", lens_q=(5, 17, 1), lens_k=(9, 3, 12)),
+        gpu_check.Case(2, 17, 17, 2, 1, 16, kind="varlen", causal=True, lens_q=(17, 4), lens_k=(17, 4)),
     ],
     ids=["dense-causal", "dense-gqa", "varlen-gqa", "varlen-causal-mqa"],
 )

@@ -126,10 +126,10 @@ def _imports_the_package(node: ast.AST) -> bool:
     return isinstance(node, ast.Import) and any(alias.name.split(".")[0] == "flash_recipe" for alias in node.names)
 
 
-def function_level_imports(source: str) -> dict[int, bool]:
-    """The imports of flash_recipe modules inside a function, by line, each with whether it says why
-    it is not at the top of the file: a comment on its first line, or a line holding only a comment
-    right above it."""
+def function_level_imports(source: str, every_module: bool = False) -> dict[int, bool]:
+    """The imports of flash_recipe modules (``every_module``: of any module) inside a function, by
+    line, each with whether it says why it is not at the top of the file: a comment on its first
+    line, or a line holding only a comment right above it."""
     lines = source.splitlines()
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     commented = {token.start[0] for token in tokens if token.type == tokenize.COMMENT}
@@ -138,7 +138,7 @@ def function_level_imports(source: str) -> dict[int, bool]:
         if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         for node in ast.walk(function):
-            if _imports_the_package(node):
+            if _imports_the_package(node) or (every_module and isinstance(node, (ast.Import, ast.ImportFrom))):
                 above = lines[node.lineno - 2].lstrip() if node.lineno > 1 else ""
                 found[node.lineno] = node.lineno in commented or above.startswith("#")
     return found
@@ -154,6 +154,19 @@ def test_every_function_level_import_of_the_package_says_why():
         seen += len(imports)
         silent += [f"{path.relative_to(PACKAGE.parent)}:{line}" for line, why in sorted(imports.items()) if not why]
     assert seen > 0  # the walk sees the function-level imports (the Triton backend's, for one)
+    assert silent == []
+
+
+def test_every_function_level_import_of_the_tools_says_why():
+    """In the tools (``flash_recipe/tools``, ``devtools``) every import sits at the top, torch's and
+    the standard library's too, unless it says why not: Triton on use where a command must say why it
+    cannot run, an optional dependency, an environment variable read first."""
+    seen, silent = 0, []
+    for path in sorted([*(PACKAGE / "tools").rglob("*.py"), *(PACKAGE.parent / "devtools").rglob("*.py")]):
+        imports = function_level_imports(path.read_text(), every_module=True)
+        seen += len(imports)
+        silent += [f"{path.relative_to(PACKAGE.parent)}:{line}" for line, why in sorted(imports.items()) if not why]
+    assert seen > 0  # the walk sees them (bench's matplotlib, for one)
     assert silent == []
 
 
@@ -184,6 +197,7 @@ def test_the_import_reason_check_finds_a_function_level_import_without_a_comment
             return api, tuned
     """)
     assert function_level_imports(snippet) == {6: False, 7: False, 8: False, 11: False, 14: False, 19: True, 21: True}
+    assert function_level_imports(snippet, every_module=True)[9] is False  # torch, silent
 
 
 def _launches(tree: ast.AST) -> list[tuple[str, ast.Call]]:

@@ -247,7 +247,7 @@ def memory_shapes(seqlens=MEMORY_SEQLENS) -> list:
     """The peak-memory shapes: batch 1 at each of ``seqlens`` (32k and 64k), bf16, head dim 128,
     16 heads, causal and not."""
     return [
-        Shape(1, seqlen, TARGET["nheads"], TARGET["nheads"], TARGET["head_dim"], causal, TARGET["dtype"])
+        Shape(1, seqlen, seqlen, TARGET["nheads"], TARGET["nheads"], TARGET["head_dim"], causal, TARGET["dtype"])
         for seqlen in seqlens
         for causal in (False, True)
     ]

@@ -4,7 +4,6 @@ the environment probe, the host cost per call and the peak-memory rows."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -54,7 +53,7 @@ def memory_rows(seqlens, peers, result: Optional[str] = None, progress=print) ->
     for shape in memory_shapes(seqlens):
         for mode in bench.MEMORY_MODES:
             for name in peers:
-                row = {"shape": shape.id, "peer": name, **dataclasses.asdict(shape)}
+                row = {"shape": shape.id, "peer": name, **shape.columns()}
                 try:
                     if name not in available:
                         raise ValueError(f"peer {name!r} is not available on {device.type}")

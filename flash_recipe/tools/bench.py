@@ -59,6 +59,7 @@ from ..ops import features
 from ..sage import sageattn
 from . import host_cost
 from .bench_timing import UNFUSED_PEERS, Timer, Timing, dynamo_counters, fresh_dynamo, grown, judge
+from .sizes import Sizes
 from .verify import versions
 
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -66,24 +67,38 @@ FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    batch: int
-    seqlen: int
-    nheads: int
-    nheads_k: int
-    head_dim: int
+class Shape(Sizes):
+    """A self-attention problem (``seqlen_q == seqlen_k``: ``seqlen``) of ``dtype``, causal or not."""
+
     causal: bool
     dtype: str
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.seqlen_q != self.seqlen_k:
+            raise ValueError(
+                f"bench shapes are self-attention: seqlen_q ({self.seqlen_q}) must equal seqlen_k ({self.seqlen_k})"
+            )
+
+    @property
+    def seqlen(self) -> int:
+        return self.seqlen_q
+
     @property
     def id(self) -> str:
-        kind = "mha" if self.nheads == self.nheads_k else f"gqa{self.nheads // self.nheads_k}"
+        kind = "mha" if self.group == 1 else f"gqa{self.group}"
         mask = "causal" if self.causal else "full"
         return f"B{self.batch}-S{self.seqlen}-H{self.nheads}-{kind}-D{self.head_dim}-{mask}-{self.dtype}"
 
+    def columns(self) -> dict:
+        """The shape's columns of a row (``COLUMNS``)."""
+        return dict(
+            batch=self.batch, seqlen=self.seqlen, nheads=self.nheads, nheads_k=self.nheads_k,
+            head_dim=self.head_dim, causal=self.causal, dtype=self.dtype,
+        )  # fmt: skip
+
     def flops(self, mode: str) -> float:
-        fwd = 4.0 * self.batch * self.nheads * self.seqlen * self.seqlen * self.head_dim
-        return fwd * (0.5 if self.causal else 1.0) * FLOP_FACTOR[mode]
+        return self.forward_flops(self.causal) * FLOP_FACTOR[mode]
 
 
 # ----------------------------------------------------------------------------- peers
@@ -197,10 +212,7 @@ def measure(
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, shape.dtype)
 
-    def make(heads: int):
-        return torch.randn(shape.batch, shape.seqlen, heads, shape.head_dim, generator=gen).to(device, dtype)
-
-    q, k, v = make(shape.nheads), make(shape.nheads_k), make(shape.nheads_k)
+    q, k, v = (torch.randn(s, generator=gen).to(device, dtype) for s in (shape.q_shape, shape.kv_shape, shape.kv_shape))
     cuda = device.type == "cuda"
     fresh_dynamo()
     start = dynamo_counters()
@@ -259,11 +271,11 @@ def peak_memory(peer: Callable, shape: Shape, device, mode: str) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = getattr(torch, shape.dtype)
 
-    def make(heads: int):
-        return torch.randn(shape.batch, shape.seqlen, heads, shape.head_dim, generator=gen, device=device, dtype=dtype)
+    def make(size):
+        return torch.randn(size, generator=gen, device=device, dtype=dtype)
 
-    leaves = [make(h).requires_grad_() for h in (shape.nheads, shape.nheads_k, shape.nheads_k)]
-    dout = make(shape.nheads)
+    leaves = [make(s).requires_grad_() for s in (shape.q_shape, shape.kv_shape, shape.kv_shape)]
+    dout = make(shape.q_shape)
 
     def step() -> None:
         out = peer(*leaves, shape.causal)
@@ -294,6 +306,7 @@ def shapes(seqlens, head_dims, causal_values, gqa_values, dtypes, tokens: int, n
                             Shape(
                                 max(1, tokens // seqlen),
                                 seqlen,
+                                seqlen,
                                 nheads,
                                 max(1, nheads // 4) if gqa else nheads,
                                 head_dim,
@@ -318,7 +331,7 @@ def run_bench(args, progress=print, on_row: Optional[Callable[[list], None]] = N
     rows = []
     for shape in shapes(args.seqlen, args.head_dim, args.causal, args.gqa, args.dtype, args.tokens, args.nheads):
         for name in chosen:
-            row = {"shape": shape.id, "peer": name, **dataclasses.asdict(shape)}
+            row = {"shape": shape.id, "peer": name, **shape.columns()}
             try:
                 row.update(
                     measure(
@@ -420,8 +433,8 @@ def plot(rows: list[dict], mode: str, path: str) -> None:
     try:
         import matplotlib  # an optional dependency (the ``plot`` extra)
 
-        matplotlib.use("Agg")  # before pyplot: no display is needed
-        import matplotlib.pyplot as plt
+        matplotlib.use("Agg")  # no display is needed
+        import matplotlib.pyplot as plt  # after the backend is chosen
     except ImportError as exc:
         raise RuntimeError("--plot needs matplotlib: pip install 'flash-recipe[plot]'") from exc
     groups: dict = {}

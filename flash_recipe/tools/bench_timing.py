@@ -174,7 +174,7 @@ LINEAR_BYTES = 32
 
 def scores_bytes(shape) -> int:
     """One S x S half-precision score matrix per batch and head: ``B * H * Sq * Sk * 2``."""
-    return shape.batch * shape.nheads * shape.seqlen * shape.seqlen * 2
+    return shape.batch * shape.nheads * shape.seqlen_q * shape.seqlen_k * 2
 
 
 def memory_bound(shape) -> float:
@@ -186,7 +186,7 @@ def memory_bound(shape) -> float:
     against the bound's 32 D + S / 2, exceeded once S > 9.14 D (S >= 2341 at head dim 256), so at
     every S >= 4096 for head dims up to 256. One half-precision matrix alone exceeds it from
     S > 21.3 D (S >= 4096 up to head dim 128)."""
-    elements = shape.batch * shape.seqlen * shape.nheads * shape.head_dim
+    elements = shape.batch * shape.seqlen_q * shape.nheads * shape.head_dim
     return LINEAR_BYTES * elements + scores_bytes(shape) / 4
 
 

@@ -351,9 +351,9 @@ def gpu_route(target: str) -> Iterator[None]:
     (``capabilities.interpreter_problem``, answered None); a KV-cache step's split count is the
     rule's for the stub's multiprocessors (``kvcache.heuristic_splits``; no tuned table). Metadata
     is treated as device memory (``device_metadata``)."""
-    # Triton and the kernels, after ``run`` has set TRITON_INTERPRET (read as they are jitted)
+    # The kernels after ``run`` has set TRITON_INTERPRET, which Triton reads as they are jitted.
     from ..ops import kvcache, targets
-    from .stub_driver import STUB_SMS, stub_cuda
+    from .stub_driver import STUB_SMS, stub_cuda  # imports Triton: as the kernels, after TRITON_INTERPRET
 
     def splits_as_on_the_stub(*args):
         return kvcache.heuristic_splits(*args, sms=STUB_SMS)

@@ -238,8 +238,8 @@ def stub_cuda(target: str = "sm90") -> Iterator[object]:
     os.environ["TRITON_LIBCUDA_PATH"] = str(build_stub())
     saved = dict(vars(driver))  # the active driver's slot is named differently across Triton releases
     try:
-        with contextlib.suppress(ImportError, AttributeError):  # Triton 3.4 and newer read it from knobs
-            from triton import knobs
+        with contextlib.suppress(ImportError, AttributeError):
+            from triton import knobs  # Triton 3.4 and newer read the library's path from knobs
 
             knobs.nvidia.libcuda_path = str(build_stub())
         stub = stub_driver_class()(capability)

@@ -40,17 +40,14 @@ from ..dispatch import backend_names
 from ..env.distinfo import distribution_info
 from ..reference import attention_reference, compute_dtype
 from ..testing import FACTORS, accuracy_bound, max_error
-from .verify_kvcache import KV_FULL_GRID, KV_SMALL_GRID, check_kvcache_case
+from .sizes import Sizes
+from .verify_kvcache import KV_FULL_GRID, KV_SMALL_GRID, check_kvcache_case, report_row
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    nheads: int
-    nheads_k: int
-    head_dim: int
+class Case(Sizes):
+    """One ``flash_attn_func`` call: its sizes (``Sizes``), its mask and its score options."""
+
     causal: bool
     window: tuple = (-1, -1)
     softcap: float = 0.0
@@ -71,10 +68,7 @@ class Case:
                 f"-sink{self.sink:g}" if self.sink is not None else "",
             ]
         )
-        return (
-            f"B{self.batch}-Sq{self.seqlen_q}-Sk{self.seqlen_k}-H{self.nheads}-Hk{self.nheads_k}"
-            f"-D{self.head_dim}-{'causal' if self.causal else 'full'}{extras}"
-        )
+        return f"{self.sizes_id}-{'causal' if self.causal else 'full'}{extras}"
 
     def options(self, device, dtype=None) -> dict:
         """The keyword arguments of ``flash_attn_func`` for this case (ALiBi slopes as ALiBi defines them;
@@ -173,9 +167,8 @@ def _dtypes(device, names: Optional[list]) -> list:
 def _inputs(case: Case, dtype, device, seed: int):
     """Deterministic inputs: drawn on the CPU in fp32 from ``seed``, then cast and moved."""
     gen = torch.Generator().manual_seed(seed)
-    shape_q = (case.batch, case.seqlen_q, case.nheads, case.head_dim)
-    shape_k = (case.batch, case.seqlen_k, case.nheads_k, case.head_dim)
-    q, k, v, dout = (torch.randn(s, generator=gen) for s in (shape_q, shape_k, shape_k, shape_q))
+    shapes = (case.q_shape, case.kv_shape, case.kv_shape, case.q_shape)
+    q, k, v, dout = (torch.randn(s, generator=gen) for s in shapes)
     return [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
 
 
@@ -229,19 +222,7 @@ def check_case(case: Case, dtype, device, backend: str, seed: int) -> dict:
     for name, g, f, t, s in zip(names, got, fast, truth, torch_same):
         errors[name] = max(max_error(g, t), max_error(f, t))
         bounds[name] = accuracy_bound(max_error(s, t), FACTORS[name])
-    finite = all(bool(g.isfinite().all()) for g in (*got, *fast))
-    digest = hashlib.sha256()
-    for g in got:
-        digest.update(g.contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
-    return {
-        "case": case.id,
-        "dtype": str(dtype).replace("torch.", ""),
-        "backend": backend,
-        "errors": errors,
-        "bounds": bounds,
-        "passed": finite and all(errors[n] <= bounds[n] for n in names),
-        "fingerprint": digest.hexdigest(),
-    }
+    return report_row(case.id, dtype, backend, errors, bounds, (*got, *fast), got)
 
 
 def verify(

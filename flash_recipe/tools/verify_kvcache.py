@@ -13,12 +13,14 @@ import torch
 from ..decoding import flash_attn_with_kvcache
 from ..dispatch import use_backend
 from ..testing import FORWARD_FACTOR, accuracy_bound, attention, compute_dtype, max_error, rotary
+from .sizes import Sizes
 
 
 @dataclasses.dataclass(frozen=True)
-class KVCase:
+class KVCase(Sizes):
     """One ``flash_attn_with_kvcache`` call: ``new`` rows appended to a cache that holds ``seqlens``
-    rows per batch entry (``capacity`` rows each), then ``seqlen_q`` queries attend over it.
+    rows per batch entry (``seqlen_k`` rows each, its ``capacity``), then ``seqlen_q`` queries attend
+    over it.
 
     ``page`` > 0 stores the cache in shuffled pages of that many rows (``block_table``); ``rotary``
     is the rotary dim (0: none); ``leftpad`` the first valid row per entry (empty: 0);
@@ -27,14 +29,8 @@ class KVCase:
     gives every head an attention sink, ``sink + linspace(-1, 1, H)`` in the input dtype.
     """
 
-    batch: int
-    seqlen_q: int
     new: int
-    nheads: int
-    nheads_k: int
-    head_dim: int
     seqlens: tuple
-    capacity: int
     causal: bool = True
     page: int = 0
     rotary: int = 0
@@ -46,6 +42,11 @@ class KVCase:
     alibi: bool = False
     splits: int = 0
     sink: Optional[float] = None
+
+    @property
+    def capacity(self) -> int:
+        """Rows each batch entry's cache holds: ``seqlen_k``."""
+        return self.seqlen_k
 
     @property
     def id(self) -> str:
@@ -74,7 +75,7 @@ class KVCase:
 # paged cache with GPT-NeoX rotary, left padding, a window and split-KV; a full cache with nothing
 # appended, batch indices, softcap and ALiBi (no causal mask).
 KV_SMALL_GRID = (
-    KVCase(2, 1, 1, 4, 2, 32, seqlens=(5, 40), capacity=64),
+    KVCase(2, 1, 64, 4, 2, 32, seqlens=(5, 40), new=1),
     KVCase(
         batch=2,
         seqlen_q=3,
@@ -83,7 +84,7 @@ KV_SMALL_GRID = (
         nheads_k=2,
         head_dim=32,
         seqlens=(10, 27),
-        capacity=64,
+        seqlen_k=64,
         page=16,
         rotary=16,
         interleaved=False,
@@ -99,7 +100,7 @@ KV_SMALL_GRID = (
         nheads_k=1,
         head_dim=24,
         seqlens=(7, 33, 48),
-        capacity=48,
+        seqlen_k=48,
         causal=False,
         batch_idx=True,
         softcap=3.0,
@@ -107,14 +108,14 @@ KV_SMALL_GRID = (
         splits=3,
     ),
     # gpt-oss decoding: GQA, attention sinks, a window, a paged cache with rows appended, split-KV.
-    KVCase(2, 1, 1, 8, 2, 32, seqlens=(3, 50), capacity=64, page=16, window=(20, 0), splits=3, sink=0.0),
+    KVCase(2, 1, 64, 8, 2, 32, seqlens=(3, 50), new=1, page=16, window=(20, 0), splits=3, sink=0.0),
 )
 
 # On a GPU: realistic decoding and chunked prefill over caches of thousands of rows, every
 # head-dim bucket, pages of 16 and 256 rows, split-KV chosen automatically.
 KV_FULL_GRID = KV_SMALL_GRID + (
-    KVCase(4, 1, 1, 32, 8, 128, seqlens=(1000, 4095, 17, 2047), capacity=4096),
-    KVCase(3, 4, 4, 16, 2, 128, seqlens=(300, 2000, 4092), capacity=4096, page=256, rotary=64, interleaved=False),
+    KVCase(4, 1, 4096, 32, 8, 128, seqlens=(1000, 4095, 17, 2047), new=1),
+    KVCase(3, 4, 4096, 16, 2, 128, seqlens=(300, 2000, 4092), new=4, page=256, rotary=64, interleaved=False),
     KVCase(
         batch=2,
         seqlen_q=128,
@@ -123,15 +124,15 @@ KV_FULL_GRID = KV_SMALL_GRID + (
         nheads_k=8,
         head_dim=64,
         seqlens=(0, 900),
-        capacity=2048,
+        seqlen_k=2048,
         page=16,
         rotary=32,
         leftpad=(0, 37),
         window=(256, 0),
     ),
-    KVCase(2, 5, 0, 8, 4, 256, seqlens=(777, 1500), capacity=2048, causal=False, batch_idx=True, alibi=True, splits=4),
-    KVCase(2, 1, 1, 12, 1, 96, seqlens=(3000, 1), capacity=3072, window=(100, 0), softcap=30.0),
-    KVCase(4, 1, 1, 64, 8, 64, seqlens=(4000, 127, 128, 2500), capacity=4096, page=256, window=(127, 0), sink=1.0),
+    KVCase(2, 5, 2048, 8, 4, 256, seqlens=(777, 1500), new=0, causal=False, batch_idx=True, alibi=True, splits=4),
+    KVCase(2, 1, 3072, 12, 1, 96, seqlens=(3000, 1), new=1, window=(100, 0), softcap=30.0),
+    KVCase(4, 1, 4096, 64, 8, 64, seqlens=(4000, 127, 128, 2500), new=1, page=256, window=(127, 0), sink=1.0),
 )
 
 
@@ -280,15 +281,22 @@ def check_kvcache_case(case: KVCase, dtype, device, backend: str, seed: int) -> 
         "v_cache": 0.0,
         "cache_rest": 0.0,
     }
+    return report_row(case.id, dtype, backend, errors, bounds, (out,), (out, k_got, v_got))
+
+
+def report_row(case_id: str, dtype, backend: str, errors: dict, bounds: dict, outputs, fingerprinted) -> dict:
+    """One row of ``verify``'s report: passed when every tensor of ``outputs`` is finite and every
+    error is within its bound; the fingerprint is the SHA-256 of ``fingerprinted``'s bytes."""
     digest = hashlib.sha256()
-    for t in (out, k_got, v_got):
+    for t in fingerprinted:
         digest.update(t.contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    finite = all(bool(t.isfinite().all()) for t in outputs)
     return {
-        "case": case.id,
+        "case": case_id,
         "dtype": str(dtype).replace("torch.", ""),
         "backend": backend,
         "errors": errors,
         "bounds": bounds,
-        "passed": bool(out.isfinite().all()) and all(errors[n] <= bounds[n] for n in errors),
+        "passed": finite and all(errors[n] <= bounds[n] for n in errors),
         "fingerprint": digest.hexdigest(),
     }

@@ -16,6 +16,7 @@ from ...ops.configs import Config
 from ...ops.options import ScoreOptions
 from ...reference import attention_reference, compute_dtype
 from ...testing import FACTORS, accuracy_bound, max_error
+from ..sizes import Sizes
 
 KERNELS = configs.KERNELS + (configs.ONE_LAUNCH,)  # the last where the target's table offers it
 HEAD_DIMS = limits.HEAD_DIM_BUCKETS
@@ -57,17 +58,11 @@ class TuneError(RuntimeError):
     """Tuning cannot run as asked (no GPU, no timer, a target without tables)."""
 
 
-class Shape(NamedTuple):
-    """A launch's sizes: q ``(batch, seqlen_q, nheads, head_dim)``, k and v ``(batch, seqlen_k,
-    nheads_k, head_dim)``; for ``decode`` a dense cache of ``seqlen_k`` rows per batch entry, of
-    which ``lengths`` (one per batch entry; None: all) are filled."""
+@dataclasses.dataclass(frozen=True)
+class Shape(Sizes):
+    """A launch's sizes (``Sizes``) and mask; for ``decode`` a dense cache of ``seqlen_k`` rows per
+    batch entry, of which ``lengths`` (one per batch entry; None: all) are filled."""
 
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    nheads: int
-    nheads_k: int
-    head_dim: int
     causal: bool
     lengths: Optional[tuple] = None
 
@@ -161,9 +156,9 @@ class Problem:
         def draw(*size):
             return torch.randn(*size, generator=gen).to(device=device, dtype=dt)
 
-        b, sq, sk, h, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_k, shape.head_dim
+        b, sq, sk, hk, d = shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads_k, shape.head_dim
         self.scale = d**-0.5
-        self.q, self.k, self.v = draw(b, sq, h, d), draw(b, sk, hk, d), draw(b, sk, hk, d)
+        self.q, self.k, self.v = draw(*shape.q_shape), draw(*shape.kv_shape), draw(*shape.kv_shape)
         if kernel == "decode":
             lengths = shape.lengths or (sk,) * b
             seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
@@ -189,7 +184,7 @@ class Problem:
             alibi_slopes=None,
         )
         if kernel in BACKWARD:
-            self.dout = draw(b, sq, h, d)
+            self.dout = draw(*shape.q_shape)
             self.out, self.lse = forward.attention_forward(self.q, self.k, self.v, self.options)
 
     def launch(self, num_splits: Optional[int] = None) -> tuple:
