@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from flash_recipe import __version__
-from flash_recipe.files import write_json
+from flash_recipe.atomic_json import write_json
 from flash_recipe.tools.bench import to_markdown
 from flash_recipe.tools.bench_decode import markdown
 
@@ -91,7 +91,23 @@ def step_summary(report: dict) -> list:
 
 
 def render_markdown(report: dict) -> str:
-    """``campaign.md`` from the report (the same dictionary as ``campaign.json``)."""
+    """``campaign.md`` from the report (the same dictionary as ``campaign.json``): one section per
+    part of the report, each empty where its step left nothing."""
+    steps = report.get("steps") or {}
+
+    def data(name: str) -> dict:
+        return (steps.get(name) or {}).get("data") or {}
+
+    lines = _header(report) + _targets_section(report.get("targets") or []) + _steps_section(report, steps)
+    lines += _memory_section(data("memory")) + _bench_section(data("bench"), report.get("plots") or {})
+    lines += _check_section(data("check")) + _shootout_section(steps.get("shootout")) + _warmup_section(data("warmup"))
+    lines += _host_section(data("host")) + _capture_section(data("capture")) + _decode_section(data("decode"))
+    lines += _verify_section(data("verify")) + _tests_section(data("tests")) + _tune_section(steps.get("tune"))
+    return "\n".join(lines)
+
+
+def _header(report: dict) -> list:
+    """The title, the step summary and the run's device, date, versions, command and environment."""
     env = report.get("environment") or {}
     versions = env.get("versions") or {}
     lines = ["# flash-recipe GPU campaign", ""]
@@ -110,38 +126,47 @@ def render_markdown(report: dict) -> str:
         f"- environment of the steps: {', '.join(f'`{k}={v}`' for k, v in (env.get('variables') or {}).items())}",
         "",
     ]
-    targets = report.get("targets") or []
-    if targets:
-        passed = sum(t["verdict"] == "PASS" for t in targets)
-        lines += [f"## Targets: {passed} PASS, {len(targets) - passed} MISS", ""]
-        for group in summarize_targets(targets):
-            bound = _bound(group["target"]) + f"{_fmt(group['required'], 2)}x"
-            lines.append(
-                f"- **{group['target']}** {bound}: {group['verdict']} ({group['passed']} of {group['count']}; "
-                f"worst {_quantity(group['worst_ratio'], 'x')})"
-            )
-        lines.append("")
-        lines += [
-            f"{SUBJECT} against {REFERENCE}, measured side by side in this run (bf16, head dim "
-            f"{TARGET['head_dim']}, {TARGET['nheads']} heads). Speed: TFLOP/s (forward "
-            "`4·B·H·S²·D`, halved when causal; backward 2.5x). Memory: the peak a training step allocates above "
-            "its inputs.",
-            "",
-            f"| target | shape | {SUBJECT} | {REFERENCE} | ratio | required | verdict |",
-            "|---|---|---:|---:|---:|---:|---|",
-        ]
-        for t in targets:
-            unit = t.get("unit", "")
-            bound = _bound(t["target"]) + f"{_fmt(t.get('required'), 2)}x"
-            verdict = t["verdict"] + (f" ({t['note']})" if t.get("note") else "")
-            lines.append(
-                f"| {t['target']} | {t.get('shape', '')} | {_quantity(t.get('subject'), unit)} | "
-                f"{_quantity(t.get('reference'), unit)} | "
-                f"{_quantity(t.get('ratio'), 'x')} | {bound} | {verdict} |"
-            )
-        lines.append("")
-    steps = report.get("steps") or {}
-    lines += ["## Steps", "", "| step | status | time | budget | detail |", "|---|---|---:|---:|---|"]
+    return lines
+
+
+def _targets_section(targets: list) -> list:
+    """``## Targets``: each target group's verdict, then every target's measurement against its bound."""
+    if not targets:
+        return []
+    passed = sum(t["verdict"] == "PASS" for t in targets)
+    lines = [f"## Targets: {passed} PASS, {len(targets) - passed} MISS", ""]
+    for group in summarize_targets(targets):
+        bound = _bound(group["target"]) + f"{_fmt(group['required'], 2)}x"
+        lines.append(
+            f"- **{group['target']}** {bound}: {group['verdict']} ({group['passed']} of {group['count']}; "
+            f"worst {_quantity(group['worst_ratio'], 'x')})"
+        )
+    lines.append("")
+    lines += [
+        f"{SUBJECT} against {REFERENCE}, measured side by side in this run (bf16, head dim "
+        f"{TARGET['head_dim']}, {TARGET['nheads']} heads). Speed: TFLOP/s (forward "
+        "`4·B·H·S²·D`, halved when causal; backward 2.5x). Memory: the peak a training step allocates above "
+        "its inputs.",
+        "",
+        f"| target | shape | {SUBJECT} | {REFERENCE} | ratio | required | verdict |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for t in targets:
+        unit = t.get("unit", "")
+        bound = _bound(t["target"]) + f"{_fmt(t.get('required'), 2)}x"
+        verdict = t["verdict"] + (f" ({t['note']})" if t.get("note") else "")
+        lines.append(
+            f"| {t['target']} | {t.get('shape', '')} | {_quantity(t.get('subject'), unit)} | "
+            f"{_quantity(t.get('reference'), unit)} | "
+            f"{_quantity(t.get('ratio'), 'x')} | {bound} | {verdict} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _steps_section(report: dict, steps: dict) -> list:
+    """``## Steps``: each planned step's status, time, budget and detail, then the commands."""
+    lines = ["## Steps", "", "| step | status | time | budget | detail |", "|---|---|---:|---:|---|"]
     for step in report["plan"]:
         done = steps.get(step["name"], {})
         status = done.get("status", "skipped: " + step["skip"] if step.get("skip") else "not run")
@@ -151,109 +176,145 @@ def render_markdown(report: dict) -> str:
     lines += ["", "Commands (`{scratch}`: a temporary folder; full output in `campaign.log`):", ""]
     lines += [f"- {step['name']}: `{step['command']}`" for step in report["plan"] if step["command"]]
     lines.append("")
-    memory = (steps.get("memory") or {}).get("data") or {}
-    if memory.get("rows"):
-        seqlens = sorted({row["seqlen"] for row in memory["rows"]})
-        lines += [
-            "## Peak memory",
-            "",
-            "MiB allocated by one training step above its inputs (forward: with inputs that require grad; "
-            "fwd_bwd: forward and backward), batch 1, 16 heads, head dim 128, bf16.",
-            "",
-            "| mode | mask | peer | " + " | ".join(f"S{s}" for s in seqlens) + f" | S{seqlens[-1]}/S{seqlens[0]} |",
-            "|---|---|---|" + "---:|" * (len(seqlens) + 1),
-        ]
-        for entry in memory_table(memory["rows"]):
-            cells = [_fmt(entry["peak_mb"].get(s), 1) for s in seqlens]
-            lines.append(
-                f"| {entry['mode']} | {'causal' if entry['causal'] else 'full'} | {entry['peer']} | "
-                + " | ".join(cells)
-                + f" | {_fmt(entry['growth'])}x |"
-            )
+    return lines
+
+
+def _memory_section(memory: dict) -> list:
+    """``## Peak memory``: MiB per mode, mask and peer at each sequence length, and the growth."""
+    if not memory.get("rows"):
+        return []
+    seqlens = sorted({row["seqlen"] for row in memory["rows"]})
+    lines = [
+        "## Peak memory",
+        "",
+        "MiB allocated by one training step above its inputs (forward: with inputs that require grad; "
+        "fwd_bwd: forward and backward), batch 1, 16 heads, head dim 128, bf16.",
+        "",
+        "| mode | mask | peer | " + " | ".join(f"S{s}" for s in seqlens) + f" | S{seqlens[-1]}/S{seqlens[0]} |",
+        "|---|---|---|" + "---:|" * (len(seqlens) + 1),
+    ]
+    for entry in memory_table(memory["rows"]):
+        cells = [_fmt(entry["peak_mb"].get(s), 1) for s in seqlens]
+        lines.append(
+            f"| {entry['mode']} | {'causal' if entry['causal'] else 'full'} | {entry['peer']} | "
+            + " | ".join(cells)
+            + f" | {_fmt(entry['growth'])}x |"
+        )
+    lines.append("")
+    return lines
+
+
+def _bench_section(bench_data: dict, plots: dict) -> list:
+    """``## Bench``: the bench step's table and its plots."""
+    if not bench_data.get("rows"):
+        return []
+    context = bench_data.get("context", "")
+    lines = ["## Bench", "", to_markdown(bench_data["rows"], bench_data.get("modes", BENCH_MODES), context)]
+    for name, problem in plots.items():
+        lines.append(f"![{name}]({name})" if problem is None else f"{name}: not drawn ({problem})")
+    lines.append("")
+    return lines
+
+
+def _host_section(host_data: dict) -> list:
+    """``## Host cost per call``: Python calls and microseconds per case, then the profiles."""
+    if not host_data.get("rows"):
+        return []
+    lines = [
+        "## Host cost per call",
+        "",
+        f"{host_data.get('shape', '')}: Python function calls and microseconds per call issued back to back "
+        "(no synchronisation in the timed region), Triton's launch stubbed or real, torch SDPA beside.",
+        "",
+        "| case | launches | Python calls | us per call | SDPA us per call | ratio |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in host_data["rows"]:
+        lines.append(
+            f"| {row['case']} | {'stubbed' if row.get('stubbed') else 'real'} | {row['calls']} | {row['us']} | "
+            f"{row['sdpa_us']} | {row['ratio']} |"
+        )
+    lines.append("")
+    for case, entries in (host_data.get("profiles") or {}).items():
+        lines += [f"{case}, torch.profiler's top entries by self CPU time, per call:", "",
+                  "| entry | calls | self CPU us |", "|---|---:|---:|"]  # fmt: skip
+        lines += [f"| {e['name']} | {e['calls']} | {e['self_cpu_us']} |" for e in entries]
         lines.append("")
-    bench_data = (steps.get("bench") or {}).get("data") or {}
-    if bench_data.get("rows"):
-        context = bench_data.get("context", "")
-        lines += ["## Bench", "", to_markdown(bench_data["rows"], bench_data.get("modes", BENCH_MODES), context)]
-        for name, problem in (report.get("plots") or {}).items():
-            lines.append(f"![{name}]({name})" if problem is None else f"{name}: not drawn ({problem})")
-        lines.append("")
-    lines += _check_section((steps.get("check") or {}).get("data") or {})
-    lines += _shootout_section(steps.get("shootout"))
-    lines += _warmup_section((steps.get("warmup") or {}).get("data") or {})
-    host_data = (steps.get("host") or {}).get("data") or {}
-    if host_data.get("rows"):
-        lines += [
-            "## Host cost per call",
-            "",
-            f"{host_data.get('shape', '')}: Python function calls and microseconds per call issued back to back "
-            "(no synchronisation in the timed region), Triton's launch stubbed or real, torch SDPA beside.",
-            "",
-            "| case | launches | Python calls | us per call | SDPA us per call | ratio |",
-            "|---|---|---:|---:|---:|---:|",
-        ]
-        for row in host_data["rows"]:
-            lines.append(
-                f"| {row['case']} | {'stubbed' if row.get('stubbed') else 'real'} | {row['calls']} | {row['us']} | "
-                f"{row['sdpa_us']} | {row['ratio']} |"
-            )
-        lines.append("")
-        for case, entries in (host_data.get("profiles") or {}).items():
-            lines += [f"{case}, torch.profiler's top entries by self CPU time, per call:", "",
-                      "| entry | calls | self CPU us |", "|---|---:|---:|"]  # fmt: skip
-            lines += [f"| {e['name']} | {e['calls']} | {e['self_cpu_us']} |" for e in entries]
-            lines.append("")
-    capture_data = (steps.get("capture") or {}).get("data") or {}
-    if capture_data.get("rows"):
-        lines += ["## CUDA-graph capture", "", "| check | status | detail |", "|---|---|---|"]
-        lines += [f"| {row['check']} | {row['status']} | {row['detail']} |" for row in capture_data["rows"]]
-        lines.append("")
-    decode_data = (steps.get("decode") or {}).get("data") or {}
-    if decode_data.get("rows"):
-        lines += ["## Decoding", "", markdown(decode_data), ""]
-        if any("graph_bytes_per_s" in row for row in decode_data["rows"]):
-            lines += [markdown(decode_data, "graph_bytes_per_s"), ""]
-    verify = (steps.get("verify") or {}).get("data")
-    if verify:
-        lines += [
-            "## Verify",
-            "",
-            f"{'PASSED' if verify['passed'] else 'FAILED'} on {verify.get('device')}; backends "
-            f"{', '.join(verify.get('backends') or [])}; fingerprint `{verify.get('fingerprint')}`",
-            "",
-            "| kind/dtype | checks | passed |",
-            "|---|---:|---:|",
-        ]
-        lines += [f"| {key} | {c['checks']} | {c['passed']} |" for key, c in sorted(verify["counts"].items())]
-        for name, why in (verify.get("skipped") or {}).items():
-            lines.append(f"\nskipped {name}: {'; '.join(why)}")
-        for row in verify["mismatches"][:20]:
-            worst = {n: f"{row['errors'][n]:.2e} > {row['bounds'][n]:.2e}" for n in row["errors"]}
-            lines.append(f"- MISMATCH {row['case']} {row['dtype']} {row['backend']}: {worst}")
-        lines.append("")
-    tests = (steps.get("tests") or {}).get("data")
-    if tests:
-        lines += [
-            "## GPU tests",
-            "",
-            f"{tests['passed']} passed, {tests['failures']} failed, {tests['errors']} errors, "
-            f"{tests['skipped']} skipped",
-            "",
-        ]
-        lines += [f"- {f['kind']}: `{f['test']}`: {f['message']}" for f in tests["failed"][:30]]
-        lines.append("")
-    tune = steps.get("tune")
-    if tune:
-        files = (tune.get("data") or {}).get("files") or []
-        lines += ["## Tune", "", f"{tune['status']}: {tune.get('detail', '')}"]
-        if files:
-            lines.append(
-                f"\nTuned configurations: {', '.join(f'`{f}`' for f in files)} (use with `FLASH_RECIPE_TUNE_CACHE=DIR`)"
-            )
-        if tune.get("output_tail"):
-            lines += ["", "```", tune["output_tail"], "```"]
-        lines.append("")
-    return "\n".join(lines)
+    return lines
+
+
+def _capture_section(capture_data: dict) -> list:
+    """``## CUDA-graph capture``: each capture check's status."""
+    if not capture_data.get("rows"):
+        return []
+    lines = ["## CUDA-graph capture", "", "| check | status | detail |", "|---|---|---|"]
+    lines += [f"| {row['check']} | {row['status']} | {row['detail']} |" for row in capture_data["rows"]]
+    lines.append("")
+    return lines
+
+
+def _decode_section(decode_data: dict) -> list:
+    """``## Decoding``: the decode step's bandwidth tables, called and replayed."""
+    if not decode_data.get("rows"):
+        return []
+    lines = ["## Decoding", "", markdown(decode_data), ""]
+    if any("graph_bytes_per_s" in row for row in decode_data["rows"]):
+        lines += [markdown(decode_data, "graph_bytes_per_s"), ""]
+    return lines
+
+
+def _verify_section(verify: dict) -> list:
+    """``## Verify``: the verdict, the checks per kind and dtype, what was skipped and the mismatches."""
+    if not verify:
+        return []
+    lines = [
+        "## Verify",
+        "",
+        f"{'PASSED' if verify['passed'] else 'FAILED'} on {verify.get('device')}; backends "
+        f"{', '.join(verify.get('backends') or [])}; fingerprint `{verify.get('fingerprint')}`",
+        "",
+        "| kind/dtype | checks | passed |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {key} | {c['checks']} | {c['passed']} |" for key, c in sorted(verify["counts"].items())]
+    for name, why in (verify.get("skipped") or {}).items():
+        lines.append(f"\nskipped {name}: {'; '.join(why)}")
+    for row in verify["mismatches"][:20]:
+        worst = {n: f"{row['errors'][n]:.2e} > {row['bounds'][n]:.2e}" for n in row["errors"]}
+        lines.append(f"- MISMATCH {row['case']} {row['dtype']} {row['backend']}: {worst}")
+    lines.append("")
+    return lines
+
+
+def _tests_section(tests: dict) -> list:
+    """``## GPU tests``: the counts and the failures."""
+    if not tests:
+        return []
+    lines = [
+        "## GPU tests",
+        "",
+        f"{tests['passed']} passed, {tests['failures']} failed, {tests['errors']} errors, {tests['skipped']} skipped",
+        "",
+    ]
+    lines += [f"- {f['kind']}: `{f['test']}`: {f['message']}" for f in tests["failed"][:30]]
+    lines.append("")
+    return lines
+
+
+def _tune_section(tune: Optional[dict]) -> list:
+    """``## Tune``: the tune step's status and the files it wrote."""
+    if not tune:
+        return []
+    files = (tune.get("data") or {}).get("files") or []
+    lines = ["## Tune", "", f"{tune['status']}: {tune.get('detail', '')}"]
+    if files:
+        lines.append(
+            f"\nTuned configurations: {', '.join(f'`{f}`' for f in files)} (use with `FLASH_RECIPE_TUNE_CACHE=DIR`)"
+        )
+    if tune.get("output_tail"):
+        lines += ["", "```", tune["output_tail"], "```"]
+    lines.append("")
+    return lines
 
 
 def _shootout_section(step: Optional[dict]) -> list:

@@ -166,19 +166,38 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The report of :func:`diagnose` as the terminal text ``flash-recipe doctor`` prints."""
+    """The report of :func:`diagnose` as the terminal text ``flash-recipe doctor`` prints: one
+    section per part of the report, the installer's line last."""
     facts: Facts = report["facts"]
     lines = ["flash-recipe doctor"]
     _section(lines, "findings")
-    if report["findings"]:
-        for f in report["findings"]:
-            lines += _fmt_finding(f)
-    else:
-        lines.append("  none: no known install failure applies to this environment")
-
-    c = report["coupling"]
+    lines += [line for f in report["findings"] for line in _fmt_finding(f)] or [
+        "  none: no known install failure applies to this environment"
+    ]
     _section(lines, "coupling (what a compiled flash-attn wheel must match)")
-    lines += _table(
+    lines += _coupling_lines(report["coupling"])
+    if "upstream_wheel" in report:
+        _section(lines, f"upstream flash-attn {report['upstream_wheel']['version']} wheel")
+        lines += _wheel_lines(report["upstream_wheel"])
+    _section(lines, "machine")
+    lines += _machine_lines(facts) + _gpu_lines(facts) + _triton_lines(facts.get("triton", {})) + _build_lines(facts)
+    _section(lines, "upstream flash-attn")
+    lines += _flash_attn_lines(facts.get("flash_attn", {}))
+    _section(lines, "flash_recipe backends")
+    lines += _backend_lines(facts.get("backends", {}))
+    if "flex" in report:
+        _section(lines, "FlexAttention")
+        lines += _flex_lines(report["flex"])
+    proj = facts.get("project", {})
+    if proj:
+        status = 0 if report["healthy"] else 1
+        lines += ["", f"installer: {report['installer']} ({proj.get('installer_reason')}); exit status {status}"]
+    return "\n".join(lines) + "\n"
+
+
+def _coupling_lines(c: dict[str, Any]) -> list[str]:
+    """The Python ABI, torch, CUDA, C++11 ABI and platform a compiled flash-attn wheel must match."""
+    return _table(
         [
             ["Python ABI", "torch", "CUDA", "C++11 ABI", "platform"],
             [
@@ -191,32 +210,35 @@ def format_report(report: dict[str, Any]) -> str:
         ]
     )
 
-    if "upstream_wheel" in report:
-        w = report["upstream_wheel"]
-        _section(lines, f"upstream flash-attn {w['version']} wheel")
-        lines.append(f"  file:   {w['filename'] or '(none can be named)'}")
-        if w["url"]:
-            lines.append(f"  url:    {w['url']}")
-        lines.append(f"  status: {w['status']}: {w['reason']}")
-        if w.get("nearest"):
-            n = w["nearest"]
-            lines.append(f"  nearest published: {n['filename']}")
-            if n["differs"]:
-                lines.append(f"    differs: {'; '.join(n['differs'])} (it loads only where those match)")
-        if w["status"] in ("not-published", "not-confirmed", "unknown-release"):
-            lines.append(
-                "  or build from source against this torch: see recipes/pip-no-build-isolation and "
-                "recipes/upstream-flash-attn"
-            )
 
+def _wheel_lines(w: dict[str, Any]) -> list[str]:
+    """The upstream wheel this environment needs: its file, address, status and nearest published one."""
+    lines = [f"  file:   {w['filename'] or '(none can be named)'}"]
+    if w["url"]:
+        lines.append(f"  url:    {w['url']}")
+    lines.append(f"  status: {w['status']}: {w['reason']}")
+    if w.get("nearest"):
+        n = w["nearest"]
+        lines.append(f"  nearest published: {n['filename']}")
+        if n["differs"]:
+            lines.append(f"    differs: {'; '.join(n['differs'])} (it loads only where those match)")
+    if w["status"] in ("not-published", "not-confirmed", "unknown-release"):
+        lines.append(
+            "  or build from source against this torch: see recipes/pip-no-build-isolation and "
+            "recipes/upstream-flash-attn"
+        )
+    return lines
+
+
+def _machine_lines(facts: Facts) -> list[str]:
+    """The OS, libc, cores, memory, Python and torch."""
     plat = facts.get("platform", {})
-    _section(lines, "machine")
     libc = f"{plat.get('libc') or 'libc ?'} {plat.get('libc_version') or ''}"
-    lines.append(
+    lines = [
         f"  {plat.get('os', '?')} {plat.get('machine', '?')}, {libc}".rstrip()
-        + f", {plat.get('cpu_count', '?')} cores, {plat.get('mem_available_gib', '?')} GiB free"
-    )
-    lines.append(f"  Python {plat.get('python', '?')} ({plat.get('executable', '?')})")
+        + f", {plat.get('cpu_count', '?')} cores, {plat.get('mem_available_gib', '?')} GiB free",
+        f"  Python {plat.get('python', '?')} ({plat.get('executable', '?')})",
+    ]
     torch = facts.get("torch", {})
     if torch.get("error") or torch.get("import_error"):
         lines.append(f"  torch: {torch.get('error') or torch.get('import_error')}")
@@ -225,6 +247,12 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  torch {torch.get('version')}: {kind} build, GPU usable: {torch.get('cuda_available')}")
     else:
         lines.append("  torch: not installed")
+    return lines
+
+
+def _gpu_lines(facts: Facts) -> list[str]:
+    """The GPUs, torch SDPA's kernels on them, the driver and nvcc."""
+    lines = []
     gpus = facts.get("gpus", {})
     for d in gpus.get("devices") or []:
         smem = d.get("shared_memory_per_block")
@@ -252,80 +280,86 @@ def format_report(report: dict[str, Any]) -> str:
         + (f" (CUDA {nvcc['version']})" if nvcc.get("version") else "")
         + f", CUDA_HOME={nvcc.get('cuda_home') or 'unset'}"
     )
-    triton = facts.get("triton", {})
-    if triton.get("installed"):
-        target = triton.get("target") or f"no GPU target ({triton.get('target_error', 'unknown')})"
-        lines.append(f"  Triton {triton.get('version')}: {target}")
-        check = triton.get("compile")
-        if check:
-            if check.get("ok"):
-                lines.append(
-                    f"    compiles flash_recipe's forward kernel for {check['arch']}: {check['shared_bytes']} of "
-                    f"{check['shared_limit']} bytes shared memory, {check['seconds']} s"
-                )
-            elif check.get("ok") is None:
-                lines.append(f"    {check.get('error')}")
-            else:
-                error = check.get("error") or "; ".join(check.get("problems") or [])
-                lines.append(f"    cannot compile flash_recipe's forward kernel for {check['arch']}: {error}")
-    else:
-        lines.append(f"  Triton: {triton.get('error') or 'not installed'}")
+    return lines
+
+
+def _triton_lines(triton: dict[str, Any]) -> list[str]:
+    """Triton's version and target, and whether it compiles flash_recipe's forward kernel for it."""
+    if not triton.get("installed"):
+        return [f"  Triton: {triton.get('error') or 'not installed'}"]
+    target = triton.get("target") or f"no GPU target ({triton.get('target_error', 'unknown')})"
+    lines = [f"  Triton {triton.get('version')}: {target}"]
+    check = triton.get("compile")
+    if check:
+        if check.get("ok"):
+            lines.append(
+                f"    compiles flash_recipe's forward kernel for {check['arch']}: {check['shared_bytes']} of "
+                f"{check['shared_limit']} bytes shared memory, {check['seconds']} s"
+            )
+        elif check.get("ok") is None:
+            lines.append(f"    {check.get('error')}")
+        else:
+            error = check.get("error") or "; ".join(check.get("problems") or [])
+            lines.append(f"    cannot compile flash_recipe's forward kernel for {check['arch']}: {error}")
+    return lines
+
+
+def _build_lines(facts: Facts) -> list[str]:
+    """ninja, the missing build tools and the build variables set."""
     build = facts.get("build", {})
     missing = ", ".join(build.get("missing") or []) or "none"
-    lines.append(f"  ninja: {build.get('ninja') or 'not found'}; missing build tools: {missing}")
+    lines = [f"  ninja: {build.get('ninja') or 'not found'}; missing build tools: {missing}"]
     env = facts.get("env", {})
     if env:
         lines.append("  build variables: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    return lines
 
-    fa = facts.get("flash_attn", {})
-    _section(lines, "upstream flash-attn")
+
+def _flash_attn_lines(fa: dict[str, Any]) -> list[str]:
+    """Upstream flash-attn: installed by what, from which wheel, and whether its compiled module loads."""
     if fa.get("error"):
-        lines.append(f"  probe failed: {fa['error']}")
-    elif not fa.get("installed") and fa.get("module_location"):
-        lines.append(
-            f"  no flash-attn distribution is installed, but `import flash_attn` finds {fa['module_location']}"
-        )
-        lines.append(f"  import flash_attn: {fa.get('package_error') or 'imports'}")
+        return [f"  probe failed: {fa['error']}"]
+    if not fa.get("installed") and fa.get("module_location"):
+        lines = [
+            f"  no flash-attn distribution is installed, but `import flash_attn` finds {fa['module_location']}",
+            f"  import flash_attn: {fa.get('package_error') or 'imports'}",
+        ]
         if fa.get("package_error") is None:
             loads = "loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"
             lines.append("  compiled module flash_attn_2_cuda: " + loads)
-    elif not fa.get("installed"):
-        lines.append("  not installed (flash_recipe does not need it)")
-    else:
-        installer = fa.get("installer") or "an unrecorded installer"
-        lines.append(f"  {fa.get('version')} installed by {installer} in {fa.get('location')}")
-        if fa.get("wheel_filename"):
-            lines.append(f"  from wheel {fa['wheel_filename']}")
-        if fa.get("wheel_tags"):
-            lines.append(f"  wheel tags: {', '.join(fa['wheel_tags'])}")
-        loads = "loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"
-        lines.append("  compiled module flash_attn_2_cuda: " + loads)
-        if fa.get("package_error"):
-            lines.append(f"  import flash_attn: {fa['package_error']}")
+        return lines
+    if not fa.get("installed"):
+        return ["  not installed (flash_recipe does not need it)"]
+    installer = fa.get("installer") or "an unrecorded installer"
+    lines = [f"  {fa.get('version')} installed by {installer} in {fa.get('location')}"]
+    if fa.get("wheel_filename"):
+        lines.append(f"  from wheel {fa['wheel_filename']}")
+    if fa.get("wheel_tags"):
+        lines.append(f"  wheel tags: {', '.join(fa['wheel_tags'])}")
+    loads = "loads" if fa.get("loads") else f"fails: {fa.get('module_error')}"
+    lines.append("  compiled module flash_attn_2_cuda: " + loads)
+    if fa.get("package_error"):
+        lines.append(f"  import flash_attn: {fa['package_error']}")
+    return lines
 
-    backends = facts.get("backends", {})
-    _section(lines, "flash_recipe backends")
+
+def _backend_lines(backends: dict[str, Any]) -> list[str]:
+    """Which of flash_recipe's backends can run the probe's call, and why the others cannot."""
     if backends.get("error"):
-        lines.append(f"  cannot tell: {backends['error']}")
-    else:
-        lines.append(f"  for {backends.get('call')}:")
-        for name, reason in (backends.get("explain") or {}).items():
-            lines.append(f"  {name:<11} {'can run' if reason is None else reason}")
+        return [f"  cannot tell: {backends['error']}"]
+    lines = [f"  for {backends.get('call')}:"]
+    for name, reason in (backends.get("explain") or {}).items():
+        lines.append(f"  {name:<11} {'can run' if reason is None else reason}")
+    return lines
 
-    if "flex" in report:
-        fx = report["flex"]
-        _section(lines, "FlexAttention")
-        lines.append(f"  {fx['statement']}")
-        for need in fx["needs"]:
-            mark = {True: "yes", False: "NO", None: "depends on your call"}[need["met"]]
-            lines.append(f"  {mark:<20} {need['need']}")
 
-    proj = facts.get("project", {})
-    if proj:
-        lines.append("")
-        status = 0 if report["healthy"] else 1
-        lines.append(f"installer: {report['installer']} ({proj.get('installer_reason')}); exit status {status}")
-    return "\n".join(lines) + "\n"
+def _flex_lines(fx: dict[str, Any]) -> list[str]:
+    """What FlexAttention needs, each need met, unmet or depending on the call."""
+    lines = [f"  {fx['statement']}"]
+    for need in fx["needs"]:
+        mark = {True: "yes", False: "NO", None: "depends on your call"}[need["met"]]
+        lines.append(f"  {mark:<20} {need['need']}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
