@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from flash_recipe import files
+from flash_recipe import atomic_json
 from flash_recipe.api import flash_attn_func, flash_attn_varlen_func
 from flash_recipe.decoding import flash_attn_with_kvcache
 from flash_recipe.dispatch import use_backend
@@ -237,7 +237,7 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     rows = run(args.check or CHECKS)
     if args.json:
-        files.write_json(args.json, {"rows": rows})
+        atomic_json.write_json(args.json, {"rows": rows})
     return 0 if all(row["status"] == "passed" for row in rows) else 1
 
 

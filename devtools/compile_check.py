@@ -78,7 +78,7 @@ HEAD_DIM_BUCKETS = limits.HEAD_DIM_BUCKETS
 # and not, with warp specialisation asked for (``ops.features.warp_specialization``: a kernel of its
 # own, "fwd_ws", where the target and head dim take it, else the plain one; where the installed
 # Triton does not compile it, a row "not enabled on this Triton": ``warp_spec_not_enabled``); "one_key" the backward
-# of a window of width one, where the dK/dV kernel gives every row its exact softmax (``ONE_KEY``):
+# of a window of width one, where the dK/dV kernel gives every row its exact softmax (``EXACT_ONE_KEY``):
 # degenerate calls, reported, not in a preset (sm86's one pass at head dim 64 spills 8 B there);
 # "one_pass" the "bwd" call's one-pass backward whatever the installed Triton's release rule says
 # (``choose.one_pass_fits``), MHA and GQA, each without and with attention sinks ("-sinks" rows):

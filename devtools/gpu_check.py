@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from flash_recipe.files import write_json
+from flash_recipe.atomic_json import write_json
 from flash_recipe.ops import targets
 from flash_recipe.ops.configs import head_dim_bucket
 from flash_recipe.tools import warmup

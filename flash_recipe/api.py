@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 
 from . import dispatch, validate
+from .call_builder import FlashOptions, build_flash_call
 from .decoding import paged_varlen
 from .dispatch import AttentionCall
-from .flash_call import FlashOptions, build_flash_call
 
 
 def _finish(result, return_attn_probs):

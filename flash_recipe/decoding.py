@@ -21,8 +21,8 @@ import torch
 
 from . import dispatch, validate
 from .dispatch import AttentionCall, CacheCall, PagedCall
+from .memo_keys import Memo, signature
 from .ops.limits import MAX_SPLITS
-from .signatures import Memo, signature
 
 
 def _check_cache_tensors(q, k_cache, v_cache, k, v) -> tuple:
@@ -56,7 +56,7 @@ def build_cache_call(q, k_cache, v_cache, **args) -> CacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments (see there) and build the call; ``args`` are
     its keyword arguments after ``v_cache``, every one of them.
 
-    The first call of a signature (``flash_recipe.signatures``) runs every check; a call with the
+    The first call of a signature (``flash_recipe.memo_keys``) runs every check; a call with the
     same signature reuses the verdict, unless it passes metadata whose values the checks read on
     the host (``validate.on_host``): those calls are checked in full each time.
     """

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from . import dispatch, validate
 from .api import flash_attn_func
-from .flash_call import FlashOptions, build_flash_call
+from .call_builder import FlashOptions, build_flash_call
 from .ulysses import all_to_all_attention
 
 LAYOUTS = ("zigzag", "contiguous")

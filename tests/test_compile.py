@@ -432,7 +432,7 @@ def test_the_warp_specialised_forward_splits_its_loops_and_the_check_sees_a_whol
         pytest.skip("this Triton does not compile it at head dims 64 and 128 (features.WARP_SPEC_TRITON)")
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe import signatures
+        from flash_recipe import memo_keys
         from flash_recipe.ops import features
         from devtools import compile_check
         for target in ("sm100", "sm90"):
@@ -442,7 +442,7 @@ def test_the_warp_specialised_forward_splits_its_loops_and_the_check_sees_a_whol
                     print(json.dumps(row))
         features.WARP_SPEC_FAMILIES = ("sm90",)
         features.WARP_SPEC_TRITON[("sm90", 128)] = features.WARP_SPEC_TRITON[("sm100", 128)]
-        signatures.forget()  # the launch plans made above without it
+        memo_keys.forget()  # the launch plans made above without it
         for row in compile_check.check_case(compile_check.Case("fwd_ws", "bfloat16", 128, "aligned"), "sm90"):
             print(json.dumps({**row, "planted": True}))
     """)

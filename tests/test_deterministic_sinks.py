@@ -35,7 +35,7 @@ def test_the_deterministic_backward_with_sinks_compiles_without_atomics():
     launches planned again), which the check fails."""
     rows = compile_in_subprocess("""
         import json
-        from flash_recipe import signatures
+        from flash_recipe import memo_keys
         from flash_recipe.ops import backward, backward_launch
         from devtools import compile_check
         case = compile_check.Case("sinks", "bfloat16", 64, "aligned")
@@ -49,7 +49,7 @@ def test_the_deterministic_backward_with_sinks_compiles_without_atomics():
             return original(kernel, grid, args, device)
 
         backward_launch.plan = planted
-        signatures.forget()  # plan the launches again
+        memo_keys.forget()  # plan the launches again
         for row in compile_check.check_case(case, "sm90"):
             print(json.dumps({**row, "planted": True}))
     """)
@@ -109,7 +109,7 @@ def _case(*values):
         _case(2, 37, 29, 3, 3, 24, True, torch.float16),  # MHA; causal with Sq > Sk: rows that see only the sink
         _case(1, 45, 70, 4, 2, 40, False, torch.float16),  # GQA, ragged key and query blocks
         _case(1, 29, 53, 6, 2, 16, True, torch.float16),
-        _case(1, 33, 47, 2, 2, 24, False, torch.float32),  # fp32 (RENORM: the row sums of the renormalised P)
+        _case(1, 33, 47, 2, 2, 24, False, torch.float32),  # fp32 (FIX_LSE: the row sums of the renormalised P)
         _case(2, 45, 37, 4, 1, 20, True, torch.float32),  # MQA
     ],
 )

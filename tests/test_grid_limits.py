@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import flash_recipe
-from flash_recipe import signatures
+from flash_recipe import memo_keys
 from flash_recipe.ops import backward_launch, dropout, forward, int8_attention, launch
 from flash_recipe.ops.options import ScoreOptions, Varlen
 
@@ -32,9 +32,9 @@ HEADS, HEADS_K, HEAD_DIM = 2, 1, 16
 @pytest.fixture(autouse=True)
 def _fresh_plans():
     """Plans are memoised per signature, not per grid limit: forget them around each test."""
-    signatures.forget()
+    memo_keys.forget()
     yield
-    signatures.forget()
+    memo_keys.forget()
 
 
 def _rand(*shape, seed: int, dtype=torch.float16) -> torch.Tensor:
@@ -253,7 +253,7 @@ def test_a_folded_launch_computes_what_the_unfolded_one_does(family, limit, monk
     unfolded = fn(batch, seqlen)
     assert launches and all(fold == 1 for *_, fold, _ in launches)
     launches.clear()
-    signatures.forget()
+    memo_keys.forget()
     monkeypatch.setattr(launch, "AXIS_LIMIT", limit)
     folded = fn(batch, seqlen)
     assert {name for name, *_ in launches} == kernels

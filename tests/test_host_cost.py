@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import flash_recipe
-from flash_recipe import signatures
+from flash_recipe import memo_keys
 from flash_recipe.tools import host_cost
 
 # The tool's counts on 2026-12-02 (CPython 3.11, Triton 3.9): 37, 41, 46 and 83, with four of room.
@@ -56,7 +56,7 @@ def test_a_repeated_call_stays_within_its_python_call_bound(case):
 def test_the_bound_fails_when_every_call_does_the_first_calls_work(case, monkeypatch):
     """The planted regression: memos that never find anything (every call checks, chooses and
     plans again, as before they existed) break the bound."""
-    monkeypatch.setattr(signatures.Memo, "get", lambda self, key, default=None: None)
+    monkeypatch.setattr(memo_keys.Memo, "get", lambda self, key, default=None: None)
     calls, launches = _count(case)
     assert launches in LAUNCHES[case]
     assert calls > BOUNDS[case]

@@ -43,10 +43,10 @@ BOUNDS = {
 
 SCRIPT = """
 import json, sys, torch
-from flash_recipe import signatures
+from flash_recipe import memo_keys
 from flash_recipe.tools import host_cost, stub_driver
 if sys.argv[1] == "planted":
-    signatures.Memo.get = lambda self, key, default=None: None
+    memo_keys.Memo.get = lambda self, key, default=None: None
 cpu = torch.device("cpu")
 with host_cost.gpu_route("sm90"):
     for case in sys.argv[2:]:

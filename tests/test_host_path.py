@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from flash_recipe import environ, flash_call
+from flash_recipe import call_builder, environ
 from flash_recipe.dispatch.call import AttentionCall
 from flash_recipe.ops import attention, features
 from flash_recipe.ops.options import ScoreOptions
@@ -46,14 +46,14 @@ def test_getenv_falls_back_where_os_environ_is_a_plain_mapping(monkeypatch):
 
 def _checked_call(**extra) -> AttentionCall:
     q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 5, 2, 16), torch.randn(2, 5, 2, 16)
-    options = flash_call.FlashOptions(causal=True, window_size=(3, 7), softcap=0.5, **extra)
-    return flash_call.build_flash_call(q, k, v, options)
+    options = call_builder.FlashOptions(causal=True, window_size=(3, 7), softcap=0.5, **extra)
+    return call_builder.build_flash_call(q, k, v, options)
 
 
 def test_a_repeated_call_has_every_field_of_the_constructed_one():
     built = _checked_call(return_lse=True, learnable_sink=torch.randn(4))
-    fields = flash_call._derived_fields(built)
-    tensors = {name: getattr(built, name) for name in flash_call._TENSOR_FIELDS}
+    fields = call_builder._derived_fields(built)
+    tensors = {name: getattr(built, name) for name in call_builder._TENSOR_FIELDS}
     again = AttentionCall.repeated(fields, ("a", "key"), **tensors)
     names = [f.name for f in dataclasses.fields(AttentionCall)]
     assert set(vars(again)) == set(names)  # every field set, nothing else
@@ -65,8 +65,8 @@ def test_a_repeated_call_has_every_field_of_the_constructed_one():
 
 def test_a_memo_hit_of_the_public_layer_returns_the_constructed_call():
     first = _checked_call()
-    second = flash_call.build_flash_call(
-        first.q, first.k, first.v, flash_call.FlashOptions(causal=True, window_size=(3, 7), softcap=0.5)
+    second = call_builder.build_flash_call(
+        first.q, first.k, first.v, call_builder.FlashOptions(causal=True, window_size=(3, 7), softcap=0.5)
     )
     assert second.signature is not None and second.signature == first.signature
     assert second == first

@@ -14,7 +14,7 @@ which raises on any host read of the metadata, of tensors computed from it, and 
 the library makes on the device (the dropout seed), and compare the results bit for bit with the
 same calls run without the guard and with ``on_host`` as it is. Each call runs twice: the first
 call of a signature runs the checks and plans the launches, a repeated one takes the memos
-(``flash_recipe.signatures``); both must be clean.
+(``flash_recipe.memo_keys``); both must be clean.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import flash_recipe
-from flash_recipe import signatures, validate
+from flash_recipe import memo_keys, validate
 from flash_recipe.ops import attention as ops_attention
 
 # Tensor methods and torch functions that bring a tensor's values to the host (or need them there
@@ -174,9 +174,9 @@ def fresh_memos():
     """Every memo of ``flash_recipe`` empty before and after: the first call of a signature takes
     the full path, and no verdict reached with ``on_host`` patched outlives the test."""
 
-    signatures.forget()
-    yield signatures.forget
-    signatures.forget()
+    memo_keys.forget()
+    yield memo_keys.forget
+    memo_keys.forget()
 
 
 def _rand(*shape, dtype=torch.float16, seed=0, grad=False):

@@ -480,7 +480,7 @@ RENORM_CASES = [
 def test_fp32_gradients_at_large_logits(shape, window, softcap, scale, seed, device):
     """The fp32 lse is rounded to an ulp of its logits (about 3e-5 at 500), a factor on a whole row
     of the P the backward recomputes; dV sums those rows and showed it at up to 1.6x the rule's
-    bound (fuzz seed 1, case 216). The dQ kernel's row sums now divide it out (``RENORM``)."""
+    bound (fuzz seed 1, case 216). The dQ kernel's row sums now divide it out (``FIX_LSE``)."""
     _check_fp32_gradients(shape, window, softcap, False, scale, 3.0, seed, device)
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from test_grid_limits import FAMILIES
 
-from flash_recipe import signatures
+from flash_recipe import memo_keys
 from flash_recipe.ops import backward_launch, dropout, forward, int8_attention, kvcache, launch, quantize, split_merge
 
 MODULES = (launch, forward, split_merge, backward_launch, kvcache, int8_attention, quantize, dropout)
@@ -58,9 +58,9 @@ def driver(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", device_guard)
     for cls in (jit.JITFunction, interpreter.InterpretedFunction):
         monkeypatch.setattr(cls, "run", recorded)
-    signatures.forget()
+    memo_keys.forget()
     yield entered, runs
-    signatures.forget()
+    memo_keys.forget()
 
 
 def _plans_on(monkeypatch, index: int) -> list:

@@ -1,4 +1,4 @@
-"""Every memo key is derived from its records' fields (``flash_recipe.signatures.Fields``), never
+"""Every memo key is derived from its records' fields (``flash_recipe.memo_keys.Fields``), never
 written by hand: a field added to ``ScoreOptions`` or to the call records reaches every key.
 
 - ``test_fields_split_every_field``: each record's fields split into tensors and values, once each;
@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import flash_recipe.dispatch as dispatch
-from flash_recipe import flash_call
+from flash_recipe import call_builder
+from flash_recipe.call_builder import FlashOptions
 from flash_recipe.dispatch.call import CALL_FIELDS, AttentionCall
-from flash_recipe.flash_call import FlashOptions
+from flash_recipe.memo_keys import Fields, Memo
 from flash_recipe.ops import backward_launch, forward, kvcache
 from flash_recipe.ops.forward import ForwardPlan
 from flash_recipe.ops.kvcache import Cache, Rotary, StepPlan
@@ -34,7 +35,6 @@ from flash_recipe.ops.options import (
     ScoreOptions,
     Varlen,
 )
-from flash_recipe.signatures import Fields, Memo
 
 B, SQ, SK, H, HK, D = 2, 4, 6, 4, 2, 16  # batch, query/key length, query/key heads, head dim
 
@@ -89,7 +89,7 @@ FIELDS = {
     Cache: kvcache._CACHE_FIELDS,
     Rotary: kvcache._ROTARY_FIELDS,
     AttentionCall: CALL_FIELDS,
-    FlashOptions: flash_call._OPTION_FIELDS,
+    FlashOptions: call_builder._OPTION_FIELDS,
 }
 
 
@@ -194,8 +194,8 @@ def test_selection_key_reads_every_field(record, name):
 def test_flash_call_key_reads_every_field(record, name):
     q, k, v = _tensors()
     names = ("q", "k", "v")
-    key = flash_call._call_key(q, k, v, FLASH, names, None, False)
-    assert key != flash_call._call_key(q, k, v, _changed(FLASH, name), names, None, False)
+    key = call_builder._call_key(q, k, v, FLASH, names, None, False)
+    assert key != call_builder._call_key(q, k, v, _changed(FLASH, name), names, None, False)
 
 
 def _entries(memo_owner, memo_name: str, monkeypatch, run, baseline, fields) -> None:
@@ -263,7 +263,7 @@ def test_flash_call_memo_entry_per_option(monkeypatch):
     calls = []
 
     def run(options):
-        calls.append(flash_call.build_flash_call(q, k, v, options))
+        calls.append(call_builder.build_flash_call(q, k, v, options))
 
-    _entries(flash_call, "_CALLS", monkeypatch, run, FLASH, _names(FlashOptions))
+    _entries(call_builder, "_CALLS", monkeypatch, run, FLASH, _names(FlashOptions))
     assert calls[-1].signature == calls[0].signature  # the repeat reused the first call's entry

@@ -125,7 +125,7 @@ def test_one_launch_is_bit_identical_from_run_to_run_and_deterministic_keeps_it(
 
 
 def test_fp32_with_its_own_lse_takes_the_three_kernels(device, launches):
-    """RENORM needs dQ's row sums before dK/dV: one launch cannot give them."""
+    """FIX_LSE needs dQ's row sums before dK/dV: one launch cannot give them."""
     q, k, v, dout = (_rand(1, 24, 2, 16, dtype=torch.float32, device=device, seed=s) for s in range(4))
     _grads("one_launch", q, k, v, dout, causal=True)
     assert launches == ["dq", "dkdv"]

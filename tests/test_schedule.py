@@ -16,7 +16,7 @@ from offline import devtool_argv
 
 import flash_recipe
 from devtools import schedule_report
-from flash_recipe import signatures
+from flash_recipe import memo_keys
 from flash_recipe.ops import backward_launch, forward, schedule
 
 pytestmark = pytest.mark.usefixtures("bounds_checked")
@@ -90,7 +90,7 @@ def _order(seen, lse: torch.Tensor, grid: tuple):
 @pytest.fixture
 def planned(monkeypatch):
     """The forward plans made while the test runs (each memo emptied first, so every call plans)."""
-    signatures.forget()
+    memo_keys.forget()
     made: list = []
     original = forward.plan_forward
 
@@ -100,7 +100,7 @@ def planned(monkeypatch):
 
     monkeypatch.setattr(forward, "plan_forward", plan_forward)
     yield made
-    signatures.forget()
+    memo_keys.forget()
 
 
 @pytest.mark.parametrize("section", [1, 2, 4])
@@ -142,7 +142,7 @@ def test_the_order_changes_no_bit(causal, monkeypatch, device):
     q, k, v, dout = (torch.randn(2, seqlen, heads, 32, generator=g).to(device, torch.float16) for _ in range(4))
     results = []
     for section in (1, 2, 4):
-        signatures.forget()  # plan again, with this section
+        memo_keys.forget()  # plan again, with this section
         monkeypatch.setattr(forward, "launch_section", lambda *args, _s=section: _s)
         monkeypatch.setattr(backward_launch, "launch_section", lambda *args, _s=section: _s)
         got = []
@@ -152,7 +152,7 @@ def test_the_order_changes_no_bit(causal, monkeypatch, device):
             out.backward(dout)
             got += [out.detach(), *(t.grad for t in leaves)]
         results.append(got)
-    signatures.forget()
+    memo_keys.forget()
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)

@@ -222,7 +222,7 @@ def test_kvcache_plans_follow_the_sinks(device, nan_outputs):
 
 def test_a_models_sink_parameter_is_memoized_like_a_tensor():
     """gpt-oss holds its sinks as an ``nn.Parameter``: repeated calls reuse their checks and plans."""
-    from flash_recipe.signatures import signature
+    from flash_recipe.memo_keys import signature
 
     sinks = torch.nn.Parameter(_sinks(4))
     assert signature((sinks,), ()) == signature((sinks.detach(),), ())

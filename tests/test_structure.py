@@ -340,9 +340,9 @@ def test_a_paged_launch_without_key_ranges_is_refused_by_the_kernel(monkeypatch)
     a launch that passes a page table without key ranges (``K_START``/``K_END`` None, so no
     ``KV_RANGES``), instead of reading rows from a page table it has no range for. The launcher
     never does that; the launch is altered here to show it."""
+    from flash_recipe.memo_keys import Memo
     from flash_recipe.ops import forward
     from flash_recipe.ops.options import KeyRanges, ScoreOptions
-    from flash_recipe.signatures import Memo
 
     planned = forward.plan
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from flash_recipe.api import explain
-from flash_recipe.files import write_json
+from flash_recipe.atomic_json import write_json
 from flash_recipe.tools import bench, host_cost
 from flash_recipe.tools.verify import versions
 

@@ -22,8 +22,8 @@ import torch
 
 from .. import alias
 from ..environ import getenv
+from ..memo_keys import Memo, signature
 from ..ops import targets
-from ..signatures import Memo, signature
 from .base import Backend, BackendUnavailableError
 from .call import CALL_FIELDS, AttentionCall, CacheCall, PagedCall
 from .capabilities import TURING_ISSUES, pre_ampere_reason
@@ -138,9 +138,9 @@ def select(call: AttentionCall, extra: Refusal = None, extra_key: Optional[tuple
     ``extra(backend)``: an optional further reason to refuse a backend (None if it can), which
     reads only what ``extra_key`` holds (with ``extra`` and no ``extra_key`` nothing is memoized).
 
-    The choice is memoized per signature of the call (``flash_recipe.signatures``), forced backend
+    The choice is memoized per signature of the call (``flash_recipe.memo_keys``), forced backend
     and the process facts that change at run time (the ``flash_attn`` stand-in, the interpreter);
-    the facts computed once per process are constant. ``signatures.forget()`` clears it.
+    the facts computed once per process are constant. ``memo_keys.forget()`` clears it.
     """
     # A signed call was built outside torch.compile (``signed``): no need to ask.
     compiling = call.signature is None and torch.compiler.is_compiling()

@@ -4,7 +4,7 @@
 - ``CacheCall``: ``flash_attn_with_kvcache``: append to a KV cache, then attend over it;
 - ``PagedCall``: ``flash_attn_varlen_func`` with keys and values in pages (``block_table``);
 - ``CALL_FIELDS``: ``AttentionCall``'s fields as the backend selection's memo key takes them
-  (``flash_recipe.signatures.Fields``), so a new field reaches the key.
+  (``flash_recipe.memo_keys.Fields``), so a new field reaches the key.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
+from ..memo_keys import Fields
 from ..reference import attention_reference, effective_window
-from ..signatures import Fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class AttentionCall:
     # The backward bit-identical from run to run (flash-attn's ``deterministic``), where a faster
     # backward is not (the Triton kernels' one-pass dQ adds with atomics).
     deterministic: bool = False
-    # The public layer's signature of the arguments the call was built from (``flash_recipe.signatures``),
+    # The public layer's signature of the arguments the call was built from (``flash_recipe.memo_keys``),
     # which decides every field but the tensors' data; None where it was not memoized. Set by
     # ``signed``, never an argument, so ``dataclasses.replace`` (a call with other fields) drops it.
     signature: Optional[tuple] = dataclasses.field(default=None, init=False, compare=False, repr=False)

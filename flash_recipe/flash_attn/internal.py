@@ -33,9 +33,9 @@ from typing import Optional
 import torch
 
 from .. import dispatch, validate
+from ..call_builder import FlashOptions, build_flash_call
 from ..decoding import paged_varlen
 from ..dispatch import AttentionCall
-from ..flash_call import FlashOptions, build_flash_call
 
 ROUND = 128  # upstream pads S_dmask and softmax_d to multiples of 128 rows
 

@@ -23,9 +23,9 @@ dQ in q's dtype. Which path a call takes is its family's default per head dim
 (``configs.BACKWARD_PATHS``) or what ``flash-recipe tune`` measured (``choose.backward_path``). The order in which the
 adds land varies, so dQ's last bits vary from run to run (``deterministic=True`` takes the
 three-kernel path, as flash-attn's own flag does); fp32 with its own lse keeps the three kernels
-(``RENORM`` below needs dQ's row sums before dK/dV).
+(``FIX_LSE`` below needs dQ's row sums before dK/dV).
 
-fp32 with its own lse (``RENORM``): the lse is stored rounded to fp32, an ulp of a few 1e-5 at
+fp32 with its own lse (``FIX_LSE``): the lse is stored rounded to fp32, an ulp of a few 1e-5 at
 logits in the hundreds, which scales a whole row of P and shows in dV beyond the accuracy rule.
 So the dQ kernel also sums each row's P and stores the log of that sum, and the dK/dV kernel
 divides it out: its P is the exact softmax of the recomputed logits, as torch's is.
@@ -39,7 +39,7 @@ three kernels' dQ kernel, which walks all of a row's keys, stores each row's ``p
 atomics: dsink is bit-identical from run to run too); in one pass the dK/dV kernel adds each key
 block's share with atomic adds, so dsink's last bits vary as dQ's do. Two shortcuts of this
 attention's own lse do not hold with a sink: a row that sees one key has ``dS != 0`` (its P is
-below 1), so the one-key rules are off, and ``RENORM``'s row sums count the sink's share too.
+below 1), so the one-key rules are off, and ``FIX_LSE``'s row sums count the sink's share too.
 
 Probabilities are recomputed as ``exp2((S * scale - lse) * log2(e))``: the difference is taken in
 natural units, so fp32 keeps its precision at large logits; a row whose lse is +inf (it saw no key) gets P = 0 and so
@@ -121,7 +121,7 @@ def _dkdv_inner(
     dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, RAGGED_N: tl.constexpr, SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr,
     DQ_TRANSPOSED: tl.constexpr,
 ):
@@ -143,7 +143,7 @@ def _dkdv_inner(
     probabilities themselves, not from the output rounded to its dtype, for the sinks' gradient
     (``_sink_grad``). The three kernels leave it to the dQ kernel, which sums whole rows.
 
-    With ``ONE_KEY`` (own lse: fp32, or any launch in which no row sees more than one key), a masked
+    With ``EXACT_ONE_KEY`` (own lse: fp32, or any launch in which no row sees more than one key), a masked
     stage gives a row that sees exactly one key (``sees_one_key``) its exact softmax: P = 1 on that
     key, so dV gets exactly its dO, and dS = 0. Computed, P is ``exp(s - lse)`` with both near the
     logit (up to a softcap of 50), whose fp32 rounding leaves P off 1 by a few ulp of 50, and dS is
@@ -175,7 +175,7 @@ def _dkdv_inner(
         else:
             b_lse = tl.load(lse_base + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
             b_delta = tl.load(delta_base + row_base + o_m, mask=o_m < seqlen_q, other=0.0)
-        if RENORM:  # each row's log of its recomputed probabilities' sum (``attn_bwd_dq_kernel``)
+        if FIX_LSE:  # each row's log of its recomputed probabilities' sum (``attn_bwd_dq_kernel``)
             if EVEN_M:
                 b_lse_fix = tl.load(fix_base + row_base + o_m)  # [BLOCK_M]
             else:
@@ -183,17 +183,17 @@ def _dkdv_inner(
         slope = 0.0
         if ALIBI:
             slope = tl.load(slope_base + g)
-        if SAME_ORDER:  # the forward's product, transposed: the same rounding as the logits its lse came from
+        if FORWARD_QK_ORDER:  # the forward's product, transposed: the same rounding as the logits its lse came from
             b_qk = tl.trans(tl.dot(b_q, tl.trans(b_k), input_precision="ieee"))  # [BLOCK_N, BLOCK_M]
         else:
             b_qk = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         b_st, b_tt = scores(b_qk, o_m[None, :], o_n[:, None], seqlen_k, lo_offset, hi_offset, diag_offset,
                             sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
-        if RENORM:  # s - lse is exact where P matters (s near lse); the correction is small
+        if FIX_LSE:  # s - lse is exact where P matters (s near lse); the correction is small
             b_pt = tl.math.exp2(((b_st - b_lse[None, :]) - b_lse_fix[None, :]) * LOG2E)  # [BLOCK_N, BLOCK_M]
         else:
             b_pt = tl.math.exp2((b_st - b_lse[None, :]) * LOG2E)  # [BLOCK_N, BLOCK_M]
-        if MASKED and ONE_KEY:
+        if MASKED and EXACT_ONE_KEY:
             m_one = sees_one_key(o_m, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT)[None, :]  # [1, BLOCK_M]
             b_pt = tl.where(m_one & (b_st > float("-inf")), 1.0, b_pt)
         b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
@@ -207,7 +207,7 @@ def _dkdv_inner(
         else:
             b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
         b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
-        if MASKED and ONE_KEY:
+        if MASKED and EXACT_ONE_KEY:
             b_dst = tl.where(m_one, 0.0, b_dst)
         if SOFTCAP:
             b_dst = b_dst * (1.0 - b_tt * b_tt)
@@ -250,7 +250,7 @@ _DQ_DKDV_FLAGS = {
     "IS_VARLEN": lambda a: a["CU_Q"] is not None,
     "ALIBI": lambda a: a["SLOPES"] is not None,
     "DROPOUT": lambda a: a["SEED"] is not None,
-    "RENORM": lambda a: a["LSE_FIX"] is not None,
+    "FIX_LSE": lambda a: a["LSE_FIX"] is not None,
     # Attention sinks: each row's sum of P dP, for their gradient (the dQ kernel's on the three
     # kernels' path, the dK/dV kernel's with atomics in one pass; the other gets None).
     "SINK_ROWS": lambda a: a["SINK_DELTA"] is not None,
@@ -276,12 +276,12 @@ def dkdv_program(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
-    ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
 ):
     """dK and dV of key block ``i_n`` of kv head ``i_hk`` in sequence ``i_b``: the body of
     ``attn_bwd_dkdv_kernel`` (its docstring), and of the one-launch backward's key-block programs."""
-    tl.static_assert(not (ATOMIC_DQ and RENORM), "RENORM needs the dQ kernel's row sums first")
+    tl.static_assert(not (ATOMIC_DQ and FIX_LSE), "FIX_LSE needs the dQ kernel's row sums first")
     bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(
         CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN)
     k_start = i_n * BLOCK_N
@@ -304,7 +304,7 @@ def dkdv_program(
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     begin, full_begin, full_end, end = query_blocks(k_start, seqlen_q, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT,
                                                     BLOCK_M, BLOCK_N)
-    if ONE_KEY:  # a single key: every row sees only it, so every row goes to a masked stage (``_dkdv_inner``)
+    if EXACT_ONE_KEY:  # a single key: every row sees only it, so every row goes to a masked stage (``_dkdv_inner``)
         full_begin = tl.where(seqlen_k == 1, end, full_begin)
         full_end = tl.where(seqlen_k == 1, end, full_end)
 
@@ -314,8 +314,8 @@ def dkdv_program(
     do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h * stride_doh
     lse_base = LSE + i_b * stride_lb + i_h * stride_lh + bos_q
     delta_base = DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
-    fix_base = LSE_FIX  # None unless RENORM
-    if RENORM:
+    fix_base = LSE_FIX  # None unless FIX_LSE
+    if FIX_LSE:
         fix_base = LSE_FIX + i_b * stride_lb + i_h * stride_lh + bos_q
     sink_base = SINK_DELTA  # None unless SINK_ROWS: laid out as LSE
     if SINK_ROWS:
@@ -339,8 +339,8 @@ def dkdv_program(
             stride_qm, stride_dom, stride_dqam, stride_qh, stride_doh, stride_lh, stride_dqah, group_size, seqlen_q,
             seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, lo, hi, seed,
             rng_base, rng_stride, dropout_p,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, ONE_KEY,
-            SAME_ORDER, RENORM, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED, DQ_TRANSPOSED,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, EXACT_ONE_KEY,
+            FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED, DQ_TRANSPOSED,
         )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
@@ -358,13 +358,13 @@ def dkdv_program(
         # causal query row aligned top-left), where torch's own dQ and dK are exactly 0 and so is the
         # bound's factor term. Otherwise fp16/bf16 bounds absorb the rounding, and their registers
         # are kept for the main loop (sm100 spilled).
-        "ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
+        "EXACT_ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
             a["seqlen_q"], a["seqlen_k"], a["diag_offset"], a["window_left"], a["window_right"], a["MASK_LEFT"],
             a["MASK_RIGHT"], a["IS_VARLEN"])),
         # fp32 logits recomputed as the forward computed them (q . k, then transposed): P = exp(S -
         # lse) is exact only where S rounds as the forward's did; k . q rounds otherwise, which left
         # fp32 dV up to 6x torch's error at large logits. fp16/bf16 keep the direct product.
-        "SAME_ORDER": lambda a: a["Q"].element_size() == 4,
+        "FORWARD_QK_ORDER": lambda a: a["Q"].element_size() == 4,
         # The one-pass backward: dQ added to the fp32 workspace DQ_ACC (None: the dQ kernel computes it).
         "ATOMIC_DQ": lambda a: a["DQ_ACC"] is not None,
         # GQA/MQA: more than one query head per kv head, walked in ``_dkdv_inner``'s loop.
@@ -387,16 +387,16 @@ def attn_bwd_dkdv_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
-    ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)`` (folded: ``tiles.grid_id``); sums over the
     ``group_size`` query heads of each kv head. Key block 0, which a causal mask shows to every
     query block, launches first: heaviest first without reordering.
 
-    With ``RENORM`` it runs after ``attn_bwd_dq_kernel``, which stored in ``LSE_FIX`` (laid out as
+    With ``FIX_LSE`` it runs after ``attn_bwd_dq_kernel``, which stored in ``LSE_FIX`` (laid out as
     ``LSE``) the log of each row's recomputed probability sum, and takes ``P = exp((S - lse) - fix)``.
-    With ``ATOMIC_DQ`` (the one-pass backward, no ``RENORM``) it also adds every query row's dQ share
+    With ``ATOMIC_DQ`` (the one-pass backward, no ``FIX_LSE``) it also adds every query row's dQ share
     from this key block into ``DQ_ACC``, fp32 laid out as ``Q`` (zeroed by the launcher); with
     ``DQ_TRANSPOSED`` as ``dQ^T = K^T dS^T``, whose M is the head dim rather than the query tile
     (the launcher's choice: ``configs.MMA_MIN_ROWS``).
@@ -414,7 +414,7 @@ def attn_bwd_dkdv_kernel(
         stride_dvh, stride_dqab, stride_dqam, stride_dqah, stride_lb, stride_lh, stride_sb, nheads, group_size,
         seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset, window_left,
         window_right, dropout_p, rng_stride, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, IS_VARLEN,
-        BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M, EVEN_N, MASK_D, ONE_KEY, SAME_ORDER, RENORM, ATOMIC_DQ,
+        BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M, EVEN_N, MASK_D, EXACT_ONE_KEY, FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ,
         SINK_ROWS, GROUPED, DQ_TRANSPOSED,
     )
 
@@ -426,10 +426,10 @@ def _dq_inner(
     seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    RENORM: tl.constexpr, SINK_ROWS: tl.constexpr,
+    FIX_LSE: tl.constexpr, SINK_ROWS: tl.constexpr,
 ):
     """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks.
-    With ``RENORM`` also each row's sum of the recomputed probabilities, ``b_psum [BLOCK_M]``; with
+    With ``FIX_LSE`` also each row's sum of the recomputed probabilities, ``b_psum [BLOCK_M]``; with
     ``SINK_ROWS`` each row's sum of P dP, ``b_pdp [BLOCK_M]`` (masked keys have P = 0)."""
     for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -439,7 +439,7 @@ def _dq_inner(
         b_s, b_t = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
                           sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         b_p = tl.math.exp2((b_s - b_lse[:, None]) * LOG2E)  # [BLOCK_M, BLOCK_N]
-        if RENORM:
+        if FIX_LSE:
             b_psum += tl.sum(b_p, 1)
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
@@ -468,7 +468,7 @@ def dq_program(
     window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, RENORM: tl.constexpr,
+    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FIX_LSE: tl.constexpr,
     SINK_ROWS: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """dQ of query block ``i_m`` of head ``i_h`` in sequence ``i_b``: the body of
@@ -517,7 +517,7 @@ def dq_program(
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_psum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if RENORM and HAS_SINK:
+    if FIX_LSE and HAS_SINK:
         b_psum = tl.math.exp2((tl.load(SINKS + i_h).to(tl.float32) - b_lse) * LOG2E)  # [BLOCK_M]
 
     begin, full_begin, full_end, end = key_blocks(q_start, q_start + BLOCK_M - 1, seqlen_k, lo_offset, hi_offset,
@@ -528,18 +528,18 @@ def dq_program(
             b_dq, b_psum, b_pdp, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
             seed, rng_base, rng_stride, dropout_p,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N, RENORM, SINK_ROWS,
+            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N, FIX_LSE, SINK_ROWS,
         )
     dq_base = DQ + i_b * stride_dqb + bos_q * stride_dqm + i_h.to(tl.int64) * stride_dqh
     store_tile(dq_base, q_start, stride_dqm, seqlen_q, head_dim, o_r, o_d, b_dq * sm_scale, not EVEN_M, MASK_D)
-    if RENORM:
+    if FIX_LSE:
         b_fix = tl.where(b_psum > 0.0, tl.log(tl.where(b_psum > 0.0, b_psum, 1.0)), 0.0)  # [BLOCK_M]
         if EVEN_M:
             tl.store(LSE_FIX + row_base + o_m, b_fix)
         else:
             tl.store(LSE_FIX + row_base + o_m, b_fix, mask=o_m < seqlen_q)
     if SINK_ROWS:  # [BLOCK_M]
-        if RENORM:
+        if FIX_LSE:
             b_pdp = b_pdp / tl.where(b_psum > 0.0, b_psum, 1.0)
         if EVEN_M:
             tl.store(SINK_DELTA + row_base + o_m, b_pdp)
@@ -548,7 +548,7 @@ def dq_program(
 
 
 @triton.heuristics(
-    {**_DQ_DKDV_FLAGS, "HAS_SINK": lambda a: a["SINKS"] is not None, "SECTIONS": lambda a: a["head_section"] > 1}
+    {**_DQ_DKDV_FLAGS, "HAS_SINK": lambda a: a["SINKS"] is not None, "HEAD_SECTIONS": lambda a: a["head_section"] > 1}
 )
 @triton.jit(do_not_specialize=["head_section"])  # a runtime count: no variant per value
 def attn_bwd_dq_kernel(
@@ -563,26 +563,26 @@ def attn_bwd_dq_kernel(
     window_left, window_right, dropout_p, rng_stride, head_section, fold_batch,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, RENORM: tl.constexpr,
-    SINK_ROWS: tl.constexpr, HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr,
+    OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FIX_LSE: tl.constexpr,
+    SINK_ROWS: tl.constexpr, HAS_SINK: tl.constexpr, HEAD_SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``, its programs in ``schedule.launch_order``'s order, as
     the forward's.
 
-    With ``RENORM`` (fp32, own lse) it also stores in ``LSE_FIX`` (laid out as ``LSE``) the log of
+    With ``FIX_LSE`` (fp32, own lse) it also stores in ``LSE_FIX`` (laid out as ``LSE``) the log of
     each row's sum of ``exp(S - lse)``: 0 up to the rounding of the stored lse, which at logits in
     the hundreds is an ulp of a few 1e-5, a row-wide factor on P. ``attn_bwd_dkdv_kernel`` divides
     it out, so its P sums to 1 as the forward's softmax did and fp32 dV keeps torch's accuracy;
     rows with no probability (no key, or one key with ``OWN_LSE``) store 0. With ``HAS_SINK``
-    (``SINKS (H,)``, passed with ``RENORM`` only, the one use of it here) each row's sum starts at
+    (``SINKS (H,)``, passed with ``FIX_LSE`` only, the one use of it here) each row's sum starts at
     its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
 
     With ``SINK_ROWS`` (attention sinks, the three kernels' path) it stores in ``SINK_DELTA`` (laid
     out as ``LSE``) each row's ``sum_j P dP`` over all the row's keys, for the sinks' gradient
-    (``backward_launch._sink_grad``): one store per row, no atomics. With ``RENORM`` that sum is of
+    (``backward_launch._sink_grad``): one store per row, no atomics. With ``FIX_LSE`` that sum is of
     the renormalised P, ``P / psum``, as ``attn_bwd_dkdv_kernel``'s.
     """
-    i_m, _, i_h, i_b = launch_order(1, head_section, SECTIONS, GRID_FOLD)
+    i_m, _, i_h, i_b = launch_order(1, head_section, HEAD_SECTIONS, GRID_FOLD)
     if GRID_FOLD > 1:  # a folded grid's padding (``tiles.grid_id``)
         if i_b >= fold_batch:
             return
@@ -593,5 +593,5 @@ def attn_bwd_dq_kernel(
         stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap,
         diag_offset, window_left, window_right, dropout_p, rng_stride,
         MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, IS_VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
-        MASK_D, RENORM, SINK_ROWS, HAS_SINK,
+        MASK_D, FIX_LSE, SINK_ROWS, HAS_SINK,
     )

@@ -8,7 +8,7 @@ Shapes (legend as in ``forward``)::
 
 Varlen: ``(total_q, H, D)``, ``(total_k, Hk, D)`` and ``(H, total_q)``. The buffers a launch
 allocates, by name: ``DELTA`` (``rowsum(dout * out)``), ``LSE_FIX`` (fp32 with its own lse:
-``log`` of each row's sum of P, ``RENORM``), ``SINK_DELTA`` (with sinks: each row's sum of P dP,
+``log`` of each row's sum of P, ``FIX_LSE``), ``SINK_DELTA`` (with sinks: each row's sum of P dP,
 stored by the dQ kernel on the three kernels' path and the dQ programs in one launch, added into by the
 dK/dV kernel in one pass)
 and ``DQ_ACC`` (one pass: the fp32 workspace dQ is added to).
@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-from ..signatures import Memo, signature
+from ..memo_keys import Memo, signature
 from . import choose, configs, targets, tiles
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .backward_one_launch import attn_bwd_one_launch_kernel
@@ -70,7 +70,7 @@ def attention_backward(
             which k, v are one block (ring attention), where that row's dS is not 0.
         deterministic: the two-pass path (dQ kernel, then dK/dV), bit-identical from run to run,
             dsink included (the dQ kernel stores each row's share; no kernel uses atomics).
-            Otherwise, and always but for fp32 with its own lse (``RENORM`` needs dQ's row sums
+            Otherwise, and always but for fp32 with its own lse (``FIX_LSE`` needs dQ's row sums
             first), the dK/dV kernel also adds dQ to an fp32 workspace with atomic adds: 5 matrix
             products per block pair instead of 7, with the last bits of dQ (and with sinks dsink's,
             each row's sum of P dP added per key block) in the order the adds land,
@@ -175,7 +175,7 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
         taken = tuple(used[before:]) if used is not None else ()
         return BackwardPlan(tuple(delta.shape), preprocess, None, fused, renorm, False, taken)
     dq_plan = None
-    if not one_pass:  # dQ first: with RENORM it writes the row sums dK/dV divide out.
+    if not one_pass:  # dQ first: with FIX_LSE it writes the row sums dK/dV divide out.
         cfg = choose.launch_config(q.device, "bwd_dq", dims.head_dim, q.element_size())
         blocks = triton.cdiv(dims.seqlen_q, cfg.block_m)
         dq = torch.empty(q.shape, dtype=q.dtype, device="meta")
@@ -252,7 +252,7 @@ def run_backward(p: BackwardPlan, dout, q, k, v, out, lse, options: ScoreOptions
 
 def _sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, lse_fix: Optional[torch.Tensor]):
     """``dsink[h] = -sum over rows of p_sink * delta``, with ``p_sink = exp(sink[h] - lse)`` (over
-    ``exp(lse_fix)`` with ``RENORM``, as dK/dV's P) and ``delta`` each row's ``sum_j P dP`` (the
+    ``exp(lse_fix)`` with ``FIX_LSE``, as dK/dV's P) and ``delta`` each row's ``sum_j P dP`` (the
     kernels' ``SINK_ROWS``: ``rowsum(dO * O)`` without O's rounding to its dtype, which in fp16
     moved dsink past the accuracy rule). ``lse``, ``delta``, ``lse_fix``: ``(B, H, Sq)`` or varlen
     ``(H, total_q)`` float32; returns ``(H,)`` in the sinks' dtype. The sum is torch's, in the

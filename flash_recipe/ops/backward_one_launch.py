@@ -18,7 +18,7 @@ programs fill the GPU while the long dK/dV programs run, and no program waits on
 program adds to memory another writes, so the gradients are bit-identical from run to run, dsink
 included (the dQ programs store each row's sum of P dP once).
 
-Not taken with ``RENORM`` (fp32 with its own lse: dK/dV needs dQ's row sums first), where the
+Not taken with ``FIX_LSE`` (fp32 with its own lse: dK/dV needs dQ's row sums first), where the
 launcher runs the three kernels.
 """
 
@@ -38,10 +38,10 @@ from .tiles import grid_id, rows_see_one_key_at_most
         # The dQ programs' query tile is BLOCK_N rows.
         "EVEN_Q_TILE": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_N"] == 0,
         # As attn_bwd_dkdv_kernel's (its comments).
-        "ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
+        "EXACT_ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
             a["seqlen_q"], a["seqlen_k"], a["diag_offset"], a["window_left"], a["window_right"], a["MASK_LEFT"],
             a["MASK_RIGHT"], a["IS_VARLEN"])),
-        "SAME_ORDER": lambda a: a["Q"].element_size() == 4,
+        "FORWARD_QK_ORDER": lambda a: a["Q"].element_size() == 4,
         "GROUPED": lambda a: a["group_size"] > 1,
     }
 )
@@ -61,14 +61,14 @@ def attn_bwd_one_launch_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_Q_TILE: tl.constexpr,
-    MASK_D: tl.constexpr, ONE_KEY: tl.constexpr, SAME_ORDER: tl.constexpr, RENORM: tl.constexpr,
+    MASK_D: tl.constexpr, EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr,
     SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(key_programs + group_size * cdiv(max Sq, BLOCK_N), Hk, B)`` (folded:
     ``tiles.grid_id``), ``key_programs = cdiv(max Sk, BLOCK_N)``: the module docstring's two kinds
     of programs, the key blocks first (key block 0, which a causal mask shows to every query
-    block, the very first). ``LSE_FIX`` is None (no ``RENORM``)."""
-    tl.static_assert(not RENORM, "RENORM needs the dQ kernel's row sums before dK/dV: the three kernels")
+    block, the very first). ``LSE_FIX`` is None (no ``FIX_LSE``)."""
+    tl.static_assert(not FIX_LSE, "FIX_LSE needs the dQ kernel's row sums before dK/dV: the three kernels")
     i_p = grid_id(0, GRID_FOLD)
     i_hk = grid_id(1, GRID_FOLD)
     i_b = grid_id(2, GRID_FOLD)
@@ -83,7 +83,7 @@ def attn_bwd_one_launch_kernel(
             stride_dvh, 0, 0, 0, stride_lb, stride_lh, stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q,
             total_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right, dropout_p, rng_stride,
             MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, IS_VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
-            EVEN_N, MASK_D, ONE_KEY, SAME_ORDER, False, False, False, GROUPED, False,
+            EVEN_N, MASK_D, EXACT_ONE_KEY, FORWARD_QK_ORDER, False, False, False, GROUPED, False,
         )
     else:
         j = i_p - key_programs

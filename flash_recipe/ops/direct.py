@@ -20,7 +20,7 @@ the stream, the kernel's handles and the argument values. A ``DirectLaunch`` (on
 What Triton specialises on and a later call of the same plan can change is guarded: each
 tensor's 16-byte alignment (the pointers' ``tt.divisibility``) and its being there (not None);
 each tensor descriptor's type, block shape, shape, strides and padding.
-Sizes, strides, dtypes and options are the plan's own (``flash_recipe.signatures``). Where a guard
+Sizes, strides, dtypes and options are the plan's own (``flash_recipe.memo_keys``). Where a guard
 fails, where a launch hook is set (``knobs.runtime.launch_enter_hook`` or, on Triton 3.2 and 3.3,
 ``CompiledKernel.launch_enter_hook``; profilers such as proton set one), or where the kernel has
 pre-run hooks, or a global value it read when compiled has changed, the launch goes through

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..signatures import Memo, signature
+from ..memo_keys import Memo, signature
 from . import choose, configs, features, limits, targets, tiles
 from .launch import Plan, launch, layout, lse_buffer, packed_rows, plan, score_args
 from .options import KEY_RANGE_FIELDS, SCORE_FIELDS, VARLEN_FIELDS, KeyRanges, ScoreOptions, Varlen
@@ -66,7 +66,7 @@ def _fwd_step(
     k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
     k_tiles, v_tiles, tile_row, tile_col, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
-    FOLD: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The key block at ``start_n`` of ``_fwd_inner``'s loop: the running ``(acc, m, l, bad)`` after it."""
     start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -81,7 +81,7 @@ def _fwd_step(
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
     if SOFTCAP:
         b_s = tanh(b_s * tanh_scale)
-    if not FOLD:
+    if not SCALE_IN_EXP2:
         b_s = b_s * nat_scale
         if ALIBI:
             b_s = b_s - slope * tl.abs((o_m[:, None] + diag_offset - o_k[None, :]).to(tl.float32))
@@ -89,7 +89,7 @@ def _fwd_step(
     if MASKED:
         b_s = tl.where(visible(o_m[:, None], o_k[None, :], seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT),
                        b_s, float("-inf"))
-    if FOLD:
+    if SCALE_IN_EXP2:
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)  # [BLOCK_M], the running max
     else:
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
@@ -98,7 +98,7 @@ def _fwd_step(
         # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid inf - inf
         # (only here: the running max itself stays -inf until the row sees a key).
         b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-    if FOLD:
+    if SCALE_IN_EXP2:
         b_p = tl.math.exp2(b_s * qk_scale - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
     else:
         b_p = tl.math.exp2(b_s - b_m_use[:, None])
@@ -124,7 +124,7 @@ def _fwd_inner(
     k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
     k_tiles, v_tiles, tile_row, tile_col, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK_D: tl.constexpr, PAGED: tl.constexpr,
-    FOLD: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WARP_SPEC: tl.constexpr,
 ):
     """One stage of the key loop over ``[start, end)``; ``MASKED`` applies the sequence and window masks.
@@ -137,7 +137,7 @@ def _fwd_inner(
 
     The logit of a score is ``r * nat_scale`` (minus ``slope * |i + diag_offset - j|`` with ALiBi),
     where ``r`` is the raw ``q . k``, or with softcap ``tanh(q . k * tanh_scale)``; ``qk_scale`` is
-    ``nat_scale * log2(e)`` rounded to fp32. With ``FOLD`` (fp16/bf16, no ALiBi, ``qk_scale > 0``)
+    ``nat_scale * log2(e)`` rounded to fp32. With ``SCALE_IN_EXP2`` (fp16/bf16, no ALiBi, ``qk_scale > 0``)
     the row maximum is taken on ``r`` and scaled once, and each probability costs one multiply-add
     and one ``exp2``: ``exp2(r * qk_scale - m)`` (scaling by a positive number preserves the
     maximum exactly). Otherwise the logit is computed in natural units and then multiplied by ``log2(e)``,
@@ -165,7 +165,7 @@ def _fwd_inner(
                 head_dim, lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d,
                 start_n, k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
                 k_tiles, v_tiles, tile_row, tile_col, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D,
-                PAGED, FOLD, TMA, BLOCK_N, BLOCK_D,
+                PAGED, SCALE_IN_EXP2, TMA, BLOCK_N, BLOCK_D,
             )
     else:
         for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
@@ -174,7 +174,7 @@ def _fwd_inner(
                 head_dim, lo_offset, hi_offset, diag_offset, nat_scale, qk_scale, tanh_scale, slope, o_m, o_n, o_d,
                 start_n, k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, page_size, num_pages,
                 k_tiles, v_tiles, tile_row, tile_col, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D,
-                PAGED, FOLD, TMA, BLOCK_N, BLOCK_D,
+                PAGED, SCALE_IN_EXP2, TMA, BLOCK_N, BLOCK_D,
             )
     return b_acc, b_m, b_l, b_bad
 
@@ -189,7 +189,7 @@ def _fwd_inner(
         "ALIBI": lambda a: a["SLOPES"] is not None,
         "DROPOUT": lambda a: a["SEED"] is not None,
         "HAS_SINK": lambda a: a["SINKS"] is not None,
-        "SECTIONS": lambda a: a["head_section"] > 1,  # schedule.launch_order
+        "HEAD_SECTIONS": lambda a: a["head_section"] > 1,  # schedule.launch_order
         # With PACK_GQA the tile's rows are the group's query heads at each position: Sq * group rows.
         "EVEN_M": lambda a: not a["IS_VARLEN"]
         and a["seqlen_q"] * (a["group_size"] if a["PACK_GQA"] else 1) % a["BLOCK_M"] == 0,
@@ -197,7 +197,7 @@ def _fwd_inner(
         # A page table one entry wide (a dense cache, its own pages): one page per sequence.
         "ONE_PAGE": lambda a: a["PAGED"] and a["table_width"] == 1,
         # One multiply-add per score (``_fwd_inner``): fp16/bf16, a positive scale, no ALiBi.
-        "FOLD": lambda a: a["Q"].element_size() == 2 and not a["ALIBI"] and a["qk_scale"] > 0.0,
+        "SCALE_IN_EXP2": lambda a: a["Q"].element_size() == 2 and not a["ALIBI"] and a["qk_scale"] > 0.0,
     }
 )
 @triton.jit(do_not_specialize=["head_section"])  # a runtime count: no variant per value
@@ -215,7 +215,7 @@ def attn_fwd_kernel(
     DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    FOLD: tl.constexpr, HAS_SINK: tl.constexpr, SECTIONS: tl.constexpr, WARP_SPEC: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, HAS_SINK: tl.constexpr, HEAD_SECTIONS: tl.constexpr, WARP_SPEC: tl.constexpr,
     GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
@@ -269,7 +269,8 @@ def attn_fwd_kernel(
     tl.static_assert(KV_RANGES or not PAGED, "PAGED addresses key ranges through the page table: it needs KV_RANGES")
     tl.static_assert(not TMA or not (IS_VARLEN or KV_RANGES), "TMA tiles address dense tensors only")
     tl.static_assert(not (PACK_GQA and DROPOUT), "PACK_GQA serves the forward-only short queries: no dropout")
-    i_m, i_s, i_h, i_b = launch_order(num_splits, head_section, SECTIONS, GRID_FOLD)  # i_h: with PACK_GQA the kv head
+    # i_h: with PACK_GQA the kv head
+    i_m, i_s, i_h, i_b = launch_order(num_splits, head_section, HEAD_SECTIONS, GRID_FOLD)
     if GRID_FOLD > 1:  # a folded grid's padding (``tiles.grid_id``)
         if i_b >= fold_batch:
             return
@@ -393,7 +394,7 @@ def attn_fwd_kernel(
             k_first, seed, rng_base, rng_stride, dropout_p, table, bos_k, PAGE_ROWS, num_pages,
             K_TILES, V_TILES, tile_row, tile_col,
             stage != (2 if WARP_SPEC else 1), MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D,
-            PAGED and not ONE_PAGE, FOLD, TMA, BLOCK_N, BLOCK_D, WARP_SPEC,
+            PAGED and not ONE_PAGE, SCALE_IN_EXP2, TMA, BLOCK_N, BLOCK_D, WARP_SPEC,
         )
 
     m_empty = b_l == 0.0  # rows that saw no key

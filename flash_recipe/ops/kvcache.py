@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..signatures import Fields, Memo, signature
+from ..memo_keys import Fields, Memo, signature
 from . import choose, configs, splits, targets, tiles, tuned
 from .forward import ForwardPlan, plan_forward, run_forward
 from .launch import Plan, launch, plan

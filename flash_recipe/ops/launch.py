@@ -6,7 +6,7 @@ Shapes as in ``flash_recipe.ops.options`` (``ScoreOptions``, ``Varlen``, ``KeyRa
 Every kernel is launched by keyword: the helpers here return dicts keyed by the kernels'
 parameter names, so a parameter is named once, in the kernel signature and at its launch.
 
-A launcher builds a ``Plan`` on the first call of a signature (``flash_recipe.signatures``): the
+A launcher builds a ``Plan`` on the first call of a signature (``flash_recipe.memo_keys``): the
 grid, every argument that is not a tensor, and the compile-time flags the kernel's
 ``triton.heuristics`` derive, evaluated once. A repeated call passes only its tensors to ``launch``.
 Every kernel launch of the package goes through ``plan`` and ``launch`` (or ``launch_once``, the
@@ -90,7 +90,7 @@ def score_args(options: ScoreOptions, seqlen_k: int, forward: bool = False) -> d
 
 def base2_scale(nat_scale: float) -> float:
     """``nat_scale * log2(e)`` as the fp32 the forward kernel receives: the multiplier of its base-2
-    logits, whose sign in fp32 decides ``FOLD`` (a positive scale below fp32's range is 0)."""
+    logits, whose sign in fp32 decides ``SCALE_IN_EXP2`` (a positive scale below fp32's range is 0)."""
     scale = nat_scale * math.log2(math.e)
     try:  # rounded to fp32 on the host, without a tensor per launch
         return struct.unpack("f", struct.pack("f", scale))[0]

@@ -6,7 +6,7 @@
 - ``Varlen``: packed sequences;
 - ``KeyRanges``: per-batch key rows of a KV cache, optionally paged;
 - ``SCORE_FIELDS``, ``VARLEN_FIELDS``, ``KEY_RANGE_FIELDS``: their fields as the launchers' memo
-  keys take them (``flash_recipe.signatures.Fields``), so a new field reaches every key.
+  keys take them (``flash_recipe.memo_keys.Fields``), so a new field reaches every key.
 
 Shapes (B batch, Sq/Sk query/key length, H query heads, Hk key/value heads, D head dim)::
 
@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..signatures import Fields
+from ..memo_keys import Fields
 
 
 class ScoreOptions(NamedTuple):

@@ -104,11 +104,11 @@ def launch_sequence(query_blocks: int, heads: int, section: int) -> list[tuple[i
 
 
 @triton.jit
-def launch_order(group, section, SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr):
+def launch_order(group, section, HEAD_SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr):
     """This program's ``(query block, share, head, batch entry)`` on a grid ``(n * group, heads, batch)``
     whose axis 0 holds ``group`` consecutive programs per query block (split-KV: the shares), in the
     order the module docstring gives: ``section`` heads at a time (a runtime value, 1 or more).
-    ``SECTIONS`` is ``section > 1``, a compile-time flag: launches of one head at a time (decoding,
+    ``HEAD_SECTIONS`` is ``section > 1``, a compile-time flag: launches of one head at a time (decoding,
     no causal mask) compile without the sections' arithmetic, whose registers spilled the decode
     kernel on sm90 under Triton 3.2. A grid folded for CUDA's limits (``GRID_FOLD > 1``, ids from
     ``tiles.grid_id``; the caller skips the fold's padding) takes each head's blocks in turn, last
@@ -122,7 +122,7 @@ def launch_order(group, section, SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr
         return i_m, i_s, i_h, i_b
     n_m = tl.num_programs(0) // group
     i_s = tl.program_id(0) % group
-    if SECTIONS:
+    if HEAD_SECTIONS:
         heads = tl.num_programs(1)
         count = heads * tl.num_programs(2)  # the heads of every batch entry, one after another
         unit = tl.program_id(0) // group + n_m * (tl.program_id(1) + heads * tl.program_id(2))  # launch position

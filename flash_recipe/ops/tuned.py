@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from .. import __version__
-from ..files import write_json
+from ..atomic_json import write_json
 from . import configs, targets
 from .limits import BACKWARD_PATH_NAMES, HEAD_DIM_BUCKETS, MAX_SPLITS
 

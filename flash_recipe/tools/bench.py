@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from .. import __version__, dispatch, files
+from .. import __version__, atomic_json, dispatch
 from ..api import flash_attn_func
 from ..dispatch import use_backend
 from ..ops import features
@@ -540,7 +540,7 @@ def run(args) -> int:
 
     def write_json(rows: list, complete: bool = False) -> None:
         document = {"context": context, "modes": list(args.mode), "complete": complete, "rows": rows}
-        files.write_json(args.json, document)  # a reader never sees a half-written file
+        atomic_json.write_json(args.json, document)  # a reader never sees a half-written file
 
     try:
         rows = run_bench(args, on_row=write_json if args.json else None)

@@ -45,7 +45,7 @@ from typing import Callable, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .. import __version__, files, signatures, validate
+from .. import __version__, atomic_json, memo_keys, validate
 from ..api import flash_attn_func
 from ..decoding import flash_attn_with_kvcache
 from ..dispatch import capabilities, use_backend
@@ -222,7 +222,7 @@ def device_metadata(device) -> Iterator[None]:
         yield
     finally:
         validate.on_host = saved
-        signatures.forget()  # verdicts reached without reading host metadata must not outlive the block
+        memo_keys.forget()  # verdicts reached without reading host metadata must not outlive the block
 
 
 def _launch_row(launch) -> tuple[str, int]:
@@ -399,7 +399,7 @@ def run(args, command: str = "python -m flash_recipe.tools.host_cost") -> int:
         )
     print(markdown(rows, context), end="")
     if args.json:
-        files.write_json(args.json, {"context": context, "rows": rows})
+        atomic_json.write_json(args.json, {"context": context, "rows": rows})
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``flash_recipe.files.write_json``: the one atomic JSON writer (tuned cache, bench, campaign)."""
+"""``flash_recipe.atomic_json.write_json``: the one atomic JSON writer (tuned cache, bench, campaign)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flash_recipe.files import write_json
+from flash_recipe.atomic_json import write_json
 
 
 def test_write_json_replaces_the_file_whole_and_leaves_nothing_beside_it(tmp_path):

@@ -1,6 +1,6 @@
 """The ``AttentionCall`` of a ``flash_attn_*`` call: ``FlashOptions`` (the keyword options the
 family shares), ``build_flash_call`` (every check, then the call), and the memo that lets a repeated
-call of one signature skip the checks (``flash_recipe.signatures``).
+call of one signature skip the checks (``flash_recipe.memo_keys``).
 
 Part of the public layer with ``flash_recipe.api``, which calls it, and the ``flash_attn``
 stand-in and ``flash_recipe.distributed``, which build calls of their own.
@@ -15,7 +15,7 @@ import torch
 
 from . import validate
 from .dispatch import AttentionCall
-from .signatures import Fields, Memo, signature
+from .memo_keys import Fields, Memo, signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ def build_flash_call(
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed sequences;
     with ``paged`` the keys and values are pages ``(num_blocks, page_block_size, nheads_k, headdim)``.
 
-    The first call of a signature (``flash_recipe.signatures``) runs every check; a call with the
+    The first call of a signature (``flash_recipe.memo_keys``) runs every check; a call with the
     same signature reuses the verdict and the values derived from it, unless the call passed
     metadata whose values the checks read on the host (CPU ``cu_seqlens``): those run each time.
     """
@@ -117,7 +117,7 @@ _OPTION_FIELDS = Fields(FlashOptions)
 
 
 def _call_key(q, k, v, options: FlashOptions, names: tuple, varlen: Optional[tuple], paged: bool) -> Optional[tuple]:
-    """The signature of a flash-attn style call (``flash_recipe.signatures``): its tensors, every field
+    """The signature of a flash-attn style call (``flash_recipe.memo_keys``): its tensors, every field
     of ``options`` (none by hand), the names, the varlen metadata and ``paged``; None: not memoized."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, None, None)
     return signature(
