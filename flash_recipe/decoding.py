@@ -167,6 +167,45 @@ def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: 
     )  # fmt: skip
 
 
+def _checked_batch_idx(cache_batch_idx, batch: int, num_pages: int, device) -> torch.Tensor:
+    """``cache_batch_idx`` checked: an int32 index ``(batch,)`` on ``device``, every value (read
+    where it lies on the host) a row of the cache."""
+    cache_batch_idx = validate.check_index("cache_batch_idx", cache_batch_idx, (batch,), device)
+    if validate.on_host(cache_batch_idx):
+        bad = [i for i in cache_batch_idx.tolist() if not 0 <= i < num_pages]
+        if bad:
+            raise ValueError(f"cache_batch_idx holds {bad} outside [0, {num_pages}) (k_cache.shape[0])")
+    return cache_batch_idx
+
+
+def _cache_table(block_table, cache_batch_idx, batch: int, num_pages: int, device) -> torch.Tensor:
+    """The cache rows of each batch entry, ``(batch, pages per entry)``: the page table, the batch
+    index as one page per entry, or entry ``b`` at row ``b`` (the cache must hold ``batch`` rows)."""
+    if block_table is not None:
+        return block_table
+    if cache_batch_idx is not None:
+        return cache_batch_idx.view(batch, 1)
+    if num_pages < batch:
+        raise ValueError(
+            f"k_cache must hold at least batch_size = {batch} sequences without cache_batch_idx, got {num_pages}"
+        )
+    return torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+
+
+def _check_lengths(lengths: list, pads: Optional[list], new: int, capacity: int) -> None:
+    """Each entry's length, known on the host: at least 0, room for the ``new`` rows in the
+    ``capacity``, and its left padding (where known) within it."""
+    for b, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch {b}")
+        if n + new > capacity:
+            raise ValueError(
+                f"cache overflow: cache_seqlens[{b}] + seqlen_new = {n} + {new} exceeds the cache capacity {capacity}"
+            )
+        if pads is not None and not 0 <= pads[b] <= n:
+            raise ValueError(f"cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = {n}]")
+
+
 def _checked_cache_call(
     q,
     k_cache,
@@ -224,28 +263,13 @@ def _checked_cache_call(
         rotary = (rotary_cos, rotary_sin, rotary_interleaved)
 
     num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx cannot be combined with block_table (the page table already maps batches)")
     if block_table is not None:
-        if cache_batch_idx is not None:
-            raise ValueError(
-                "cache_batch_idx cannot be combined with block_table (the page table already maps batches)"
-            )
         block_table = validate.check_block_table(block_table, batch, page_size, q.device, "k_cache.shape[1]")
-        table = block_table
-    else:
-        if cache_batch_idx is not None:
-            cache_batch_idx = validate.check_index("cache_batch_idx", cache_batch_idx, (batch,), q.device)
-            if validate.on_host(cache_batch_idx):
-                bad = [i for i in cache_batch_idx.tolist() if not 0 <= i < num_pages]
-                if bad:
-                    raise ValueError(f"cache_batch_idx holds {bad} outside [0, {num_pages}) (k_cache.shape[0])")
-            table = cache_batch_idx.view(batch, 1)
-        else:
-            if num_pages < batch:
-                raise ValueError(
-                    f"k_cache must hold at least batch_size = {batch} sequences without cache_batch_idx, "
-                    f"got {num_pages}"
-                )
-            table = torch.arange(batch, dtype=torch.int32, device=q.device).view(batch, 1)
+    elif cache_batch_idx is not None:
+        cache_batch_idx = _checked_batch_idx(cache_batch_idx, batch, num_pages, q.device)
+    table = _cache_table(block_table, cache_batch_idx, batch, num_pages, q.device)
     capacity = table.shape[1] * page_size
     seqlens = _cache_seqlens(cache_seqlens, batch, capacity, q.device)
     if cache_leftpad is not None:
@@ -259,16 +283,7 @@ def _checked_cache_call(
         lengths = seqlens.tolist()
     if lengths is not None:
         pads = cache_leftpad.tolist() if cache_leftpad is not None and validate.on_host(cache_leftpad) else None
-        for b, n in enumerate(lengths):
-            if n < 0:
-                raise ValueError(f"cache_seqlens must be >= 0, got {n} for batch {b}")
-            if n + new > capacity:
-                raise ValueError(
-                    f"cache overflow: cache_seqlens[{b}] + seqlen_new = {n} + {new} exceeds the cache capacity "
-                    f"{capacity}"
-                )
-            if pads is not None and not 0 <= pads[b] <= n:
-                raise ValueError(f"cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = {n}]")
+        _check_lengths(lengths, pads, new, capacity)
         if rotary is not None:
             moves = attention.window != (-1, -1)
             last = max((n + max(new, seqlen_q if moves else 1) - 1 for n in lengths), default=-1)

@@ -264,15 +264,41 @@ def build_plan(
     (``select`` and ``fit`` narrow it to those that run)."""
     given = dict(budgets or {})
     budgets = {**BUDGETS_S, **given}
-    joined = lambda values: ",".join(str(v) for v in values)  # noqa: E731
-    env = Step(
+    env, tune = _env_step(python, budgets), _tune_step(python, budgets)
+    tests = _tests_step(python, budgets, test_tree)
+    steps = [
+        _warmup_step(python, budgets, "warmup" in given, test_tree if tests.skip is None else None),
+        _check_step(python, budgets),
+        _shootout_step(python, budgets),
+        _bench_step(python, budgets),
+        _decode_step(python, budgets),
+        _memory_step(python, budgets),
+        _host_step(python, budgets),
+        _capture_step(python, budgets),
+        _verify_step(python, budgets),
+        tests,
+    ]
+    return [env, tune, *steps] if tune_first else [env, *steps, tune]
+
+
+def _joined(values) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def _env_step(python: str, budgets: dict) -> Step:
+    """The ``env`` step."""
+    return Step(
         "env",
         "device, driver and versions",
         [python, "-m", "devtools.campaign", "--step", "env", "--result", "{scratch}/env.json"],
         budgets["env"],
         result="env.json",
     )
-    verify = Step(
+
+
+def _verify_step(python: str, budgets: dict) -> Step:
+    """The ``verify`` step."""
+    return Step(
         "verify",
         "flash-recipe verify, every backend against the reference, KV-cache path included",
         [python, "-m", "flash_recipe", "verify", "--json", "--kvcache", "--grid", "full"]
@@ -282,15 +308,19 @@ def build_plan(
         result="verify.json",
         stdout_is_result=True,
     )
-    bench = Step(
+
+
+def _bench_step(python: str, budgets: dict) -> Step:
+    """The ``bench`` step."""
+    return Step(
         "bench",
         "flash-recipe bench at the target shapes, with peers side by side",
         [
             python, "-m", "flash_recipe", "bench",
-            "--seqlen", joined(TARGET["seqlens"]), "--head-dim", str(TARGET["head_dim"]),
+            "--seqlen", _joined(TARGET["seqlens"]), "--head-dim", str(TARGET["head_dim"]),
             "--dtype", TARGET["dtype"], "--causal", "both", "--gqa", "no",
             "--nheads", str(TARGET["nheads"]), "--tokens", str(TARGET["tokens"]),
-            "--mode", joined(BENCH_MODES), "--warmup", str(BENCH_WARMUP), "--reps", str(BENCH_REPS),
+            "--mode", _joined(BENCH_MODES), "--warmup", str(BENCH_WARMUP), "--reps", str(BENCH_REPS),
         ]
         + [arg for peer in BENCH_PEERS for arg in ("--peer", peer)]
         + ["--json", "{scratch}/bench.json"],
@@ -304,12 +334,16 @@ def build_plan(
         },
         result="bench.json",
     )  # fmt: skip
-    memory = Step(
+
+
+def _memory_step(python: str, budgets: dict) -> Step:
+    """The ``memory`` step."""
+    return Step(
         "memory",
         "peak memory of a training step at 32k and 64k",
         [
             python, "-m", "devtools.campaign", "--step", "memory", "--result", "{scratch}/memory.json",
-            "--seqlen", joined(MEMORY_SEQLENS),
+            "--seqlen", _joined(MEMORY_SEQLENS),
         ]
         + [arg for peer in MEMORY_PEERS for arg in ("--peer", peer)],
         budgets["memory"],
@@ -318,43 +352,28 @@ def build_plan(
         },
         result="memory.json",
     )  # fmt: skip
-    decode = Step(
+
+
+def _decode_step(python: str, budgets: dict) -> Step:
+    """The ``decode`` step."""
+    return Step(
         "decode",
         "decoding: KV-cache bandwidth of one step, Llama-3-8B's shape, with SDPA beside it",
-        [python, "-m", "flash_recipe.tools.bench_decode", "--batch", joined(DECODE_BATCHES)]
-        + ["--cache", joined(DECODE_CACHES), "--cuda-graph", "--json", "{scratch}/decode.json"],
+        [python, "-m", "flash_recipe.tools.bench_decode", "--batch", _joined(DECODE_BATCHES)]
+        + ["--cache", _joined(DECODE_CACHES), "--cuda-graph", "--json", "{scratch}/decode.json"],
         budgets["decode"],
         params={"batches": list(DECODE_BATCHES), "caches": list(DECODE_CACHES), "shape": "H32-Hk8-D128-bfloat16"},
         result="decode.json",
     )
-    if test_tree is not None:
-        files = [str(test_tree / name) for name in GPU_TEST_FILES if (test_tree / name).is_file()]
-        config = test_tree.parent / "pyproject.toml"
-        argv = [python, "-m", "pytest", *files, "-q", "-rfE", "-p", "no:cacheprovider"]
-        argv += ["--junitxml", "{scratch}/junit.xml", "--rootdir", str(test_tree.parent)]
-        argv += ["-c", str(config)] if config.is_file() else []
-        tests = Step(
-            "tests",
-            "the GPU tests (pytest)",
-            argv,
-            budgets["tests"],
-            params={"files": [Path(f).name for f in files]},
-            result="junit.xml",
-            cwd=str(test_tree.parent),
-        )
-    else:
-        tests = Step(
-            "tests",
-            "the GPU tests (pytest)",
-            [],
-            budgets["tests"],
-            skip="no test tree: no tests/ folder next to the flash_recipe package (an installed wheel)",
-        )
-    tune = Step(
+
+
+def _tune_step(python: str, budgets: dict) -> Step:
+    """The ``tune`` step."""
+    return Step(
         "tune",
         "flash-recipe tune: the forward and decoding, head dims 64 and 128, bf16",
-        [python, "-m", "flash_recipe", "tune", "--head-dim", joined(TUNE_HEAD_DIMS), "--dtype", "bfloat16"]
-        + ["--kernel", joined(TUNE_KERNELS), "--jobs", str(TUNE_JOBS)]
+        [python, "-m", "flash_recipe", "tune", "--head-dim", _joined(TUNE_HEAD_DIMS), "--dtype", "bfloat16"]
+        + ["--kernel", _joined(TUNE_KERNELS), "--jobs", str(TUNE_JOBS)]
         + ["--seqlen", str(TUNE_SEQLEN), "--json", "{scratch}/tune.json"],
         budgets["tune"],
         params={
@@ -365,12 +384,16 @@ def build_plan(
         },
         result="tune.json",
     )
-    shootout = Step(
+
+
+def _shootout_step(python: str, budgets: dict) -> Step:
+    """The ``shootout`` step."""
+    return Step(
         "shootout",
         "the backward's shoot-out: each path with at most 4 configurations per kernel, bf16, head dims 64 "
         "and 128, writing the measured defaults for this GPU model",
-        [python, "-m", "flash_recipe", "tune", "--head-dim", joined(SHOOTOUT_HEAD_DIMS), "--dtype", "bfloat16"]
-        + ["--kernel", joined(SHOOTOUT_KERNELS), "--seqlen", joined(SHOOTOUT_SEQLENS), "--causal", "both"]
+        [python, "-m", "flash_recipe", "tune", "--head-dim", _joined(SHOOTOUT_HEAD_DIMS), "--dtype", "bfloat16"]
+        + ["--kernel", _joined(SHOOTOUT_KERNELS), "--seqlen", _joined(SHOOTOUT_SEQLENS), "--causal", "both"]
         + ["--tokens", str(TARGET["tokens"]), "--nheads", str(TARGET["nheads"])]
         + ["--max-candidates", str(SHOOTOUT_CANDIDATES), "--jobs", str(TUNE_JOBS), "--json", "{scratch}/shootout.json"],
         budgets["shootout"],
@@ -384,7 +407,11 @@ def build_plan(
         result="shootout.json",
         env={"FLASH_RECIPE_TUNE_CACHE": "{scratch}/measured"},  # its file, apart from every other step's
     )
-    host = Step(
+
+
+def _host_step(python: str, budgets: dict) -> Step:
+    """The ``host`` step."""
+    return Step(
         "host",
         "host cost per call: Python calls and microseconds, launches stubbed and real, beside torch SDPA",
         [python, "-m", "devtools.campaign", "--step", "host", "--result", "{scratch}/host.json"],
@@ -392,7 +419,11 @@ def build_plan(
         params={"cases": list(HOST_CASES)},
         result="host.json",
     )
-    capture = Step(
+
+
+def _capture_step(python: str, budgets: dict) -> Step:
+    """The ``capture`` step."""
+    return Step(
         "capture",
         "CUDA-graph capture: kvcache (dense, paged), varlen, forward, forward + backward, reduce-overhead",
         [python, "-m", "devtools.capture_check", "--json", "{scratch}/capture.json"],
@@ -400,7 +431,11 @@ def build_plan(
         params={"checks": list(CAPTURE_CHECKS)},
         result="capture.json",
     )
-    check = Step(
+
+
+def _check_step(python: str, budgets: dict) -> Step:
+    """The ``check`` step."""
+    return Step(
         "check",
         "correctness on the GPU: forward and dq/dk/dv against fp32 math by the accuracy rule, bf16 and fp16, "
         "then a seeded fuzz",
@@ -415,20 +450,49 @@ def build_plan(
         },
         result="check.json",
     )
-    names = [name for name in WARMUP_FOR if name != "tests" or tests.skip is None]
+
+
+def _tests_step(python: str, budgets: dict, test_tree: Optional[Path]) -> Step:
+    """The ``tests`` step: the checkout's GPU test files, skipped without a test tree."""
+    if test_tree is None:
+        return Step(
+            "tests",
+            "the GPU tests (pytest)",
+            [],
+            budgets["tests"],
+            skip="no test tree: no tests/ folder next to the flash_recipe package (an installed wheel)",
+        )
+    files = [str(test_tree / name) for name in GPU_TEST_FILES if (test_tree / name).is_file()]
+    config = test_tree.parent / "pyproject.toml"
+    argv = [python, "-m", "pytest", *files, "-q", "-rfE", "-p", "no:cacheprovider"]
+    argv += ["--junitxml", "{scratch}/junit.xml", "--rootdir", str(test_tree.parent)]
+    argv += ["-c", str(config)] if config.is_file() else []
+    return Step(
+        "tests",
+        "the GPU tests (pytest)",
+        argv,
+        budgets["tests"],
+        params={"files": [Path(f).name for f in files]},
+        result="junit.xml",
+        cwd=str(test_tree.parent),
+    )
+
+
+def _warmup_step(python: str, budgets: dict, budget_given: bool, test_tree: Optional[Path]) -> Step:
+    """The ``warmup`` step, compiling for the steps of ``WARMUP_FOR`` (the tests' only with a
+    ``test_tree`` they run from)."""
+    names = [name for name in WARMUP_FOR if name != "tests" or test_tree is not None]
     warm = Step(
         "warmup",
         "compile ahead, in parallel, the kernel variants of the steps after it (first-call seconds per family)",
         [python, "-m", "devtools.warmup", "--jobs", str(warmup_jobs()), "--for", ""]
-        + (["--tests", str(test_tree)] if test_tree is not None and tests.skip is None else [])
+        + (["--tests", str(test_tree)] if test_tree is not None else [])
         + ["--json", "{scratch}/warmup.json"],
         budgets["warmup"],
-        params={"jobs": warmup_jobs(), "budget": "given" if "warmup" in given else ""},
+        params={"jobs": warmup_jobs(), "budget": "given" if budget_given else ""},
         result="warmup.json",
     )
-    warm = with_warmup_for(warm, names)
-    steps = [warm, check, shootout, bench, decode, memory, host, capture, verify, tests]
-    return [env, tune, *steps] if tune_first else [env, *steps, tune]
+    return with_warmup_for(warm, names)
 
 
 def select(plan: list, only: Optional[list] = None, skip: Optional[list] = None) -> list:

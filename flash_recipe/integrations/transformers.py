@@ -298,6 +298,59 @@ def _attend_padded_static(q, k, v, mask_q, mask_k, options: dict) -> torch.Tenso
     return out.masked_fill(~mask_q[:, :, None, None], 0.0)
 
 
+def _attend_4d_mask(query, key, value, attention_mask: torch.Tensor, options: dict) -> torch.Tensor:
+    """Attention under a 4D mask the caller built (``attention_forward``'s layout in, flash-attn's
+    out): SDPA's semantics, on flash_recipe's ``scaled_dot_product_attention``."""
+    if options["window_size"] != (-1, -1) or options["softcap"]:
+        raise NotImplementedError(
+            "a 4D attention_mask cannot be combined with sliding_window or softcap in flash_recipe; "
+            "pass a 2D padding mask or use attn_implementation='sdpa'"
+        )
+    out = api.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=options["dropout_p"],
+        scale=options["softmax_scale"],
+        enable_gqa=query.shape[1] != key.shape[1],
+        learnable_sink=options["learnable_sink"],
+    )
+    return out.transpose(1, 2)
+
+
+def _attend_padded(q, k, v, mask: torch.Tensor, causal: bool, options: dict) -> torch.Tensor:
+    """Attention over padded rows, ``mask (batch, kv_len)`` True where a token is: the tokens
+    packed as varlen sequences (under torch.compile's static shapes, ``_attend_padded_static``),
+    the output padded back with zeros. q ``(batch, seqlen_q, nheads, headdim)``, k and v in the same
+    layout; a static cache's slots past the mask are dropped, and the queries of a causal call with
+    ``seqlen_q < seqlen_k`` are the last ``seqlen_q`` tokens (cross-attention masks the keys only)."""
+    batch, seqlen_q = q.shape[:2]
+    if mask.shape[1] < k.shape[1]:  # a static cache: slots after the mask are empty
+        k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
+    mask = mask[:, -k.shape[1] :]
+    seqlen_k = k.shape[1]
+    if _static_shapes():
+        if seqlen_q == seqlen_k:
+            mask_q = mask
+        elif causal and seqlen_q < seqlen_k:  # the queries are the last seqlen_q tokens
+            mask_q = mask[:, -seqlen_q:]
+        else:  # cross-attention: the mask covers the keys only
+            mask_q = mask.new_ones(batch, seqlen_q)
+        return _attend_padded_static(q, k, v, mask_q, mask, options)
+    indices_k, cu_k, max_k = _indices(mask)
+    if seqlen_q == seqlen_k:
+        indices_q, cu_q, max_q = indices_k, cu_k, max_k
+    elif causal and seqlen_q < seqlen_k:  # the queries are the last seqlen_q tokens
+        indices_q, cu_q, max_q = _indices(mask[:, -seqlen_q:])
+    else:  # cross-attention: the mask covers the keys only
+        indices_q, cu_q, max_q = _indices(mask.new_ones(batch, seqlen_q))
+    out = api.flash_attn_varlen_func(
+        _gather(q, indices_q), _gather(k, indices_k), _gather(v, indices_k), cu_q, cu_k, max_q, max_k, **options
+    )
+    return pad_input(out, indices_q, batch, seqlen_q)
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -356,62 +409,13 @@ def attention_forward(
         learnable_sink=sinks,
     )
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        if options["window_size"] != (-1, -1) or options["softcap"]:
-            raise NotImplementedError(
-                "a 4D attention_mask cannot be combined with sliding_window or softcap in flash_recipe; "
-                "pass a 2D padding mask or use attn_implementation='sdpa'"
-            )
-        out = api.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=float(dropout),
-            scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-            learnable_sink=sinks,
-        )
-        return out.transpose(1, 2), None
-
+        return _attend_4d_mask(query, key, value, attention_mask, options), None
     # flash-attn layout (batch, seqlen, heads, dim) as views: no copy.
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     batch, seqlen_q, nheads, _ = q.shape
-
     if attention_mask is not None:
-        mask = attention_mask.bool()
-        if mask.shape[1] < k.shape[1]:  # a static cache: slots after the mask are empty
-            k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
-        mask = mask[:, -k.shape[1] :]
-        seqlen_k = k.shape[1]
-        if _static_shapes():
-            if seqlen_q == seqlen_k:
-                mask_q = mask
-            elif causal and seqlen_q < seqlen_k:  # the queries are the last seqlen_q tokens
-                mask_q = mask[:, -seqlen_q:]
-            else:  # cross-attention: the mask covers the keys only
-                mask_q = mask.new_ones(batch, seqlen_q)
-            return _attend_padded_static(q, k, v, mask_q, mask, options), None
-        indices_k, cu_k, max_k = _indices(mask)
-        if seqlen_q == seqlen_k:
-            indices_q, cu_q, max_q = indices_k, cu_k, max_k
-        elif causal and seqlen_q < seqlen_k:  # the queries are the last seqlen_q tokens
-            indices_q, cu_q, max_q = _indices(mask[:, -seqlen_q:])
-        else:  # cross-attention: the mask covers the keys only
-            indices_q, cu_q, max_q = _indices(mask.new_ones(batch, seqlen_q))
-        out = api.flash_attn_varlen_func(
-            _gather(q, indices_q),
-            _gather(k, indices_k),
-            _gather(v, indices_k),
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            **options,
-        )
-
-        return pad_input(out, indices_q, batch, seqlen_q), None
-
+        return _attend_padded(q, k, v, attention_mask.bool(), causal, options), None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     if all(x is not None for x in (cu_q, cu_k, max_q, max_k)):

@@ -34,7 +34,7 @@ Attention sinks: with an lse that includes each head's sink (``forward``), ``P =
 already the sink-diminished softmax, and dQ, dK, dV follow unchanged. The sink's own gradient is
 ``dsink[h] = -sum over (b, i) of exp(sink[h] - lse[b, h, i]) * pdp[b, h, i]``, a reduction in torch
 (a fixed order) over the lse and each row's ``pdp = sum_j P dP``: ``rowsum(dO * O)`` without O's
-rounding to its dtype (``delta`` from the rounded O moved fp16's dsink past the accuracy rule). The
+rounding to its dtype (``delta`` from the rounded O puts fp16's dsink past the accuracy rule). The
 three kernels' dQ kernel, which walks all of a row's keys, stores each row's ``pdp`` once (no
 atomics: dsink is bit-identical from run to run too); in one pass the dK/dV kernel adds each key
 block's share with atomic adds, so dsink's last bits vary as dQ's do. Two shortcuts of this
@@ -70,9 +70,8 @@ from .tiles import (
 )
 
 
-# IS_VARLEN stays an argument here, with DELTA standing in for CU_Q when there is no varlen:
-# deriving it from a None CU_Q cost 1 to 4 registers on sm80 (the compile check), so this kernel
-# keeps its launch as it was.
+# IS_VARLEN is an argument here, with DELTA standing in for CU_Q when there is no varlen:
+# deriving it from a None CU_Q, as the other kernels do, costs this kernel registers on sm80.
 @triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
                     "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
@@ -131,7 +130,7 @@ def _dkdv_inner(
     The ``*_base`` pointers are the group's first head's (``slope_base``: its ALiBi slope,
     ``rng_base``: its dropout offset); head ``g`` adds ``g`` times the head's stride. One loop walks
     every (head, query block) pair (``GROUPED``: more than one head): a loop over the heads around
-    this one spilled registers at head dims 64 and 128 where the single loop does not.
+    this one spills at head dims 64 and 128 where the single loop does not.
 
     With ``ATOMIC_DQ`` (the one-pass backward) it also adds each block pair's ``dS K * scale`` to the
     fp32 rows at ``dq_base`` with atomic adds: the fifth product, where the dQ kernel would recompute
@@ -357,13 +356,13 @@ def dkdv_program(
         # in any dtype where no row sees more than one key (a single key, a window of width one, one
         # causal query row aligned top-left), where torch's own dQ and dK are exactly 0 and so is the
         # bound's factor term. Otherwise fp16/bf16 bounds absorb the rounding, and their registers
-        # are kept for the main loop (sm100 spilled).
+        # are kept for the main loop (sm100 spills otherwise).
         "EXACT_ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
             a["seqlen_q"], a["seqlen_k"], a["diag_offset"], a["window_left"], a["window_right"], a["MASK_LEFT"],
             a["MASK_RIGHT"], a["IS_VARLEN"])),
         # fp32 logits recomputed as the forward computed them (q . k, then transposed): P = exp(S -
-        # lse) is exact only where S rounds as the forward's did; k . q rounds otherwise, which left
-        # fp32 dV up to 6x torch's error at large logits. fp16/bf16 keep the direct product.
+        # lse) is exact only where S rounds as the forward's did; k . q rounds otherwise, which leaves
+        # fp32 dV several times torch's error at large logits. fp16/bf16 keep the direct product.
         "FORWARD_QK_ORDER": lambda a: a["Q"].element_size() == 4,
         # The one-pass backward: dQ added to the fp32 workspace DQ_ACC (None: the dQ kernel computes it).
         "ATOMIC_DQ": lambda a: a["DQ_ACC"] is not None,

@@ -73,10 +73,13 @@ ARCHS = ("sm80", "sm86", "sm90", "sm100", "sm120", "amd", "interpreter")
 
 Rows = tuple[tuple[int, int, Config], ...]  # (max head-dim bucket, max element size, Config)
 
+# Each row's comment gives the reason its tile was chosen; the compile check prints what each tile
+# compiles to (registers, spills, shared memory):
+# ``python -m devtools.compile_check --target <target> --call <call>``.
 # Blocks of rows that more than one family or kernel takes, named once. The first row that covers a
 # call wins.
 _SM80_FWD: Rows = (  # sm80's forward, the general forward's too: its tiles hold the extra registers
-    (32, 2, Config(128, 64, 8, 2)),  # 4 warps spill 16 B at head dim 32, 3 stages 8 B
+    (32, 2, Config(128, 64, 8, 2)),  # 4 warps, or 3 stages, spill at head dim 32
     (64, 2, Config(128, 64, 4, 3)),
     (128, 2, Config(128, 64, 8, 3)),
     (256, 2, Config(64, 64, 4, 2)),
@@ -104,7 +107,7 @@ _SM86: dict[str, Rows] = {
     ),
     "fwd_general": (  # as fwd but at head dim 128
         (64, 2, Config(128, 64, 8, 2)),
-        (128, 2, Config(32, 64, 4, 2)),  # 64x64 spills 56-224 B (sm120 72-224) with varlen, pages or options
+        (128, 2, Config(32, 64, 4, 2)),  # 64x64 spills with varlen, pages or score options
         (256, 2, Config(64, 32, 4, 1)),
         (64, 4, Config(64, 32, 4, 2)),
         (128, 4, Config(32, 32, 4, 2)),
@@ -118,7 +121,7 @@ _SM86: dict[str, Rows] = {
         (256, 4, Config(16, 16, 4, 1)),
     ),
     "bwd_dq": (
-        (32, 2, Config(64, 32, 4, 1)),  # 64-key blocks spill 8 B at head dim 16, 2 stages at 32
+        (32, 2, Config(64, 32, 4, 1)),  # 64-key blocks spill at head dim 16, 2 stages at 32
         (64, 2, Config(64, 64, 4, 2)),
         (128, 2, Config(64, 32, 4, 1)),
         (256, 2, Config(32, 32, 4, 1)),
@@ -127,13 +130,13 @@ _SM86: dict[str, Rows] = {
     ),
     "bwd_onepass": (  # as bwd_dkdv but at head dim 128
         (64, 2, Config(32, 64, 4, 2)),
-        (128, 2, Config(32, 32, 4, 2)),  # dK/dV's 32x64 spills 16 B (sm120 40 B) beside the dQ tile
+        (128, 2, Config(32, 32, 4, 2)),  # dK/dV's 32x64 spills beside the dQ tile
         (256, 2, Config(16, 32, 4, 1)),
         (64, 4, Config(32, 32, 4, 1)),
         (256, 4, Config(16, 16, 4, 1)),
     ),
     "decode": (
-        (16, 2, Config(16, 64, 4, 2)),  # 128-key blocks spill 8 B at head dim 16 (paged)
+        (16, 2, Config(16, 64, 4, 2)),  # 128-key blocks spill at head dim 16 with pages
         (64, 2, Config(16, 128, 4, 2)),
         (128, 2, Config(16, 64, 4, 2)),
         (256, 2, Config(16, 32, 4, 2)),
@@ -153,8 +156,8 @@ _SM90: dict[str, Rows] = {
         (256, 4, Config(32, 32, 4, 1)),
     ),
     "fwd_general": (  # as fwd but at head dims 64 and 128
-        (64, 2, Config(128, 64, 8, 3)),  # 4 warps spill 40 B with packed sequences
-        (128, 2, Config(128, 64, 8, 3)),  # the former dense tile: 128x128 is proven for plain scores only
+        (64, 2, Config(128, 64, 8, 3)),  # 4 warps spill with packed sequences
+        (128, 2, Config(128, 64, 8, 3)),  # 128x128 is proven for plain scores only
         (256, 2, Config(64, 64, 4, 2)),
         (64, 4, Config(64, 64, 4, 2)),
         (128, 4, Config(64, 32, 4, 2)),
@@ -176,7 +179,7 @@ _SM90: dict[str, Rows] = {
     ),
     "bwd_onepass": (  # as bwd_dkdv but at head dim 128
         (64, 2, Config(64, 128, 8, 2)),
-        (128, 2, Config(32, 128, 8, 1)),  # 1 stage: 2 spilled 8 B with sinks; Triton >= 3.4 only
+        (128, 2, Config(32, 128, 8, 1)),  # 1 stage: 2 stages spill with sinks; Triton >= 3.4 only
         (256, 2, Config(32, 64, 8, 1)),
         (128, 4, Config(32, 64, 4, 1)),
         (256, 4, Config(16, 32, 4, 1)),
@@ -228,8 +231,8 @@ _FAMILY_ROWS: dict[str, dict[str, Rows]] = {
             (256, 4, Config(32, 16, 4, 1)),
         ),
         "bwd_onepass": (  # as bwd_dkdv, where those tiles hold the dQ tile too
-            (64, 2, Config(32, 128, 8, 2)),  # dK/dV's 64x128 spills 8 B beside the dQ tile
-            (128, 2, Config(64, 64, 8, 2)),  # 2 stages: 1 spilled 16 B with packed sequences
+            (64, 2, Config(32, 128, 8, 2)),  # dK/dV's 64x128 spills beside the dQ tile
+            (128, 2, Config(64, 64, 8, 2)),  # 2 stages: 1 stage spills with packed sequences
             (256, 2, Config(32, 64, 8, 1)),
             (128, 4, Config(32, 64, 4, 1)),
             (256, 4, Config(16, 32, 4, 1)),
@@ -244,8 +247,8 @@ _FAMILY_ROWS: dict[str, dict[str, Rows]] = {
         **_SM90,
         "bwd_dkdv": (
             (64, 2, Config(64, 128, 8, 2)),
-            (128, 2, Config(64, 128, 8, 1)),  # Hopper's 32x128 spills 8 B; 64 rows do not, and issue less per element
-            (256, 2, Config(32, 32, 4, 1)),  # 64-key blocks compile to a trap (Triton 3.9)
+            (128, 2, Config(64, 128, 8, 1)),  # Hopper's 32x128 spills; 64 rows do not, and issue less per element
+            (256, 2, Config(32, 32, 4, 1)),  # 64-key blocks compile to a trap
             (128, 4, Config(32, 64, 4, 1)),
             (256, 4, Config(16, 32, 4, 1)),
         ),
@@ -299,14 +302,13 @@ _TABLE: dict[tuple[str, str], Rows] = {
 }
 
 # The Triton releases that compile the one-pass backward's tile at (family, head-dim bucket)
-# without spills: ``python -m devtools.compile_check --call one_pass --target sm90
-# --target sm100 --dtype bfloat16 --head-dim 128 --form aligned`` (MHA and GQA, with and without
-# attention sinks) prints the installed release's registers and spills; run under 3.4.0, 3.5.1,
-# 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (3.2 and 3.3 spilled too, and no other wgmma tile tried was clean
-# under the releases that spill). A release newer than the newest listed is taken to compile it
-# cleanly too. Under any other release the backward runs the three kernels
-# (``choose.one_pass_fits``); a pair not listed runs the one pass under every release. sm100
-# takes Hopper's tile, measured for sm100 itself.
+# without spills (each release from 3.2 to 3.9 checked): ``python -m devtools.compile_check --call one_pass
+# --target sm90 --target sm100 --dtype bfloat16 --head-dim 128 --form aligned`` (MHA and GQA, with
+# and without attention sinks) prints the installed release's registers and spills. Under the
+# releases that spill it, no other wgmma tile tried compiles without spills either. A release newer
+# than the newest listed is taken to compile it cleanly too. Under any other release the backward
+# runs the three kernels (``choose.one_pass_fits``); a pair not listed runs the one pass under every
+# release. sm100 takes Hopper's tile, its releases checked for sm100 itself.
 ONE_PASS_TRITON = {("sm90", 128): ((3, 4), (3, 5), (3, 9)), ("sm100", 128): ((3, 4), (3, 5), (3, 8), (3, 9))}
 
 # The defaults of ``BACKWARD_PATHS`` that a GPU measured, which win over the instruction counts:
@@ -323,12 +325,12 @@ MEASURED_BACKWARD_PATHS = {
 # head-dim bucket: "one_pass" (the dK/dV kernel adds dQ with atomic adds: 5 products per block
 # pair) or "three_kernels" (a dQ kernel, then dK/dV: 7). Each is the path whose main loops issue
 # fewer warp-instructions per score element, averaged over MHA and GQA, in the compile check
-# (bf16, aligned, Triton 3.9; ``python -m devtools.backward_paths``, its table in
-# docs/performance.md, which a test pins to these), until a GPU measures otherwise (``flash-recipe
-# tune`` keeps the faster per GPU model). AMD's family shares its tiles across three generations
-# of matrix cores that do not agree (CDNA2's and CDNA4's three kernels issue fewer at head dims 128
-# and 256, CDNA3's one pass): each AMD target has its row, and one the tables do not know takes
-# gfx942's ("amd"). The interpreter runs the one pass (its tests cover both paths).
+# (bf16, aligned; ``python -m devtools.backward_paths``, its table in docs/performance.md, which a
+# test pins to these), until a GPU measures otherwise (``flash-recipe tune`` keeps the faster per
+# GPU model). AMD's family shares its tiles across three generations of matrix cores that do not
+# agree (CDNA2's and CDNA4's three kernels issue fewer at head dims 128 and 256, CDNA3's one pass):
+# each AMD target has its row, and one the tables do not know takes gfx942's ("amd"). The
+# interpreter runs the one pass (its tests cover both paths).
 _ONE_PASS = dict.fromkeys(HEAD_DIM_BUCKETS, "one_pass")
 _THREE = "three_kernels"
 BACKWARD_PATHS: dict[str, dict[int, str]] = {
@@ -351,8 +353,8 @@ BACKWARD_PATHS: dict[str, dict[int, str]] = {
 # and Blackwell's tcgen05 take 64 (a warpgroup's), and below that Triton falls back to Ampere's
 # mma.sync, at a fraction of their rate. The one-pass backward computes dQ transposed (its M the
 # head dim) where its query tile has fewer rows (``backward_launch.plan_backward``). Other
-# families' instructions take 16 rows, and there the transposed product only cost registers
-# (sm86/sm120 spilled 64-168 B at head dim 128). The interpreter takes Hopper's rule, so that the
+# families' instructions take 16 rows, and there the transposed product only costs registers
+# (it spills on sm86/sm120 at head dim 128). The interpreter takes Hopper's rule, so that the
 # CPU tests run the transposed product at head dims of 64 and more, and the direct one below.
 MMA_MIN_ROWS = {"sm90": 64, "sm100": 64, "interpreter": 64}
 

@@ -12,8 +12,8 @@ grows. Scores live in the base-2 domain, so the kernel uses ``exp2``. In fp16/bf
 folded into the softmax scale, the running maximum is taken on the raw scores and scaled, and each
 probability costs one multiply-add and one ``exp2``; fp32 computes each logit in natural units and
 multiplies it by ``log2(e)`` (see ``_fwd_inner``). The log-sum-exp is converted back to natural log
-when stored. (Subtracting in natural units first, as the backward does, costs the fp32 forward its
-registers on sm90/sm100: 255 registers and 1.9 KB of spill become 32 registers and 7.2 to 7.3 KB.)
+when stored. (Subtracting in natural units first, as the backward does, spills far more of the
+fp32 forward's registers on sm90/sm100.)
 Every dot runs with ``input_precision="ieee"``: fp16/bf16 still use the tensor cores, and fp32 is
 multiplied in full fp32, never TF32.
 
@@ -132,8 +132,8 @@ def _fwd_inner(
     ``o_m`` holds each query row's position (``[BLOCK_M]``) and ``slope`` its ALiBi slope (a scalar,
     or ``[BLOCK_M, 1]`` when the rows are several heads). A masked stage with a window's left edge
     reads only key rows from ``k_first`` (the first key any row of the tile sees) and loads the
-    rows before it as 0. (Bounding the reads by the last key a row sees too kept one more scalar
-    alive through the loop, which cost sm120's forward 8 bytes of spill.)
+    rows before it as 0. (Bounding the reads by the last key a row sees too keeps one more scalar
+    alive through the loop, and sm120's forward spills.)
 
     The logit of a score is ``r * nat_scale`` (minus ``slope * |i + diag_offset - j|`` with ALiBi),
     where ``r`` is the raw ``q . k``, or with softcap ``tanh(q . k * tanh_scale)``; ``qk_scale`` is
@@ -252,7 +252,7 @@ def attn_fwd_kernel(
     tiles (``tma_views``), which the unmasked key blocks load from; otherwise they are None.
     ``WARP_SPEC`` (with ``TMA``, plain scores, no left window: ``features.warp_specialization``)
     warp-specialises every stage's loop and runs the masked stages first, the unmasked one last:
-    Triton 3.9 fails to compile the specialised loops on sm100 in the plain order.
+    in the plain order the specialised loops fail to compile on sm100.
 
     An absent tensor is passed as None, and the flag it implies follows from that (the
     heuristics above): ``CU_Q`` (``IS_VARLEN``), ``K_START``/``K_END`` (``KV_RANGES``),

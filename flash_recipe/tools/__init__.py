@@ -10,10 +10,11 @@
 - ``hub_build``: the Hub kernel copy of the package;
 - ``host_cost``: the Python calls and microseconds one call spends on the host, by entry point.
 
-Beside them, what the commands share: ``compile_calls`` (the launcher calls that compile the kernels
-for a GPU target without a GPU, which ``tune`` prunes its candidates with), ``stub_driver`` (a
-stand-in CUDA driver under which Triton's own launcher runs on CPU tensors), ``warmup_calls``,
-``verify_kvcache``, ``bench_decode`` and ``bench_timing``.
+Beside them, what the commands share: ``sizes`` (the problem sizes every tool's case type
+extends), ``compile_calls`` (the launcher calls that compile the kernels for a GPU target without a
+GPU, which ``tune`` prunes its candidates with), ``stub_driver`` (a stand-in CUDA driver under which
+Triton's own launcher runs on CPU tensors), ``warmup_calls``, ``verify_kvcache``, ``bench_decode``
+and ``bench_timing``.
 
 The developer tools of a checkout (the GPU campaign, the compile check of every target, the GPU
 correctness table, the reports behind the shipped tables) sit outside the wheel, in ``devtools/``.

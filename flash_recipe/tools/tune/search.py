@@ -406,22 +406,7 @@ def tune(
     """
     _check_arguments(kernels, head_dims, dtypes, seqlens, causal, decode_batches, splits, tokens, nheads, min_gain)
     device = torch.device(device)
-    if timer is None:
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise TuneError(
-                f"flash-recipe tune times the kernels on a GPU, and {device} is not one "
-                f"(torch.cuda.is_available() is {torch.cuda.is_available()})"
-            )
-        timer = gpu_timer()
-    target = targets.target_of(device)
-    try:
-        configs.arch_family(target)
-    except ValueError as exc:
-        raise TuneError(f"{target} has no configuration tables to tune: {exc}") from None
-    if save and key is None:
-        if device.type != "cuda" or target == "interpreter":
-            raise TuneError("the cache is keyed by the GPU, and this run has none: pass key= or save=False")
-        key = tuned.make_key(torch.cuda.get_device_name(device), target)
+    timer, target, key = _timer_target_key(device, timer, save, key)
     run = Tuner(
         device=device,
         target=target,
@@ -459,6 +444,43 @@ def tune(
     }
     # The GPU timed is the current device (``do_bench`` records its events there): ``device``'s.
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    _tune_configs(run, report, kernels, head_dims, groups, bool(splits), on_device)
+    if any(kernel in BACKWARD for kernel in kernels):
+        _tune_paths(run, report, head_dims, groups, on_device)
+    if save and (report["configs"] or report["num_splits"] or report["backward"]):
+        report["path"] = str(
+            tuned.save(key, report["configs"], report["num_splits"], directory, paths=report["backward"])
+        )
+        run.say(f"written: {report['path']}")
+    return report
+
+
+def _timer_target_key(device, timer: Optional[Timer], save: bool, key: Optional[dict]) -> tuple:
+    """``(timer, target, key)`` of a run on ``device``: the GPU timer unless one is given, the
+    device's compile target (which must have configuration tables), and the cache key (this GPU's
+    unless given; None when nothing is saved)."""
+    if timer is None:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise TuneError(
+                f"flash-recipe tune times the kernels on a GPU, and {device} is not one "
+                f"(torch.cuda.is_available() is {torch.cuda.is_available()})"
+            )
+        timer = gpu_timer()
+    target = targets.target_of(device)
+    try:
+        configs.arch_family(target)
+    except ValueError as exc:
+        raise TuneError(f"{target} has no configuration tables to tune: {exc}") from None
+    if save and key is None:
+        if device.type != "cuda" or target == "interpreter":
+            raise TuneError("the cache is keyed by the GPU, and this run has none: pass key= or save=False")
+        key = tuned.make_key(torch.cuda.get_device_name(device), target)
+    return timer, target, key
+
+
+def _tune_configs(run: Tuner, report: dict, kernels, head_dims, groups: dict, splits: bool, on_device) -> None:
+    """Each kernel's fastest configuration per head dim and element size into ``report["configs"]``
+    (its trials and compile rows beside), and for ``decode`` with ``splits`` the split counts."""
     for kernel, head_dim, (element_size, names) in itertools.product(kernels, head_dims, groups.items()):
         with on_device:
             outcome = run.best_config(kernel, head_dim, element_size, names)
@@ -479,32 +501,27 @@ def tune(
                 )
             )
         if kernel == "decode" and splits:
-            decode_config = outcome["winner"] or choose.launch_config(device, "decode", head_dim, element_size)
+            decode_config = outcome["winner"] or choose.launch_config(run.device, "decode", head_dim, element_size)
             with on_device:
                 report["num_splits"] += run.split_counts(head_dim, element_size, names, decode_config)
-    if any(kernel in BACKWARD for kernel in kernels):
-        for head_dim, (element_size, names) in itertools.product(head_dims, groups.items()):
-            # The paths run what this run found fastest for their kernels.
-            winners = [
-                (entry["kernel"], entry)
-                for entry in report["configs"]
-                if entry["head_dim"] == head_dim
-                and entry["element_size"] == element_size
-                and entry["kernel"] in BACKWARD
-            ]
-            with on_device, contextlib.ExitStack() as stack:
-                for kernel, entry in winners:
-                    config = Config(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"])
-                    stack.enter_context(choose.overriding(kernel, head_dim, element_size, config))
-                found = run.best_path(head_dim, element_size, names)
-            if found is not None:
-                report["backward"].append(found)
-    if save and (report["configs"] or report["num_splits"] or report["backward"]):
-        report["path"] = str(
-            tuned.save(key, report["configs"], report["num_splits"], directory, paths=report["backward"])
-        )
-        run.say(f"written: {report['path']}")
-    return report
+
+
+def _tune_paths(run: Tuner, report: dict, head_dims, groups: dict, on_device) -> None:
+    """The backward's fastest path per head dim and element size into ``report["backward"]``, each
+    path running the configurations this run found fastest for its kernels."""
+    for head_dim, (element_size, names) in itertools.product(head_dims, groups.items()):
+        winners = [
+            (entry["kernel"], entry)
+            for entry in report["configs"]
+            if entry["head_dim"] == head_dim and entry["element_size"] == element_size and entry["kernel"] in BACKWARD
+        ]
+        with on_device, contextlib.ExitStack() as stack:
+            for kernel, entry in winners:
+                config = Config(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"])
+                stack.enter_context(choose.overriding(kernel, head_dim, element_size, config))
+            found = run.best_path(head_dim, element_size, names)
+        if found is not None:
+            report["backward"].append(found)
 
 
 def _check_arguments(kernels, head_dims, dtypes, seqlens, causal, decode_batches, splits, tokens, nheads, min_gain):
