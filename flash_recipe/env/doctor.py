@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from . import probes, release
-from .facts import Facts
+from .facts import BackendsFacts, Facts, FlashAttnFacts, ProbeError, TritonFacts
 from .project import probe_project
 from .published import LATEST
 from .rules import Context, Finding, evaluate
@@ -283,7 +283,7 @@ def _gpu_lines(facts: Facts) -> list[str]:
     return lines
 
 
-def _triton_lines(triton: dict[str, Any]) -> list[str]:
+def _triton_lines(triton: Union[TritonFacts, ProbeError]) -> list[str]:
     """Triton's version and target, and whether it compiles flash_recipe's forward kernel for it."""
     if not triton.get("installed"):
         return [f"  Triton: {triton.get('error') or 'not installed'}"]
@@ -315,7 +315,7 @@ def _build_lines(facts: Facts) -> list[str]:
     return lines
 
 
-def _flash_attn_lines(fa: dict[str, Any]) -> list[str]:
+def _flash_attn_lines(fa: Union[FlashAttnFacts, ProbeError]) -> list[str]:
     """Upstream flash-attn: installed by what, from which wheel, and whether its compiled module loads."""
     if fa.get("error"):
         return [f"  probe failed: {fa['error']}"]
@@ -343,7 +343,7 @@ def _flash_attn_lines(fa: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _backend_lines(backends: dict[str, Any]) -> list[str]:
+def _backend_lines(backends: Union[BackendsFacts, ProbeError]) -> list[str]:
     """Which of flash_recipe's backends can run the probe's call, and why the others cannot."""
     if backends.get("error"):
         return [f"  cannot tell: {backends['error']}"]
