@@ -1,8 +1,8 @@
 """The package's shape: no import cycle, every import of the package relative, imports of the package
 at the top of their files unless a comment says why not, kernels launched by keyword and only
 through ``flash_recipe.ops.launch`` (its device guard and grid limits), backends
-named for branching only inside ``flash_recipe.dispatch`` (all four read from the source), and
-kernel flags that are only valid together guarded in the kernel.
+named for branching only inside ``flash_recipe.dispatch`` (all four read from the source),
+kernel flags that are only valid together guarded in the kernel, and kernel flags named in one style.
 
 Each checker is also run on a small snippet that breaks its rule, so a checker that stopped
 seeing anything would fail here rather than pass in silence.
@@ -509,3 +509,49 @@ def test_the_developer_tool_check_finds_a_module_a_package_and_a_report(tmp_path
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text("")
     assert developer_tools_in(tmp_path) == ["ops/speed_report.py", "tools/campaign", "tools/gpu_check.py"]
+
+
+# How a kernel's compile-time flags are named: the feature or step the variant has, in bare words
+# (``CAUSAL``, ``VARLEN``, ``ALIBI``, ``SINK_LOGITS``, ``FIX_LSE``), ``MASK_*`` for a bounds mask the
+# variant applies, ``EVEN_*`` for a divisibility the launch knows. No ``IS_``, ``HAS_`` or ``USE_``.
+FLAG_PREFIXES_REFUSED = ("IS_", "HAS_", "USE_")
+
+
+def constexpr_flags(tree: ast.AST) -> set[str]:
+    """The names of the ``tl.constexpr`` parameters of every function in ``tree``."""
+    return {
+        arg.arg
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        for arg in node.args.args + node.args.kwonlyargs
+        if arg.annotation is not None and ast.unparse(arg.annotation) in ("tl.constexpr", "triton.language.constexpr")
+    }
+
+
+def flags_out_of_style(tree: ast.AST) -> list[str]:
+    """The constexpr flags of ``tree`` whose names take a refused prefix (``FLAG_PREFIXES_REFUSED``)."""
+    return sorted(name for name in constexpr_flags(tree) if name.startswith(FLAG_PREFIXES_REFUSED))
+
+
+def test_every_kernel_flag_is_named_in_one_style():
+    found = {}
+    flags = set()
+    for path in sorted((PACKAGE / "ops").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        flags |= constexpr_flags(tree)
+        if flags_out_of_style(tree):
+            found[path.name] = flags_out_of_style(tree)
+    assert {"CAUSAL", "VARLEN", "SINK_LOGITS", "MASK_D", "EVEN_M", "BLOCK_M"} <= flags  # the checker sees them
+    assert found == {}
+
+
+def test_the_flag_style_check_finds_each_refused_prefix():
+    snippet = textwrap.dedent("""
+        @triton.jit
+        def kernel(X, n, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr):
+            pass
+
+        def helper(USE_TMA: triton.language.constexpr, IS_OK):
+            pass
+    """)
+    assert flags_out_of_style(ast.parse(snippet)) == ["HAS_BIAS", "IS_CAUSAL", "USE_TMA"]

@@ -155,7 +155,7 @@ def test_without_a_test_tree_tests_says_why(tmp_path, monkeypatch):
         ("attn_fwd_kernel", {"SOFTCAP": True}, 128, "fwd_general"),
         ("attn_fwd_kernel", {"KV_RANGES": True}, 1, "decode"),
         ("attn_fwd_kernel", {"KV_RANGES": True}, 128, "fwd_general"),
-        ("attn_fwd_kernel", {"KV_RANGES": True, "IS_VARLEN": True}, 1, "fwd_general"),
+        ("attn_fwd_kernel", {"KV_RANGES": True, "VARLEN": True}, 1, "fwd_general"),
         ("attn_bwd_dq_kernel", {}, 128, "bwd"),
         ("rotary_append_kernel", {}, None, "kvcache_append"),
         ("split_combine_kernel", {}, 1, "split_combine"),

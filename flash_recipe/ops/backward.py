@@ -70,9 +70,9 @@ from .tiles import (
 )
 
 
-# IS_VARLEN is an argument here, with DELTA standing in for CU_Q when there is no varlen:
+# VARLEN is an argument here, with DELTA standing in for CU_Q when there is no varlen:
 # deriving it from a None CU_Q, as the other kernels do, costs this kernel registers on sm80.
-@triton.heuristics({"EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+@triton.heuristics({"EVEN_M": lambda a: not a["VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
                     "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def attn_bwd_preprocess_kernel(
@@ -81,7 +81,7 @@ def attn_bwd_preprocess_kernel(
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh,
     seqlen_q, total_q, head_dim, fold_batch,
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
+    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)`` (folded: ``tiles.grid_id``):
@@ -92,9 +92,9 @@ def attn_bwd_preprocess_kernel(
     if GRID_FOLD > 1:  # a folded grid's padding
         if i_b >= fold_batch:
             return
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, VARLEN)
     q_start = i_m * BLOCK_M
-    if IS_VARLEN:
+    if VARLEN:
         if q_start >= seqlen_q:
             return
     i_b = i_b.to(tl.int64)
@@ -246,14 +246,14 @@ def _dkdv_inner(
 # The flags the dQ and dK/dV kernels derive alike (in order: later entries read earlier ones).
 _DQ_DKDV_FLAGS = {
     # The variants a launch asks for by passing a tensor (absent tensors are None).
-    "IS_VARLEN": lambda a: a["CU_Q"] is not None,
+    "VARLEN": lambda a: a["CU_Q"] is not None,
     "ALIBI": lambda a: a["SLOPES"] is not None,
     "DROPOUT": lambda a: a["SEED"] is not None,
     "FIX_LSE": lambda a: a["LSE_FIX"] is not None,
     # Attention sinks: each row's sum of P dP, for their gradient (the dQ kernel's on the three
     # kernels' path, the dK/dV kernel's with atomics in one pass; the other gets None).
     "SINK_ROWS": lambda a: a["SINK_DELTA"] is not None,
-    "EVEN_M": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
+    "EVEN_M": lambda a: not a["VARLEN"] and a["seqlen_q"] % a["BLOCK_M"] == 0,
     "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
 }
 
@@ -273,7 +273,7 @@ def dkdv_program(
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
     window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
     EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
@@ -282,9 +282,9 @@ def dkdv_program(
     ``attn_bwd_dkdv_kernel`` (its docstring), and of the one-launch backward's key-block programs."""
     tl.static_assert(not (ATOMIC_DQ and FIX_LSE), "FIX_LSE needs the dQ kernel's row sums first")
     bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(
-        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN)
+        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, VARLEN)
     k_start = i_n * BLOCK_N
-    if IS_VARLEN:
+    if VARLEN:
         if k_start >= seqlen_k:
             return
     lo_offset = diag_offset - window_left
@@ -351,7 +351,7 @@ def dkdv_program(
 @triton.heuristics(
     {
         **_DQ_DKDV_FLAGS,
-        "EVEN_N": lambda a: not a["IS_VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
+        "EVEN_N": lambda a: not a["VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
         # Exact one-key rows (``_dkdv_inner``) in fp32, whose accuracy rule the rounding exceeds, and
         # in any dtype where no row sees more than one key (a single key, a window of width one, one
         # causal query row aligned top-left), where torch's own dQ and dK are exactly 0 and so is the
@@ -359,7 +359,7 @@ def dkdv_program(
         # are kept for the main loop (sm100 spills otherwise).
         "EXACT_ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
             a["seqlen_q"], a["seqlen_k"], a["diag_offset"], a["window_left"], a["window_right"], a["MASK_LEFT"],
-            a["MASK_RIGHT"], a["IS_VARLEN"])),
+            a["MASK_RIGHT"], a["VARLEN"])),
         # fp32 logits recomputed as the forward computed them (q . k, then transposed): P = exp(S -
         # lse) is exact only where S rounds as the forward's did; k . q rounds otherwise, which leaves
         # fp32 dV several times torch's error at large logits. fp16/bf16 keep the direct product.
@@ -384,7 +384,7 @@ def attn_bwd_dkdv_kernel(
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
     window_left, window_right, dropout_p, rng_stride, fold_batch,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
     EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr, GRID_FOLD: tl.constexpr,
@@ -412,7 +412,7 @@ def attn_bwd_dkdv_kernel(
         stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
         stride_dvh, stride_dqab, stride_dqam, stride_dqah, stride_lb, stride_lh, stride_sb, nheads, group_size,
         seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset, window_left,
-        window_right, dropout_p, rng_stride, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, IS_VARLEN,
+        window_right, dropout_p, rng_stride, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
         BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M, EVEN_N, MASK_D, EXACT_ONE_KEY, FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ,
         SINK_ROWS, GROUPED, DQ_TRANSPOSED,
     )
@@ -466,16 +466,16 @@ def dq_program(
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
     window_left, window_right, dropout_p, rng_stride,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FIX_LSE: tl.constexpr,
-    SINK_ROWS: tl.constexpr, HAS_SINK: tl.constexpr,
+    SINK_ROWS: tl.constexpr, SINK_LOGITS: tl.constexpr,
 ):
     """dQ of query block ``i_m`` of head ``i_h`` in sequence ``i_b``: the body of
     ``attn_bwd_dq_kernel`` (its docstring), and of the one-launch backward's query-block programs."""
     bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(
-        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN)
+        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, VARLEN)
     q_start = i_m * BLOCK_M
-    if IS_VARLEN:
+    if VARLEN:
         if q_start >= seqlen_q:
             return
     lo_offset = diag_offset - window_left
@@ -516,7 +516,7 @@ def dq_program(
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_psum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if FIX_LSE and HAS_SINK:
+    if FIX_LSE and SINK_LOGITS:
         b_psum = tl.math.exp2((tl.load(SINKS + i_h).to(tl.float32) - b_lse) * LOG2E)  # [BLOCK_M]
 
     begin, full_begin, full_end, end = key_blocks(q_start, q_start + BLOCK_M - 1, seqlen_k, lo_offset, hi_offset,
@@ -547,7 +547,11 @@ def dq_program(
 
 
 @triton.heuristics(
-    {**_DQ_DKDV_FLAGS, "HAS_SINK": lambda a: a["SINKS"] is not None, "HEAD_SECTIONS": lambda a: a["head_section"] > 1}
+    {
+        **_DQ_DKDV_FLAGS,
+        "SINK_LOGITS": lambda a: a["SINKS"] is not None,
+        "HEAD_SECTIONS": lambda a: a["head_section"] > 1,
+    }
 )
 @triton.jit(do_not_specialize=["head_section"])  # a runtime count: no variant per value
 def attn_bwd_dq_kernel(
@@ -561,9 +565,9 @@ def attn_bwd_dq_kernel(
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
     window_left, window_right, dropout_p, rng_stride, head_section, fold_batch,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, FIX_LSE: tl.constexpr,
-    SINK_ROWS: tl.constexpr, HAS_SINK: tl.constexpr, HEAD_SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr,
+    SINK_ROWS: tl.constexpr, SINK_LOGITS: tl.constexpr, HEAD_SECTIONS: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M), H, B)``, its programs in ``schedule.launch_order``'s order, as
     the forward's.
@@ -572,7 +576,7 @@ def attn_bwd_dq_kernel(
     each row's sum of ``exp(S - lse)``: 0 up to the rounding of the stored lse, which at logits in
     the hundreds is an ulp of a few 1e-5, a row-wide factor on P. ``attn_bwd_dkdv_kernel`` divides
     it out, so its P sums to 1 as the forward's softmax did and fp32 dV keeps torch's accuracy;
-    rows with no probability (no key, or one key with ``OWN_LSE``) store 0. With ``HAS_SINK``
+    rows with no probability (no key, or one key with ``OWN_LSE``) store 0. With ``SINK_LOGITS``
     (``SINKS (H,)``, passed with ``FIX_LSE`` only, the one use of it here) each row's sum starts at
     its sink's probability ``exp(sink - lse)``, so the fix makes P and the sink's share sum to 1.
 
@@ -591,6 +595,6 @@ def attn_bwd_dq_kernel(
         stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
         stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap,
         diag_offset, window_left, window_right, dropout_p, rng_stride,
-        MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, IS_VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
-        MASK_D, FIX_LSE, SINK_ROWS, HAS_SINK,
+        MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
+        MASK_D, FIX_LSE, SINK_ROWS, SINK_LOGITS,
     )

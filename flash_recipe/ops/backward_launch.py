@@ -168,7 +168,7 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
         O=out, DO=dout, DELTA=delta, CU_Q=cu_q if cu_q is not None else delta, **dims.stride_args(out, "o", "m"),
         **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
         seqlen_q=dims.seqlen_q, total_q=rows["total_q"], head_dim=dims.head_dim,
-        IS_VARLEN=varlen is not None, BLOCK_M=pre_m, BLOCK_D=block_d,
+        VARLEN=varlen is not None, BLOCK_M=pre_m, BLOCK_D=block_d,
     ), q.device)
     if path == "one_launch":
         fused = _one_launch_plan(q, k, v, dims, common, sink_delta)

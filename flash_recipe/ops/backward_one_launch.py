@@ -34,13 +34,13 @@ from .tiles import grid_id, rows_see_one_key_at_most
 @triton.heuristics(
     {
         **_DQ_DKDV_FLAGS,
-        "EVEN_N": lambda a: not a["IS_VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
+        "EVEN_N": lambda a: not a["VARLEN"] and a["seqlen_k"] % a["BLOCK_N"] == 0,
         # The dQ programs' query tile is BLOCK_N rows.
-        "EVEN_Q_TILE": lambda a: not a["IS_VARLEN"] and a["seqlen_q"] % a["BLOCK_N"] == 0,
+        "EVEN_Q_TILE": lambda a: not a["VARLEN"] and a["seqlen_q"] % a["BLOCK_N"] == 0,
         # As attn_bwd_dkdv_kernel's (its comments).
         "EXACT_ONE_KEY": lambda a: a["OWN_LSE"] and (a["Q"].element_size() == 4 or rows_see_one_key_at_most(
             a["seqlen_q"], a["seqlen_k"], a["diag_offset"], a["window_left"], a["window_right"], a["MASK_LEFT"],
-            a["MASK_RIGHT"], a["IS_VARLEN"])),
+            a["MASK_RIGHT"], a["VARLEN"])),
         "FORWARD_QK_ORDER": lambda a: a["Q"].element_size() == 4,
         "GROUPED": lambda a: a["group_size"] > 1,
     }
@@ -59,7 +59,7 @@ def attn_bwd_one_launch_kernel(
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
     window_left, window_right, dropout_p, rng_stride, key_programs, fold_batch,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_Q_TILE: tl.constexpr,
     MASK_D: tl.constexpr, EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr,
     SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, GRID_FOLD: tl.constexpr,
@@ -82,7 +82,7 @@ def attn_bwd_one_launch_kernel(
             stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
             stride_dvh, 0, 0, 0, stride_lb, stride_lh, stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q,
             total_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right, dropout_p, rng_stride,
-            MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, IS_VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
+            MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
             EVEN_N, MASK_D, EXACT_ONE_KEY, FORWARD_QK_ORDER, False, False, False, GROUPED, False,
         )
     else:
@@ -94,6 +94,6 @@ def attn_bwd_one_launch_kernel(
             stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
             stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap,
             diag_offset, window_left, window_right, dropout_p, rng_stride,
-            MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, IS_VARLEN, BLOCK_N, BLOCK_M, BLOCK_D, OWN_LSE,
+            MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, BLOCK_N, BLOCK_M, BLOCK_D, OWN_LSE,
             EVEN_Q_TILE, MASK_D, False, SINK_ROWS, False,
         )

@@ -182,16 +182,16 @@ def _fwd_inner(
 @triton.heuristics(
     {
         # The variants a launch asks for by passing a tensor (absent tensors are None).
-        "IS_VARLEN": lambda a: a["CU_Q"] is not None,
+        "VARLEN": lambda a: a["CU_Q"] is not None,
         "KV_RANGES": lambda a: a["K_START"] is not None,
         "PAGED": lambda a: a["PAGE_TABLE"] is not None,
         "TMA": lambda a: a["K_TILES"] is not None,
         "ALIBI": lambda a: a["SLOPES"] is not None,
         "DROPOUT": lambda a: a["SEED"] is not None,
-        "HAS_SINK": lambda a: a["SINKS"] is not None,
+        "SINK_LOGITS": lambda a: a["SINKS"] is not None,
         "HEAD_SECTIONS": lambda a: a["head_section"] > 1,  # schedule.launch_order
         # With PACK_GQA the tile's rows are the group's query heads at each position: Sq * group rows.
-        "EVEN_M": lambda a: not a["IS_VARLEN"]
+        "EVEN_M": lambda a: not a["VARLEN"]
         and a["seqlen_q"] * (a["group_size"] if a["PACK_GQA"] else 1) % a["BLOCK_M"] == 0,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
         # A page table one entry wide (a dense cache, its own pages): one page per sequence.
@@ -212,10 +212,10 @@ def attn_fwd_kernel(
     window_left, window_right, dropout_p, rng_stride, page_size, num_pages, table_width, num_splits, head_section,
     fold_batch,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, KV_RANGES: tl.constexpr, PAGED: tl.constexpr,
     TMA: tl.constexpr, PACK_GQA: tl.constexpr, ONE_PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr, HAS_SINK: tl.constexpr, HEAD_SECTIONS: tl.constexpr, WARP_SPEC: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, SINK_LOGITS: tl.constexpr, HEAD_SECTIONS: tl.constexpr, WARP_SPEC: tl.constexpr,
     GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sq, BLOCK_M) * num_splits, H, B)``, or with ``PACK_GQA``
@@ -230,7 +230,7 @@ def attn_fwd_kernel(
     ``i_hk * group_size + r % group_size``; masks, ALiBi slopes and the bottom-right alignment use
     each row's own position and head.
 
-    Queries: dense ``Q (B, Sq, H, D)``, or with ``IS_VARLEN`` packed ``(total_q, H, D)`` with
+    Queries: dense ``Q (B, Sq, H, D)``, or with ``VARLEN`` packed ``(total_q, H, D)`` with
     sequence ``b`` in rows ``CU_Q[b]:CU_Q[b+1]`` (batch strides are 0).
 
     Keys: dense ``K (B, Sk, Hk, D)``, or with ``KV_RANGES`` the rows ``K_START[b]:K_END[b]`` of
@@ -255,9 +255,9 @@ def attn_fwd_kernel(
     in the plain order the specialised loops fail to compile on sm100.
 
     An absent tensor is passed as None, and the flag it implies follows from that (the
-    heuristics above): ``CU_Q`` (``IS_VARLEN``), ``K_START``/``K_END`` (``KV_RANGES``),
+    heuristics above): ``CU_Q`` (``VARLEN``), ``K_START``/``K_END`` (``KV_RANGES``),
     ``PAGE_TABLE`` (``PAGED``), ``K_TILES``/``V_TILES`` (``TMA``), ``SLOPES`` (``ALIBI``), ``SEED``
-    (``DROPOUT``), ``SINKS`` (``HAS_SINK``: ``SINKS[h]``, any float dtype; with split-KV only the
+    (``DROPOUT``), ``SINKS`` (``SINK_LOGITS``: ``SINKS[h]``, any float dtype; with split-KV only the
     first share counts it, so the merge counts it once).
 
     Bad cache metadata (a negative start, an end past the page table, a page index outside
@@ -267,20 +267,20 @@ def attn_fwd_kernel(
     ``(LSE index of row i) * rng_stride + j``.
     """
     tl.static_assert(KV_RANGES or not PAGED, "PAGED addresses key ranges through the page table: it needs KV_RANGES")
-    tl.static_assert(not TMA or not (IS_VARLEN or KV_RANGES), "TMA tiles address dense tensors only")
+    tl.static_assert(not TMA or not (VARLEN or KV_RANGES), "TMA tiles address dense tensors only")
     tl.static_assert(not (PACK_GQA and DROPOUT), "PACK_GQA serves the forward-only short queries: no dropout")
     # i_h: with PACK_GQA the kv head
     i_m, i_s, i_h, i_b = launch_order(num_splits, head_section, HEAD_SECTIONS, GRID_FOLD)
     if GRID_FOLD > 1:  # a folded grid's padding (``tiles.grid_id``)
         if i_b >= fold_batch:
             return
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, VARLEN)
     if PACK_GQA:
         n_rows = seqlen_q * group_size
     else:
         n_rows = seqlen_q
     q_start = i_m * BLOCK_M  # the tile's first row
-    if IS_VARLEN:
+    if VARLEN:
         if q_start >= n_rows:
             return
     bos_k = tl.zeros([], dtype=tl.int64)
@@ -361,7 +361,7 @@ def attn_fwd_kernel(
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_SINK:  # the sink's logit starts the running max and, as exp(0) = 1, the sum (split 0 only)
+    if SINK_LOGITS:  # the sink's logit starts the running max and, as exp(0) = 1, the sum (split 0 only)
         if PACK_GQA:
             b_sink = tl.load(SINKS + i_h + o_g).to(tl.float32)  # [BLOCK_M], each row's head
         else:

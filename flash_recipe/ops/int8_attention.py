@@ -48,7 +48,7 @@ from .tiles import (
 @triton.jit
 def _int8_inner(
     b_acc, b_m, b_l, b_q, q_scale, k_base, v_base, ks_base, stride_kn, stride_vn, seqlen_k, head_dim, hi_offset,
-    o_m, o_n, o_d, start, end, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_D: tl.constexpr,
+    o_m, o_n, o_d, start, end, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,
     PV_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Key blocks ``[start, end)``: ``MASKED`` applies the sequence end and the causal diagonal."""
@@ -60,7 +60,7 @@ def _int8_inner(
         b_s = b_s.to(tl.float32) * (q_scale * k_scale)  # base-2 logits
         if MASKED:
             o_k = start_n + o_n
-            b_s = tl.where(visible(o_m[:, None], o_k[None, :], seqlen_k, 0, hi_offset, False, IS_CAUSAL),
+            b_s = tl.where(visible(o_m[:, None], o_k[None, :], seqlen_k, 0, hi_offset, False, CAUSAL),
                            b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M]
         b_m_use = b_m_new
@@ -81,7 +81,7 @@ def _int8_inner(
 
 @triton.heuristics(
     {
-        "IS_VARLEN": lambda a: a["CU_Q"] is not None,
+        "VARLEN": lambda a: a["CU_Q"] is not None,
         "V_SCALED": lambda a: a["V_SCALE"] is not None,
         "PV_FP8": lambda a: a["V"].dtype == torch.float8_e4m3fn,
         "EVEN_M": lambda a: a["CU_Q"] is None and a["seqlen_q"] % a["BLOCK_M"] == 0,
@@ -95,7 +95,7 @@ def attn_int8_kernel(
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, fold_batch,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, V_SCALED: tl.constexpr, PV_FP8: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, V_SCALED: tl.constexpr, PV_FP8: tl.constexpr,
     EVEN_M: tl.constexpr, MASK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     GRID_FOLD: tl.constexpr,
 ):
@@ -103,7 +103,7 @@ def attn_int8_kernel(
     last (heaviest) query blocks first.
 
     ``Q``/``K`` int8 and ``V`` (fp16 or float8_e4m3fn) with ``BLOCK_D`` columns (the head dim
-    padded with zeros: the loop loads whole rows), dense or, with ``IS_VARLEN``, packed with
+    padded with zeros: the loop loads whole rows), dense or, with ``VARLEN``, packed with
     sequence ``b`` in rows ``CU_Q[b]:CU_Q[b+1]`` and ``CU_K[b]:CU_K[b+1]`` (batch strides 0).
     ``Q_SCALE[b, h, i]`` scales query block ``i`` (``BLOCK_M`` rows) into base-2 logits and
     ``K_SCALE[b, hk, j]`` key block ``j`` (``BLOCK_N`` rows); ``V_SCALE[b, hk, d]`` (with
@@ -112,7 +112,7 @@ def attn_int8_kernel(
     ``LSE[b * stride_lb + h * stride_lh + first row + i]`` the natural log-sum-exp of the smoothed
     scores (the launcher adds the smoothing back).
     """
-    if IS_CAUSAL:
+    if CAUSAL:
         i_m = grid_programs(0, GRID_FOLD) - 1 - grid_id(0, GRID_FOLD)
     else:
         i_m = grid_id(0, GRID_FOLD)
@@ -122,9 +122,9 @@ def attn_int8_kernel(
         if i_b >= fold_batch:
             return
     bos_q, seqlen_q, bos_k, seqlen_k, diag_offset = sequences(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k,
-                                                               seqlen_k - seqlen_q, IS_VARLEN)
+                                                               seqlen_k - seqlen_q, VARLEN)
     q_start = i_m * BLOCK_M
-    if IS_VARLEN:
+    if VARLEN:
         if q_start >= seqlen_q:
             return
     i_hk = i_h // group_size
@@ -145,13 +145,13 @@ def attn_int8_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     begin, full_begin, full_end, end = key_blocks(q_start, q_start + BLOCK_M - 1, seqlen_k, 0, diag_offset, False,
-                                                  IS_CAUSAL, BLOCK_N)
+                                                  CAUSAL, BLOCK_N)
     # The blocks every row sees in full (no masks), then the diagonal and the ragged last block.
     for stage in tl.static_range(1, 3):
         lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
         b_acc, b_m, b_l = _int8_inner(
             b_acc, b_m, b_l, b_q, q_scale, k_base, v_base, ks_base, stride_kn, stride_vn, seqlen_k, head_dim,
-            diag_offset, o_m, o_n, o_d, lo, hi, stage != 1, IS_CAUSAL, MASK_D, PV_FP8, BLOCK_N,
+            diag_offset, o_m, o_n, o_d, lo, hi, stage != 1, CAUSAL, MASK_D, PV_FP8, BLOCK_N,
         )
 
     m_empty = b_l == 0.0  # rows that saw no key
@@ -287,7 +287,7 @@ def attention_quantized(
         stride_vsb=vs.stride(0) if vs is not None else 0, stride_vsh=vs.stride(1) if vs is not None else 0,
         group_size=heads // heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         total_q=q8.shape[0] if packed else 0, total_k=k8.shape[0] if packed else 0, head_dim=head_dim,
-        IS_CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ), q8.device)
     return out.to(out_dtype), lse

@@ -28,7 +28,7 @@ from .tiles import grid_id, sequence
 
 @triton.heuristics(
     {
-        "IS_VARLEN": lambda a: a["CU"] is not None,
+        "VARLEN": lambda a: a["CU"] is not None,
         "SMOOTH": lambda a: a["MEAN"] is not None,
         "EVEN": lambda a: a["CU"] is None and a["seqlen"] % a["BLOCK"] == 0,
         "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"],
@@ -39,11 +39,11 @@ def quantize_kernel(
     X, X8, SCALE, MEAN, CU,
     stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh, stride_cb, stride_ch, stride_mb, stride_mh,
     seqlen, total, head_dim, multiplier, fold_batch,
-    IS_VARLEN: tl.constexpr, SMOOTH: tl.constexpr, EVEN: tl.constexpr, MASK_D: tl.constexpr,
+    VARLEN: tl.constexpr, SMOOTH: tl.constexpr, EVEN: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GRID_FOLD: tl.constexpr,
 ):
     """Grid ``(cdiv(max S, BLOCK), H, B)`` (folded: ``tiles.grid_id``). ``X``/``X8`` dense ``(B, S, H, D)`` or, with
-    ``IS_VARLEN``, packed with sequence ``b`` in rows ``CU[b]:CU[b+1]`` (batch strides 0);
+    ``VARLEN``, packed with sequence ``b`` in rows ``CU[b]:CU[b+1]`` (batch strides 0);
     ``SCALE[b * stride_cb + h * stride_ch + block]``; ``MEAN[b * stride_mb + h * stride_mh + d]``
     (fp32) or None."""
     i_blk = grid_id(0, GRID_FOLD)
@@ -52,9 +52,9 @@ def quantize_kernel(
     if GRID_FOLD > 1:  # a folded grid's padding
         if i_b >= fold_batch:
             return
-    bos, seqlen = sequence(CU, i_b, seqlen, total, IS_VARLEN)
+    bos, seqlen = sequence(CU, i_b, seqlen, total, VARLEN)
     row0 = i_blk * BLOCK
-    if IS_VARLEN:
+    if VARLEN:
         if row0 >= seqlen:
             return
     o_r = row0 + tl.arange(0, BLOCK)

@@ -28,13 +28,13 @@ from .launch import Layout, Plan, launch, plan
 from .tiles import grid_id, load_tile, loop_bound, sequence, store_tile
 
 
-@triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
+@triton.heuristics({"VARLEN": lambda a: a["CU_Q"] is not None, "MASK_D": lambda a: a["head_dim"] != a["BLOCK_D"]})
 @triton.jit
 def split_combine_kernel(
     O_SPLIT, LSE_SPLIT, O, LSE, CU_Q,
     stride_ps, stride_pb, stride_pm, stride_ph, stride_qs, stride_lb, stride_lh,
     stride_ob, stride_om, stride_oh, seqlen_q, total_q, head_dim, num_splits, fold_batch,
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+    VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
     GRID_FOLD: tl.constexpr,
 ):
     """Merge the split-KV partials of ``attn_fwd_kernel``. Grid ``(cdiv(max Sq, BLOCK_M), H, B)``
@@ -51,7 +51,7 @@ def split_combine_kernel(
     if GRID_FOLD > 1:  # a folded grid's padding
         if i_b >= fold_batch:
             return
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, VARLEN)
     i_b = i_b.to(tl.int64)
     o_r = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)

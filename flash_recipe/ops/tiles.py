@@ -404,14 +404,14 @@ def grid_programs(axis: tl.constexpr, GRID_FOLD: tl.constexpr):
 
 
 @triton.jit
-def sequence(CU_SEQLENS, i_b, seqlen, total, IS_VARLEN: tl.constexpr, ENDS=None):
+def sequence(CU_SEQLENS, i_b, seqlen, total, VARLEN: tl.constexpr, ENDS=None):
     """``(first row, length)`` of sequence ``i_b``: rows ``CU_SEQLENS[i_b]:CU_SEQLENS[i_b + 1]``
     (or ``:ENDS[i_b]``) when varlen, else ``(0, seqlen)``.
 
     The offsets are clamped to the ``total`` rows of the packed tensor, so offsets that were not
     checked (on a GPU they are trusted, as flash-attn trusts them) never address a row outside it.
     """
-    if IS_VARLEN:
+    if VARLEN:
         if ENDS is None:
             ENDS = CU_SEQLENS + 1
         # As unsigned, a negative offset is above every total and is clamped to it.
@@ -424,14 +424,14 @@ def sequence(CU_SEQLENS, i_b, seqlen, total, IS_VARLEN: tl.constexpr, ENDS=None)
 
 
 @triton.jit
-def sequences(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, IS_VARLEN: tl.constexpr):
+def sequences(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, total_q, total_k, diag_offset, VARLEN: tl.constexpr):
     """The prologue of a program of batch entry ``i_b`` over queries and keys: ``(bos_q, seqlen_q,
     bos_k, seqlen_k, diag_offset)``, each side's first row and length (``sequence``) and the
     diagonal's offset (a varlen sequence aligns bottom-right: ``seqlen_k - seqlen_q`` of its own
     lengths). The window's edges are ``diag_offset - window_left`` and ``diag_offset + window_right``."""
-    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, IS_VARLEN)
-    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, total_k, IS_VARLEN)
-    if IS_VARLEN:
+    bos_q, seqlen_q = sequence(CU_Q, i_b, seqlen_q, total_q, VARLEN)
+    bos_k, seqlen_k = sequence(CU_K, i_b, seqlen_k, total_k, VARLEN)
+    if VARLEN:
         diag_offset = seqlen_k - seqlen_q
     return bos_q, seqlen_q, bos_k, seqlen_k, diag_offset
 

@@ -32,7 +32,7 @@ ONE_LAUNCH_LABEL = {"attn_bwd_one_launch_kernel": "bwd_onelaunch"}
 # The forward's score options, and every flag that makes the launcher choose the forward's general
 # configuration over the plain one (``forward.attention_forward``).
 SCORE_OPTIONS = ("SOFTCAP", "ALIBI", "DROPOUT")
-GENERAL_FLAGS = ("IS_VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
+GENERAL_FLAGS = ("VARLEN", "KV_RANGES", "MASK_D", *SCORE_OPTIONS)
 # A global store in the compiled code: Triton lowers what it cannot lower properly to a trap, which
 # stores nothing.
 NVIDIA_STORE = re.compile(r"\bst\.global|\bcp\.async\.bulk\.global")

@@ -174,7 +174,7 @@ def family(kernel: str, constants: dict, seqlen_q: Optional[int]) -> str:
     "fwd_general" with any flag of ``compile_calls.GENERAL_FLAGS``, else "fwd"."""
     if kernel != "attn_fwd_kernel":
         return FAMILIES.get(kernel, kernel)
-    if constants.get("KV_RANGES") and not constants.get("IS_VARLEN") and seqlen_q is not None and seqlen_q <= 16:
+    if constants.get("KV_RANGES") and not constants.get("VARLEN") and seqlen_q is not None and seqlen_q <= 16:
         return "decode"
     return "fwd_general" if any(constants.get(flag) for flag in GENERAL_FLAGS) else "fwd"
 
