@@ -21,7 +21,7 @@ import torch
 
 from . import dispatch, validate
 from .dispatch import AttentionCall, CacheCall, PagedCall
-from .memo_keys import Memo, signature
+from .memo_keys import SHARED_INDEXES, Memo, shared_index, signature
 from .ops.limits import MAX_SPLITS
 
 
@@ -151,8 +151,11 @@ def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: 
         table = block_table
     elif cache_batch_idx is not None:
         table = cache_batch_idx.view(batch, 1)
-    else:
-        table = torch.arange(batch, dtype=torch.int32, device=q.device).view(batch, 1)
+    else:  # entry b at cache row b, one index shared by every such call
+        device = q.device
+        table = SHARED_INDEXES.get(("rows", batch, device))
+        if table is None:
+            table = shared_index("rows", batch, device)
     attention = AttentionCall.repeated(
         form.fields, key, q=q, k=k_cache, v=v_cache, alibi_slopes=args["alibi_slopes"], sinks=args["learnable_sink"]
     )

@@ -127,6 +127,44 @@ class Memo(dict):
 
 _MEMOS: list = []  # weak references to every Memo (a dict is not hashable: no WeakSet)
 
+# ``(kind, batch, device)`` -> the int32 index tensor ``shared_index`` made: kept for the process and
+# never cleared, since a CUDA graph captured after it was made holds its address. Read as
+# ``SHARED_INDEXES.get(...)`` by the callers (no Python frame); bounded by ``SHARED_INDEXES_LIMIT``.
+SHARED_INDEXES: dict = {}
+SHARED_INDEXES_LIMIT = 4096
+
+
+def shared_index(kind: str, batch: int, device: torch.device) -> torch.Tensor:
+    """An int32 index that depends on a call's signature alone, made once for every later call to
+    share instead of computing it each time: ``"zeros"``, ``(batch,)`` of zeros (no left padding),
+    or ``"rows"``, ``(batch, 1)`` holding ``b`` in row ``b`` (entry ``b`` at cache row ``b``).
+
+    A kept index is written before it is returned (on a GPU the current stream is synchronised,
+    once), so a launch on any stream and a CUDA graph captured later may read it; it stays in
+    ``SHARED_INDEXES`` for the process. Not kept, and made for this call alone: while a CUDA graph is
+    being captured (its kernels run only at replay) or torch.compile traces, or past the limit.
+    """
+    if kind == "zeros":
+        index = torch.zeros(batch, dtype=torch.int32, device=device)
+    elif kind == "rows":
+        index = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+    else:
+        raise ValueError(f"kind must be 'zeros' or 'rows', got {kind!r}")
+    if not _may_keep(device) or len(SHARED_INDEXES) >= SHARED_INDEXES_LIMIT:
+        return index
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    SHARED_INDEXES[(kind, batch, device)] = index
+    return index
+
+
+def _may_keep(device: torch.device) -> bool:
+    """Whether a tensor made now on ``device`` may outlive the call: not while torch.compile traces
+    (a traced tensor is not a real one) nor while ``device``'s current stream is being captured."""
+    if torch.compiler.is_compiling():
+        return False
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
 
 def forget() -> None:
     """Empty every memo: the next call of any signature takes the full path again (after a change

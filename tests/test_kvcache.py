@@ -280,6 +280,71 @@ def test_split_kv_matches_unsplit(device):
         torch.testing.assert_close(lse, results[0][1], atol=2e-6, rtol=1e-5)
 
 
+@pytest.fixture
+def metadata_as_on_a_gpu(monkeypatch):
+    """Metadata tensors taken for device memory (``validate.on_host`` False, as ``host_cost`` does),
+    so that a repeated call takes the memoized path; every memo empty before and after."""
+    from flash_recipe import memo_keys, validate
+
+    monkeypatch.setattr(validate, "on_host", lambda t: False)
+    memo_keys.forget()
+    memo_keys.SHARED_INDEXES.clear()
+    yield memo_keys
+    memo_keys.forget()
+    memo_keys.SHARED_INDEXES.clear()
+
+
+def test_repeated_steps_share_one_row_index_and_one_zero_start(device, metadata_as_on_a_gpu):
+    """A repeated decoding step without a batch index, page table or left padding reads the cache
+    rows and the key ranges' starts from indexes made once per batch size (``memo_keys.shared_index``),
+    not computed per call: two batch sizes interleaved, each call meeting the rule."""
+    memo_keys = metadata_as_on_a_gpu
+    two, three = KV(), KV(batch=3, seqlens=(5, 40, 17))
+    for case in (two, three, two, three, two):
+        _check(case, torch.float16, device, "triton")
+    shared = memo_keys.SHARED_INDEXES
+    assert set(shared) == {(kind, b, device) for kind in ("rows", "zeros") for b in (2, 3)}
+    for b in (2, 3):
+        assert shared[("rows", b, device)].tolist() == [[i] for i in range(b)]
+        assert shared[("zeros", b, device)].tolist() == [0] * b
+        assert all(t.dtype == torch.int32 for t in (shared[("rows", b, device)], shared[("zeros", b, device)]))
+
+
+def test_a_repeated_step_reads_the_shared_row_index(device, metadata_as_on_a_gpu):
+    """The shared index is what the kernels read: planted with the two rows swapped, the next
+    repeated call attends over (and appends into) the other entry's cache, and fails the rule."""
+    memo_keys = metadata_as_on_a_gpu
+    case = KV()
+    _check(case, torch.float16, device, "triton")
+    _check(case, torch.float16, device, "triton")
+    memo_keys.SHARED_INDEXES[("rows", 2, device)] = torch.tensor([[1], [0]], dtype=torch.int32, device=device)
+    with pytest.raises(AssertionError):
+        _check(case, torch.float16, device, "triton")
+
+
+def test_a_shared_index_is_kept_only_where_it_may_outlive_the_call(monkeypatch, metadata_as_on_a_gpu):
+    """Not kept while a CUDA graph is captured or torch.compile traces (``_may_keep``), nor past the
+    limit: each such call gets an index of its own. A kind outside the two is refused by name.
+    (The GPU's stream synchronisation before an index is kept needs a GPU: not run here.)"""
+    memo_keys = metadata_as_on_a_gpu
+    cpu = torch.device("cpu")
+    with monkeypatch.context() as patch:
+        patch.setattr(memo_keys, "_may_keep", lambda device: False)
+        first, second = memo_keys.shared_index("rows", 4, cpu), memo_keys.shared_index("rows", 4, cpu)
+    assert first is not second and not memo_keys.SHARED_INDEXES
+    assert first.tolist() == [[0], [1], [2], [3]]
+    assert memo_keys._may_keep(cpu)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not memo_keys._may_keep(cpu)
+    monkeypatch.setattr(memo_keys, "SHARED_INDEXES_LIMIT", 1)
+    kept = memo_keys.shared_index("zeros", 4, cpu)
+    assert list(memo_keys.SHARED_INDEXES) == [("zeros", 4, cpu)] and memo_keys.SHARED_INDEXES[("zeros", 4, cpu)] is kept
+    assert memo_keys.shared_index("zeros", 5, cpu).tolist() == [0] * 5 and len(memo_keys.SHARED_INDEXES) == 1
+    with pytest.raises(ValueError, match="kind must be 'zeros' or 'rows'"):
+        memo_keys.shared_index("ones", 4, cpu)
+
+
 def test_bad_metadata_on_the_device_gives_nan_not_stray_access(device):
     """The kernel-level guard for metadata the host does not read (GPU tensors): a page index out of
     range or an end past the table makes that batch entry NaN and writes nothing outside the cache;

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..memo_keys import Fields, Memo, signature
+from ..memo_keys import SHARED_INDEXES, Fields, Memo, shared_index, signature
 from . import choose, configs, splits, targets, tiles, tuned
 from .forward import ForwardPlan, plan_forward, run_forward
 from .launch import Plan, launch, plan
@@ -359,9 +359,16 @@ def attention_kvcache(
     q_moves = options.window_left >= 0 or options.window_right >= 0
     new = k_new.shape[1] if k_new is not None else 0
     end = cache.seqlens + new if new else cache.seqlens
-    start = cache.leftpad if cache.leftpad is not None else torch.zeros_like(cache.seqlens)
-    keys = KeyRanges(start, end, cache.table.shape[1] * cache.k.shape[1], cache.table)  # capacity: Cache.capacity
     key = _step_key(q, k_new, v_new, cache, rotary, options, num_splits, pack_gqa)
+    start = cache.leftpad
+    if start is None and key is None:
+        start = torch.zeros_like(cache.seqlens)
+    elif start is None:  # a memoized signature's calls share one index of zeros
+        batch, device = q.shape[0], q.device
+        start = SHARED_INDEXES.get(("zeros", batch, device))
+        if start is None:
+            start = shared_index("zeros", batch, device)
+    keys = KeyRanges(start, end, cache.table.shape[1] * cache.k.shape[1], cache.table)  # capacity: Cache.capacity
     step = _STEPS.get(key) if key is not None else None
     if step is None:
         step = _STEPS.keep(key, _plan_step(q, k_new, v_new, cache, rotary, options, keys, num_splits, pack_gqa,
