@@ -154,8 +154,8 @@ def shared_index(kind: str, batch: int, device: torch.device) -> torch.Tensor:
         return index
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-    SHARED_INDEXES[(kind, batch, device)] = index
-    return index
+    # The first index kept for a key stays: one another thread made meanwhile is never replaced.
+    return SHARED_INDEXES.setdefault((kind, batch, device), index)
 
 
 def _may_keep(device: torch.device) -> bool:
