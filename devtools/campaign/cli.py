@@ -108,8 +108,9 @@ def _minutes(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m devtools.campaign",
-        description="The GPU campaign: compiling ahead, correctness on the GPU, bench with peers, decoding, peak "
-        "memory, host cost and CUDA-graph capture, verify, GPU tests and tune, fitted to --minutes; writes "
+        description="The GPU campaign: compiling ahead, correctness on the GPU, the backward's shoot-out, bench "
+        "with peers, host cost, decoding, peak memory and CUDA-graph capture, verify, GPU tests and tune, fitted "
+        "to --minutes; writes "
         "campaign.md, campaign.json, campaign.log and PNGs into --out.",
     )
     parser.add_argument("--out", required=True, help="folder for the report (created if missing)")
