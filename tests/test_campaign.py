@@ -214,6 +214,9 @@ def test_tune_step_covers_head_dims_64_and_128_in_bf16():
     assert argv[4:8] == ["--head-dim", "64,128", "--dtype", "bfloat16"]
     args = _parse(tune.add_arguments, argv[4:])  # the subcommand's own parser
     assert args.head_dim == [64, 128] and args.dtype == ["bfloat16"] and args.json == "/scratch/tune.json"
+    assert args.seconds == campaign.BUDGETS_S["tune"] - campaign.plan.TUNE_MARGIN_S
+    given = {s.name: s for s in campaign.build_plan(budgets={"tune": 400})}["tune"].command("/scratch")
+    assert _parse(tune.add_arguments, given[4:]).seconds == 400 - campaign.plan.TUNE_MARGIN_S  # follows the budget
 
 
 def test_tests_step_runs_the_gpu_test_files_of_the_checkout():
@@ -685,16 +688,18 @@ def test_capture_check_needs_a_gpu(capsys, monkeypatch):
 
 
 def test_the_shootout_runs_right_after_the_check_and_times_each_backward_path_with_four_configs_at_most():
-    """The shoot-out is ``flash-recipe tune`` of the three backward kernels and so of both paths
-    (``Tuner.best_path``), bf16 at head dims 64 and 128 at the training shapes, with at most 4
-    configurations per kernel, writing its file apart from every other step's tune cache."""
+    """The shoot-out is ``flash-recipe tune`` of the backward kernels and so of every path
+    (``Tuner.best_path``), bf16 at head dims 128 then 64 at the training shapes, with at most 4
+    configurations per kernel, starting no head dim past its budget less the margin (``--seconds``),
+    writing its file apart from every other step's tune cache."""
     assert ORDER.index("shootout") == ORDER.index("check") + 1
     step = PLAN["shootout"]
     assert step.budget_s == campaign.BUDGETS_S["shootout"] == 150
     argv = step.command("/scratch")
     assert argv[1:4] == ["-m", "flash_recipe", "tune"]
     args = _parse(tune.add_arguments, argv[4:])
-    assert args.kernel == ["bwd_dq", "bwd_dkdv", "bwd_onepass", "bwd_onelaunch"] and args.head_dim == [64, 128]
+    assert args.kernel == ["bwd_dq", "bwd_dkdv", "bwd_onepass", "bwd_onelaunch"] and args.head_dim == [128, 64]
+    assert args.seconds == 150 - campaign.plan.TUNE_MARGIN_S
     assert args.dtype == ["bfloat16"] and args.seqlen == [4096, 16384] and args.causal == "both"
     assert args.max_candidates == 4 and args.tokens == 16384 and args.nheads == 16
     assert args.json == "/scratch/shootout.json" and not args.no_save
@@ -727,3 +732,10 @@ def test_the_shootout_leaves_the_measured_file_to_commit_and_the_report_shows_wh
     assert "| 128 | 2 | one_pass | three_kernels | 1.2 | one_pass 2, three_kernels 2.4 |" in text
     assert "bwd_dq d128: 64x128 w8 s2, 1.05x the table's [128, 64, 8, 2]" in text
     assert "commit it as `flash_recipe/measured/NVIDIA-H200.tune.json`" in text
+    assert "Not started" not in text
+    found["not_reached"] = [{"head_dim": 64, "dtypes": ["bfloat16"]}]
+    (scratch / "shootout.json").write_text(json.dumps(found))
+    record = {"name": "shootout", "status": "passed", "detail": "exit status 0", "output_tail": ""}
+    record = campaign.collect(PLAN["shootout"], record, scratch, out, io.BytesIO())
+    text = "\n".join(campaign.report._shootout_section(record))
+    assert "Not started within the step's budget: d64 (bfloat16); `--budget shootout=S` gives it more." in text

@@ -932,3 +932,51 @@ def test_the_tuner_times_at_most_max_candidates_and_keeps_the_fastest_of_them(la
     (entry,) = report["configs"]
     assert Config(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"]) == near
     assert tuned.read(report["path"]).configs == {("fwd", 32, 2): tuple(near)}
+
+
+def test_a_bounded_run_saves_after_each_head_dim_and_starts_none_it_would_not_finish():
+    """``seconds``: the head dims run one at a time (each kernel's configurations, then the
+    backward's path); after each, the winners so far are saved and handed to ``checkpoint``, so a
+    run stopped from outside keeps them. A head dim whose start plus the longest one's time would
+    pass the bound is not started, and ``not_reached`` names it."""
+    now = [0.0]
+
+    def timer(fn, trial):
+        now[0] += 10.0  # each timing: 10 s of the run's clock
+        return 0.9 if trial.config == FAST else 1.0
+
+    key = tuned.make_key(H100, "sm90")
+    saved = []
+
+    def checkpoint(report):
+        document = json.loads(tuned.cache_path(H100).read_text())
+        saved.append(([entry["head_dim"] for entry in report["configs"]], len(document["configs"])))
+
+    report = tune.tune(
+        ["fwd"],
+        [16, 32, 64],
+        ["float32"],
+        [32],
+        device="cpu",
+        timer=timer,
+        check=SMALL,
+        nheads=2,
+        tokens=32,
+        causal=(True,),
+        grid={"fwd": [FAST]},
+        key=key,
+        seconds=45,
+        checkpoint=checkpoint,
+        clock=lambda: now[0],
+    )
+    # Each head dim times two configurations (20 s): 16 from 0 s, 32 from 20 s (20 + 20 <= 45); 64
+    # would start at 40 s and likely end at 60 s.
+    assert saved == [([16], 1), ([16, 32], 2)]
+    assert report["not_reached"] == [{"head_dim": 64, "dtypes": ["float32"]}]
+    assert {entry["head_dim"] for entry in report["configs"]} == {16, 32}
+    assert not any(trial["head_dim"] == 64 for trial in report["trials"])
+    unbounded = tune.tune(
+        ["fwd"], [16], ["float32"], [32], device="cpu", timer=lambda fn, trial: 1.0, check=SMALL, nheads=2,
+        tokens=32, causal=(True,), grid={"fwd": [FAST]}, save=False, clock=lambda: 1e9,
+    )  # fmt: skip
+    assert unbounded["not_reached"] == [] and len(unbounded["configs"]) == 1

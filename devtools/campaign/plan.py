@@ -50,9 +50,14 @@ TUNE_SEQLEN = 8192
 # nearest it that fit), each path then timed whole at the training shapes (bf16, head dims 64 and
 # 128, causal and not, about 16k tokens, 16 heads), the faster kept where it beats the table's
 # default. It writes the measured-defaults file for this GPU model (``tuned.MEASURED_DIR``'s format)
-# into ``measured/`` beside the report, to be committed to ``flash_recipe/measured/``.
+# into ``measured/`` beside the report, to be committed to ``flash_recipe/measured/``. Head dim 128
+# goes first: there a GPU's timing and the instruction proxy disagreed (``configs.MEASURED_BACKWARD_PATHS``).
+# tune saves its winners after each head dim and starts none that would likely end past the step's
+# budget less TUNE_MARGIN_S (``tune --seconds``): a shoot-out that runs long keeps what it finished.
 SHOOTOUT_KERNELS = ("bwd_dq", "bwd_dkdv", "bwd_onepass", "bwd_onelaunch")
-SHOOTOUT_HEAD_DIMS = (64, 128)
+SHOOTOUT_HEAD_DIMS = (128, 64)
+# Seconds of a tune step's budget left for its last save, its report and its exit (``--seconds``).
+TUNE_MARGIN_S = 15
 SHOOTOUT_SEQLENS = (4096, 16384)
 SHOOTOUT_CANDIDATES = 4
 # bf16, what training runs: fp16 shares its kernels, and fp32 (its own path) is verified by CI under
@@ -380,7 +385,8 @@ def _tune_step(python: str, budgets: dict) -> Step:
         "flash-recipe tune: the forward and decoding, head dims 64 and 128, bf16",
         [python, "-m", "flash_recipe", "tune", "--head-dim", _joined(TUNE_HEAD_DIMS), "--dtype", "bfloat16"]
         + ["--kernel", _joined(TUNE_KERNELS), "--jobs", str(TUNE_JOBS)]
-        + ["--seqlen", str(TUNE_SEQLEN), "--json", "{scratch}/tune.json"],
+        + ["--seqlen", str(TUNE_SEQLEN), "--json", "{scratch}/tune.json"]
+        + ["--seconds", str(max(1, budgets["tune"] - TUNE_MARGIN_S))],
         budgets["tune"],
         params={
             "head_dims": list(TUNE_HEAD_DIMS),
@@ -396,12 +402,13 @@ def _shootout_step(python: str, budgets: dict) -> Step:
     """The ``shootout`` step."""
     return Step(
         "shootout",
-        "the backward's shoot-out: each path with at most 4 configurations per kernel, bf16, head dims 64 "
-        "and 128, writing the measured defaults for this GPU model",
+        "the backward's shoot-out: each path with at most 4 configurations per kernel, bf16, head dims 128 "
+        "and 64, writing the measured defaults for this GPU model",
         [python, "-m", "flash_recipe", "tune", "--head-dim", _joined(SHOOTOUT_HEAD_DIMS), "--dtype", "bfloat16"]
         + ["--kernel", _joined(SHOOTOUT_KERNELS), "--seqlen", _joined(SHOOTOUT_SEQLENS), "--causal", "both"]
         + ["--tokens", str(TARGET["tokens"]), "--nheads", str(TARGET["nheads"])]
-        + ["--max-candidates", str(SHOOTOUT_CANDIDATES), "--jobs", str(TUNE_JOBS), "--json", "{scratch}/shootout.json"],
+        + ["--max-candidates", str(SHOOTOUT_CANDIDATES), "--jobs", str(TUNE_JOBS), "--json", "{scratch}/shootout.json"]
+        + ["--seconds", str(max(1, budgets["shootout"] - TUNE_MARGIN_S))],
         budgets["shootout"],
         params={
             "kernels": list(SHOOTOUT_KERNELS),

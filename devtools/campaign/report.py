@@ -346,6 +346,9 @@ def _shootout_section(step: Optional[dict]) -> list:
             f"- {entry['kernel']} d{entry['head_dim']}: {entry['block_m']}x{entry['block_n']} w{entry['num_warps']} "
             f"s{entry['num_stages']}, {entry.get('speedup', '-')}x the table's {entry.get('table')}"
         )
+    if found.get("not_reached"):
+        groups = ", ".join(f"d{g['head_dim']} ({'/'.join(g['dtypes'])})" for g in found["not_reached"])
+        lines.append(f"\nNot started within the step's budget: {groups}; `--budget shootout=S` gives it more.")
     for name in data.get("files") or []:
         lines.append(f"\nMeasured defaults: `{name}`; commit it as `flash_recipe/{name}` to ship it for this GPU.")
     if step["status"] != "passed" and step.get("output_tail"):

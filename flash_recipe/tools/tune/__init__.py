@@ -33,8 +33,11 @@ Decoding's split-KV count is tuned after the decode configuration: each of ``spl
 then timed per batch size and cache length, and the fastest is kept per bucket of programs
 (``batch * nheads``) and cache length when it beats ``kvcache.heuristic_splits`` by ``min_gain``.
 
-The winners are written to the per-device cache (``flash_recipe.ops.tuned``: where it lives, its
-format, its key), which ``choose.launch_config`` and ``kvcache.auto_splits`` read from then on. A
+The work goes one head dim (and element size) at a time: its kernels, its split counts, then its
+backward path. After each, the winners so far are written to the per-device cache
+(``flash_recipe.ops.tuned``: where it lives, its format, its key), which ``choose.launch_config``
+and ``kvcache.auto_splits`` read from then on; a run stopped later keeps them. With a bound on
+the run's seconds, a head dim that would likely end past it is not started (``not_reached``). A
 run covers what it is asked for and keeps the file's other entries.
 
 The package, one module per step:

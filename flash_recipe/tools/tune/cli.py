@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ... import atomic_json
 from ...ops import targets, tuned
 from .problem import DTYPES, HEAD_DIMS, KERNELS, SPLITS, TuneError, describe
 from .search import tune
@@ -123,12 +124,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="processes compiling candidates for pruning (default: the CPU count, at most 8)",
     )
+    parser.add_argument(
+        "--seconds",
+        type=_positive("--seconds"),
+        default=None,
+        metavar="S",
+        help="start no head dim's work (its kernels, then the backward's path) that would likely end past S "
+        "seconds; the winners are saved, and --json written, after each head dim (default: no bound)",
+    )
     parser.add_argument("--no-prune", action="store_true", help="time every candidate without compiling it first")
     parser.add_argument("--device", default="cuda", help="the GPU to tune (default: the current one)")
     parser.add_argument("--no-save", action="store_true", help="measure and print, write nothing")
     parser.add_argument("--json", metavar="FILE", help="write the full report (every candidate's timings) as JSON")
     parser.add_argument("--show", action="store_true", help="print the cache directory and its files, and exit")
     parser.add_argument("--clear", action="store_true", help="delete the cache files (back to the table), and exit")
+
+
+def _write_report(path: str, report: dict) -> None:
+    """``report`` as JSON at ``path``, whole or not at all (a run stopped midway leaves the last one)."""
+    atomic_json.write_json(path, json.loads(json.dumps(report, default=list)))
 
 
 def _positive(option: str) -> Callable[[str], int]:
@@ -248,16 +262,20 @@ def run(args) -> int:
             max_candidates=args.max_candidates,
             save=not args.no_save,
             progress=progress,
+            seconds=args.seconds,
+            checkpoint=(lambda report: _write_report(args.json, report)) if args.json else None,
         )
     except (TuneError, ValueError) as exc:
         print(f"flash-recipe tune: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=list)
+        _write_report(args.json, report)
     kept = len(report["configs"]) + len(report["num_splits"]) + len(report["backward"])
     print(
         f"{kept} entries {'written to ' + report['path'] if report['path'] else 'measured (not saved)'} in "
         f"{time.perf_counter() - begin:.0f} s"
     )
+    if report["not_reached"]:
+        skipped = ", ".join(f"head dim {g['head_dim']} ({'/'.join(g['dtypes'])})" for g in report["not_reached"])
+        print(f"not reached within --seconds {args.seconds}: {skipped}")
     return 0 if kept else 1

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -367,6 +368,9 @@ def tune(
     key: Optional[dict] = None,
     directory=None,
     progress: Optional[Callable[[str], None]] = None,
+    seconds: Optional[float] = None,
+    checkpoint: Optional[Callable[[dict], None]] = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> dict:
     """Tune the launch configurations (and decoding's split-KV count) on ``device``; write the winners.
 
@@ -391,10 +395,17 @@ def tune(
         save: write the winners to the cache file of ``key`` (default: this GPU's, ``tuned.make_key``)
             in ``directory`` (default ``tuned.cache_dir()``).
         progress: called with one line of text per step.
+        seconds: a bound on the run's wall-clock time (``clock``). The work goes in groups, one per
+            head dim and element size in the order given: each kernel's configurations, the split
+            counts, then the backward's path. A group starts only if the seconds used so far plus
+            the longest group's fit in ``seconds``; the rest are listed in ``not_reached``.
+        checkpoint: called with the report after each group, when the winners so far are saved:
+            a run stopped from outside keeps what its finished groups measured.
 
     Returns:
         ``{"key", "path" (None unless saved), "configs" (the ``tuned.config_entry`` rows written),
         "num_splits" (the ``tuned.splits_entry`` rows), "backward" (the ``tuned.path_entry`` rows),
+        "not_reached" (``{"head_dim", "dtypes"}`` per group ``seconds`` left out),
         "trials" (one row per candidate: kernel, head_dim, element_size, config, status
         ok/pruned/skipped (past ``max_candidates``)/wrong/error, detail, ms per timing shape),
         "pruned" (the compile rows)}``.
@@ -439,19 +450,33 @@ def tune(
         "configs": [],
         "num_splits": [],
         "backward": [],
+        "not_reached": [],
         "trials": [],
         "pruned": [],
     }
     # The GPU timed is the current device (``do_bench`` records its events there): ``device``'s.
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    _tune_configs(run, report, kernels, head_dims, groups, bool(splits), on_device)
-    if any(kernel in BACKWARD for kernel in kernels):
-        _tune_paths(run, report, head_dims, groups, on_device)
-    if save and (report["configs"] or report["num_splits"] or report["backward"]):
-        report["path"] = str(
-            tuned.save(key, report["configs"], report["num_splits"], directory, paths=report["backward"])
-        )
-        run.say(f"written: {report['path']}")
+    start, longest = clock(), 0.0
+    for head_dim, (element_size, names) in itertools.product(head_dims, groups.items()):
+        began = clock()
+        if seconds is not None and began - start + longest > seconds:
+            report["not_reached"].append({"head_dim": head_dim, "dtypes": names})
+            run.say(
+                f"head dim {head_dim} {'/'.join(names)}: not started, {began - start:.0f} s of {seconds:.0f} used "
+                f"and a group took up to {longest:.0f} s"
+            )
+            continue
+        _tune_configs(run, report, kernels, head_dim, element_size, names, bool(splits), on_device)
+        if any(kernel in BACKWARD for kernel in kernels):
+            _tune_path(run, report, head_dim, element_size, names, on_device)
+        if save and (report["configs"] or report["num_splits"] or report["backward"]):
+            report["path"] = str(
+                tuned.save(key, report["configs"], report["num_splits"], directory, paths=report["backward"])
+            )
+            run.say(f"written: {report['path']}")
+        if checkpoint is not None:
+            checkpoint(report)
+        longest = max(longest, clock() - began)
     return report
 
 
@@ -478,10 +503,13 @@ def _timer_target_key(device, timer: Optional[Timer], save: bool, key: Optional[
     return timer, target, key
 
 
-def _tune_configs(run: Tuner, report: dict, kernels, head_dims, groups: dict, splits: bool, on_device) -> None:
-    """Each kernel's fastest configuration per head dim and element size into ``report["configs"]``
-    (its trials and compile rows beside), and for ``decode`` with ``splits`` the split counts."""
-    for kernel, head_dim, (element_size, names) in itertools.product(kernels, head_dims, groups.items()):
+def _tune_configs(
+    run: Tuner, report: dict, kernels, head_dim: int, element_size: int, names: list, splits: bool, on_device
+) -> None:
+    """Each kernel's fastest configuration at ``head_dim`` and ``element_size`` (the dtypes ``names``)
+    into ``report["configs"]`` (its trials and compile rows beside), and for ``decode`` with
+    ``splits`` the split counts."""
+    for kernel in kernels:
         with on_device:
             outcome = run.best_config(kernel, head_dim, element_size, names)
         report["trials"] += outcome["trials"]
@@ -506,22 +534,21 @@ def _tune_configs(run: Tuner, report: dict, kernels, head_dims, groups: dict, sp
                 report["num_splits"] += run.split_counts(head_dim, element_size, names, decode_config)
 
 
-def _tune_paths(run: Tuner, report: dict, head_dims, groups: dict, on_device) -> None:
-    """The backward's fastest path per head dim and element size into ``report["backward"]``, each
-    path running the configurations this run found fastest for its kernels."""
-    for head_dim, (element_size, names) in itertools.product(head_dims, groups.items()):
-        winners = [
-            (entry["kernel"], entry)
-            for entry in report["configs"]
-            if entry["head_dim"] == head_dim and entry["element_size"] == element_size and entry["kernel"] in BACKWARD
-        ]
-        with on_device, contextlib.ExitStack() as stack:
-            for kernel, entry in winners:
-                config = Config(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"])
-                stack.enter_context(choose.overriding(kernel, head_dim, element_size, config))
-            found = run.best_path(head_dim, element_size, names)
-        if found is not None:
-            report["backward"].append(found)
+def _tune_path(run: Tuner, report: dict, head_dim: int, element_size: int, names: list, on_device) -> None:
+    """The backward's fastest path at ``head_dim`` and ``element_size`` into ``report["backward"]``,
+    each path running the configurations this run found fastest for its kernels."""
+    winners = [
+        (entry["kernel"], entry)
+        for entry in report["configs"]
+        if entry["head_dim"] == head_dim and entry["element_size"] == element_size and entry["kernel"] in BACKWARD
+    ]
+    with on_device, contextlib.ExitStack() as stack:
+        for kernel, entry in winners:
+            config = Config(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"])
+            stack.enter_context(choose.overriding(kernel, head_dim, element_size, config))
+        found = run.best_path(head_dim, element_size, names)
+    if found is not None:
+        report["backward"].append(found)
 
 
 def _check_arguments(kernels, head_dims, dtypes, seqlens, causal, decode_batches, splits, tokens, nheads, min_gain):
