@@ -367,6 +367,9 @@ def test_auto_splits_takes_the_tuned_count_for_its_bucket_else_the_heuristic(fak
 
 # Check shapes small enough for the interpreter: a multiple of every block and a ragged pair.
 SMALL = tune.CheckSizes(batch=2, nheads=2, nheads_k=1, seqlens=((32, 32), (13, 29)), cache_len=40)
+# A tuning run on the CPU's interpreter at the least size: checked on SMALL, timed on 32 tokens of 2
+# heads, causal only.
+TINY = dict(device="cpu", check=SMALL, nheads=2, tokens=32, causal=(True,))
 
 
 def test_candidates_start_with_the_table_and_respect_each_kernel():
@@ -763,18 +766,7 @@ def test_the_tuner_keeps_the_faster_backward_path_and_launches_then_take_it(fake
         return 0.5 if trial.path == other else 1.0
 
     report = tune.tune(
-        ["bwd_dq"],
-        [32],
-        ["float16"],
-        [32],
-        device="cpu",
-        timer=timer,
-        check=SMALL,
-        nheads=2,
-        tokens=32,
-        causal=(True,),
-        grid={"bwd_dq": []},
-        key=tuned.make_key(H100, "sm90"),
+        ["bwd_dq"], [32], ["float16"], [32], timer=timer, grid={"bwd_dq": []}, key=tuned.make_key(H100, "sm90"), **TINY
     )
     (entry,) = report["backward"]
     assert timed == {"one_pass", "three_kernels", "one_launch"}
@@ -953,22 +945,9 @@ def test_a_bounded_run_saves_after_each_head_dim_and_starts_none_it_would_not_fi
         saved.append(([entry["head_dim"] for entry in report["configs"]], len(document["configs"])))
 
     report = tune.tune(
-        ["fwd"],
-        [16, 32, 64],
-        ["float32"],
-        [32],
-        device="cpu",
-        timer=timer,
-        check=SMALL,
-        nheads=2,
-        tokens=32,
-        causal=(True,),
-        grid={"fwd": [FAST]},
-        key=key,
-        seconds=45,
-        checkpoint=checkpoint,
-        clock=lambda: now[0],
-    )
+        ["fwd"], [16, 32, 64], ["float32"], [32], timer=timer, grid={"fwd": [FAST]}, key=key, seconds=45,
+        checkpoint=checkpoint, clock=lambda: now[0], **TINY,
+    )  # fmt: skip
     # Each head dim times two configurations (20 s): 16 from 0 s, 32 from 20 s (20 + 20 <= 45); 64
     # would start at 40 s and likely end at 60 s.
     assert saved == [([16], 1), ([16, 32], 2)]
@@ -976,7 +955,7 @@ def test_a_bounded_run_saves_after_each_head_dim_and_starts_none_it_would_not_fi
     assert {entry["head_dim"] for entry in report["configs"]} == {16, 32}
     assert not any(trial["head_dim"] == 64 for trial in report["trials"])
     unbounded = tune.tune(
-        ["fwd"], [16], ["float32"], [32], device="cpu", timer=lambda fn, trial: 1.0, check=SMALL, nheads=2,
-        tokens=32, causal=(True,), grid={"fwd": [FAST]}, save=False, clock=lambda: 1e9,
+        ["fwd"], [16], ["float32"], [32], timer=lambda fn, trial: 1.0, grid={"fwd": [FAST]}, save=False,
+        clock=lambda: 1e9, **TINY,
     )  # fmt: skip
     assert unbounded["not_reached"] == [] and len(unbounded["configs"]) == 1
