@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flash_recipe
+from flash_recipe import memo_keys, validate
 from flash_recipe.reference import attention_reference, compute_dtype
 from flash_recipe.testing import FORWARD_FACTOR, assert_accurate, rotary
 
@@ -284,12 +285,10 @@ def test_split_kv_matches_unsplit(device):
 def metadata_as_on_a_gpu(monkeypatch):
     """Metadata tensors taken for device memory (``validate.on_host`` False, as ``host_cost`` does),
     so that a repeated call takes the memoized path; every memo empty before and after."""
-    from flash_recipe import memo_keys, validate
-
     monkeypatch.setattr(validate, "on_host", lambda t: False)
     memo_keys.forget()
     memo_keys.SHARED_INDEXES.clear()
-    yield memo_keys
+    yield
     memo_keys.forget()
     memo_keys.SHARED_INDEXES.clear()
 
@@ -298,7 +297,6 @@ def test_repeated_steps_share_one_row_index_and_one_zero_start(device, metadata_
     """A repeated decoding step without a batch index, page table or left padding reads the cache
     rows and the key ranges' starts from indexes made once per batch size (``memo_keys.shared_index``),
     not computed per call: two batch sizes interleaved, each call meeting the rule."""
-    memo_keys = metadata_as_on_a_gpu
     two, three = KV(), KV(batch=3, seqlens=(5, 40, 17))
     for case in (two, three, two, three, two):
         _check(case, torch.float16, device, "triton")
@@ -313,7 +311,6 @@ def test_repeated_steps_share_one_row_index_and_one_zero_start(device, metadata_
 def test_a_repeated_step_reads_the_shared_row_index(device, metadata_as_on_a_gpu):
     """The shared index is what the kernels read: planted with the two rows swapped, the next
     repeated call attends over (and appends into) the other entry's cache, and fails the rule."""
-    memo_keys = metadata_as_on_a_gpu
     case = KV()
     _check(case, torch.float16, device, "triton")
     _check(case, torch.float16, device, "triton")
@@ -326,7 +323,6 @@ def test_a_shared_index_is_kept_only_where_it_may_outlive_the_call(monkeypatch, 
     """Not kept while a CUDA graph is captured or torch.compile traces (``_may_keep``), nor past the
     limit: each such call gets an index of its own. A kind outside the two is refused by name.
     (The GPU's stream synchronisation before an index is kept needs a GPU: not run here.)"""
-    memo_keys = metadata_as_on_a_gpu
     cpu = torch.device("cpu")
     with monkeypatch.context() as patch:
         patch.setattr(memo_keys, "_may_keep", lambda device: False)
