@@ -15,7 +15,7 @@ import torch
 
 from . import validate
 from .dispatch import AttentionCall
-from .memo_keys import Fields, Memo, signature
+from .memo_keys import TOKENS, Fields, Memo, signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +88,13 @@ def build_flash_call(
     key = None
     if not torch.compiler.is_compiling():
         key = _call_key(q, k, v, options, names, varlen, paged)
-        fields = _CALLS.get(key) if key is not None else None
-        if fields is not None and key is not None:
+        found = _CALLS.get(key) if key is not None else None
+        if found is not None:
+            token, fields = found
             cu_q, cu_k = varlen[:2] if varlen is not None else (None, None)
             return AttentionCall.repeated(
                 fields,
-                key,
+                token,
                 q=q,
                 k=k,
                 v=v,
@@ -104,12 +105,14 @@ def build_flash_call(
             )
     call = _checked_flash_call(q, k, v, options, names, varlen, paged)
     if key is not None and _reusable(call, (q, k, v, options.learnable_sink), varlen):
-        _CALLS.keep(key, _derived_fields(call))
-        call.signed(key)
+        token = next(TOKENS)
+        _CALLS.keep(key, (token, _derived_fields(call)))
+        call.signed(token)
     return call
 
 
-# Signature of a flash-attn style call (``_call_key``) -> the fields of its AttentionCall other than its tensors.
+# Signature of a flash-attn style call (``_call_key``) -> (its token, ``memo_keys.TOKENS``; the fields of
+# its AttentionCall other than its tensors).
 _CALLS = Memo()
 _TENSOR_FIELDS = ("q", "k", "v", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "sinks")
 # The fields of the options, tensors and values, as the call's key takes them.

@@ -21,7 +21,7 @@ import torch
 
 from . import dispatch, validate
 from .dispatch import AttentionCall, CacheCall, PagedCall
-from .memo_keys import SHARED_INDEXES, Memo, shared_index, signature
+from .memo_keys import SHARED_INDEXES, TOKENS, Memo, shared_index, signature
 from .ops.limits import MAX_SPLITS
 
 
@@ -87,7 +87,7 @@ def build_cache_call(q, k_cache, v_cache, **args) -> CacheCall:
         )
         form = _CACHE_CALLS.get(key) if key is not None else None
         if form is not None:
-            return _repeat_cache_call(key, form, q, k_cache, v_cache, args)
+            return _repeat_cache_call(form, q, k_cache, v_cache, args)
     call = _checked_cache_call(q, k_cache, v_cache, _upstream_args(args), **args)
     given = (q, k_cache, v_cache, k, v, args["learnable_sink"])
     passed = all(
@@ -107,14 +107,18 @@ def build_cache_call(q, k_cache, v_cache, **args) -> CacheCall:
             if f.name not in ("q", "k", "v", "alibi_slopes", "sinks", "signature")
         }
         capacity = call.table.shape[1] * k_cache.shape[1]
-        _CACHE_CALLS.keep(key, _CacheForm(fields, call.num_splits, call.paged, capacity, args["rotary_interleaved"]))
-        call.attention.signed(key)
+        token = next(TOKENS)
+        _CACHE_CALLS.keep(
+            key, _CacheForm(token, fields, call.num_splits, call.paged, capacity, args["rotary_interleaved"])
+        )
+        call.attention.signed(token)
     return call
 
 
 class _CacheForm(NamedTuple):
     """What a checked ``flash_attn_with_kvcache`` call of one signature derived (``build_cache_call``)."""
 
+    token: int  # what the call's attention is signed with (``memo_keys.TOKENS``)
     fields: dict  # the AttentionCall's fields other than its tensors
     num_splits: int
     paged: bool
@@ -136,7 +140,7 @@ def _upstream_args(args: dict) -> dict:
     return {name: value for name, value in args.items() if name != "learnable_sink"}
 
 
-def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: dict) -> CacheCall:
+def _repeat_cache_call(form: _CacheForm, q, k_cache, v_cache, args: dict) -> CacheCall:
     """The ``CacheCall`` of a call whose signature was checked before (see ``build_cache_call``):
     what the checks derived, from ``form``, with this call's tensors from ``args``."""
     batch = q.shape[0]
@@ -157,7 +161,13 @@ def _repeat_cache_call(key: tuple, form: _CacheForm, q, k_cache, v_cache, args: 
         if table is None:
             table = shared_index("rows", batch, device)
     attention = AttentionCall.repeated(
-        form.fields, key, q=q, k=k_cache, v=v_cache, alibi_slopes=args["alibi_slopes"], sinks=args["learnable_sink"]
+        form.fields,
+        form.token,
+        q=q,
+        k=k_cache,
+        v=v_cache,
+        alibi_slopes=args["alibi_slopes"],
+        sinks=args["learnable_sink"],
     )
     rotary_cos = args["rotary_cos"]
     rotary = None if rotary_cos is None else (rotary_cos, args["rotary_sin"], form.interleaved)

@@ -19,6 +19,7 @@ field added to a record reaches every key built from it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import typing
 import weakref
 from operator import attrgetter
@@ -61,6 +62,16 @@ def signature(tensors: tuple, options: tuple) -> Optional[tuple]:
     except TypeError:
         return None
     return result
+
+
+# Signature tokens. The public layer memoizes each call signature it checked under a new token
+# (``next(TOKENS)``: a C call, no Python frame) and signs the call with it (``AttentionCall.signed``);
+# the layers below key their memos by the token. A token stands for its signature: whatever a
+# signature decides, its token decides. It is an int, which hashes at no cost, where the signature it
+# stands for has some twenty parts that every lookup would hash again. Never reused in the process,
+# so a signature memoized anew (after its memo was emptied) gets a new token, and a stale entry keyed
+# by the old one is never hit.
+TOKENS = itertools.count(1)
 
 
 class Fields:

@@ -226,6 +226,36 @@ def test_forward_memo_entry_per_option(monkeypatch):
     assert len(planned) == len(ScoreOptions._fields) + 1  # one plan per entry
 
 
+def test_a_public_calls_forward_plan_is_keyed_by_its_token(monkeypatch):
+    """Through the public layer, a forward plan's key is the call's token (``memo_keys.TOKENS``)
+    in place of a signature of its tensors and options (``attention_forward``'s ``signed``): two
+    flash-attn calls differing only in one option get two plans, the same call again reuses its
+    plan, and no plan key computes a signature on the way."""
+    planned = []
+    monkeypatch.setattr(forward, "plan_forward", lambda *args: planned.append(args[3]) or _NO_PLAN)
+    monkeypatch.setattr(forward, "run_forward", lambda *args: (None, None))
+
+    def no_signature(*args):
+        raise AssertionError("a signed call's forward plan key computed a signature")
+
+    monkeypatch.setattr(forward, "signature", no_signature)
+    q, k, v = _tensors()
+    backend = dispatch._BY_NAME["triton"]
+
+    def run(options):
+        call = call_builder.build_flash_call(q, k, v, options)
+        assert call.signature is not None  # signed: what the plan key stands on
+        backend.run(call)
+
+    _entries(forward, "_PLANS", monkeypatch, run, FLASH, _names(FlashOptions))
+    assert len(planned) == len(_names(FlashOptions)) + 1
+    # A call of another layout is another signature: another token, another plan.
+    run_t = torch.zeros(B, H, SQ, D).transpose(1, 2)
+    before = len(planned)
+    backend.run(call_builder.build_flash_call(run_t, k, v, FLASH))
+    assert len(planned) == before + 1
+
+
 def test_backward_memo_entry_per_option(monkeypatch):
     planned = []
     monkeypatch.setattr(backward_launch, "plan_backward", lambda *args: planned.append(args[6]) or _NO_PLAN)

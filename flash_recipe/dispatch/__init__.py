@@ -176,8 +176,8 @@ _SELECTED = Memo()
 
 
 def _selection_key(call: AttentionCall, forced: Optional[str], extra_key: Optional[tuple]) -> Optional[tuple]:
-    """What a backend's refusal reads: the call's tensors and options (the public layer's signature of
-    its arguments, where it has one), and the facts that can change."""
+    """What a backend's refusal reads: the call's tensors and options (the token of the public layer's
+    signature of its arguments, where it has one: ``memo_keys.TOKENS``), and the facts that can change."""
     found = call.signature
     if found is None:  # every field of the call (``CALL_FIELDS``), none by hand
         found = signature(CALL_FIELDS.tensors_of(call), CALL_FIELDS.values_of(call))

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 from typing import Optional
 
 import torch
@@ -58,16 +59,17 @@ class AttentionCall:
     # The backward bit-identical from run to run (flash-attn's ``deterministic``), where a faster
     # backward is not (the Triton kernels' one-pass dQ adds with atomics).
     deterministic: bool = False
-    # The public layer's signature of the arguments the call was built from (``flash_recipe.memo_keys``),
-    # which decides every field but the tensors' data; None where it was not memoized. Set by
-    # ``signed``, never an argument, so ``dataclasses.replace`` (a call with other fields) drops it.
-    signature: Optional[tuple] = dataclasses.field(default=None, init=False, compare=False, repr=False)
+    # The token of the public layer's signature of the arguments the call was built from
+    # (``memo_keys.TOKENS``), which decides every field but the tensors' data; None where it was not
+    # memoized. Set by ``signed``, never an argument, so ``dataclasses.replace`` (a call with other
+    # fields) drops it.
+    signature: Optional[Hashable] = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window", effective_window(self.causal, self.window))
 
     @classmethod
-    def repeated(cls, fields: dict, signature: tuple, **tensors) -> AttentionCall:
+    def repeated(cls, fields: dict, signature: Hashable, **tensors) -> AttentionCall:
         """The call that ``AttentionCall(**fields, **tensors).signed(signature)`` gives, where ``fields``
         (every field but the tensors and ``signature``) are a constructed call's, as its
         ``__post_init__`` left them: built without running ``__init__`` again (a memo hit of the
@@ -76,9 +78,10 @@ class AttentionCall:
         vars(call).update(fields, signature=signature, **tensors)
         return call
 
-    def signed(self, signature: Optional[tuple]) -> AttentionCall:
-        """This call, marked as built from arguments of ``signature`` (which the public layer computes
-        outside torch.compile only: a signed call is never being traced, ``dispatch.select``)."""
+    def signed(self, signature: Optional[Hashable]) -> AttentionCall:
+        """This call, marked as built from arguments of the signature ``signature`` stands for (its
+        token), which the public layer computes outside torch.compile only: a signed call is never
+        being traced (``dispatch.select``)."""
         object.__setattr__(self, "signature", signature)
         return self
 

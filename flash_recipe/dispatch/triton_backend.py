@@ -106,9 +106,11 @@ class TritonBackend(Backend):
         if options.dropout_p > 0.0 and options.seed is None:
             options = options._replace(seed=ops.new_seed(call.q.device))
         varlen = varlen_of(call) if call.cu_seqlens_q is not None else None
-        # A signed call was built outside torch.compile (``AttentionCall.signed``).
-        traced = None if call.signature is None else False
-        out, lse = ops.attention(call.q, call.k, call.v, options, varlen, call.deterministic, traced)
+        # A signed call was built outside torch.compile (``AttentionCall.signed``), and its token
+        # stands for the signature of what it passes (``attention_forward``).
+        signed = call.signature
+        traced = None if signed is None else False
+        out, lse = ops.attention(call.q, call.k, call.v, options, varlen, call.deterministic, traced, signed)
         s_dmask = None
         if options.seed is not None and call.return_probs:
             s_dmask = self._dropped_probs(call, options.seed)

@@ -18,6 +18,7 @@ query head's sink logit to its softmax's denominator (``forward``); autograd ret
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Optional
 
 import torch
@@ -171,15 +172,15 @@ class _EagerAttention(torch.autograd.Function):
     nor the custom op's autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, options, varlen, deterministic):
-        output = attention_forward(q, k, v, options, varlen)
+    def forward(ctx, q, k, v, sinks, options, varlen, deterministic, signed):
+        output = attention_forward(q, k, v, options, varlen, signed=signed)
         _save(ctx, q, k, v, output, options, varlen, deterministic)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
         dq, dk, dv, dsink = _gradients(ctx, dout, eager=True)
-        return dq, dk, dv, dsink, None, None, None
+        return dq, dk, dv, dsink, None, None, None, None
 
 
 def _c_apply() -> Optional[tuple]:
@@ -205,11 +206,13 @@ def attention(
     varlen: Optional[Varlen] = None,
     deterministic: bool = False,
     traced: Optional[bool] = None,
+    signed: Optional[Hashable] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention through the Triton kernels; see ``attention_forward`` for shapes.
 
     ``traced``: whether torch.compile is tracing the call, where the caller knows; None asks
-    ``torch.compiler.is_compiling()``.
+    ``torch.compiler.is_compiling()``. ``signed``: the token of the public call the arguments were
+    derived from (``attention_forward``), or None.
 
     ``options.sinks (H,)`` are differentiable; ``deterministic`` takes the backward's three-kernel
     path, bit-identical from run to run (``attention_backward``). With ``dropout_p > 0`` and no
@@ -234,9 +237,9 @@ def attention(
         if _C_APPLY is not None and not torch._C._are_functorch_transforms_active():
             apply, unwrap = _C_APPLY
             sinks = unwrap(sinks) if sinks is not None else None
-            return apply(unwrap(q), unwrap(k), unwrap(v), sinks, options, varlen, bool(deterministic))
-        return _EagerAttention.apply(q, k, v, sinks, options, varlen, bool(deterministic))
-    return attention_forward(q, k, v, options, varlen)  # nothing to record
+            return apply(unwrap(q), unwrap(k), unwrap(v), sinks, options, varlen, bool(deterministic), signed)
+        return _EagerAttention.apply(q, k, v, sinks, options, varlen, bool(deterministic), signed)
+    return attention_forward(q, k, v, options, varlen, signed=signed)  # nothing to record
 
 
 def new_seed(device: torch.device) -> torch.Tensor:

@@ -28,6 +28,7 @@ lse includes it; a row that sees no key then outputs 0 with lse = ``sinks[h]``.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import NamedTuple, Optional
 
 import torch
@@ -426,6 +427,7 @@ def attn_fwd_kernel(
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: ScoreOptions, varlen: Optional[Varlen] = None,
     keys: Optional[KeyRanges] = None, num_splits: int = 1, kernel: str = "fwd", pack_gqa: Optional[bool] = None,
+    signed: Optional[Hashable] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. Inputs are validated by the caller (see ``flash_recipe.api``).
 
@@ -443,6 +445,10 @@ def attention_forward(
             head dim that is not a power of two from 16 to 256 (masked columns).
         pack_gqa: whether one program serves a whole GQA group (``gqa_packing``); None decides by
             that rule, False never packs (for comparisons).
+        signed: the token of the public call these arguments were derived from, ``q``, ``k`` and
+            ``v`` its own and ``options`` and ``varlen`` made from its fields alone
+            (``AttentionCall.signature``, ``TritonBackend.run``), or None. The token stands for their
+            signature in the plan's key (``_plan_key``), which then need not be computed.
 
     Returns:
         ``out`` shaped like q, in q's dtype, and ``lse`` float32 (natural log): ``(B, H, Sq)``, or
@@ -450,7 +456,7 @@ def attention_forward(
     """
     if num_splits > 1 and keys is None:
         raise ValueError("num_splits > 1 needs per-batch key ranges (keys)")
-    key = _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa)  # before keys from varlen
+    key = _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa, signed)  # before keys from varlen
     if varlen is not None and keys is None:
         cu_k = varlen.cu_seqlens_k
         keys = KeyRanges(cu_k[:-1], cu_k[1:], varlen.max_seqlen_k)
@@ -482,25 +488,32 @@ class ForwardPlan(NamedTuple):
 _PLANS = Memo()
 
 
-def _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa) -> Optional[tuple]:
+def _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa, signed=None) -> Optional[tuple]:
     """The signature that decides a forward launch: tensors, options, and the settings that can change
-    at run time (the interpreter, tensor descriptors, the tuned configurations); None: not memoized."""
+    at run time (the interpreter, tensor descriptors, the tuned configurations); None: not memoized.
+    With ``signed`` (``attention_forward``) and no key ranges, its token stands for the tensors'
+    and options' signature: the public call's signature decided them all but the dropout seed,
+    which a call with dropout draws anew, always an int64 ``(1,)`` on q's device (``new_seed``)."""
     state = choose.plan_state()
     if state is None:
         return None
-    # Every field of the records (``options.SCORE_FIELDS``...), none by hand, and which records the
-    # call has: ``keys`` as the caller passed them (those that varlen implies follow from its fields).
-    tensors = (q, k, v) + SCORE_FIELDS.tensors_of(options)
-    values = SCORE_FIELDS.values_of(options) + (num_splits, kernel, pack_gqa, varlen is None, keys is None)
-    if varlen is not None:
-        tensors += VARLEN_FIELDS.tensors_of(varlen)
-        values += VARLEN_FIELDS.values_of(varlen)
-    if keys is not None:
-        tensors += KEY_RANGE_FIELDS.tensors_of(keys)
-        values += KEY_RANGE_FIELDS.values_of(keys)
-    found = signature(tensors, values)
-    if found is None:
-        return None
+    found: Optional[tuple]
+    if signed is not None and keys is None:
+        found = ("signed", signed, options.seed is None, num_splits, kernel, pack_gqa, varlen is None)
+    else:
+        # Every field of the records (``options.SCORE_FIELDS``...), none by hand, and which records the
+        # call has: ``keys`` as the caller passed them (those that varlen implies follow from its fields).
+        tensors = (q, k, v) + SCORE_FIELDS.tensors_of(options)
+        values = SCORE_FIELDS.values_of(options) + (num_splits, kernel, pack_gqa, varlen is None, keys is None)
+        if varlen is not None:
+            tensors += VARLEN_FIELDS.tensors_of(varlen)
+            values += VARLEN_FIELDS.values_of(varlen)
+        if keys is not None:
+            tensors += KEY_RANGE_FIELDS.tensors_of(keys)
+            values += KEY_RANGE_FIELDS.values_of(keys)
+        found = signature(tensors, values)
+        if found is None:
+            return None
     if keys is not None or varlen is not None:  # packed or ranged keys: no tensor descriptors
         return found, state, targets.target_of(q.device)
     aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # tensor descriptors need 16-byte bases
