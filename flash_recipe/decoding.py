@@ -443,10 +443,10 @@ def forward_only(what: str, run, *inputs) -> tuple:
     """
     if not torch.is_grad_enabled():
         return run()
-    tensors = [t for t in inputs if t is not None]
-    if True not in [t.requires_grad for t in tensors]:
-        return run()  # nothing to attach to: no graph is recorded
-    return _ForwardOnly.apply(what, run, *tensors)
+    for t in inputs:  # a loop, not a comprehension: no Python frame on a decoding step
+        if t is not None and t.requires_grad:
+            return _ForwardOnly.apply(what, run, *(t for t in inputs if t is not None))
+    return run()  # nothing to attach to: no graph is recorded
 
 
 def paged_varlen(call: AttentionCall, block_table) -> tuple:

@@ -14,13 +14,15 @@ Pure Python on CPU tensors: the planners and launchers are replaced by stubs, no
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import pytest
 import torch
 
+import flash_recipe
 import flash_recipe.dispatch as dispatch
-from flash_recipe import call_builder
+from flash_recipe import call_builder, decoding
 from flash_recipe.call_builder import FlashOptions
 from flash_recipe.dispatch.call import CALL_FIELDS, AttentionCall
 from flash_recipe.memo_keys import Fields, Memo
@@ -279,6 +281,47 @@ def test_kvcache_memo_entry_per_option(monkeypatch):
     _entries(kvcache, "_STEPS", monkeypatch, lambda o: kvcache.attention_kvcache(q, None, None, CACHE, None, o),
              OPTIONS, ScoreOptions._fields)  # fmt: skip
     assert len(planned) == len(ScoreOptions._fields) + 1
+
+
+def test_a_public_cache_calls_step_plan_is_keyed_by_its_token(monkeypatch):
+    """Through the public layer, a decoding step's key is the call's token in place of a signature
+    of its tensors and records (``attention_kvcache``'s ``signed``): calls differing only in one
+    argument get two step plans, the same call again reuses its plan, and no step key computes a
+    signature on the way."""
+    planned = []
+    step = StepPlan(append=None, rotate_q=None, forward=_NO_PLAN)
+    monkeypatch.setattr(kvcache, "_plan_step", lambda *args: planned.append(args[5]) or step)
+    monkeypatch.setattr(kvcache, "run_forward", lambda *args: (None, None))
+
+    def no_signature(*args):
+        raise AssertionError("a signed call's step key computed a signature")
+
+    monkeypatch.setattr(kvcache, "signature", no_signature)
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(flash_recipe.flash_attn_with_kvcache).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    q, k_cache, v_cache = torch.zeros(B, 1, H, D), torch.zeros(B, SK, HK, D), torch.zeros(B, SK, HK, D)
+    baseline = dict(defaults, cache_seqlens=3)
+    variants = [dict(causal=True), dict(softmax_scale=0.5), dict(window_size=(2, 0)), dict(softcap=1.0),
+                dict(num_splits=2), dict(return_softmax_lse=True), dict(cache_seqlens=4),
+                dict(alibi_slopes=torch.zeros(H)), dict(learnable_sink=torch.zeros(H))]  # fmt: skip
+    backend = dispatch._BY_NAME["triton"]
+
+    def run(args):
+        call = decoding.build_cache_call(q, k_cache, v_cache, **args)
+        assert call.attention.signature is not None  # signed: what the step key stands on
+        backend.run_cache(call)
+
+    memo = Memo()
+    monkeypatch.setattr(kvcache, "_STEPS", memo)
+    run(baseline)
+    for count, changed in enumerate(variants, start=2):
+        run(dict(baseline, **changed))
+        assert len(memo) == count, f"a call with another {changed} reused a step plan"
+    run(baseline)
+    assert len(memo) == len(planned) == len(variants) + 1
 
 
 def test_selection_memo_entry_per_field(monkeypatch):

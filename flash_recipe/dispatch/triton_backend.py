@@ -141,7 +141,10 @@ class TritonBackend(Backend):
         cache = ops.Cache(call.k_cache, call.v_cache, call.table, call.seqlens, call.leftpad)
         rotary = ops.Rotary(*call.rotary) if call.rotary is not None else None
         options = score_options(call.attention, key_ranges=True)
-        return ops.attention_kvcache(call.q, call.k, call.v, cache, rotary, options, call.num_splits)
+        # A signed call's token stands for the signature of every argument (``attention_kvcache``).
+        return ops.attention_kvcache(
+            call.q, call.k, call.v, cache, rotary, options, call.num_splits, signed=call.attention.signature
+        )
 
     def run_paged(self, call: PagedCall) -> tuple:
         ops = _KERNELS.get("forward") or _kernels("forward")

@@ -445,10 +445,8 @@ def attention_forward(
             head dim that is not a power of two from 16 to 256 (masked columns).
         pack_gqa: whether one program serves a whole GQA group (``gqa_packing``); None decides by
             that rule, False never packs (for comparisons).
-        signed: the token of the public call these arguments were derived from, ``q``, ``k`` and
-            ``v`` its own and ``options`` and ``varlen`` made from its fields alone
-            (``AttentionCall.signature``, ``TritonBackend.run``), or None. The token stands for their
-            signature in the plan's key (``_plan_key``), which then need not be computed.
+        signed: the token of the public call whose fields alone gave every argument
+            (``AttentionCall.signature``, ``TritonBackend.run``), or None; it keys the plan (``_plan_key``).
 
     Returns:
         ``out`` shaped like q, in q's dtype, and ``lse`` float32 (natural log): ``(B, H, Sq)``, or
@@ -489,17 +487,14 @@ _PLANS = Memo()
 
 
 def _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa, signed=None) -> Optional[tuple]:
-    """The signature that decides a forward launch: tensors, options, and the settings that can change
-    at run time (the interpreter, tensor descriptors, the tuned configurations); None: not memoized.
-    With ``signed`` (``attention_forward``) and no key ranges, its token stands for the tensors'
-    and options' signature: the public call's signature decided them all but the dropout seed,
-    which a call with dropout draws anew, always an int64 ``(1,)`` on q's device (``new_seed``)."""
+    """The signature that decides a forward launch: tensors, options (a ``signed`` token stands for
+    both without key ranges: a dropout seed is drawn anew, an int64 ``(1,)`` on q's device), and the
+    settings that can change at run time (tensor descriptors, tuned configurations); None: not memoized."""
     state = choose.plan_state()
     if state is None:
         return None
-    found: Optional[tuple]
     if signed is not None and keys is None:
-        found = ("signed", signed, options.seed is None, num_splits, kernel, pack_gqa, varlen is None)
+        found: Optional[tuple] = ("signed", signed, options.seed is None, num_splits, kernel, pack_gqa, varlen is None)
     else:
         # Every field of the records (``options.SCORE_FIELDS``...), none by hand, and which records the
         # call has: ``keys`` as the caller passed them (those that varlen implies follow from its fields).

@@ -21,6 +21,7 @@ and the forward kernel turns that batch's output into NaN.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import NamedTuple, Optional
 
 import torch
@@ -325,12 +326,16 @@ _ROTARY_FIELDS = Fields(Rotary)
 
 
 def _step_key(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], options: ScoreOptions, num_splits: int,
-              pack_gqa: Optional[bool]) -> Optional[tuple]:
+              pack_gqa: Optional[bool], signed: Optional[Hashable] = None) -> Optional[tuple]:
     """The signature that decides a decoding step: its tensors, every field of its records (none by
-    hand), and the settings that can change at run time (the tuned configurations); None: not memoized."""
+    hand), and the settings that can change at run time (the tuned configurations); None: not memoized.
+    With ``signed`` (``attention_kvcache``), its token stands for the tensors' and records' signature,
+    which the public call's signature decided."""
     state = choose.plan_state()
     if state is None:
         return None
+    if signed is not None:
+        return ("signed", signed, num_splits, pack_gqa), state, targets.target_of(q.device)
     tensors = (q, k_new, v_new) + _CACHE_FIELDS.tensors_of(cache) + SCORE_FIELDS.tensors_of(options)
     values = _CACHE_FIELDS.values_of(cache) + SCORE_FIELDS.values_of(options) + (num_splits, pack_gqa)
     if rotary is not None:  # a step without rotary has the shorter key
@@ -344,7 +349,7 @@ def _step_key(q, k_new, v_new, cache: Cache, rotary: Optional[Rotary], options: 
 def attention_kvcache(
     q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], cache: Cache,
     rotary: Optional[Rotary], options: ScoreOptions, num_splits: int = 0,
-    pack_gqa: Optional[bool] = None,
+    pack_gqa: Optional[bool] = None, signed: Optional[Hashable] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache`` on validated input (see ``flash_recipe.decoding``).
 
@@ -352,14 +357,16 @@ def attention_kvcache(
     ``q (B, Sq, H, D)`` over rows ``[leftpad, cache_seqlens + Snew)`` of each batch entry's cache,
     aligned bottom-right. ``num_splits`` 0 picks the split-KV count (``auto_splits``: tuned, else
     the heuristic, counting the programs that GQA packing leaves: ``packing.gqa_packing``);
-    ``pack_gqa`` as ``attention_forward`` takes it.
+    ``pack_gqa`` as ``attention_forward`` takes it. ``signed``: the token of the public call every
+    argument was derived from (``AttentionCall.signature``, ``TritonBackend.run_cache``), which
+    stands for their signature in the step's key, or None.
 
     Returns ``out (B, Sq, H, D)`` in q's dtype and ``lse (B, H, Sq)`` float32.
     """
     q_moves = options.window_left >= 0 or options.window_right >= 0
     new = k_new.shape[1] if k_new is not None else 0
     end = cache.seqlens + new if new else cache.seqlens
-    key = _step_key(q, k_new, v_new, cache, rotary, options, num_splits, pack_gqa)
+    key = _step_key(q, k_new, v_new, cache, rotary, options, num_splits, pack_gqa, signed)
     start = cache.leftpad
     if start is None and key is None:
         start = torch.zeros_like(cache.seqlens)
