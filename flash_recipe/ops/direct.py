@@ -19,9 +19,12 @@ the stream, the kernel's handles and the argument values. A ``DirectLaunch`` (on
 
 What Triton specialises on and a later call of the same plan can change is guarded: each
 tensor's 16-byte alignment (the pointers' ``tt.divisibility``) and its being there (not None);
-each tensor descriptor's type, block shape, shape, strides and padding.
-Sizes, strides, dtypes and options are the plan's own (``flash_recipe.memo_keys``). Where a guard
-fails, where a launch hook is set (``knobs.runtime.launch_enter_hook`` or, on Triton 3.2 and 3.3,
+each tensor descriptor's type, block shape, shape, strides and padding (a plan's descriptors share
+their field objects, ``features.rebased``: the same objects as those learnt pass at once, others
+are compared). The stream is the active driver's, found as ``driver._active`` where Triton keeps it
+there (3.4 on), else through ``driver.active``. Sizes, strides, dtypes and options are the plan's
+own (``flash_recipe.memo_keys``). Where a guard fails, where a launch hook is set
+(``knobs.runtime.launch_enter_hook`` or, on Triton 3.2 and 3.3,
 ``CompiledKernel.launch_enter_hook``; profilers such as proton set one), or where the kernel has
 pre-run hooks, or a global value it read when compiled has changed, the launch goes through
 ``JITFunction.run``.
@@ -81,7 +84,7 @@ def _registered(hook: Any) -> bool:
 def _descriptor_form(desc: Any) -> tuple:
     """What a tensor descriptor's compiled code and launch depend on besides its base (whose 16-byte
     alignment its constructor asserts): block shape, shape, strides and padding (``launch`` checks
-    the same, written out)."""
+    the same, written out, for a launch's descriptors against the one learnt)."""
     return tuple(desc.block_shape), tuple(desc.shape), tuple(desc.strides), getattr(desc, "padding", None)
 
 
@@ -93,7 +96,7 @@ def _launcher_slot(compiled: Any) -> str:
 class DirectLaunch:
     """One plan's direct launch: ``state`` NEW, RECORD (the next launch records), READY or OFF."""
 
-    __slots__ = ("state", "compiled", "launcher", "header", "template", "slots", "device", "globals")
+    __slots__ = ("state", "compiled", "launcher", "header", "template", "slots", "descriptors", "device", "globals")
 
     def __init__(self) -> None:
         self.state = NEW
@@ -101,7 +104,10 @@ class DirectLaunch:
         self.launcher: Any = None
         self.header: tuple = ()
         self.template: list = []
-        self.slots: tuple = ()  # (position, name, None and 16-byte aligned, or a descriptor's type and form)
+        self.slots: tuple = ()  # (position, name, 16-byte aligned) of each tensor
+        # (position, name, type, block shape, shape, strides, padding) of each tensor descriptor: the
+        # field objects of the one learnt (a plan's descriptors share them, ``features.rebased``)
+        self.descriptors: tuple = ()
         self.device: Any = None
         # (name, value at compile time, the object the module held when learnt, the module's globals)
         self.globals: tuple = ()
@@ -109,10 +115,10 @@ class DirectLaunch:
     def launch(self, kernel: Any, grid: tuple, scalars: dict, tensors: dict) -> None:
         """Launch ``kernel`` (a JIT function) on ``grid`` with ``scalars`` and ``tensors``: directly
         when READY and the guards hold, else through ``kernel.run``, learning on the way. The
-        guards are written out here, not called: each call's frames are the host cost measured."""
+        guards are written out here, not called: each call's frames are the host cost measured;
+        the first that fails sends the launch through ``kernel.run``."""
         if self.state == READY and ENABLED:
-            hooks = _HOOKS
-            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # a HookChain holds its calls
+            enter, leave = _HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook  # a HookChain holds its calls
             ready = not (enter is not None and getattr(enter, "calls", enter)) and not (
                 leave is not None and getattr(leave, "calls", leave)
             )
@@ -120,20 +126,29 @@ class DirectLaunch:
                 now = scope.get(name, _MISSING)
                 ready = ready and (now is held or now == value)  # the object held then: no constexpr __eq__
             args = self.template.copy()
-            for position, name, kind, form in self.slots:
+            for position, name, aligned in self.slots:  # a tensor: there, and aligned as when learnt
                 found: Any = tensors.get(name)
-                if kind is None:  # a tensor: there, and aligned as when learnt
-                    ready = ready and found is not None and (found.data_ptr() % 16 == 0) is form
-                else:  # a descriptor: its type and form as when learnt
-                    padding = getattr(found, "padding", None)
-                    ready = ready and type(found) is kind and (
-                        tuple(found.block_shape), tuple(found.shape), tuple(found.strides), padding
-                    ) == form
+                if found is None or (found.data_ptr() % 16 == 0) is not aligned:
+                    ready = False
+                    break
+                args[position] = found
+            for position, name, kind, block, shape, strides, padding in self.descriptors:
+                found = tensors.get(name)
+                # Its type and form as when learnt: the same field objects (a plan's), else equal ones.
+                if type(found) is not kind or getattr(found, "padding", None) != padding or not (
+                    (found.block_shape is block and found.shape is shape and found.strides is strides)
+                    or (tuple(found.block_shape), tuple(found.shape), tuple(found.strides))
+                    == (tuple(block), tuple(shape), tuple(strides))
+                ):
+                    ready = False
+                    break
                 args[position] = found
             if ready:
                 x, y, z, _, function, metadata, _, _, _ = self.header
-                self.launcher(x, y, z, driver.active.get_current_stream(self.device), function, metadata, None, None,
-                              None, *args)
+                # The active driver where Triton keeps it (3.4 on; no property's frame), else as it says.
+                active = getattr(driver, "_active", None) or driver.active
+                self.launcher(x, y, z, active.get_current_stream(self.device), function, metadata, None, None, None,
+                              *args)
                 return
         if self.state == RECORD and ENABLED:
             self._record(kernel, grid, scalars, tensors)
@@ -193,23 +208,26 @@ class DirectLaunch:
         if names is None:
             return
         slots: list[tuple] = []
+        descriptors: list[tuple] = []
         for position, (name, value) in enumerate(zip(names, values)):
             if name in tensors:
                 found = tensors[name]
                 if value is not found:
                     return
                 if isinstance(found, torch.Tensor):
-                    slots.append((position, name, None, found.data_ptr() % 16 == 0))
+                    slots.append((position, name, found.data_ptr() % 16 == 0))
                 elif isinstance(getattr(found, "base", None), torch.Tensor) and hasattr(found, "block_shape"):
-                    slots.append((position, name, type(found), _descriptor_form(found)))
+                    descriptors.append((position, name, type(found), found.block_shape, found.shape, found.strides,
+                                        getattr(found, "padding", None)))
                 else:
                     return
                 values[position] = None
             elif isinstance(value, torch.Tensor) or hasattr(value, "base"):
                 return
-        if len(slots) != len(tensors):
+        if len(slots) + len(descriptors) != len(tensors):
             return
-        self.launcher, self.header, self.template, self.slots = launcher, header, values, tuple(slots)
+        self.launcher, self.header, self.template = launcher, header, values
+        self.slots, self.descriptors = tuple(slots), tuple(descriptors)
         self.device = driver.active.get_current_device()
         hooks_set()  # resolves ``_HOOKS``, which ``launch`` reads
         self.state = READY
