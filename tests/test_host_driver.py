@@ -30,15 +30,16 @@ from flash_recipe.ops import targets
 # the one pass or the dQ and dK/dV kernels (the installed Triton's release rule, ``configs.ONE_PASS_TRITON``).
 LAUNCHES = {"fwd": (1,), "fwd_autograd": (1,), "kvcache": (2,), "fwd_bwd": (3, 4)}
 # Python calls per repeated call through Triton's launcher on CPython 3.11, direct launches on (the
-# tool's counts on 2026-12-02, 64 key rows: 47, 51, 56 and 113 under Triton 3.9; 44, 48, 50 and 101
-# under 3.6, since a kernel output is allocated by ``torch.empty`` itself (``tiles.output_buffer``);
-# 49, 53, 58 and 119, and 46, 50, 52 and 107, before; before the host path was cut, 97, 114, 111 and
-# 185 under 3.9), with two calls of room. fwd_bwd under 3.9 since sm90 runs the three kernels at head
-# dim 128, as the H200 measured (``configs.MEASURED_BACKWARD_PATHS``): a launch more than the one
-# pass (3.6 ran the three kernels there already: its one-pass tile spills).
+# tool's counts on 2026-12-04, 64 key rows: 45, 49, 50 and 108 under Triton 3.9; 42, 46, 44 and 96
+# under 3.6, since the public call's token keys its forward and decoding plans and the direct launch
+# reads the stream without ``driver.active``'s frame; 47, 51, 56 and 113, and 44, 48, 50 and 101 on
+# 2026-12-02; before the host path was cut, 97, 114, 111 and 185 under 3.9), with two calls of room.
+# fwd_bwd under 3.9 since sm90 runs the three kernels at head dim 128, as the H200 measured
+# (``configs.MEASURED_BACKWARD_PATHS``): a launch more than the one pass (3.6 ran the three kernels
+# there already: its one-pass tile spills).
 BOUNDS = {
-    (3, 9): {"fwd": 49, "fwd_autograd": 53, "kvcache": 58, "fwd_bwd": 115},
-    (3, 6): {"fwd": 46, "fwd_autograd": 50, "kvcache": 52, "fwd_bwd": 103},
+    (3, 9): {"fwd": 47, "fwd_autograd": 51, "kvcache": 52, "fwd_bwd": 110},
+    (3, 6): {"fwd": 44, "fwd_autograd": 48, "kvcache": 46, "fwd_bwd": 98},
 }
 
 SCRIPT = """
