@@ -32,10 +32,14 @@ def scale_kernel(X, Y, n, fold_batch, BLOCK: tl.constexpr, GRID_FOLD: tl.constex
 
 
 class Recorder:
-    """Every call of the active launcher class, and every ``JITFunction.run``."""
+    """Every call of the active launcher class (``launches``), of the own ``launch`` of each of
+    ``launchers`` (``inner``: what the class's ``__call__`` passes it, or a direct launch at INNER),
+    and every ``JITFunction.run``."""
 
-    def __init__(self):
+    def __init__(self, *launchers):
+        self.launchers = [launcher for launcher in launchers if launcher is not None]
         self.launches: list = []
+        self.inner: list = []
         self.runs = 0
 
     def __enter__(self):
@@ -53,11 +57,23 @@ class Recorder:
             return real_run(fn, *args, **kwargs)
 
         cls.__call__, jit.JITFunction.run = call, run
+        self.own = [vars(launcher).get("launch") for launcher in self.launchers]
+        for launcher, own in zip(self.launchers, self.own):
+            if own is not None:
+
+                def launch(*values, own=own):
+                    recorder.inner.append(values)
+                    return own(*values)
+
+                launcher.launch = launch
         return self
 
     def __exit__(self, *exc):
         cls = triton.runtime.driver.active.launcher_cls
         cls.__call__, jit.JITFunction.run = self.saved
+        for launcher, own in zip(self.launchers, self.own):
+            if own is not None:
+                launcher.launch = own
 
 
 def hooks_empty(hook) -> bool:
@@ -98,6 +114,35 @@ def compare(through_run: list, through_direct: list) -> list:
     return problems
 
 
+def compare_inner(run_outer: list, run_inner: list, direct_inner: list) -> list:
+    """The differences between the launcher's own ``launch`` calls that ``JITFunction.run`` led to
+    and those of a direct launch at INNER (empty: none): the same but the launch metadata and hooks
+    that the launcher passes on, which ``JITFunction.run`` gives (the hooks empty) and a direct
+    launch leaves None, found after the packed metadata the launcher was given (by identity)."""
+    if not len(run_outer) == len(run_inner) == len(direct_inner):
+        return [
+            f"{len(run_outer)} launcher calls, {len(run_inner)} own launches through run, {len(direct_inner)} direct"
+        ]
+    problems = []
+    for i, (outer, a, b) in enumerate(zip(run_outer, run_inner, direct_inner)):
+        at = next((j for j in range(4, len(a) - 3) if all(a[j + n] is outer[5 + n] for n in range(4))), None)
+        if at is None:
+            problems.append(f"launch {i}: the launcher's metadata and hooks not passed to its launch")
+            continue
+        if not all(hooks_empty(h) for h in a[at + 2 : at + 4]) or b[at + 1 : at + 4] != (None, None, None):
+            problems.append(f"launch {i}: hooks {a[at + 2 : at + 4]} through run, {b[at + 1 : at + 4]} direct")
+        expected = a[: at + 1] + (None, None, None) + a[at + 4 :]
+        if len(expected) != len(b):
+            problems.append(f"launch {i}: {len(expected)} values through run, {len(b)} direct")
+        for j, (x, y) in enumerate(zip(expected, b)):
+            if type(x) is tuple and type(y) is tuple and len(x) == len(y) and j == len(b) - 1:  # packed arguments
+                problems += [f"launch {i}: argument {n}: {describe(u)} != {describe(w)}"
+                             for n, (u, w) in enumerate(zip(x, y)) if not same_value(u, w)]  # fmt: skip
+            elif not same_value(x, y):
+                problems.append(f"launch {i}: value {j}: {describe(x)} != {describe(y)}")
+    return problems
+
+
 def calls(cases: list) -> None:
     """For each case, each launch of a READY plan twice with the same tensors: through
     ``JITFunction.run`` (the direct path off), then directly; the two launcher calls compared."""
@@ -106,17 +151,18 @@ def calls(cases: list) -> None:
     learn = direct.DirectLaunch.launch
 
     def twice(self, kernel, grid, scalars, tensors):
-        if self.state != direct.READY:
+        if self.state < direct.READY:
             return learn(self, kernel, grid, scalars, tensors)
+        state = self.state
         direct.ENABLED = False
         try:
-            with Recorder() as through_run:
+            with Recorder(self.launcher) as through_run:
                 learn(self, kernel, grid, scalars, tensors)
         finally:
             direct.ENABLED = True
-        with Recorder() as through_direct:
+        with Recorder(self.launcher) as through_direct:
             learn(self, kernel, grid, scalars, tensors)
-        pairs.append((through_run, through_direct))
+        pairs.append((through_run, through_direct, state))
 
     from flash_recipe.dispatch import use_backend
 
@@ -126,16 +172,22 @@ def calls(cases: list) -> None:
         with use_backend("triton"), host_cost.device_metadata(cpu):
             ours()  # compiles; the plans adopt their kernels
             ours()  # the plans record their launchers' arguments
+            ours()  # each plan's first direct launch: the launcher's own call learnt (INNER), where it may be
             del pairs[:]
             ours()
         problems = []
-        for a, b in pairs:
-            problems += compare(a.launches, b.launches)
+        for a, b, state in pairs:
+            if state == direct.INNER:
+                problems += [f"at INNER, {len(b.launches)} launcher calls"] if b.launches else []
+                problems += compare_inner(a.launches, a.inner, b.inner)
+            else:
+                problems += compare(a.launches, b.launches)
         row = dict(
             case=case,
             direct_launches=len(pairs),
-            runs_through_run=sum(a.runs for a, _ in pairs),
-            runs_direct=sum(b.runs for _, b in pairs),
+            inner_launches=sum(state == direct.INNER for _, _, state in pairs),
+            runs_through_run=sum(a.runs for a, _, _ in pairs),
+            runs_direct=sum(b.runs for _, b, _ in pairs),
             problems=problems,
         )
         print(json.dumps(row), flush=True)
@@ -148,13 +200,17 @@ def guards() -> None:
     plan = launch.plan(scale_kernel, (4, 1, 1), dict(X=x, Y=y, n=4096, BLOCK=1024), torch.device("cpu"))
 
     def once(tensors: dict) -> tuple:
-        with Recorder() as rec:
+        """``(JITFunction.run calls, the last launcher call, or the last of its own launch)``."""
+        with Recorder(plan.direct.launcher) as rec:
             launch.launch(plan, tensors)
-        return rec.runs, rec.launches[-1]
+        return rec.runs, (rec.launches or rec.inner)[-1]
 
     for _ in range(2):
         once(dict(X=x, Y=y))
     report = {"state": plan.direct.state, "plain": once(dict(X=x, Y=y))[0]}
+    report["inner"] = plan.direct.state == direct.INNER  # the first direct launch learnt the launcher's own call
+    runs, last = once(dict(X=x, Y=y))
+    report["inner_runs"], report["inner_stream"] = runs, last[3]
     misaligned = torch.randn(4100)[1:4097]  # 4 bytes past a 16-byte boundary
     runs, last = once(dict(X=misaligned, Y=y))
     report["misaligned"] = runs

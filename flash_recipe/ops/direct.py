@@ -12,10 +12,16 @@ the stream, the kernel's handles and the argument values. A ``DirectLaunch`` (on
    the arguments it receives are recorded, and each is tied to the parameter it came from (the
    kernel's parameters in order, or its non-constexpr ones, as the Triton release passes them;
    every tensor by identity). Anything not accounted for turns the direct path off for the plan;
-3. from the third on, the launcher is called with the recorded values, this call's tensors in
-   their places and this call's stream; the launch metadata and the hooks are None, which is what
-   a launch with no hook registered means (``JITFunction.run`` passes Triton's empty hook chains
-   and, on 3.5 and newer, a metadata dict nobody reads).
+3. the third calls the launcher with the recorded values, this call's tensors in their places and
+   this call's stream; the launch metadata and the hooks are None, which is what a launch with no
+   hook registered means (``JITFunction.run`` passes Triton's empty hook chains and, on 3.5 and
+   newer, a metadata dict nobody reads). Where the launcher is Triton's ``CudaLauncher`` of a
+   release whose ``__call__`` was read (``INNER_RELEASES``) and the kernel needs no scratch
+   memory, the launcher's own ``launch`` (the C launcher, or the wrapper that expands tensor
+   descriptors) is wrapped for that call and what it receives is recorded too;
+4. from the fourth on, at INNER, that own ``launch`` is called as the launcher would have called
+   it, with this call's stream and tensors (a scratch allocation that allocates nothing and the
+   frames around it left out); else the launcher, as the third was.
 
 What Triton specialises on and a later call of the same plan can change is guarded: each
 tensor's 16-byte alignment (the pointers' ``tt.divisibility``) and its being there (not None);
@@ -29,7 +35,7 @@ own (``flash_recipe.memo_keys``). Where a guard fails, where a launch hook is se
 pre-run hooks, or a global value it read when compiled has changed, the launch goes through
 ``JITFunction.run``.
 ``tests/test_direct_launch.py`` compares, for the kernels CI's calls launch, what the launcher
-receives each way (on the stub driver, ``tools.stub_driver``).
+(or at INNER its own ``launch``) receives each way (on the stub driver, ``tools.stub_driver``).
 """
 
 from __future__ import annotations
@@ -43,8 +49,14 @@ from triton.runtime.driver import driver
 # False: every launch through JITFunction.run (the equivalence test's reference).
 ENABLED = True
 
-NEW, RECORD, READY, OFF = 0, 1, 2, -1
+# READY: the launcher is called; INNER: the launcher's own ``launch``, which it would have called.
+NEW, RECORD, READY, INNER, OFF = 0, 1, 2, 3, -1
 _MISSING = object()
+# The Triton releases, first and last, whose ``CudaLauncher.__call__`` does per launch only what
+# ``_inner_launchable`` rules out (allocate a kernel's global or profile scratch, run GSan, 3.8 on)
+# before it hands its arguments to its ``launch`` (the C launcher, or the wrapper that expands
+# tensor descriptors): read in each release's source.
+INNER_RELEASES = ((3, 2), (3, 9))
 # One recording at a time: a recording swaps a compiled kernel's launcher for the one launch, which
 # another thread's launch of the same kernel must neither see nor undo.
 _RECORDING = threading.Lock()
@@ -94,9 +106,11 @@ def _launcher_slot(compiled: Any) -> str:
 
 
 class DirectLaunch:
-    """One plan's direct launch: ``state`` NEW, RECORD (the next launch records), READY or OFF."""
+    """One plan's direct launch: ``state`` NEW, RECORD (the next launch records), READY (the
+    launcher is called), INNER (its own ``launch`` is) or OFF."""
 
-    __slots__ = ("state", "compiled", "launcher", "header", "template", "slots", "descriptors", "device", "globals")
+    __slots__ = ("state", "compiled", "launcher", "header", "template", "slots", "descriptors", "device", "globals",
+                 "deeper", "rest", "packed")
 
     def __init__(self) -> None:
         self.state = NEW
@@ -111,13 +125,18 @@ class DirectLaunch:
         self.device: Any = None
         # (name, value at compile time, the object the module held when learnt, the module's globals)
         self.globals: tuple = ()
+        self.deeper = False  # READY, and the next direct launch learns the launcher's own call
+        # INNER: what the launcher passes its ``launch`` after grid and stream, and whether it passes
+        # the kernel's arguments as one tuple (3.7 on) or one by one
+        self.rest: tuple = ()
+        self.packed = False
 
     def launch(self, kernel: Any, grid: tuple, scalars: dict, tensors: dict) -> None:
         """Launch ``kernel`` (a JIT function) on ``grid`` with ``scalars`` and ``tensors``: directly
         when READY and the guards hold, else through ``kernel.run``, learning on the way. The
         guards are written out here, not called: each call's frames are the host cost measured;
         the first that fails sends the launch through ``kernel.run``."""
-        if self.state == READY and ENABLED:
+        if self.state >= READY and ENABLED:
             enter, leave = _HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook  # a HookChain holds its calls
             ready = not (enter is not None and getattr(enter, "calls", enter)) and not (
                 leave is not None and getattr(leave, "calls", leave)
@@ -147,8 +166,16 @@ class DirectLaunch:
                 x, y, z, _, function, metadata, _, _, _ = self.header
                 # The active driver where Triton keeps it (3.4 on; no property's frame), else as it says.
                 active = getattr(driver, "_active", None) or driver.active
-                self.launcher(x, y, z, active.get_current_stream(self.device), function, metadata, None, None, None,
-                              *args)
+                stream = active.get_current_stream(self.device)
+                if self.state == INNER:  # what the launcher would pass its ``launch``, this call's stream and tensors
+                    if self.packed:
+                        self.launcher.launch(x, y, z, stream, *self.rest, tuple(args))
+                    else:
+                        self.launcher.launch(x, y, z, stream, *self.rest, *args)
+                elif self.deeper:
+                    self._learn_inner(x, y, z, stream, function, metadata, args)
+                else:
+                    self.launcher(x, y, z, stream, function, metadata, None, None, None, *args)
                 return
         if self.state == RECORD and ENABLED:
             self._record(kernel, grid, scalars, tensors)
@@ -230,4 +257,54 @@ class DirectLaunch:
         self.slots, self.descriptors = tuple(slots), tuple(descriptors)
         self.device = driver.active.get_current_device()
         hooks_set()  # resolves ``_HOOKS``, which ``launch`` reads
+        self.deeper = _inner_launchable(launcher)
         self.state = READY
+
+    def _learn_inner(self, x: int, y: int, z: int, stream: Any, function: Any, metadata: Any, args: list) -> None:
+        """Launch through the launcher, its own ``launch`` wrapped for the one call, and go INNER if
+        that call held this launch's grid and stream first, then values fixed for the plan, then
+        this launch's arguments (the same objects) one by one or as one tuple."""
+        launcher, calls = self.launcher, []
+        with _RECORDING:
+            own = vars(launcher)["launch"]
+
+            def recording(*values):
+                calls.append(values)
+                return own(*values)
+
+            launcher.launch = recording
+            try:
+                launcher(x, y, z, stream, function, metadata, None, None, None, *args)
+            finally:
+                launcher.launch = own
+        self.deeper = False
+        if len(calls) != 1 or len(calls[0]) < 5 or calls[0][:4] != (x, y, z, stream):
+            return
+        call, count = calls[0], len(args)
+        tail = call[len(call) - count:]
+        if len(call) >= 4 + count and all(a is b for a, b in zip(tail, args)):
+            self.rest, self.packed = call[4:len(call) - count], False
+        elif type(call[-1]) is tuple and len(call[-1]) == count and all(a is b for a, b in zip(call[-1], args)):
+            self.rest, self.packed = call[4:-1], True
+        else:
+            return
+        self.state = INNER
+
+
+def _inner_launchable(launcher: Any) -> bool:
+    """Whether a direct launch may call ``launcher``'s own ``launch`` in its place: Triton's
+    ``CudaLauncher`` under a release of ``INNER_RELEASES``, whose kernel has no global or profile
+    scratch (which ``__call__`` allocates per launch) and runs without GSan."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    from .targets import triton_release
+
+    first, last = INNER_RELEASES
+    return (
+        type(launcher) is CudaLauncher
+        and first <= triton_release() <= last
+        and callable(vars(launcher).get("launch"))
+        and getattr(launcher, "global_scratch_size", 0) == 0
+        and getattr(launcher, "profile_scratch_size", 0) == 0
+        and not getattr(launcher, "gsan_enabled", False)
+    )

@@ -252,6 +252,7 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
             else:
                 ours()  # the first call of the signature: checks, choices, plans
                 ours()  # the second: each plan learns its direct launch (``ops.direct``)
+                ours()  # the third: each plan's first direct launch learns the launcher's own call (INNER)
                 with recorded_launches() as launches:
                     ours()  # one call recorded: its launches and their arguments
                 launched = [_launch_row(launch) for launch in launches]
@@ -281,13 +282,14 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
 
 def profile_case(name: str, device, dtype, cache: int, calls: int = 50, top: int = 12) -> list[dict]:
     """The ``top`` entries by self CPU time of ``calls`` repeated calls of case ``name`` under
-    ``torch.profiler`` (CPU activity, and CUDA's on a GPU), after the first call of the signature:
+    ``torch.profiler`` (CPU activity, and CUDA's on a GPU), after the first three calls of the signature:
     what a call's host time goes to below Python (the autograd graph, allocations, the driver's
     launch), per call. Each entry: ``name``, ``calls`` (per call), ``self_cpu_us`` (per call)."""
     ours, _ = make_case(name, device, dtype, cache)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with use_backend("triton"), device_metadata(device):
-        ours()
+        for _ in range(3):  # plans made, direct launches learnt (``measure``)
+            ours()
         with profile(activities=activities) as prof:
             for _ in range(calls):
                 ours()
