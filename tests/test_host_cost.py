@@ -63,6 +63,35 @@ def test_the_bound_fails_when_every_call_does_the_first_calls_work(case, monkeyp
     assert calls > BOUNDS[case]
 
 
+def test_rounds_of_a_call_and_of_its_peer_alternate_and_their_ratios_give_the_median(monkeypatch):
+    """``time_beside`` times a round of the call, then one of the peer (inside its context), and so
+    on, so that both see the machine as it is in that round; the ratio is the median of the rounds'
+    ratios, not the ratio of the medians (here 2.0, where the medians' ratio would be 4 / 3)."""
+    order = []
+    rounds = {"ours": iter([2.0, 4.0, 9.0]), "peer": iter([1.0, 4.0, 3.0])}
+
+    def timed(fn, reps, count, device=None, warmup=3):
+        name = fn()
+        order.append((name, reps, count, warmup))
+        return next(rounds[name])
+
+    monkeypatch.setattr(host_cost, "time_calls", timed)
+    entered = []
+
+    class Context:
+        def __enter__(self):
+            entered.append(order[-1][0] if order else None)
+
+        def __exit__(self, *exc):
+            return False
+
+    us, peer_us, ratio = host_cost.time_beside(lambda: "ours", lambda: "peer", Context, reps=7, rounds=3)
+    assert [name for name, *_ in order] == ["ours", "peer"] * 3
+    assert all(reps == 7 and count == 1 and warmup == 0 for _, reps, count, warmup in order)
+    assert len(entered) == 3 + 3  # the peer's warming calls and each of its rounds inside its context
+    assert (us, peer_us, ratio) == (4.0, 3.0, 2.0)
+
+
 def test_the_call_counter_counts_every_frame():
     def leaf():
         return 1

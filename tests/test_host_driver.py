@@ -81,8 +81,8 @@ def test_every_case_runs_tritons_launcher_on_the_stub_driver_within_its_bound():
     for case, launches in LAUNCHES.items():
         row = rows[case]
         assert row["launches"] in launches, row
-        # The first call, the two learning ones, the recorded one, the counted one and 3 + 5 x 2
-        # timed ones: each launches.
+        # The first call, the two learning ones, the recorded one, the counted one, 3 warming and
+        # 5 rounds x 2 timed ones (``host_cost.time_beside``): each launches.
         assert row["stub_launches"] == row["launches"] * (1 + 2 + 1 + 1 + 3 + 5 * 2), row
         assert row["last"]["block"][0] % 32 == 0 and row["last"]["grid"][0] >= 1, row
         if bounds:

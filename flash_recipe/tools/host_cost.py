@@ -9,7 +9,9 @@ module measures that path two ways:
   (``tests/test_host_cost.py``).
 - **Microseconds per call** (``time_calls``): wall clock of calls issued back to back, no
   synchronisation inside the timed region (a GPU runs the kernels behind the host; the device is
-  synchronised before the clock starts and after it stops, outside the measurement).
+  synchronised before the clock starts and after it stops, outside the measurement). Rounds of
+  flash_recipe's call and of torch SDPA's alternate (``time_beside``), and the ratio is the median
+  of the rounds' ratios.
 
 With ``stubbed_launches()`` Triton's launch is replaced by a recorder: no kernel is compiled or
 run, and what remains is this package's own host work, on a CPU machine as on a GPU one (on the
@@ -144,11 +146,12 @@ def recorded_launches() -> Iterator[list]:
         jit.JITFunction.run, direct.ENABLED = run, enabled
 
 
-def time_calls(fn: Callable[[], object], reps: int = 200, rounds: int = 5, device=None) -> float:
-    """Median over ``rounds`` of the microseconds per call of ``reps`` calls issued back to back;
-    a CUDA ``device`` is synchronised before and after each round, outside the clock."""
+def time_calls(fn: Callable[[], object], reps: int = 200, rounds: int = 5, device=None, warmup: int = 3) -> float:
+    """Median over ``rounds`` of the microseconds per call of ``reps`` calls issued back to back,
+    after ``warmup`` calls; a CUDA ``device`` is synchronised before and after each round, outside
+    the clock."""
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     sync()
     per_call = []
@@ -160,6 +163,31 @@ def time_calls(fn: Callable[[], object], reps: int = 200, rounds: int = 5, devic
         sync()
         per_call.append(elapsed / reps * 1e6)
     return statistics.median(per_call)
+
+
+def time_beside(
+    fn: Callable[[], object],
+    peer: Callable[[], object],
+    peer_context: Callable,
+    reps: int = 200,
+    rounds: int = 5,
+    device=None,
+) -> tuple[float, float, float]:
+    """``(fn's, peer's microseconds per call, their ratio)``: each of ``rounds`` rounds times ``reps``
+    calls of ``fn`` back to back, then ``reps`` of ``peer`` inside ``peer_context()``, so that both
+    see the machine as it is in that round (a shared CPU's speed can change by half between
+    seconds); the medians of the rounds, and the median of the rounds' ratios."""
+    ours, theirs = [], []
+    for _ in range(3):  # warm
+        fn()
+        with peer_context():
+            peer()
+    for _ in range(rounds):
+        ours.append(time_calls(fn, reps, 1, device, warmup=0))
+        with peer_context():
+            theirs.append(time_calls(peer, reps, 1, device, warmup=0))
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return statistics.median(ours), statistics.median(theirs), statistics.median(ratios)
 
 
 def make_case(name: str, device, dtype, cache: int, shape: tuple = SHAPE) -> tuple[Callable, Callable]:
@@ -241,6 +269,9 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
     rows = []
     for name in cases:
         ours, sdpa = make_case(name, device, dtype, cache)
+        if device.type == "cpu":  # torch computes for real there: its host cost is its time on the least work
+            sdpa = make_case(name, device, dtype, 1, (1, 1, 1, 16))[1]
+        sdpa_context = torch.no_grad if name != "fwd_bwd" else contextlib.nullcontext
         with use_backend("triton"), device_metadata(device):
             if stub:
                 with stubbed_launches() as launches:
@@ -248,7 +279,8 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
                     before = len(launches)
                     ours()  # one call recorded: its launches and their arguments
                     launched = [_launch_row(launch) for launch in launches[before:]]
-                    by_origin, us = calls_by_origin(ours), time_calls(ours, reps, device=device)
+                    by_origin = calls_by_origin(ours)
+                    us, sdpa_us, ratio = time_beside(ours, sdpa, sdpa_context, reps, device=device)
             else:
                 ours()  # the first call of the signature: checks, choices, plans
                 ours()  # the second: each plan learns its direct launch (``ops.direct``)
@@ -256,12 +288,9 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
                 with recorded_launches() as launches:
                     ours()  # one call recorded: its launches and their arguments
                 launched = [_launch_row(launch) for launch in launches]
-                by_origin, us = calls_by_origin(ours), time_calls(ours, reps, device=device)
+                by_origin = calls_by_origin(ours)
+                us, sdpa_us, ratio = time_beside(ours, sdpa, sdpa_context, reps, device=device)
         comprehensions = by_origin.pop("comprehensions", 0)
-        if device.type == "cpu":  # torch computes for real there: its host cost is its time on the least work
-            sdpa = make_case(name, device, dtype, 1, (1, 1, 1, 16))[1]
-        with torch.no_grad() if name != "fwd_bwd" else contextlib.nullcontext():
-            sdpa_us = time_calls(sdpa, reps, device=device)
         rows.append(
             dict(
                 case=name,
@@ -270,7 +299,7 @@ def measure(device, dtype, cache: int, stub: bool, reps: int = 200, cases=CASES)
                 calls_by_origin=by_origin,
                 us=round(us, 1),
                 sdpa_us=round(sdpa_us, 1),
-                ratio=round(us / sdpa_us, 2),
+                ratio=round(ratio, 2),
                 launches=len(launched),
                 arguments=[count for _, count in launched],
                 kernels=[kernel for kernel, _ in launched],
