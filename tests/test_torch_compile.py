@@ -105,6 +105,24 @@ def test_compiling_emits_no_warning_from_flash_recipe(backend, flash_recipe_warn
     assert not flash_recipe_warnings()
 
 
+def test_a_processes_first_call_may_be_traced_whole():
+    """The first flash_recipe call of a fresh process may be one that torch.compile traces with
+    ``fullgraph=True``: the Triton backend imports its kernels' modules by import statements, which
+    Dynamo runs (it refuses to trace ``importlib.import_module``), so no eager call must come first."""
+    rows = compile_in_subprocess("""
+        import json, os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        import flash_recipe
+        q, k, v = (torch.randn(1, 16, 2, 16) for _ in range(3))
+        with flash_recipe.use_backend("triton"):
+            traced = torch.compile(flash_recipe.flash_attn_func, backend="aot_eager", fullgraph=True)
+            out = traced(q, k, v, causal=True)
+        print(json.dumps({"shape": list(out.shape), "finite": bool(out.isfinite().all())}))
+    """)
+    assert rows == [{"shape": [1, 16, 2, 16], "finite": True}]
+
+
 def _missing_in_subprocess(kernels: str) -> dict:
     """``inductor_source.missing_names`` of ``kernels`` (a Python expression there), compiled mode."""
     here = os.path.dirname(os.path.abspath(__file__))

@@ -140,10 +140,12 @@ class AttentionCall:
 CALL_FIELDS = Fields(AttentionCall)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class CacheCall:
     """A validated ``flash_attn_with_kvcache`` call; ``table`` int32 ``(B, width)`` addresses the
-    cache as pages of ``k_cache.shape[1]`` rows (a dense cache: one page per cache row).
+    cache as pages of ``k_cache.shape[1]`` rows (a dense cache: one page per cache row). Built on
+    every decoding step and never changed after: not frozen, whose ``__init__`` would set each of
+    its 13 fields through ``object.__setattr__``.
 
     ``q (B, Sq, H, D)``; ``k_cache, v_cache (num_pages, page_size, Hk, D)``; new ``k, v
     (B, Snew, Hk, D)`` or None; ``seqlens`` and ``leftpad`` int32 ``(B,)``.

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from triton.runtime.driver import driver
 
+from . import targets
+
 # False: every launch through JITFunction.run (the equivalence test's reference).
 ENABLED = True
 
@@ -295,14 +297,12 @@ def _inner_launchable(launcher: Any) -> bool:
     """Whether a direct launch may call ``launcher``'s own ``launch`` in its place: Triton's
     ``CudaLauncher`` under a release of ``INNER_RELEASES``, whose kernel has no global or profile
     scratch (which ``__call__`` allocates per launch) and runs without GSan."""
-    from triton.backends.nvidia.driver import CudaLauncher
-
-    from .targets import triton_release
+    from triton.backends.nvidia.driver import CudaLauncher  # the NVIDIA backend's, read where a plan learns
 
     first, last = INNER_RELEASES
     return (
         type(launcher) is CudaLauncher
-        and first <= triton_release() <= last
+        and first <= targets.triton_release() <= last
         and callable(vars(launcher).get("launch"))
         and getattr(launcher, "global_scratch_size", 0) == 0
         and getattr(launcher, "profile_scratch_size", 0) == 0
