@@ -18,30 +18,14 @@ _KERNELS: dict[str, Any] = {}
 
 
 def _kernels(name: str) -> Any:
-    """``flash_recipe.ops.<name>``, imported and kept in ``_KERNELS``. By import statements, which
-    Dynamo runs as it traces them, where it refuses to trace ``importlib.import_module``: the first
-    call of a process may be one that torch.compile traces with ``fullgraph=True``."""
-    module: Any
-    if name == "attention":
-        from ..ops import attention  # imports Triton, on first use: this module does not
+    """``flash_recipe.ops.<name>``, kept in ``_KERNELS`` with the other kernels' modules. Imported by
+    an import statement, which Dynamo runs as it traces it (it refuses to trace
+    ``importlib.import_module``): the first call of a process may be one that torch.compile traces
+    with ``fullgraph=True``."""
+    from ..ops import attention, dropout, forward, kvcache  # imports Triton, on first use: this module does not
 
-        module = attention
-    elif name == "kvcache":
-        from ..ops import kvcache  # imports Triton, on first use: this module does not
-
-        module = kvcache
-    elif name == "forward":
-        from ..ops import forward  # imports Triton, on first use: this module does not
-
-        module = forward
-    elif name == "dropout":
-        from ..ops import dropout  # imports Triton, on first use: this module does not
-
-        module = dropout
-    else:
-        raise ValueError(f"name must be 'attention', 'kvcache', 'forward' or 'dropout', got {name!r}")
-    _KERNELS[name] = module
-    return module
+    _KERNELS.update(attention=attention, dropout=dropout, forward=forward, kvcache=kvcache)
+    return _KERNELS[name]
 
 
 def score_options(call: AttentionCall, key_ranges: bool = False) -> ScoreOptions:

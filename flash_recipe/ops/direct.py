@@ -41,7 +41,7 @@ pre-run hooks, or a global value it read when compiled has changed, the launch g
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from triton.runtime.driver import driver
@@ -211,17 +211,8 @@ class DirectLaunch:
                 return
             compiled, slot = self.compiled, _launcher_slot(self.compiled)
             launcher = getattr(compiled, slot)
-            calls: list = []
-
-            def recording(*args):
-                calls.append(args)
-                return launcher(*args)
-
-            setattr(compiled, slot, recording)
-            try:
-                returned = kernel.run(grid=grid, warmup=False, **scalars, **tensors)
-            finally:
-                setattr(compiled, slot, launcher)
+            calls, returned = _recorded(compiled, slot, lambda: kernel.run(grid=grid, warmup=False, **scalars,
+                                                                           **tensors))
             self.state = OFF
             if returned is compiled and len(calls) == 1 and not hooks_set():
                 self._learn(kernel, launcher, grid, calls[0], tensors)
@@ -266,19 +257,10 @@ class DirectLaunch:
         """Launch through the launcher, its own ``launch`` wrapped for the one call, and go INNER if
         that call held this launch's grid and stream first, then values fixed for the plan, then
         this launch's arguments (the same objects) one by one or as one tuple."""
-        launcher, calls = self.launcher, []
+        launcher = self.launcher
         with _RECORDING:
-            own = vars(launcher)["launch"]
-
-            def recording(*values):
-                calls.append(values)
-                return own(*values)
-
-            launcher.launch = recording
-            try:
-                launcher(x, y, z, stream, function, metadata, None, None, None, *args)
-            finally:
-                launcher.launch = own
+            calls, _ = _recorded(launcher, "launch",
+                                 lambda: launcher(x, y, z, stream, function, metadata, None, None, None, *args))
         self.deeper = False
         if len(calls) != 1 or len(calls[0]) < 5 or calls[0][:4] != (x, y, z, stream):
             return
@@ -291,6 +273,23 @@ class DirectLaunch:
         else:
             return
         self.state = INNER
+
+
+def _recorded(holder: Any, name: str, launch: Callable[[], Any]) -> tuple[list, Any]:
+    """``(the calls holder.<name> received, what launch() returned)``: ``launch()`` run with that
+    attribute wrapped to record its arguments, and put back after (callers hold ``_RECORDING``)."""
+    own, calls = getattr(holder, name), []
+
+    def recording(*values):
+        calls.append(values)
+        return own(*values)
+
+    setattr(holder, name, recording)
+    try:
+        returned = launch()
+    finally:
+        setattr(holder, name, own)
+    return calls, returned
 
 
 def _inner_launchable(launcher: Any) -> bool:

@@ -433,20 +433,17 @@ def attention_forward(
 
     Args:
         q: ``(B, Sq, H, D)``; k, v: ``(B, Sk, Hk, D)``; or with ``varlen``: ``(total_q, H, D)`` and
-            ``(total_k, Hk, D)``; or with a paged ``keys``: ``(num_pages, page_size, Hk, D)``.
-            Last dim contiguous, ``H % Hk == 0``.
+            ``(total_k, Hk, D)``; or with a paged ``keys``: ``(num_pages, page_size, Hk, D)``. Last
+            dim contiguous, ``H % Hk == 0``.
         options: the scale, masks and score options (``ScoreOptions``).
         keys: per-batch key rows (a KV cache); each batch aligns its diagonal bottom-right.
-        num_splits: > 1 (with ``keys``) splits every row's keys into that many shares run by
-            separate programs, then merges them (``split_merge.split_combine_kernel``): more parallelism for
-            few query rows.
-        kernel: the launch configuration to use, ``"fwd"`` or ``"decode"`` (small query blocks);
-            ``"fwd"`` becomes ``"fwd_general"`` with varlen, key ranges, softcap, ALiBi, dropout or a
-            head dim that is not a power of two from 16 to 256 (masked columns).
+        num_splits: > 1 (with ``keys``) splits every row's keys into that many shares run by separate
+            programs, then merged (``split_merge.split_combine_kernel``): parallelism for few query rows.
+        kernel: the launch configuration, ``"fwd"`` or ``"decode"`` (small query blocks); ``"fwd"`` is
+            ``"fwd_general"`` with varlen, key ranges, softcap, ALiBi, dropout or a masked head dim.
         pack_gqa: whether one program serves a whole GQA group (``gqa_packing``); None decides by
-            that rule, False never packs (for comparisons).
-        signed: the token of the public call whose fields alone gave every argument
-            (``AttentionCall.signature``, ``TritonBackend.run``), or None; it keys the plan (``_plan_key``).
+            that rule, False never packs (for comparisons). ``signed``: the token of the public call
+            whose fields alone gave every argument (``TritonBackend.run``), or None; it keys the plan.
 
     Returns:
         ``out`` shaped like q, in q's dtype, and ``lse`` float32 (natural log): ``(B, H, Sq)``, or
@@ -487,17 +484,15 @@ _PLANS = Memo()
 
 
 def _plan_key(q, k, v, options, varlen, keys, num_splits, kernel, pack_gqa, signed=None) -> Optional[tuple]:
-    """The signature that decides a forward launch: tensors, options (a ``signed`` token stands for
-    both without key ranges: a dropout seed is drawn anew, an int64 ``(1,)`` on q's device), and the
-    settings that can change at run time (tensor descriptors, tuned configurations); None: not memoized."""
+    """The signature that decides a forward launch: tensors and options (a ``signed`` token stands for
+    both without key ranges; a dropout seed is drawn anew, an int64 ``(1,)`` on q's device), and the
+    run-time settings (tensor descriptors, tuned configurations); None: not memoized."""
     state = choose.plan_state()
     if state is None:
         return None
     if signed is not None and keys is None:
         found: Optional[tuple] = ("signed", signed, options.seed is None, num_splits, kernel, pack_gqa, varlen is None)
-    else:
-        # Every field of the records (``options.SCORE_FIELDS``...), none by hand, and which records the
-        # call has: ``keys`` as the caller passed them (those that varlen implies follow from its fields).
+    else:  # every field of the records, none by hand, and which records the call has (keys as passed)
         tensors = (q, k, v) + SCORE_FIELDS.tensors_of(options)
         values = SCORE_FIELDS.values_of(options) + (num_splits, kernel, pack_gqa, varlen is None, keys is None)
         if varlen is not None:
