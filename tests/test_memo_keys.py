@@ -252,9 +252,9 @@ def test_a_public_calls_forward_plan_is_keyed_by_its_token(monkeypatch):
     _entries(forward, "_PLANS", monkeypatch, run, FLASH, _names(FlashOptions))
     assert len(planned) == len(_names(FlashOptions)) + 1
     # A call of another layout is another signature: another token, another plan.
-    run_t = torch.zeros(B, H, SQ, D).transpose(1, 2)
+    transposed = torch.zeros(B, H, SQ, D).transpose(1, 2)
     before = len(planned)
-    backend.run(call_builder.build_flash_call(run_t, k, v, FLASH))
+    backend.run(call_builder.build_flash_call(transposed, k, v, FLASH))
     assert len(planned) == before + 1
 
 
