@@ -118,6 +118,7 @@ SPILL_BUDGET_MAX_HEAD_DIM = 128
 _CI_CALLS = ("fwd", "options", "bwd", "decode", "decode_paged")
 _CI_HEAD_DIMS, _SMALL_HEAD_DIMS = (64, 128, 256), (16, 32)
 FAMILY_TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120", "gfx942")
+ONE_LAUNCH_TARGETS = ("sm80", "sm86", "sm90", "sm100", "sm120")  # a target of each of configs.ONE_LAUNCH_FAMILIES
 ALL = (CALLS, DTYPES, HEAD_DIM_BUCKETS, FORMS, TARGETS)
 PRESETS = {
     "ci": [
@@ -136,9 +137,9 @@ PRESETS = {
         (("int8",), ("bfloat16",), (128,), ("ragged",), FAMILY_TARGETS),
         (("folded",), ("bfloat16",), (128,), ("aligned",), ("sm80", "sm90", "sm100", "gfx942")),
         (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
-        # The one-launch backward where it is a candidate (``configs.ONE_LAUNCH_FAMILIES``).
-        (("one_launch",), ("bfloat16",), (128,), ("aligned",), ("sm90", "sm100")),
-        (("one_launch",), ("bfloat16",), (64,), ("aligned",), ("sm90",)),
+        # The one-launch backward where it is a candidate (``configs.ONE_LAUNCH_FAMILIES``): its two
+        # rows on one target per NVIDIA family.
+        (("one_launch",), ("bfloat16",), (64, 128), ("aligned",), ONE_LAUNCH_TARGETS),
     ],
     "full": [
         (_CI_CALLS, ("bfloat16",), _CI_HEAD_DIMS, ("aligned",), TARGETS),
@@ -160,7 +161,7 @@ PRESETS = {
         (("folded",), ("bfloat16",), (128,), ("aligned",), ("sm80", "sm90", "sm100", "gfx942")),
         # The warp-specialised forward where it is offered (``ops.features.WARP_SPEC_FAMILIES``).
         (("fwd_ws",), ("bfloat16",), _SMALL_HEAD_DIMS + (64, 128), ("aligned",), ("sm100",)),
-        (("one_launch",), ("bfloat16",), (16, 32, 64, 128), FORMS, ("sm90", "sm100")),
+        (("one_launch",), ("bfloat16",), (16, 32, 64, 128), FORMS, ONE_LAUNCH_TARGETS),
     ],
     "compat": [
         (("fwd", "bwd", "decode", "decode_paged"), ("bfloat16",), (128,), FORMS, ("sm80", "sm90")),

@@ -510,7 +510,8 @@ def test_the_presets_select_what_ci_and_compat_compile():
     (``varlen``, ``paged``): every head dim aligned in bf16 on one target per family. Attention
     sinks (``sinks``): head dim 128 on every target, 64 on one per family, aligned in bf16. Folded
     grids (``folded``): head dim 128 aligned in bf16 on sm80, sm90, sm100 and gfx942. The one-launch
-    backward (``one_launch``): head dims up to 128, both forms, bf16, on sm90 and sm100. ``--preset
+    backward (``one_launch``): head dims up to 128, both forms, bf16, on a target of each NVIDIA
+    family (sm80, sm86, sm90, sm100, sm120; its two rows, 64 and 128, aligned in ci). ``--preset
     ci`` is part of full: the forward, backward and decode step at head dim 128 on every target, the
     other configuration rows on each family target, every call, dtype, form, head-dim bucket and
     target of full, each family target in fp32 and ragged. ``--preset compat``: 4 calls at
@@ -557,9 +558,14 @@ def test_the_presets_select_what_ci_and_compat_compile():
     }
     one_launch = [(c, t) for c, t in rest if c.call == "one_launch"]  # where it is a candidate
     assert {(c.head_dim, c.form, c.dtype, t) for c, t in one_launch} == {
-        (d, f, "bfloat16", t) for d in (16, 32, 64, 128) for f in ("aligned", "ragged") for t in ("sm90", "sm100")
+        (d, f, "bfloat16", t)
+        for d in (16, 32, 64, 128)
+        for f in ("aligned", "ragged")
+        for t in ("sm80", "sm86", "sm90", "sm100", "sm120")
     }
-    assert {(c.head_dim, t) for c, t in ci if c.call == "one_launch"} == {(128, "sm90"), (128, "sm100"), (64, "sm90")}
+    assert {(c.head_dim, c.form, t) for c, t in ci if c.call == "one_launch"} == {
+        (d, "aligned", t) for d in (64, 128) for t in ("sm80", "sm86", "sm90", "sm100", "sm120")
+    }
     rest = [(c, t) for c, t in rest if c.call not in ("sinks", "int8", "fwd_ws", "folded", "one_launch")]
     packed = [(c, t) for c, t in rest if c.call in ("varlen", "paged")]
     assert len(packed) == 2 * 5 * len(compile_check.FAMILY_TARGETS)

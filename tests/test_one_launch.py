@@ -115,6 +115,48 @@ def test_one_launch_meets_the_rule(device):
         assert_accurate(name, got[i].float(), truth[i].float(), same[i].float(), FACTORS[name])
 
 
+# The tiles GPU launches take (``configs.ONE_LAUNCH`` rows of every family but the interpreter's):
+# (BLOCK_M, BLOCK_N), a key block's query step over its keys, the dQ programs' key step over their rows.
+GPU_TILES = sorted(
+    {
+        tuple(config[:2])
+        for family in configs.ONE_LAUNCH_FAMILIES
+        if family != "interpreter"
+        for _, _, config in configs._TABLE[(family, configs.ONE_LAUNCH)]
+    }
+)
+
+
+@pytest.mark.parametrize("tile", GPU_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_the_gpu_tiles_meet_the_rule_and_equal_the_three_kernels(tile, device, launches):
+    """Causal GQA with sinks, both lengths off every block size, on each tile a GPU family's table
+    gives the one launch: dQ, dK and dV by the accuracy rule, and bit-identical to the three kernels
+    on the same tiles (dK/dV ``BLOCK_M x BLOCK_N``, dQ its transpose)."""
+    block_m, block_n = tile
+    q, dout = (_rand(1, 150, 4, 64, device=device, seed=s) for s in (1, 2))
+    k, v = (_rand(1, 139, 2, 64, device=device, seed=s) for s in (3, 4))
+    sinks = torch.linspace(-1.0, 1.0, 4, device=device)
+    one_launch = configs.Config(block_m, block_n, 4, 1)
+    with choose.overriding(configs.ONE_LAUNCH, 64, 2, one_launch):
+        got = _grads("one_launch", q, k, v, dout, sinks=sinks, causal=True)
+    with (
+        choose.overriding("bwd_dkdv", 64, 2, one_launch),
+        choose.overriding("bwd_dq", 64, 2, configs.Config(block_n, block_m, 4, 1)),
+    ):
+        three = _grads("three_kernels", q, k, v, dout, sinks=sinks, causal=True)
+    assert launches[0] == "one_launch" and "one_launch" not in launches[1:]
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), got, three):
+        assert torch.equal(a, b), name
+    results = []
+    for dtype in (torch.float32, torch.float16):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]
+        out, _ = attention_reference(*leaves[:3], causal=True, upcast=False, sinks=leaves[3])
+        results.append(torch.autograd.grad(out, leaves, dout.to(dtype)))
+    truth, same = results
+    for i, name in enumerate(("dq", "dk", "dv", "dsink")):
+        assert_accurate(name, got[i].float(), truth[i].float(), same[i].float(), FACTORS[name])
+
+
 def test_one_launch_is_bit_identical_from_run_to_run_and_deterministic_keeps_it(device, launches):
     q, dout = (_rand(1, 64, 4, 64, device=device, seed=s) for s in (1, 2))
     k, v = (_rand(1, 96, 2, 64, device=device, seed=s) for s in (3, 4))
@@ -132,15 +174,22 @@ def test_fp32_with_its_own_lse_takes_the_three_kernels(device, launches):
 
 
 def test_where_the_one_launch_backward_is_offered():
-    """Its tiles are in the table for Hopper, Blackwell and the interpreter, fp16/bf16 up to head
-    dim 128; elsewhere its path becomes the three kernels."""
+    """Its tiles are in the table for every NVIDIA family and the interpreter, fp16/bf16 up to head
+    dim 128 (each family its own: sm89 takes sm86's, sm121 sm120's); AMD has none, and wherever a
+    call has no row its path becomes the three kernels."""
     assert configs.has_config("sm90", configs.ONE_LAUNCH, 128, 2)
     assert configs.get_config("sm90", configs.ONE_LAUNCH, 128, 2) == configs.Config(32, 128, 8, 2)
     assert configs.get_config("sm100", configs.ONE_LAUNCH, 96, 2) == configs.Config(64, 128, 8, 1)
     assert configs.get_config("interpreter", configs.ONE_LAUNCH, 256, 4) == configs.Config(32, 32, 1, 1)
+    assert configs.get_config("sm80", configs.ONE_LAUNCH, 64, 2) == configs.Config(64, 64, 4, 1)
+    assert configs.get_config("sm89", configs.ONE_LAUNCH, 64, 2) == configs.Config(64, 64, 4, 3)
+    assert configs.get_config("sm121", configs.ONE_LAUNCH, 32, 2) == configs.Config(32, 64, 4, 2)
+    for target in ("sm80", "sm86", "sm89", "sm120", "sm121"):
+        assert configs.get_config(target, configs.ONE_LAUNCH, 128, 2) == configs.Config(64, 64, 8, 2)
     assert not configs.has_config("sm90", configs.ONE_LAUNCH, 256, 2)
     assert not configs.has_config("sm90", configs.ONE_LAUNCH, 64, 4)
-    assert not configs.has_config("sm80", configs.ONE_LAUNCH, 64, 2)
+    assert not configs.has_config("sm80", configs.ONE_LAUNCH, 64, 4)
+    assert not configs.has_config("gfx942", configs.ONE_LAUNCH, 64, 2)
     with pytest.raises(ValueError, match="no launch configuration"):
-        configs.get_config("sm86", configs.ONE_LAUNCH, 64, 2)
+        configs.get_config("sm86", configs.ONE_LAUNCH, 256, 2)
     assert all(path != "one_launch" for paths in configs.BACKWARD_PATHS.values() for path in paths.values())

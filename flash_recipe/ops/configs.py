@@ -68,7 +68,7 @@ KERNELS = ("fwd", "fwd_general", "bwd_dkdv", "bwd_dq", "bwd_onepass", "decode") 
 # the campaign's shoot-out time against the other paths, the default of no family until a GPU
 # measures it faster; rows only in these families, at fp16/bf16 and head dims up to 128.
 ONE_LAUNCH = "bwd_onelaunch"
-ONE_LAUNCH_FAMILIES = ("sm90", "sm100", "interpreter")
+ONE_LAUNCH_FAMILIES = ("sm80", "sm86", "sm90", "sm100", "sm120", "interpreter")
 ARCHS = ("sm80", "sm86", "sm90", "sm100", "sm120", "amd", "interpreter")
 
 Rows = tuple[tuple[int, int, Config], ...]  # (max head-dim bucket, max element size, Config)
@@ -238,9 +238,31 @@ _FAMILY_ROWS: dict[str, dict[str, Rows]] = {
             (256, 4, Config(16, 32, 4, 1)),
         ),
         "decode": _DECODE,
+        # torch's FlexAttention default on sm8x (64/64/64/64, 4 warps, 2 stages) spills with GQA at
+        # head dim 64 (1 stage does not) and at 128 with 4 warps (8 do not)
+        ONE_LAUNCH: (
+            (64, 2, Config(64, 64, 4, 1)),
+            (128, 2, Config(64, 64, 8, 2)),
+        ),
     },
-    "sm86": _SM86,
-    "sm120": _SM86,
+    "sm86": {
+        **_SM86,
+        # FlexAttention's sm86 default (64/64/64/64, 4 warps; 2 stages at head dim 64, 3 at 128): 2 stages
+        # spill at 64 (3 do not); at 128 its 3 stages need 105 KiB and 4 warps spill (8 warps, 2 stages do not)
+        ONE_LAUNCH: (
+            (64, 2, Config(64, 64, 4, 3)),
+            (128, 2, Config(64, 64, 8, 2)),
+        ),
+    },
+    "sm120": {
+        **_SM86,
+        # FlexAttention's sm12x default (64/64/64/64, 4 warps; 2 stages at head dim 64, 1 at 128) spills
+        # with GQA at 64 (32-key steps do not) and at 128 with 4 warps (8 warps, 2 stages do not)
+        ONE_LAUNCH: (
+            (64, 2, Config(32, 64, 4, 2)),
+            (128, 2, Config(64, 64, 8, 2)),
+        ),
+    },
     "sm90": _SM90,
     # sm100 (B200, 227 KiB, tcgen05): Hopper's tiles except where they spill or trap
     "sm100": {
