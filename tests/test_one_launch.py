@@ -181,7 +181,7 @@ def test_where_the_one_launch_backward_is_offered():
     assert configs.get_config("sm90", configs.ONE_LAUNCH, 128, 2) == configs.Config(32, 128, 8, 2)
     assert configs.get_config("sm100", configs.ONE_LAUNCH, 96, 2) == configs.Config(64, 128, 8, 1)
     assert configs.get_config("interpreter", configs.ONE_LAUNCH, 256, 4) == configs.Config(32, 32, 1, 1)
-    assert configs.get_config("sm80", configs.ONE_LAUNCH, 64, 2) == configs.Config(64, 64, 4, 1)
+    assert configs.get_config("sm80", configs.ONE_LAUNCH, 64, 2) == configs.Config(32, 64, 4, 2)
     assert configs.get_config("sm89", configs.ONE_LAUNCH, 64, 2) == configs.Config(64, 64, 4, 3)
     assert configs.get_config("sm121", configs.ONE_LAUNCH, 32, 2) == configs.Config(32, 64, 4, 2)
     for target in ("sm80", "sm86", "sm89", "sm120", "sm121"):
