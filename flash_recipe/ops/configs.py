@@ -257,7 +257,7 @@ _FAMILY_ROWS: dict[str, dict[str, Rows]] = {
     "sm120": {
         **_SM86,
         # FlexAttention's sm12x default (64/64/64/64, 4 warps; 2 stages at head dim 64, 1 at 128) spills
-        # with GQA at 64 (32-key steps do not) and at 128 with 4 warps (8 warps, 2 stages do not)
+        # with GQA at 64 (32-query steps do not) and at 128 with 4 warps (8 warps, 2 stages do not)
         ONE_LAUNCH: (
             (64, 2, Config(32, 64, 4, 2)),
             (128, 2, Config(64, 64, 8, 2)),
