@@ -178,8 +178,10 @@ def test_where_the_one_launch_backward_is_offered():
     dim 128 (each family its own: sm89 takes sm86's, sm121 sm120's); AMD has none, and wherever a
     call has no row its path becomes the three kernels."""
     assert configs.has_config("sm90", configs.ONE_LAUNCH, 128, 2)
-    assert configs.get_config("sm90", configs.ONE_LAUNCH, 128, 2) == configs.Config(32, 128, 8, 2)
-    assert configs.get_config("sm100", configs.ONE_LAUNCH, 96, 2) == configs.Config(64, 128, 8, 1)
+    # sm90: FlexAttention's own tile (64/128/128/64, 8 warps, 3 stages); sm100: it with 8 warps
+    assert configs.get_config("sm90", configs.ONE_LAUNCH, 128, 2) == configs.Config(64, 128, 8, 3)
+    assert configs.get_config("sm90", configs.ONE_LAUNCH, 64, 2) == configs.Config(64, 128, 8, 3)
+    assert configs.get_config("sm100", configs.ONE_LAUNCH, 96, 2) == configs.Config(64, 128, 8, 3)
     assert configs.get_config("interpreter", configs.ONE_LAUNCH, 256, 4) == configs.Config(32, 32, 1, 1)
     assert configs.get_config("sm80", configs.ONE_LAUNCH, 64, 2) == configs.Config(32, 64, 4, 2)
     assert configs.get_config("sm89", configs.ONE_LAUNCH, 64, 2) == configs.Config(64, 64, 4, 3)

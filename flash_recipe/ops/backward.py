@@ -5,6 +5,10 @@ Shapes (legend as in ``forward``)::
     dout, q, out (B, Sq, H, D)   k, v (B, Sk, Hk, D)   lse (B, H, Sq) float32
         ->   dq (B, Sq, H, D)   dk, dv (B, Sk, Hk, D)
 
+The dQ and dK/dV kernels read dout through q's strides and v through k's: the launcher gives each
+pair one layout (``backward_launch.shared_layout``), so each pair's tiles share one set of
+addresses, whose registers a second set would take from Hopper's 64 x 128 tiles (they spill).
+
 The deterministic path: three kernels, none of which uses atomics, so gradients are bit-identical
 from run to run:
 
@@ -115,7 +119,7 @@ def attn_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_inner(
     b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, slope_base, stride_qm,
-    stride_dom, stride_dqm, stride_qh, stride_doh, stride_lh, stride_dqh, group_size, seqlen_q, seqlen_k, head_dim,
+    stride_dqm, stride_qh, stride_lh, stride_dqh, group_size, seqlen_q, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, start, end, seed, rng_base, rng_stride,
     dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -128,9 +132,17 @@ def _dkdv_inner(
     heads that share this kv head; tiles are ``[keys, queries]``.
 
     The ``*_base`` pointers are the group's first head's (``slope_base``: its ALiBi slope,
-    ``rng_base``: its dropout offset); head ``g`` adds ``g`` times the head's stride. One loop walks
-    every (head, query block) pair (``GROUPED``: more than one head): a loop over the heads around
-    this one spills at head dims 64 and 128 where the single loop does not.
+    ``rng_base``: its dropout offset); head ``g`` adds ``g`` times the head's stride. dO is read
+    through Q's strides (``stride_qm``, ``stride_qh``: the launcher gives both one layout), so the
+    two tiles share one set of addresses. One loop walks every (head, query block) pair
+    (``GROUPED``: more than one head), each step's head and block derived from the step count: a
+    loop over the heads around this one spills at head dims 64 and 128, and so does a head and
+    block carried from step to step once the loop is pipelined (Hopper's 64 x 128 tile, 3 stages).
+    A masked stage's loop (a few diagonal or edge blocks) is not pipelined (``num_stages=1``): its
+    mask's registers beside a pipeline's spill that tile too.
+
+    Per step, ``dV += P^T dO`` comes before ``dP^T = V dO^T``: P in the input dtype is dead before
+    dP is live (the other order spills that tile with GQA).
 
     With ``ATOMIC_DQ`` (the one-pass backward) it also adds each block pair's ``dS K * scale`` to the
     fp32 rows at ``dq_base`` with atomic adds: the fifth product, where the dQ kernel would recompute
@@ -150,21 +162,23 @@ def _dkdv_inner(
     sees the key block's BLOCK_N keys, and the launcher routes a single key there too
     (``attn_bwd_dkdv_kernel``).
     """
-    # One step per (head, query block) pair; with a group (``GROUPED``) the head ``g`` and the block
-    # ``start_m`` are carried from step to step (no division).
+    # One step per (head, query block) pair: with a group (``GROUPED``) head ``g``, block ``step %
+    # n_blocks``.
     n_blocks = tl.cdiv(end - start, BLOCK_M)
     g = 0
-    start_m = start
     if GROUPED:
         g = tl.zeros([], dtype=tl.int64)
-    for step in range(0, loop_bound(n_blocks * group_size)):
-        if not GROUPED:
+    for step in tl.range(0, loop_bound(n_blocks * group_size), num_stages=1 if MASKED else None):
+        if GROUPED:
+            g = (step // n_blocks).to(tl.int64)
+            start_m = start + (step % n_blocks) * BLOCK_M
+        else:
             start_m = start + step * BLOCK_M
         start_m = tl.multiple_of(start_m, BLOCK_M)
         o_m = start_m + o_r  # query rows [BLOCK_M]
         # [BLOCK_M, BLOCK_D] each
         b_q = load_tile(q_base + g * stride_qh, start_m, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)
-        b_do = load_tile(do_base + g * stride_doh, start_m, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M,
+        b_do = load_tile(do_base + g * stride_qh, start_m, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M,
                          MASK_D)
         row_base = g * stride_lh  # LSE, DELTA, LSE_FIX and SINK_DELTA share a layout
         # Rows past seqlen_q load q = dO = 0, lse = delta = 0: dV and dK get nothing from them.
@@ -195,16 +209,17 @@ def _dkdv_inner(
         if MASKED and EXACT_ONE_KEY:
             m_one = sees_one_key(o_m, seqlen_k, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT)[None, :]  # [1, BLOCK_M]
             b_pt = tl.where(m_one & (b_st > float("-inf")), 1.0, b_pt)
-        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
             # out uses P * keep / (1 - p): so do dV and, through dP, dS.
             m_keep = dropout_keep(seed, rng_base + row_base * rng_stride, o_m[None, :], o_n[:, None], rng_stride,
                                   dropout_p)
             b_pt_kept = tl.where(m_keep, b_pt / (1.0 - dropout_p), 0.0)
             b_dv = tl.dot(b_pt_kept.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
+            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
             b_dpt = tl.where(m_keep, b_dpt / (1.0 - dropout_p), 0.0)
         else:
             b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, b_dv, input_precision="ieee")
+            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         b_dst = b_pt * (b_dpt - b_delta[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED and EXACT_ONE_KEY:
             b_dst = tl.where(m_one, 0.0, b_dst)
@@ -235,11 +250,6 @@ def _dkdv_inner(
             else:
                 tl.atomic_add(p_dq, b_dq * sm_scale, mask=(o_m[:, None] < seqlen_q) & (o_d[None, :] < head_dim),
                               sem="relaxed")
-        if GROUPED:  # the next query block, or the next head's first
-            start_m += BLOCK_M
-            wrap = start_m >= end
-            start_m = tl.where(wrap, start, start_m)
-            g = tl.where(wrap, g + 1, g)
     return b_dk, b_dv
 
 
@@ -264,8 +274,6 @@ def dkdv_program(
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, DQ_ACC, SINK_DELTA, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     stride_dqab, stride_dqam, stride_dqah,
@@ -296,9 +304,9 @@ def dkdv_program(
     o_d = tl.arange(0, BLOCK_D)
 
     k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
-    v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
+    v_base = V + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
     b_k = load_tile(k_base, k_start, stride_kn, seqlen_k, head_dim, o_c, o_d, not EVEN_N, MASK_D)  # [BLOCK_N, BLOCK_D]
-    b_v = load_tile(v_base, k_start, stride_vn, seqlen_k, head_dim, o_c, o_d, not EVEN_N, MASK_D)  # [BLOCK_N, BLOCK_D]
+    b_v = load_tile(v_base, k_start, stride_kn, seqlen_k, head_dim, o_c, o_d, not EVEN_N, MASK_D)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     begin, full_begin, full_end, end = query_blocks(k_start, seqlen_q, lo_offset, hi_offset, MASK_LEFT, MASK_RIGHT,
@@ -310,7 +318,7 @@ def dkdv_program(
     # The group's first query head; ``_dkdv_inner`` walks its heads and their query blocks in one loop.
     i_h = (i_hk * group_size).to(tl.int64)
     q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h * stride_qh
-    do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h * stride_doh
+    do_base = DO + i_b * stride_qb + bos_q * stride_qm + i_h * stride_qh
     lse_base = LSE + i_b * stride_lb + i_h * stride_lh + bos_q
     delta_base = DELTA + i_b * stride_lb + i_h * stride_lh + bos_q
     fix_base = LSE_FIX  # None unless FIX_LSE
@@ -335,9 +343,9 @@ def dkdv_program(
         lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
         b_dk, b_dv = _dkdv_inner(
             b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, slope_base,
-            stride_qm, stride_dom, stride_dqam, stride_qh, stride_doh, stride_lh, stride_dqah, group_size, seqlen_q,
-            seqlen_k, head_dim, lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, lo, hi, seed,
-            rng_base, rng_stride, dropout_p,
+            stride_qm, stride_dqam, stride_qh, stride_lh, stride_dqah, group_size, seqlen_q, seqlen_k, head_dim,
+            lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride,
+            dropout_p,
             stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, EXACT_ONE_KEY,
             FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED, DQ_TRANSPOSED,
         )
@@ -375,8 +383,6 @@ def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, DQ_ACC, SINK_DELTA, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     stride_dqab, stride_dqam, stride_dqah,
@@ -408,11 +414,10 @@ def attn_bwd_dkdv_kernel(
             return
     dkdv_program(
         i_n, i_hk, i_b, Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, DQ_ACC, SINK_DELTA, SLOPES, CU_Q, CU_K, SEED,
-        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-        stride_dvh, stride_dqab, stride_dqam, stride_dqah, stride_lb, stride_lh, stride_sb, nheads, group_size,
-        seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset, window_left,
-        window_right, dropout_p, rng_stride, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
+        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_dkb, stride_dkn, stride_dkh,
+        stride_dvb, stride_dvn, stride_dvh, stride_dqab, stride_dqam, stride_dqah, stride_lb, stride_lh, stride_sb,
+        nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
+        window_left, window_right, dropout_p, rng_stride, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
         BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M, EVEN_N, MASK_D, EXACT_ONE_KEY, FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ,
         SINK_ROWS, GROUPED, DQ_TRANSPOSED,
     )
@@ -420,7 +425,7 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    b_dq, b_psum, b_pdp, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+    b_dq, b_psum, b_pdp, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, seqlen_k, head_dim,
     lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, start, end,
     seed, rng_base, rng_stride, dropout_p,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -430,10 +435,10 @@ def _dq_inner(
     """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks.
     With ``FIX_LSE`` also each row's sum of the recomputed probabilities, ``b_psum [BLOCK_M]``; with
     ``SINK_ROWS`` each row's sum of P dP, ``b_pdp [BLOCK_M]`` (masked keys have P = 0)."""
-    for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
+    for start_n in tl.range(loop_bound(start), loop_bound(end), BLOCK_N, num_stages=1 if MASKED else None):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
-        b_v = load_tile(v_base, start_n, stride_vn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = load_tile(v_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         b_s, b_t = scores(b_qk, o_m[:, None], (start_n + o_n)[None, :], seqlen_k, lo_offset, hi_offset, diag_offset,
                           sm_scale, softcap, slope, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
@@ -459,8 +464,6 @@ def dq_program(
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS, SINK_DELTA,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
@@ -488,11 +491,11 @@ def dq_program(
     o_d = tl.arange(0, BLOCK_D)
 
     q_base = Q + i_b * stride_qb + bos_q * stride_qm + i_h.to(tl.int64) * stride_qh
-    do_base = DO + i_b * stride_dob + bos_q * stride_dom + i_h.to(tl.int64) * stride_doh
+    do_base = DO + i_b * stride_qb + bos_q * stride_qm + i_h.to(tl.int64) * stride_qh
     k_base = K + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
-    v_base = V + i_b * stride_vb + bos_k * stride_vn + i_hk.to(tl.int64) * stride_vh
+    v_base = V + i_b * stride_kb + bos_k * stride_kn + i_hk.to(tl.int64) * stride_kh
     b_q = load_tile(q_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # [BLOCK_M, BLOCK_D]
-    b_do = load_tile(do_base, q_start, stride_dom, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # like b_q
+    b_do = load_tile(do_base, q_start, stride_qm, seqlen_q, head_dim, o_r, o_d, not EVEN_M, MASK_D)  # like b_q
     row_base = i_b * stride_lb + i_h.to(tl.int64) * stride_lh + bos_q
     if EVEN_M:
         b_lse = tl.load(LSE + row_base + o_m)  # [BLOCK_M]
@@ -524,7 +527,7 @@ def dq_program(
     for stage in tl.static_range(3):
         lo, hi = stage_bounds(stage, begin, full_begin, full_end, end)
         b_dq, b_psum, b_pdp = _dq_inner(
-            b_dq, b_psum, b_pdp, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, stride_vn, seqlen_k, head_dim,
+            b_dq, b_psum, b_pdp, b_q, b_do, b_lse, b_delta, k_base, v_base, stride_kn, seqlen_k, head_dim,
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, slope, o_m, o_n, o_d, lo, hi,
             seed, rng_base, rng_stride, dropout_p,
             stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, MASK_D, BLOCK_N, FIX_LSE, SINK_ROWS,
@@ -558,8 +561,6 @@ def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS, SINK_DELTA,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_sb,
     nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
@@ -591,8 +592,8 @@ def attn_bwd_dq_kernel(
             return
     dq_program(
         i_m, i_h, i_b, Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS, SINK_DELTA,
-        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
+        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_dqb, stride_dqm, stride_dqh,
+        stride_lb, stride_lh,
         stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap,
         diag_offset, window_left, window_right, dropout_p, rng_stride,
         MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,

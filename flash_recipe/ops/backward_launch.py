@@ -64,7 +64,8 @@ def attention_backward(
     Args:
         dout, q, out: ``(B, Sq, H, D)`` (varlen: ``(total_q, H, D)``); k, v: ``(B, Sk, Hk, D)``
             (varlen: ``(total_k, Hk, D)``); lse as returned by ``attention_forward`` with the same
-            ``options`` and ``varlen``. ``dout`` may have any strides.
+            ``options`` and ``varlen``. Any strides: where dout's differ from q's, or
+            v's from k's, one of the pair is copied (``shared_layout``).
         own_lse: ``out`` and ``lse`` are this attention's own, so a row that sees one key has
             dS = 0 exactly (``sees_one_key``). False: they may be those of a larger attention of
             which k, v are one block (ring attention), where that row's dS is not 0.
@@ -87,6 +88,8 @@ def attention_backward(
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    q, dout = shared_layout(q, dout)
+    k, v = shared_layout(k, v)
     key = _plan_key(dout, q, k, v, out, lse, options, varlen, own_lse, deterministic)
     found = _PLANS.get(key) if key is not None else None
     if found is None:  # a planned signature has keys and query rows: only a new one can be empty
@@ -97,6 +100,28 @@ def attention_backward(
     elif found.tuned:
         choose.record_tuned(found.tuned)
     return run_backward(found, dout, q, k, v, out, lse, options, varlen)
+
+
+def shared_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` (one shape) with one set of strides, as the backward kernels read them (q's
+    for dout, k's for v: ``backward``): as given where they share strides (no copy); else ``b``
+    copied into ``a``'s layout where ``a`` is dense (its elements fill its span, in any order),
+    or both made contiguous (``a`` a view into a larger tensor, as q of a packed qkv)."""
+    if a.stride() == b.stride():
+        return a, b
+    if _dense(a):
+        return a, torch.empty_strided(a.shape, a.stride(), dtype=b.dtype, device=b.device).copy_(b)
+    return a.contiguous(), b.contiguous()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill the span of its strides: some order of its dims is contiguous."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _no_keys(dout, q, k, v, out, lse, sinks):
@@ -157,8 +182,7 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
     # What the dK/dV and dQ kernels share: inputs, sizes and score options.
     common = dict(
         Q=q, K=k, V=v, DO=dout, LSE=lse, DELTA=delta, LSE_FIX=lse_fix, CU_Q=cu_q, CU_K=cu_k,
-        **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), **dims.stride_args(v, "v", "n"),
-        **dims.stride_args(dout, "do", "m"), stride_lb=stride_lb, stride_lh=stride_lh,
+        **dims.stride_args(q, "q", "m"), **dims.stride_args(k, "k", "n"), stride_lb=stride_lb, stride_lh=stride_lh,
         nheads=dims.nheads, group_size=dims.nheads // dims.nheads_k, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k,
         **rows, head_dim=dims.head_dim, **score_args(options, dims.seqlen_k),
         BLOCK_D=block_d, OWN_LSE=own_lse,

@@ -50,8 +50,6 @@ def attn_bwd_one_launch_kernel(
     Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, DK, DV, SINK_DELTA, SLOPES, CU_Q, CU_K, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
@@ -78,10 +76,10 @@ def attn_bwd_one_launch_kernel(
     if i_p < key_programs:
         dkdv_program(
             i_p, i_hk, i_b, Q, K, V, DO, LSE, DELTA, LSE_FIX, DK, DV, None, None, SLOPES, CU_Q, CU_K, SEED,
-            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-            stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-            stride_dvh, 0, 0, 0, stride_lb, stride_lh, stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q,
-            total_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right, dropout_p, rng_stride,
+            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_dkb, stride_dkn, stride_dkh,
+            stride_dvb, stride_dvn, stride_dvh, 0, 0, 0, stride_lb, stride_lh, stride_sb, nheads, group_size, seqlen_q,
+            seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right, dropout_p,
+            rng_stride,
             MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
             EVEN_N, MASK_D, EXACT_ONE_KEY, FORWARD_QK_ORDER, False, False, False, GROUPED, False,
         )
@@ -90,10 +88,9 @@ def attn_bwd_one_launch_kernel(
         i_h = i_hk * group_size + j % group_size
         dq_program(
             j // group_size, i_h, i_b, Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, None,
-            SINK_DELTA, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-            stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
-            stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap,
-            diag_offset, window_left, window_right, dropout_p, rng_stride,
+            SINK_DELTA, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_dqb, stride_dqm,
+            stride_dqh, stride_lb, stride_lh, stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q, total_k,
+            head_dim, sm_scale, softcap, diag_offset, window_left, window_right, dropout_p, rng_stride,
             MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, BLOCK_N, BLOCK_M, BLOCK_D, OWN_LSE,
             EVEN_Q_TILE, MASK_D, False, SINK_ROWS, False,
         )

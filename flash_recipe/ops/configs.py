@@ -185,14 +185,15 @@ _SM90: dict[str, Rows] = {
         (256, 4, Config(16, 32, 4, 1)),
     ),
     "decode": _DECODE,
-    # The one-launch backward, Config(key step, key block = the dQ programs' rows, ...). torch's
-    # defaults for FlexAttention's backward on sm90 (``get_flex_attn_bwd_configs``, torch 2.13:
-    # M1/N1/M2/N2 64/128/128/64 with 8 warps and 3 stages at head dim 128, 64/64/64/64 with 4 warps
-    # below) spill with this kernel's registers; these are the nearest tiles the compile check
-    # (``--call one_launch``) finds without spills (at head dim 128, dK/dV's own).
+    # The one-launch backward, Config(key step, key block = the dQ programs' rows, ...): torch's
+    # default for FlexAttention's backward on sm90 at head dims 64 to 128 (``get_flex_attn_bwd_configs``,
+    # torch 2.13: M1/N1/M2/N2 64/128/128/64, 8 warps, 3 stages), which compiles without spills under
+    # Triton 3.6 and 3.9 (``--call one_launch``: 243-253 registers at 128, MHA and GQA, with and
+    # without sinks) since the backward reads dO and V through Q's and K's strides
+    # (``backward_launch.shared_layout``) and pipelines its unmasked loops only.
     ONE_LAUNCH: (
-        (64, 2, Config(32, 128, 8, 2)),
-        (128, 2, Config(32, 128, 8, 2)),
+        (64, 2, Config(64, 128, 8, 3)),
+        (128, 2, Config(64, 128, 8, 3)),
     ),
 }
 _AMD_FWD: Rows = (
@@ -281,11 +282,11 @@ _FAMILY_ROWS: dict[str, dict[str, Rows]] = {
             (128, 4, Config(32, 64, 4, 1)),
             (256, 4, Config(16, 32, 4, 1)),
         ),
-        # torch's FlexAttention default on sm100 (64/128/128/64, 4 warps, 3 stages) spills here; sm100's
-        # dK/dV tile at head dim 128 does not
+        # torch's FlexAttention default on sm100 (64/128/128/64, 4 warps, 3 stages) spills here (72-360 B
+        # at head dim 128); with 8 warps it does not
         ONE_LAUNCH: (
-            (64, 2, Config(64, 128, 8, 1)),
-            (128, 2, Config(64, 128, 8, 1)),
+            (64, 2, Config(64, 128, 8, 3)),
+            (128, 2, Config(64, 128, 8, 3)),
         ),
     },
     # amd (CDNA: 64-wide wavefronts, 64 KiB LDS, one stage: no software pipelining needed)
