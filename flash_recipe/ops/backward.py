@@ -139,7 +139,8 @@ def _dkdv_inner(
     loop over the heads around this one spills at head dims 64 and 128, and so does a head and
     block carried from step to step once the loop is pipelined (Hopper's 64 x 128 tile, 3 stages).
     A masked stage's loop (a few diagonal or edge blocks) is not pipelined (``num_stages=1``): its
-    mask's registers beside a pipeline's spill that tile too.
+    mask's registers beside a pipeline's spill that tile too. (The dQ kernel's masked loops stay
+    pipelined: unpipelined, sm120's 64 x 64 dQ tile at head dim 64 spills.)
 
     Per step, ``dV += P^T dO`` comes before ``dP^T = V dO^T``: P in the input dtype is dead before
     dP is live (the other order spills that tile with GQA).
@@ -435,7 +436,7 @@ def _dq_inner(
     """Accumulate ``dQ`` over keys ``[start, end)``; ``MASKED`` applies the sequence and window masks.
     With ``FIX_LSE`` also each row's sum of the recomputed probabilities, ``b_psum [BLOCK_M]``; with
     ``SINK_ROWS`` each row's sum of P dP, ``b_pdp [BLOCK_M]`` (masked keys have P = 0)."""
-    for start_n in tl.range(loop_bound(start), loop_bound(end), BLOCK_N, num_stages=1 if MASKED else None):
+    for start_n in range(loop_bound(start), loop_bound(end), BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         b_k = load_tile(k_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
         b_v = load_tile(v_base, start_n, stride_kn, seqlen_k, head_dim, o_n, o_d, MASKED, MASK_D)  # [BLOCK_N, BLOCK_D]
