@@ -126,7 +126,7 @@ def _dkdv_inner(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, RAGGED_N: tl.constexpr, SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr,
-    DQ_TRANSPOSED: tl.constexpr,
+    DQ_TRANSPOSED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Accumulate the contribution of query rows ``[start, end)`` of each of the ``group_size`` query
     heads that share this kv head; tiles are ``[keys, queries]``.
@@ -138,8 +138,9 @@ def _dkdv_inner(
     (``GROUPED``: more than one head), each step's head and block derived from the step count: a
     loop over the heads around this one spills at head dims 64 and 128, and so does a head and
     block carried from step to step once the loop is pipelined (Hopper's 64 x 128 tile, 3 stages).
-    A masked stage's loop (a few diagonal or edge blocks) is not pipelined (``num_stages=1``): its
-    mask's registers beside a pipeline's spill that tile too. (The dQ kernel's masked loops stay
+    A masked stage's loop (a few diagonal or edge blocks) is not pipelined (``num_stages=1``; the
+    unmasked one takes the launch's ``STAGES``): its mask's registers beside a pipeline's spill that
+    tile too. (The dQ kernel's masked loops stay
     pipelined: unpipelined, sm120's 64 x 64 dQ tile at head dim 64 spills.)
 
     Per step, ``dV += P^T dO`` comes before ``dP^T = V dO^T``: P in the input dtype is dead before
@@ -169,7 +170,7 @@ def _dkdv_inner(
     g = 0
     if GROUPED:
         g = tl.zeros([], dtype=tl.int64)
-    for step in tl.range(0, loop_bound(n_blocks * group_size), num_stages=1 if MASKED else None):
+    for step in tl.range(0, loop_bound(n_blocks * group_size), num_stages=1 if MASKED else STAGES):
         if GROUPED:
             g = (step // n_blocks).to(tl.int64)
             start_m = start + (step % n_blocks) * BLOCK_M
@@ -285,7 +286,7 @@ def dkdv_program(
     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
     EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
+    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr, STAGES: tl.constexpr,
 ):
     """dK and dV of key block ``i_n`` of kv head ``i_hk`` in sequence ``i_b``: the body of
     ``attn_bwd_dkdv_kernel`` (its docstring), and of the one-launch backward's key-block programs."""
@@ -348,7 +349,7 @@ def dkdv_program(
             lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride,
             dropout_p,
             stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, EXACT_ONE_KEY,
-            FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED, DQ_TRANSPOSED,
+            FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED, DQ_TRANSPOSED, STAGES,
         )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
@@ -395,6 +396,7 @@ def attn_bwd_dkdv_kernel(
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, MASK_D: tl.constexpr,
     EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr, GRID_FOLD: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Grid ``(cdiv(max Sk, BLOCK_N), Hk, B)`` (folded: ``tiles.grid_id``); sums over the
     ``group_size`` query heads of each kv head. Key block 0, which a causal mask shows to every
@@ -405,7 +407,8 @@ def attn_bwd_dkdv_kernel(
     With ``ATOMIC_DQ`` (the one-pass backward, no ``FIX_LSE``) it also adds every query row's dQ share
     from this key block into ``DQ_ACC``, fp32 laid out as ``Q`` (zeroed by the launcher); with
     ``DQ_TRANSPOSED`` as ``dQ^T = K^T dS^T``, whose M is the head dim rather than the query tile
-    (the launcher's choice: ``configs.MMA_MIN_ROWS``).
+    (the launcher's choice: ``configs.MMA_MIN_ROWS``). ``STAGES`` is the launch's ``num_stages``,
+    which the loop over unmasked query blocks takes (the masked ones take 1: ``_dkdv_inner``).
     """
     i_n = grid_id(0, GRID_FOLD)
     i_hk = grid_id(1, GRID_FOLD)
@@ -420,7 +423,7 @@ def attn_bwd_dkdv_kernel(
         nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset,
         window_left, window_right, dropout_p, rng_stride, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN,
         BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M, EVEN_N, MASK_D, EXACT_ONE_KEY, FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ,
-        SINK_ROWS, GROUPED, DQ_TRANSPOSED,
+        SINK_ROWS, GROUPED, DQ_TRANSPOSED, STAGES,
     )
 
 

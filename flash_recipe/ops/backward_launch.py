@@ -224,7 +224,7 @@ def plan_backward(dout, q, k, v, out, lse, options: ScoreOptions, varlen: Option
     dkdv = plan(attn_bwd_dkdv_kernel, (triton.cdiv(dims.seqlen_k, cfg.block_n), dims.nheads_k, dims.batch), dict(
         DK=dk, DV=dv, DQ_ACC=dq_acc, SINK_DELTA=sink_delta if one_pass else None, **dims.stride_args(dk, "dk", "n"),
         **dims.stride_args(dv, "dv", "n"), **workspace, **common,
-        DQ_TRANSPOSED=dq_transposed,
+        DQ_TRANSPOSED=dq_transposed, STAGES=cfg.num_stages,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ), q.device)
     taken = tuple(used[before:]) if used is not None else ()
@@ -243,7 +243,8 @@ def _one_launch_plan(q, k, v, dims, common: dict, sink_delta) -> Plan:
     return plan(attn_bwd_one_launch_kernel, (key_programs + query_programs, dims.nheads_k, dims.batch), dict(
         DQ=dq, DK=dk, DV=dv, SINK_DELTA=sink_delta, **dims.stride_args(dq, "dq", "m"),
         **dims.stride_args(dk, "dk", "n"), **dims.stride_args(dv, "dv", "n"), **common, key_programs=key_programs,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        STAGES=cfg.num_stages, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     ), q.device)
 
 

@@ -60,12 +60,13 @@ def attn_bwd_one_launch_kernel(
     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     OWN_LSE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_Q_TILE: tl.constexpr,
     MASK_D: tl.constexpr, EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr,
-    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, GRID_FOLD: tl.constexpr,
+    SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, GRID_FOLD: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Grid ``(key_programs + group_size * cdiv(max Sq, BLOCK_N), Hk, B)`` (folded:
     ``tiles.grid_id``), ``key_programs = cdiv(max Sk, BLOCK_N)``: the module docstring's two kinds
     of programs, the key blocks first (key block 0, which a causal mask shows to every query
-    block, the very first). ``LSE_FIX`` is None (no ``FIX_LSE``)."""
+    block, the very first). ``LSE_FIX`` is None (no ``FIX_LSE``); ``STAGES`` is the launch's
+    ``num_stages``, as ``attn_bwd_dkdv_kernel``'s."""
     tl.static_assert(not FIX_LSE, "FIX_LSE needs the dQ kernel's row sums before dK/dV: the three kernels")
     i_p = grid_id(0, GRID_FOLD)
     i_hk = grid_id(1, GRID_FOLD)
@@ -81,7 +82,7 @@ def attn_bwd_one_launch_kernel(
             seqlen_k, total_q, total_k, head_dim, sm_scale, softcap, diag_offset, window_left, window_right, dropout_p,
             rng_stride,
             MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
-            EVEN_N, MASK_D, EXACT_ONE_KEY, FORWARD_QK_ORDER, False, False, False, GROUPED, False,
+            EVEN_N, MASK_D, EXACT_ONE_KEY, FORWARD_QK_ORDER, False, False, False, GROUPED, False, STAGES,
         )
     else:
         j = i_p - key_programs

@@ -325,14 +325,18 @@ _TABLE: dict[tuple[str, str], Rows] = {
 }
 
 # The Triton releases that compile the one-pass backward's tile at (family, head-dim bucket)
-# without spills (each release from 3.2 to 3.9 checked): ``python -m devtools.compile_check --call one_pass
+# without spills (each release from 3.2 to 3.9 checked, 2026-12-04; 3.2's ptxas has no sm100):
+# ``python -m devtools.compile_check --call one_pass
 # --target sm90 --target sm100 --dtype bfloat16 --head-dim 128 --form aligned`` (MHA and GQA, with
 # and without attention sinks) prints the installed release's registers and spills. Under the
 # releases that spill it, no other wgmma tile tried compiles without spills either. A release newer
 # than the newest listed is taken to compile it cleanly too. Under any other release the backward
 # runs the three kernels (``choose.one_pass_fits``); a pair not listed runs the one pass under every
 # release. sm100 takes Hopper's tile, its releases checked for sm100 itself.
-ONE_PASS_TRITON = {("sm90", 128): ((3, 4), (3, 5), (3, 9)), ("sm100", 128): ((3, 4), (3, 5), (3, 8), (3, 9))}
+ONE_PASS_TRITON = {
+    ("sm90", 128): ((3, 4), (3, 5), (3, 9)),
+    ("sm100", 128): ((3, 3), (3, 4), (3, 5), (3, 6), (3, 7), (3, 8), (3, 9)),
+}
 
 # The defaults of ``BACKWARD_PATHS`` that a GPU measured, which win over the instruction counts:
 # (target, head-dim bucket) -> (the faster path, the measurement: GPU, Triton, date, each path's speed), whose
