@@ -135,13 +135,14 @@ def _dkdv_inner(
     ``rng_base``: its dropout offset); head ``g`` adds ``g`` times the head's stride. dO is read
     through Q's strides (``stride_qm``, ``stride_qh``: the launcher gives both one layout), so the
     two tiles share one set of addresses. One loop walks every (head, query block) pair
-    (``GROUPED``: more than one head), each step's head and block derived from the step count: a
-    loop over the heads around this one spills at head dims 64 and 128, and so does a head and
-    block carried from step to step once the loop is pipelined (Hopper's 64 x 128 tile, 3 stages).
-    A masked stage's loop (a few diagonal or edge blocks) is not pipelined (``num_stages=1``; the
-    unmasked one takes the launch's ``STAGES``): its mask's registers beside a pipeline's spill that
-    tile too. (The dQ kernel's masked loops stay
-    pipelined: unpipelined, sm120's 64 x 64 dQ tile at head dim 64 spills.)
+    (``GROUPED``: more than one head), carrying the head and the block from step to step: a loop
+    over the heads around this one spills at head dims 64 and 128 where the single loop does not.
+    Where the launch pipelines three stages or more (``STAGES``, its ``num_stages``), a masked
+    stage's loop (a few diagonal or edge blocks) is not pipelined: its mask's registers beside the
+    pipeline spill Hopper's 64 x 128 tile. At two stages it is, since there the unmasked loop issues
+    fewer instructions beside a pipelined masked one (sm90, head dim 128: 294 per step against 329).
+    (The dQ kernel's masked loops stay pipelined: unpipelined, sm120's 64 x 64 dQ tile at head dim
+    64 spills.)
 
     Per step, ``dV += P^T dO`` comes before ``dP^T = V dO^T``: P in the input dtype is dead before
     dP is live (the other order spills that tile with GQA).
@@ -164,17 +165,15 @@ def _dkdv_inner(
     sees the key block's BLOCK_N keys, and the launcher routes a single key there too
     (``attn_bwd_dkdv_kernel``).
     """
-    # One step per (head, query block) pair: with a group (``GROUPED``) head ``g``, block ``step %
-    # n_blocks``.
+    # One step per (head, query block) pair; with a group (``GROUPED``) the head ``g`` and the block
+    # ``start_m`` are carried from step to step (no division).
     n_blocks = tl.cdiv(end - start, BLOCK_M)
     g = 0
+    start_m = start
     if GROUPED:
         g = tl.zeros([], dtype=tl.int64)
-    for step in tl.range(0, loop_bound(n_blocks * group_size), num_stages=1 if MASKED else STAGES):
-        if GROUPED:
-            g = (step // n_blocks).to(tl.int64)
-            start_m = start + (step % n_blocks) * BLOCK_M
-        else:
+    for step in tl.range(0, loop_bound(n_blocks * group_size), num_stages=1 if MASKED and STAGES > 2 else STAGES):
+        if not GROUPED:
             start_m = start + step * BLOCK_M
         start_m = tl.multiple_of(start_m, BLOCK_M)
         o_m = start_m + o_r  # query rows [BLOCK_M]
@@ -252,6 +251,11 @@ def _dkdv_inner(
             else:
                 tl.atomic_add(p_dq, b_dq * sm_scale, mask=(o_m[:, None] < seqlen_q) & (o_d[None, :] < head_dim),
                               sem="relaxed")
+        if GROUPED:  # the next query block, or the next head's first
+            start_m += BLOCK_M
+            wrap = start_m >= end
+            start_m = tl.where(wrap, start, start_m)
+            g = tl.where(wrap, g + 1, g)
     return b_dk, b_dv
 
 
