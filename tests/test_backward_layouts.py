@@ -21,8 +21,9 @@ def _rand(*shape, seed, device="cpu"):
 
 
 def _options() -> ScoreOptions:
-    return ScoreOptions(softmax_scale=0.25, diag_offset=0, window_left=-1, window_right=0, softcap=0.0,
-                        alibi_slopes=None)
+    return ScoreOptions(
+        softmax_scale=0.25, diag_offset=0, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None
+    )
 
 
 def test_a_pair_that_shares_strides_is_not_copied():
