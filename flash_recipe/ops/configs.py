@@ -188,7 +188,7 @@ _SM90: dict[str, Rows] = {
     # The one-launch backward, Config(key step, key block = the dQ programs' rows, ...): torch's
     # default for FlexAttention's backward on sm90 at head dims 64 to 128 (``get_flex_attn_bwd_configs``,
     # torch 2.13: M1/N1/M2/N2 64/128/128/64, 8 warps, 3 stages), which compiles without spills under
-    # Triton 3.6 and 3.9 (``--call one_launch``: 243-253 registers at 128, MHA and GQA, with and
+    # Triton 3.6 and 3.9 (``--call one_launch``: 243-255 registers at 128, MHA and GQA, with and
     # without sinks) since the backward reads dO and V through Q's and K's strides
     # (``backward_launch.shared_layout``) and pipelines its unmasked loops only.
     ONE_LAUNCH: (
@@ -282,7 +282,7 @@ _FAMILY_ROWS: dict[str, dict[str, Rows]] = {
             (128, 4, Config(32, 64, 4, 1)),
             (256, 4, Config(16, 32, 4, 1)),
         ),
-        # torch's FlexAttention default on sm100 (64/128/128/64, 4 warps, 3 stages) spills here (72-360 B
+        # torch's FlexAttention default on sm100 (64/128/128/64, 4 warps, 3 stages) spills here (80-408 B
         # at head dim 128); with 8 warps it does not
         ONE_LAUNCH: (
             (64, 2, Config(64, 128, 8, 3)),
