@@ -5,9 +5,8 @@ Shapes (legend as in ``forward``)::
     dout, q, out (B, Sq, H, D)   k, v (B, Sk, Hk, D)   lse (B, H, Sq) float32
         ->   dq (B, Sq, H, D)   dk, dv (B, Sk, Hk, D)
 
-The dQ and dK/dV kernels read dout through q's strides and v through k's: the launcher gives each
-pair one layout (``backward_launch.shared_layout``), so each pair's tiles share one set of
-addresses, whose registers a second set would take from Hopper's 64 x 128 tiles (they spill).
+The dQ and dK/dV kernels read dout through q's strides and v through k's (one set of addresses
+per pair, whose registers Hopper's 64 x 128 tiles need): ``backward_launch.shared_layout``.
 
 The deterministic path: three kernels, none of which uses atomics, so gradients are bit-identical
 from run to run:
@@ -119,33 +118,27 @@ def attn_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_inner(
     b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, slope_base, stride_qm,
-    stride_dqm, stride_qh, stride_lh, stride_dqh, group_size, seqlen_q, seqlen_k, head_dim,
-    lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, start, end, seed, rng_base, rng_stride,
-    dropout_p,
-    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, RAGGED_N: tl.constexpr, SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr,
-    DQ_TRANSPOSED: tl.constexpr, STAGES: tl.constexpr,
+    stride_dqm, stride_qh, stride_lh, stride_dqh, group_size, seqlen_q, seqlen_k, head_dim, lo_offset, hi_offset,
+    diag_offset, sm_scale, softcap, o_n, o_r, o_d, start, end, seed, rng_base, rng_stride, dropout_p,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, MASK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    EXACT_ONE_KEY: tl.constexpr, FORWARD_QK_ORDER: tl.constexpr, FIX_LSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    RAGGED_N: tl.constexpr, SINK_ROWS: tl.constexpr, GROUPED: tl.constexpr, DQ_TRANSPOSED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Accumulate the contribution of query rows ``[start, end)`` of each of the ``group_size`` query
     heads that share this kv head; tiles are ``[keys, queries]``.
 
     The ``*_base`` pointers are the group's first head's (``slope_base``: its ALiBi slope,
-    ``rng_base``: its dropout offset); head ``g`` adds ``g`` times the head's stride. dO is read
-    through Q's strides (``stride_qm``, ``stride_qh``: the launcher gives both one layout), so the
-    two tiles share one set of addresses. One loop walks every (head, query block) pair
-    (``GROUPED``: more than one head), carrying the head and the block from step to step: a loop
+    ``rng_base``: its dropout offset); head ``g`` adds ``g`` times the head's stride; dO shares Q's
+    strides. One loop walks every (head, query block) pair (``GROUPED``: more than one head): a loop
     over the heads around this one spills at head dims 64 and 128 where the single loop does not.
     Where the launch pipelines three stages or more (``STAGES``, its ``num_stages``), a masked
     stage's loop (a few diagonal or edge blocks) is not pipelined: its mask's registers beside the
-    pipeline spill Hopper's 64 x 128 tile. At two stages it is, since there the unmasked loop issues
-    fewer instructions beside a pipelined masked one (sm90, head dim 128: 294 per step against 329).
-    (The dQ kernel's masked loops stay pipelined: unpipelined, sm120's 64 x 64 dQ tile at head dim
-    64 spills.)
-
-    Per step, ``dV += P^T dO`` comes before ``dP^T = V dO^T``: P in the input dtype is dead before
-    dP is live (the other order spills that tile with GQA).
+    pipeline spill Hopper's 64 x 128 tile; at two stages it is (its unmasked loop issues fewer: 294
+    a step against 329 on sm90 at head dim 128). ``dV += P^T dO`` precedes ``dP^T = V dO^T``, so P in
+    the input dtype is dead before dP is live (the other order spills that tile under Triton 3.6).
+    The dQ kernel's masked loops stay pipelined (unpipelined, sm120's d64 dQ tile spills).
 
     With ``ATOMIC_DQ`` (the one-pass backward) it also adds each block pair's ``dS K * scale`` to the
     fp32 rows at ``dq_base`` with atomic adds: the fifth product, where the dQ kernel would recompute
@@ -350,10 +343,10 @@ def dkdv_program(
         b_dk, b_dv = _dkdv_inner(
             b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, fix_base, dq_base, sink_base, slope_base,
             stride_qm, stride_dqam, stride_qh, stride_lh, stride_dqah, group_size, seqlen_q, seqlen_k, head_dim,
-            lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, lo, hi, seed, rng_base, rng_stride,
-            dropout_p,
-            stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D, BLOCK_M, EXACT_ONE_KEY,
-            FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED, DQ_TRANSPOSED, STAGES,
+            lo_offset, hi_offset, diag_offset, sm_scale, softcap, o_n, o_r, o_d, lo, hi, seed, rng_base,
+            rng_stride, dropout_p, stage != 1, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, EVEN_M, MASK_D,
+            BLOCK_M, EXACT_ONE_KEY, FORWARD_QK_ORDER, FIX_LSE, ATOMIC_DQ, not EVEN_N, SINK_ROWS, GROUPED,
+            DQ_TRANSPOSED, STAGES,
         )
 
     dk_base = DK + i_b * stride_dkb + bos_k * stride_dkn + i_hk.to(tl.int64) * stride_dkh
@@ -411,8 +404,7 @@ def attn_bwd_dkdv_kernel(
     With ``ATOMIC_DQ`` (the one-pass backward, no ``FIX_LSE``) it also adds every query row's dQ share
     from this key block into ``DQ_ACC``, fp32 laid out as ``Q`` (zeroed by the launcher); with
     ``DQ_TRANSPOSED`` as ``dQ^T = K^T dS^T``, whose M is the head dim rather than the query tile
-    (the launcher's choice: ``configs.MMA_MIN_ROWS``). ``STAGES`` is the launch's ``num_stages``,
-    which the loop over unmasked query blocks takes (the masked ones take 1: ``_dkdv_inner``).
+    (the launcher's choice: ``configs.MMA_MIN_ROWS``). ``STAGES``: the launch's ``num_stages``.
     """
     i_n = grid_id(0, GRID_FOLD)
     i_hk = grid_id(1, GRID_FOLD)
@@ -601,9 +593,8 @@ def attn_bwd_dq_kernel(
     dq_program(
         i_m, i_h, i_b, Q, K, V, DO, LSE, DELTA, LSE_FIX, DQ, SLOPES, CU_Q, CU_K, SEED, SINKS, SINK_DELTA,
         stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_dqb, stride_dqm, stride_dqh,
-        stride_lb, stride_lh,
-        stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim, sm_scale, softcap,
-        diag_offset, window_left, window_right, dropout_p, rng_stride,
-        MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DROPOUT, VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M,
-        MASK_D, FIX_LSE, SINK_ROWS, SINK_LOGITS,
+        stride_lb, stride_lh, stride_sb, nheads, group_size, seqlen_q, seqlen_k, total_q, total_k, head_dim,
+        sm_scale, softcap, diag_offset, window_left, window_right, dropout_p, rng_stride, MASK_LEFT, MASK_RIGHT,
+        SOFTCAP, ALIBI, DROPOUT, VARLEN, BLOCK_M, BLOCK_N, BLOCK_D, OWN_LSE, EVEN_M, MASK_D, FIX_LSE, SINK_ROWS,
+        SINK_LOGITS,
     )

@@ -111,19 +111,8 @@ def shared_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     or both made contiguous (``a`` a view into a larger tensor, as q of a packed qkv)."""
     if a.stride() == b.stride():
         return a, b
-    if _dense(a):
-        return a, torch.empty_strided(a.shape, a.stride(), dtype=b.dtype, device=b.device).copy_(b)
-    return a.contiguous(), b.contiguous()
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill the span of its strides: some order of its dims is contiguous."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    b = torch.empty_like(a, dtype=b.dtype).copy_(b)  # a's strides where a is dense, else contiguous
+    return (a, b) if b.stride() == a.stride() else (a.contiguous(), b)
 
 
 def _no_keys(dout, q, k, v, out, lse, sinks):
