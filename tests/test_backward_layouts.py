@@ -20,6 +20,16 @@ def _rand(*shape, seed, device="cpu"):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=torch.float16)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """t's elements fill its span without gaps, in some order of its dimensions."""
+    span = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1]):
+        if size > 1 and stride != span:
+            return False
+        span *= size
+    return True
+
+
 def _options() -> ScoreOptions:
     return ScoreOptions(
         softmax_scale=0.25, diag_offset=0, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None
@@ -41,21 +51,37 @@ def test_a_dense_layout_is_kept_and_the_other_copied_into_it():
     assert got_a is a and got_b.stride() == a.stride() and torch.equal(got_b, b)
 
 
-def test_a_view_into_a_wider_tensor_makes_both_contiguous():
-    a = torch.randn(2, 5, 3, 3, 8)[:, :, 0]  # q of a packed qkv: not dense
-    b = torch.randn(2, 3, 5, 8).transpose(1, 2)
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda: torch.randn(2, 5, 3, 3, 8)[:, :, 0],  # q of a packed qkv: not dense, contiguous order
+        lambda: torch.randn(2, 3, 5, 16)[..., :8].transpose(1, 2),  # padded rows, heads outermost
+    ],
+    ids=["packed", "padded-heads-outermost"],
+)
+@pytest.mark.parametrize(
+    "other",
+    [lambda: torch.randn(2, 3, 5, 8).transpose(1, 2), lambda: torch.randn(2, 5, 3, 8)],
+    ids=["heads-outermost", "contiguous"],
+)
+def test_a_view_into_a_wider_tensor_gets_both_copied_into_one_dense_layout(view, other):
+    a, b = view(), other()
     got_a, got_b = shared_layout(a, b)
-    assert got_a.is_contiguous() and got_b.is_contiguous()
+    assert got_a.stride() == got_b.stride()
+    assert _dense(got_b)
     assert torch.equal(got_a, a) and torch.equal(got_b, b)
 
 
+@pytest.mark.parametrize("q_layout", ["packed", "padded-heads-outermost"])
 @pytest.mark.parametrize("path", PATHS)
-def test_gradients_of_mixed_layouts_equal_those_of_contiguous_ones(path, device):
-    """q from a packed qkv (not dense), dout with heads outermost (dense, q's order differs), GQA
-    k contiguous and v with heads outermost: each pair differs, each differently."""
+def test_gradients_of_mixed_layouts_equal_those_of_contiguous_ones(path, q_layout, device):
+    """q not dense (from a packed qkv, or rows padded with heads outermost), dout with heads
+    outermost (dense), GQA k contiguous and v with heads outermost: each pair differs."""
     options = _options()
-    qkv = _rand(2, 37, 3, 4, 32, seed=1, device=device)
-    q = qkv[:, :, 0]
+    if q_layout == "packed":
+        q = _rand(2, 37, 3, 4, 32, seed=1, device=device)[:, :, 0]
+    else:
+        q = _rand(2, 4, 37, 48, seed=1, device=device)[..., :32].transpose(1, 2)
     dout = _rand(2, 4, 37, 32, seed=2, device=device).transpose(1, 2)
     k = _rand(2, 29, 2, 32, seed=3, device=device)
     v = _rand(2, 2, 29, 32, seed=4, device=device).transpose(1, 2)

@@ -107,12 +107,15 @@ def attention_backward(
 def shared_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``a`` and ``b`` (one shape) with one set of strides, as the backward kernels read them (q's
     for dout, k's for v: ``backward``): as given where they share strides (no copy); else ``b``
-    copied into ``a``'s layout where ``a`` is dense (its elements fill its span, in any order),
-    or both made contiguous (``a`` a view into a larger tensor, as q of a packed qkv)."""
+    copied into ``a``'s layout where ``a`` is dense (its elements fill its span, in any order);
+    else (``a`` a view into a larger tensor, as q of a packed qkv) ``b`` copied into a dense
+    layout of ``a``'s dimension order, and ``a`` copied into that layout too."""
     if a.stride() == b.stride():
         return a, b
-    b = torch.empty_like(a, dtype=b.dtype).copy_(b)  # a's strides where a is dense, else contiguous
-    return (a, b) if b.stride() == a.stride() else (a.contiguous(), b)
+    b = torch.empty_like(a, dtype=b.dtype).copy_(b)  # a's strides where a is dense, else dense in a's order
+    if b.stride() != a.stride():
+        a = torch.empty_like(b, dtype=a.dtype).copy_(a)  # b is dense: its strides kept
+    return a, b
 
 
 def _no_keys(dout, q, k, v, out, lse, sinks):
