@@ -12,31 +12,27 @@ from typing import Optional
 
 import triton.backends.nvidia
 
-from flash_recipe.tools.compile_calls import stores
+from flash_recipe.tools.compile_calls import resource_usage, stores
 
 
 def nvidia_usage(kernel) -> dict:
-    """Registers and stack bytes per thread of the compiled cubin (``cuobjdump -res-usage``, the
-    tool Triton ships), the matrix instruction its PTX uses, and the instructions of its main loop
-    (``main_loop`` on ``cuobjdump -sass``). The kernels keep no arrays in local memory, so their
-    stack frame is where spilled registers go."""
+    """Registers and spilled bytes per thread (``compile_calls.resource_usage``), the matrix
+    instruction its PTX uses, and the instructions of its main loop (``main_loop`` on
+    ``cuobjdump -sass``, the tool Triton ships)."""
+    registers, spill_bytes = resource_usage(kernel, amd=False)
     cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
         sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
-    if found is None:
-        raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK line: {usage.stdout[:200]!r}")
     ptx = kernel.asm["ptx"]
     units = dot_units(kernel.asm["ttgir"])
     body = main_loop_body(sass.stdout)
     partitions = len(re.findall(r"^\s*partition\d+\(", kernel.asm["ttgir"], re.MULTILINE))
     softmax = softmax_loop_body(sass.stdout) if partitions else None
     return {
-        "registers": int(found.group(1)),
-        "spill_bytes": int(found.group(2)),
+        "registers": registers,
+        "spill_bytes": spill_bytes,
         "fma_dots": units.get("fma", 0),
         "sync_dots": units.get("mma.sync", 0),
         "stores": stores(kernel, amd=False),
@@ -180,23 +176,16 @@ def dot_units(ttgir: str) -> dict:
 
 
 def amd_usage(kernel) -> dict:
-    """VGPRs and scratch bytes per work-item from the AMD code object's metadata, and the
-    instructions of its main loop (``amd_main_loop_body``). Scratch (``private_segment_fixed_size``)
-    is where spilled VGPRs go; spilled SGPRs land in VGPR lanes and cost no memory. A wavefront
-    issues each instruction once, as a warp does: ``loop_instructions x num_warps`` are the
-    wavefront-instructions of one iteration."""
+    """VGPRs and scratch bytes per work-item (``compile_calls.resource_usage``), and the
+    instructions of its main loop (``amd_main_loop_body``). A wavefront issues each instruction
+    once, as a warp does: ``loop_instructions x num_warps`` are the wavefront-instructions of one
+    iteration."""
     asm = kernel.asm.get("amdgcn", "")
-
-    def field(name):
-        found = re.search(rf"\.{name}:\s+(\d+)", asm)
-        if found is None:
-            raise RuntimeError(f"the AMD code object's metadata has no .{name}")
-        return int(found.group(1))
-
+    registers, spill_bytes = resource_usage(kernel, amd=True)
     body = amd_main_loop_body(asm)
     return {
-        "registers": field("vgpr_count"),
-        "spill_bytes": field("private_segment_fixed_size"),
+        "registers": registers,
+        "spill_bytes": spill_bytes,
         "fma_dots": dot_units(kernel.asm["ttgir"]).get("fma", 0),
         "stores": stores(kernel, amd=True),
         "matrix_unit": "mfma" if "mfma" in asm else None,

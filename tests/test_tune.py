@@ -558,25 +558,50 @@ def test_tune_refuses_without_a_gpu_or_a_timer():
 def test_pruning_drops_an_oversized_candidate_and_keeps_a_fitting_one():
     """Compiled for sm120 (99 KiB per block) as a launch compiles it: a 128x128, 3-stage forward at
     head dim 256 needs far more shared memory and is dropped without its ragged form being
-    compiled; a 64x32 single-stage one fits both forms and is kept."""
+    compiled; a 64x32 single-stage one in 8 warps fits both forms, without a spill, and is kept."""
     rows = compile_in_subprocess("""
         import json
         from flash_recipe.tools import tune
         from flash_recipe.ops.configs import Config
-        kept, rows = tune.prune("fwd", 256, "bfloat16", [Config(128, 128, 8, 3), Config(64, 32, 4, 1)], "sm120")
+        kept, rows = tune.prune("fwd", 256, "bfloat16", [Config(128, 128, 8, 3), Config(64, 32, 8, 1)], "sm120")
         print(json.dumps({"kept": kept}))
         for row in rows:
             print(json.dumps(row))
     """)
-    assert rows.pop(0)["kept"] == [[64, 32, 4, 1]]
+    assert rows.pop(0)["kept"] == [[64, 32, 8, 1]]
     by = {(tuple(row["config"]), row["form"]): row for row in rows}
-    assert set(by) == {((128, 128, 8, 3), "aligned"), ((64, 32, 4, 1), "aligned"), ((64, 32, 4, 1), "ragged")}
+    assert set(by) == {((128, 128, 8, 3), "aligned"), ((64, 32, 8, 1), "aligned"), ((64, 32, 8, 1), "ragged")}
     oversized = by[(128, 128, 8, 3), "aligned"]
     assert not oversized["fits"] and oversized["shared_bytes"] > oversized["shared_limit"] == 101376
     assert "sm120 offers 101376 B" in oversized["problem"]
     for form in ("aligned", "ragged"):
-        fitting = by[(64, 32, 4, 1), form]
+        fitting = by[(64, 32, 8, 1), form]
         assert fitting["fits"] and 0 < fitting["shared_bytes"] <= 101376 and fitting["problem"] is None
+
+
+@pytest.mark.slow
+def test_pruning_drops_a_candidate_that_spills():
+    """Compiled for sm80 as a launch compiles it, the head-dim-32 forward's 128x64 tile fits in 8
+    warps at 2 stages; a third stage needs more registers than 8 warps have, and the compiled code
+    spills (``compile_calls.resource_usage``): dropped, with its registers and spilled bytes."""
+    rows = compile_in_subprocess("""
+        import json
+        from flash_recipe.tools import tune
+        from flash_recipe.ops.configs import Config
+        kept, rows = tune.prune("fwd", 32, "float16", [Config(128, 64, 8, 2), Config(128, 64, 8, 3)], "sm80")
+        print(json.dumps({"kept": kept}))
+        for row in rows:
+            print(json.dumps(row))
+    """)
+    assert rows.pop(0)["kept"] == [[128, 64, 8, 2]]
+    by = {(tuple(row["config"]), row["form"]): row for row in rows}
+    spilling = by[(128, 64, 8, 3), "aligned"]
+    assert not spilling["fits"] and spilling["spill_bytes"] > 0 and spilling["registers"] > 0
+    assert spilling["problem"] == f"spills {spilling['spill_bytes']} B per thread ({spilling['registers']} registers)"
+    assert ((128, 64, 8, 3), "ragged") not in by  # dropped in one form, not compiled in the next
+    for form in ("aligned", "ragged"):
+        fitting = by[(128, 64, 8, 2), form]
+        assert fitting["fits"] and fitting["spill_bytes"] == 0 and fitting["problem"] is None
 
 
 # -- the command line -------------------------------------------------------------------------

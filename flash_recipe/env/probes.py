@@ -1,11 +1,9 @@
-"""Facts about this machine, each read by its own probe.
-
-Every probe is a function returning a dict of facts, typed by its TypedDict in
-:mod:`flash_recipe.env.facts`. :func:`collect` runs them one by one and catches anything a probe
-raises, recording ``{"error": "..."}`` (:class:`~flash_recipe.env.facts.ProbeError`) for it, so one
-failing probe (no torch, no driver, a broken flash-attn) never stops the others. Nothing here imports torch at
-module level; probes that need it import it inside and report when it is missing.
-"""
+"""Facts about this machine, each read by its own probe: a function returning a dict of facts,
+typed by its TypedDict in :mod:`flash_recipe.env.facts`. :func:`collect` runs them one by one and
+records ``{"error": ...}`` (:class:`~flash_recipe.env.facts.ProbeError`) for whatever a probe
+raises, so one failing probe (no torch, no driver, a broken flash-attn) never stops the others.
+Nothing imports torch at module level; probes that need it import it inside and say when it is
+missing."""
 
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ import contextlib
 import dataclasses
 import itertools
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -320,3 +323,32 @@ def compile_case(case: Case, target: str) -> list[tuple[str, str, Any]]:
 def stores(kernel, amd: bool) -> bool:
     """Whether the compiled kernel stores to global memory (a kernel lowered to a trap does not)."""
     return bool((AMD_STORE if amd else NVIDIA_STORE).search(kernel.asm.get("amdgcn", "") if amd else kernel.asm["ptx"]))
+
+
+def resource_usage(kernel, amd: bool) -> tuple[int, int]:
+    """Registers and spilled bytes per thread of a compiled kernel. NVIDIA: the cubin's ``REG`` and
+    ``STACK`` (``cuobjdump -res-usage``, the tool Triton ships; the kernels keep no arrays in local
+    memory, so their stack frame is where spilled registers go). AMD: the code object's VGPRs and
+    scratch bytes (``private_segment_fixed_size``: spilled VGPRs; spilled SGPRs land in VGPR lanes
+    and cost no memory)."""
+    if amd:
+        asm = kernel.asm.get("amdgcn", "")
+
+        def field(name: str) -> int:
+            found = re.search(rf"\.{name}:\s+(\d+)", asm)
+            if found is None:
+                raise RuntimeError(f"the AMD code object's metadata has no .{name}")
+            return int(found.group(1))
+
+        return field("vgpr_count"), field("private_segment_fixed_size")
+    import triton.backends.nvidia  # Triton on use, as in ``run_call``
+
+    cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    if found is None:
+        raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK line: {usage.stdout[:200]!r}")
+    return int(found.group(1)), int(found.group(2))

@@ -1,5 +1,6 @@
 """The candidates of one kernel (the table's configuration, then ``GRID``) and their pruning by
-the launch-specialised shared-memory fit (``devtools.compile_check``)."""
+what a launch-specialised compile for the target says (``compile_calls.compile_case``): shared
+memory within the target's limit, no spilled register, no trap."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def nearest(found: list, table: Config, limit: Optional[int]) -> list[Config]:
 
 def _compile_one(job: tuple) -> list[dict]:
     """Compile one candidate in one form for a target; one row per compiled launch of the kernel."""
-    from ..compile_calls import Case, compile_case, stores  # Triton on use: without it ``flash-recipe tune`` says why
+    # Triton on use: without it ``flash-recipe tune`` says why
+    from ..compile_calls import Case, compile_case, resource_usage, stores
 
     kernel, head_dim, dtype, config, target, form = job
     row = {"kernel": kernel, "config": list(config), "form": form, "target": target}
@@ -63,13 +65,19 @@ def _compile_one(job: tuple) -> list[dict]:
         shared = compiled_kernel.metadata.shared
         if shared > limit:
             problems.append(f"needs {shared} B of shared memory, {target} offers {limit} B")
-        if not stores(compiled_kernel, amd=target.startswith("gfx")):
+        amd = target.startswith("gfx")
+        registers, spill_bytes = resource_usage(compiled_kernel, amd=amd)
+        if spill_bytes:
+            problems.append(f"spills {spill_bytes} B per thread ({registers} registers)")
+        if not stores(compiled_kernel, amd=amd):
             problems.append("compiles to a trap")
         rows.append(
             {
                 **row,
                 "shared_bytes": shared,
                 "shared_limit": limit,
+                "registers": registers,
+                "spill_bytes": spill_bytes,
                 "fits": not problems,
                 "problem": "; ".join(problems) or None,
             }
@@ -88,10 +96,12 @@ def prune(
 ) -> tuple[list[Config], list[dict]]:
     """Keep the candidates that fit ``target``: compiled through the real launchers with a launch's
     specialisation (``compile_calls.compile_case``, in each of ``forms``), none may need more shared
-    memory than ``configs.SHARED_MEMORY_LIMIT[target]`` or compile to a trap.
+    memory than ``configs.SHARED_MEMORY_LIMIT[target]``, spill a register (the installed Triton's
+    code: a release's spills differ) or compile to a trap.
 
     Returns the kept configurations (in the given order) and one row per compiled kernel:
-    ``config``, ``form``, ``shared_bytes``, ``shared_limit``, ``fits``, ``problem``. A candidate
+    ``config``, ``form``, ``shared_bytes``, ``shared_limit``, ``registers``, ``spill_bytes``,
+    ``fits``, ``problem``. A candidate
     dropped in one form is not compiled in the next. Needs Triton's compiler (``TRITON_INTERPRET``
     unset); ``jobs > 1`` compiles in that many processes.
     """

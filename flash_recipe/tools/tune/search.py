@@ -180,7 +180,7 @@ class Tuner:
         found = candidates(kernel, table, self.grid)
         kept, compile_rows = self.pruned(kernel, head_dim, dtypes[0], found, table)
         label = f"{kernel} d{head_dim} {'/'.join(dtypes)}"
-        dropped = f", {len(found) - len(kept)} pruned by {self.target}'s shared memory" if compile_rows else ""
+        dropped = f", {len(found) - len(kept)} pruned by the compile for {self.target}" if compile_rows else ""
         fitting = kept
         kept = nearest(fitting, table, self.max_candidates)
         if len(kept) < len(fitting):
