@@ -604,6 +604,29 @@ def test_pruning_drops_a_candidate_that_spills():
         assert fitting["fits"] and fitting["spill_bytes"] == 0 and fitting["problem"] is None
 
 
+@pytest.mark.slow
+def test_pruning_keeps_a_candidate_whose_spills_cannot_be_read():
+    """Without the tool that reads a cubin's registers (a Triton shipping no ``cuobjdump``), the
+    spilling tile above is kept on its other checks, its registers and spills unknown."""
+    rows = compile_in_subprocess("""
+        import json
+        from flash_recipe.tools import compile_calls, tune
+        from flash_recipe.ops.configs import Config
+
+        def missing(kernel, amd):
+            raise FileNotFoundError("cuobjdump")
+
+        compile_calls.resource_usage = missing
+        kept, rows = tune.prune("fwd", 32, "float16", [Config(128, 64, 8, 3)], "sm80", forms=("aligned",))
+        print(json.dumps({"kept": kept}))
+        for row in rows:
+            print(json.dumps(row))
+    """)
+    assert rows.pop(0)["kept"] == [[128, 64, 8, 3]]
+    (row,) = rows
+    assert row["fits"] and row["registers"] is None and row["spill_bytes"] is None and row["problem"] is None
+
+
 # -- the command line -------------------------------------------------------------------------
 
 

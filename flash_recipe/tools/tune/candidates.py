@@ -8,6 +8,7 @@ import concurrent.futures
 import itertools
 import math
 import multiprocessing
+import subprocess
 from typing import Optional
 
 from ...ops import choose, configs, targets
@@ -66,7 +67,10 @@ def _compile_one(job: tuple) -> list[dict]:
         if shared > limit:
             problems.append(f"needs {shared} B of shared memory, {target} offers {limit} B")
         amd = target.startswith("gfx")
-        registers, spill_bytes = resource_usage(compiled_kernel, amd=amd)
+        try:
+            registers, spill_bytes = resource_usage(compiled_kernel, amd=amd)
+        except (OSError, subprocess.CalledProcessError, RuntimeError):  # no cuobjdump beside this Triton
+            registers = spill_bytes = None  # not known: the candidate is timed, as before the check
         if spill_bytes:
             problems.append(f"spills {spill_bytes} B per thread ({registers} registers)")
         if not stores(compiled_kernel, amd=amd):
@@ -101,7 +105,8 @@ def prune(
 
     Returns the kept configurations (in the given order) and one row per compiled kernel:
     ``config``, ``form``, ``shared_bytes``, ``shared_limit``, ``registers``, ``spill_bytes``,
-    ``fits``, ``problem``. A candidate
+    ``fits``, ``problem`` (``registers`` and ``spill_bytes`` None where this Triton ships no
+    ``cuobjdump`` to read them: the candidate is then kept on its other checks). A candidate
     dropped in one form is not compiled in the next. Needs Triton's compiler (``TRITON_INTERPRET``
     unset); ``jobs > 1`` compiles in that many processes.
     """
