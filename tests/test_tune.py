@@ -580,10 +580,12 @@ def test_pruning_drops_an_oversized_candidate_and_keeps_a_fitting_one():
 
 
 @pytest.mark.slow
-def test_pruning_drops_a_candidate_that_spills():
+def test_pruning_drops_a_candidate_that_spills_in_the_aligned_form_only():
     """Compiled for sm80 as a launch compiles it, the head-dim-32 forward's 128x64 tile fits in 8
-    warps at 2 stages; a third stage needs more registers than 8 warps have, and the compiled code
-    spills (``compile_calls.resource_usage``): dropped, with its registers and spilled bytes."""
+    warps at 2 stages; a third stage needs more registers than 8 warps have, and the aligned form's
+    code spills (``compile_calls.resource_usage``): dropped, with its registers and spilled bytes.
+    At head dim 64, 128x64 in 4 warps spills only in the ragged form (every score option at once):
+    reported there, and kept."""
     rows = compile_in_subprocess("""
         import json
         from flash_recipe.tools import tune
@@ -592,16 +594,24 @@ def test_pruning_drops_a_candidate_that_spills():
         print(json.dumps({"kept": kept}))
         for row in rows:
             print(json.dumps(row))
+        kept, rows = tune.prune("fwd", 64, "float16", [Config(128, 64, 4, 2)], "sm80")
+        print(json.dumps({"kept": kept}))
+        for row in rows:
+            print(json.dumps({**row, "head_dim": 64}))
     """)
     assert rows.pop(0)["kept"] == [[128, 64, 8, 2]]
-    by = {(tuple(row["config"]), row["form"]): row for row in rows}
-    spilling = by[(128, 64, 8, 3), "aligned"]
+    assert {"kept": [[128, 64, 4, 2]]} in rows
+    by = {(tuple(row["config"]), row["form"], row.get("head_dim", 32)): row for row in rows if "config" in row}
+    spilling = by[(128, 64, 8, 3), "aligned", 32]
     assert not spilling["fits"] and spilling["spill_bytes"] > 0 and spilling["registers"] > 0
     assert spilling["problem"] == f"spills {spilling['spill_bytes']} B per thread ({spilling['registers']} registers)"
-    assert ((128, 64, 8, 3), "ragged") not in by  # dropped in one form, not compiled in the next
+    assert ((128, 64, 8, 3), "ragged", 32) not in by  # dropped in one form, not compiled in the next
     for form in ("aligned", "ragged"):
-        fitting = by[(128, 64, 8, 2), form]
+        fitting = by[(128, 64, 8, 2), form, 32]
         assert fitting["fits"] and fitting["spill_bytes"] == 0 and fitting["problem"] is None
+    ragged = by[(128, 64, 4, 2), "ragged", 64]
+    assert ragged["fits"] and ragged["spill_bytes"] > 0 and ragged["problem"] is None
+    assert by[(128, 64, 4, 2), "aligned", 64]["spill_bytes"] == 0
 
 
 @pytest.mark.slow

@@ -9,9 +9,10 @@ softcapped call), head-dim bucket and element size
 2. prunes them by a launch-specialised compile: each candidate is compiled for the GPU's own
    compile target through the real launchers, as ``devtools.compile_check`` compiles a launch
    (``aligned`` and ``ragged`` forms), and dropped when its kernel needs more shared memory per
-   block than the architecture offers (``configs.SHARED_MEMORY_LIMIT``), spills a register under
-   the installed Triton, or compiles to a trap (the table's own configuration is timed whatever
-   its compile says: it is the baseline);
+   block than the architecture offers (``configs.SHARED_MEMORY_LIMIT``), compiles to a trap, or
+   spills a register in the aligned form under the installed Triton (the ragged form's spills,
+   every score option at once, are reported: most tiles spill there); the table's own
+   configuration is timed whatever its compile says: it is the baseline;
 3. checks each remaining candidate's output on small aligned and ragged shapes against the fp32
    reference by the accuracy rule (at most 2x the error of PyTorch in the input precision for
    the output, 3x for the gradients, plus 1e-5), with output buffers filled with NaN first: a
